@@ -59,6 +59,13 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=512)
             y, logprobs = next_y, next_logprobs
 
 
+def make_sampler_for(temp=0.0, top_p=1.0, top_k=0):
+    """Greedy when temp == 0; else temperature sampling restricted by top-p (1.0: off) and top-k (0: off)."""
+    if temp < 0 or not 0 < top_p <= 1 or top_k < 0:
+        raise UserError("sampling needs temp >= 0, 0 < top-p <= 1 and top-k >= 0")
+    return make_sampler(temp, top_p=top_p if top_p < 1 else 0.0, top_k=top_k)
+
+
 def encode_prompt(tokenizer, prompt, chat_template=True):
     if isinstance(prompt, str):
         if not prompt.strip():
@@ -83,7 +90,7 @@ def stream_generate(model, tokenizer, prompt, max_tokens=256, temp=0.0, top_p=1.
     max_tokens = min(max_tokens, ctx - len(tokens))
     if seed is not None:
         mx.random.seed(seed)
-    sampler = make_sampler(temp, top_p=top_p if 0 < top_p < 1 else 0.0, top_k=top_k)
+    sampler = make_sampler_for(temp, top_p, top_k)
     detok = tokenizer.detokenizer
     detok.reset()
     mx.reset_peak_memory()
