@@ -189,7 +189,9 @@ def _sentencepiece_tokenizer(file):
     from transformers import LlamaTokenizer
 
     try:
-        return TokenizerWrapper(LlamaTokenizer(vocab_file=str(file), legacy=False), SPMStreamingDetokenizer)
+        hf = LlamaTokenizer.from_pretrained(str(file.parent), vocab_file=str(file), legacy=False,
+                                            add_bos_token=True)
+        return TokenizerWrapper(hf, SPMStreamingDetokenizer)
     except Exception as e:
         raise UserError(f"{file}: not a sentencepiece model ({str(e).splitlines()[0]})")
 

