@@ -1,4 +1,5 @@
 """Shared fixtures: checkpoints written to disk in the Hugging Face format, with random weights."""
+import io
 import json
 import os
 import subprocess
@@ -104,3 +105,21 @@ def tiny_llama_dir(tmp_path_factory, smollm2):
     folder, _ = make_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-llama", TINY_LLAMA,
                                 tokenizer=smollm2[1])
     return folder
+
+
+SPM_TEXT = ["the quick brown fox jumps over the lazy dog", "pack my box with five dozen liquor jugs",
+            "how vexingly quick daft zebras jump", "sphinx of black quartz judge my vow"] * 50
+
+
+@pytest.fixture(scope="session")
+def spm_model(tmp_path_factory):
+    """A tiny sentencepiece tokenizer.model trained here (Llama-2 style: <unk>, <s>, </s>)."""
+    import sentencepiece as spm
+
+    out = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(SPM_TEXT), model_writer=out, vocab_size=60,
+                                   model_type="bpe", unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+                                   minloglevel=2)
+    path = tmp_path_factory.mktemp("spm") / "tokenizer.model"
+    path.write_bytes(out.getvalue())
+    return path

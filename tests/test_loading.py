@@ -1,5 +1,4 @@
 """Checkpoint sources: sharded folders, the hub cache (offline), GGUF, and each tokenizer kind."""
-import io
 import json
 import shutil
 
@@ -10,24 +9,6 @@ from conftest import OPENELM_270M, TINY_LLAMA, make_checkpoint
 from mlx_flashnorm import load
 from mlx_flashnorm.errors import UserError
 from mlx_flashnorm.loader import build_model, read_config, read_safetensors
-
-SPM_TEXT = ["the quick brown fox jumps over the lazy dog", "pack my box with five dozen liquor jugs",
-            "how vexingly quick daft zebras jump", "sphinx of black quartz judge my vow"] * 50
-
-
-@pytest.fixture(scope="module")
-def spm_model(tmp_path_factory):
-    """A tiny sentencepiece tokenizer.model trained here (Llama-2 style: <unk>, <s>, </s>)."""
-    import sentencepiece as spm
-
-    out = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(SPM_TEXT), model_writer=out, vocab_size=60,
-                                   model_type="bpe", unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
-                                   minloglevel=2)
-    path = tmp_path_factory.mktemp("spm") / "tokenizer.model"
-    path.write_bytes(out.getvalue())
-    return path
-
 
 def test_sharded_checkpoint_equals_single_file(tmp_path):
     config = {**TINY_LLAMA, "vocab_size": 60}

@@ -6,7 +6,7 @@ from conftest import OPENELM_270M, TINY_LLAMA, make_checkpoint
 
 from mlx_flashnorm import load
 from mlx_flashnorm.gguf import read_gguf
-from mlx_flashnorm.loader import build_model, default_model_path, quantize_like, read_config, read_safetensors
+from mlx_flashnorm.loader import default_model_path, quantize_like
 
 RTOL = 1e-4  # max |ours - mlx-lm| / max |mlx-lm| over all logits
 
@@ -23,8 +23,8 @@ def mlx_lm_model(folder):
     return model
 
 
-def check_against_mlx_lm(folder, tokens):
-    ours = build_model(read_config(folder), read_safetensors(folder), progress=False)
+def check_against_mlx_lm(folder, tokens, tokenizer):
+    ours, _ = load(str(folder), norm="rms", dtype="float32", tokenizer=str(tokenizer), progress=False)
     theirs = mlx_lm_model(folder)
     a, b = ours(tokens), theirs(tokens)
     assert a.shape == b.shape == (*tokens.shape, ours.args.vocab_size)
@@ -37,9 +37,9 @@ def tokens():
                      [1, 450, 4996, 17354, 1701, 29916, 432, 17204, 975, 278, 17366]])
 
 
-def test_openelm_270m_matches_mlx_lm(tmp_path, tokens):
+def test_openelm_270m_matches_mlx_lm(tmp_path, tokens, spm_model):
     folder, _ = make_checkpoint(tmp_path / "openelm", OPENELM_270M)
-    assert check_against_mlx_lm(folder, tokens) < RTOL
+    assert check_against_mlx_lm(folder, tokens, spm_model) < RTOL
 
 
 @pytest.mark.parametrize("variant", [
@@ -47,9 +47,9 @@ def test_openelm_270m_matches_mlx_lm(tmp_path, tokens):
          "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
     dict(tie_word_embeddings=False, attention_bias=True, mlp_bias=True, num_key_value_heads=1),
 ])
-def test_llama_matches_mlx_lm(tmp_path, tokens, variant):
+def test_llama_matches_mlx_lm(tmp_path, tokens, variant, spm_model):
     folder, _ = make_checkpoint(tmp_path / "llama", {**TINY_LLAMA, "vocab_size": 32000, **variant})
-    assert check_against_mlx_lm(folder, tokens) < RTOL
+    assert check_against_mlx_lm(folder, tokens, spm_model) < RTOL
 
 
 def test_smollm2_gguf_matches_mlx_lm(smollm2):
