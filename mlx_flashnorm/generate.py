@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, create_attention_mask
 from mlx_lm.sample_utils import make_sampler
 
 from .errors import UserError, run_cli
@@ -25,30 +25,106 @@ class Response:
     finish_reason: Optional[str] = None  # "stop" (EOS), "length", or None while generating
 
 
-def make_cache(model):
-    return [KVCache() for _ in model.layers]
+class StaticKVCache:
+    """Keys and values in buffers preallocated to `capacity` positions and written in place.
+
+    While `offset` is a Python int (prefill) the cache behaves like mlx-lm's KVCache and hands out
+    only the filled part. Once `offset` is an mx.array (decoding), every 1-token step sees buffers
+    and a mask of the same shapes, so the decode step compiles once and is replayed."""
+
+    def __init__(self, capacity):
+        self.capacity = capacity
+        self.keys = self.values = None
+        self.offset = 0
+
+    def update_and_fetch(self, keys, values):
+        B, H, N, _ = keys.shape
+        if self.keys is None:
+            self.keys = mx.zeros((B, H, self.capacity, keys.shape[3]), keys.dtype)
+            self.values = mx.zeros((B, H, self.capacity, values.shape[3]), values.dtype)
+        if isinstance(self.offset, int):
+            end = self.offset + N
+            if end > self.capacity:
+                raise ValueError(f"StaticKVCache holds {self.capacity} positions, {end} were asked for")
+            self.keys[..., self.offset:end, :] = keys
+            self.values[..., self.offset:end, :] = values
+            self.offset = end
+            return self.keys[..., :end, :], self.values[..., :end, :]
+        self.keys = mx.slice_update(self.keys, keys, self.offset, axes=(2,))
+        self.values = mx.slice_update(self.values, values, self.offset, axes=(2,))
+        self.offset = self.offset + N
+        return self.keys, self.values
+
+    def make_mask(self, N, return_array=False, window_size=None):
+        if isinstance(self.offset, int):
+            return create_attention_mask(N, offset=self.offset, return_array=return_array,
+                                         window_size=window_size)
+        # query i sits at offset + i and sees every filled position up to itself
+        return mx.arange(self.capacity)[None] <= (self.offset + mx.arange(N))[:, None]
+
+    @property
+    def state(self):
+        return self.keys, self.values
+
+
+def make_cache(model, capacity=None):
+    """One cache per layer: mlx-lm's growing KVCache, or a StaticKVCache of `capacity` positions."""
+    if capacity is None:
+        return [KVCache() for _ in model.layers]
+    return [StaticKVCache(capacity) for _ in model.layers]
 
 
 def context_length(model):
     return model.args.context_length
 
 
-def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=512):
-    """Yield (token, logprobs) one at a time. The next step is queued on the device
-    (async_eval) before the current token is handed to the caller."""
-    sampler = sampler or make_sampler(0.0)
-    cache = make_cache(model)
+def _compiled_decode(model):
+    """The 1-token forward pass as one compiled function of (token, offset, kv buffers)."""
+    def step(y, offset, kv):
+        cache = [StaticKVCache(k.shape[2]) for k, _ in kv]
+        for c, (k, v) in zip(cache, kv):
+            c.keys, c.values, c.offset = k, v, offset
+        logits = model(y[None], cache=cache)[:, -1, :]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return logprobs, offset + 1, [c.state for c in cache]
 
-    def step(tokens):
+    return mx.compile(step)
+
+
+def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=512, compiled=True):
+    """Yield (token, logprobs) one at a time. The next step is queued on the device
+    (async_eval) before the current token is handed to the caller.
+
+    compiled: decode with a StaticKVCache sized for prompt + max_tokens and a compiled 1-token
+    step (fast); False: mlx-lm's growing KVCache and the plain forward pass (the reference)."""
+    sampler = sampler or make_sampler(0.0)
+    cache = make_cache(model, prompt.size + max_tokens if compiled else None)
+
+    def eager_step(tokens):
         logits = model(tokens[None], cache=cache)[:, -1, :]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         return sampler(logprobs), logprobs.squeeze(0)
 
-    while prompt.size > prefill_step:  # prefill in chunks bounds the attention scratch memory
-        model(prompt[None, :prefill_step], cache=cache)
+    # Prefill all but the last prompt token in chunks (bounding the attention scratch memory).
+    # Only the cache is evaluated, so the logits of those positions are never computed.
+    while prompt.size > 1:
+        n = min(prefill_step, prompt.size - 1)
+        model(prompt[None, :n], cache=cache)
         mx.eval([c.state for c in cache])
-        prompt = prompt[prefill_step:]
-    y, logprobs = step(prompt)
+        prompt = prompt[n:]
+    y, logprobs = eager_step(prompt)
+    step = eager_step
+
+    if compiled:
+        decode = _compiled_decode(model)
+        offset, kv = mx.array(cache[0].offset), [c.state for c in cache]
+        del cache  # the buffers now live in kv alone, so each step can update them in place
+
+        def step(y):
+            nonlocal offset, kv
+            logprobs, offset, kv = decode(y, offset, kv)
+            return sampler(logprobs), logprobs.squeeze(0)
+
     mx.async_eval(y, logprobs)
     for n in range(max_tokens):
         if n + 1 < max_tokens:

@@ -1,0 +1,305 @@
+"""Prompt (pp) and decode (tg) throughput of each norm mode against mlx-lm, the paper's table.
+
+Every mode runs in this one process on the same weights; after a warm-up round the modes take
+turns (rms flash none mlx-lm rms flash ...) so that drift of the machine hits them alike.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from ..errors import UserError
+from ..generate import generate_step
+from ..loader import DTYPES, build_model, model_args, prepare, read_config, read_safetensors, resolve
+
+NORM_MODES = ("rms", "flash", "none")
+PEER = "mlx-lm"
+EAGER = "-eager"  # suffix: our runner without the compiled decode step, to measure that lever
+
+# apple/OpenELM-270M's config.json
+OPENELM_270M = {
+    "model_type": "openelm",
+    "model_dim": 1280,
+    "num_transformer_layers": 16,
+    "head_dim": 64,
+    "num_query_heads": [12, 12, 12, 12, 12, 16, 16, 16, 16, 16, 16, 16, 20, 20, 20, 20],
+    "num_kv_heads": [3, 3, 3, 3, 3, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5],
+    "ffn_multipliers": [0.5, 0.73, 0.97, 1.2, 1.43, 1.67, 1.9, 2.13, 2.37, 2.6, 2.83, 3.07, 3.3, 3.53,
+                        3.77, 4.0],
+    "ffn_dim_divisor": 256,
+    "ffn_with_glu": True,
+    "normalize_qk_projections": True,
+    "share_input_output_layers": True,
+    "rope_freq_constant": 10000,
+    "rope_max_length": 4096,
+    "max_context_length": 2048,
+    "vocab_size": 32000,
+    "qkv_multipliers": [0.5, 1.0],
+    "num_gqa_groups": 4,
+    "normalization_layer_name": "rms_norm",
+    "activation_fn_name": "swish",
+}
+
+# The same architecture shrunk so that every mode runs end to end in seconds (tests use it).
+TINY = dict(OPENELM_270M, model_dim=128, num_transformer_layers=2, num_query_heads=[4, 4],
+            num_kv_heads=[2, 1], ffn_multipliers=[0.5, 1.0], vocab_size=512, max_context_length=128)
+
+
+def random_checkpoint(folder, config, seed=0):
+    """Write config.json and random float32 weights; norm weights are drawn around 1 (as in a
+    trained model) so that FlashNorm's folding has real work to do."""
+    arch, args = model_args(config)
+    mx.random.seed(seed)
+    weights = {}
+    for name, p in tree_flatten(arch.Model(args).parameters()):
+        weights[name] = (1.0 + 0.2 * mx.random.normal(p.shape)) if "norm" in name \
+            else 0.02 * mx.random.normal(p.shape)
+    mx.eval(weights)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "pt"})
+    return folder
+
+
+def load_ours(folder, norm, bits, dtype, group_size):
+    config = read_config(folder)
+    model = build_model(config, read_safetensors(folder), progress=False)
+    model.set_dtype(DTYPES[dtype])
+    try:
+        return prepare(model, norm=norm, bits=bits, group_size=group_size)
+    except ImportError as e:
+        raise UserError(f"mode '{norm}' is not available in this checkout ({e}); leave it out of --modes")
+
+
+def load_mlx_lm(folder, bits, dtype, group_size):
+    """mlx-lm's own model class and quantization, on the same checkpoint."""
+    from mlx_lm.utils import load_model, quantize_model
+
+    model, config = load_model(Path(folder))
+    model.set_dtype(DTYPES[dtype])
+    if bits:
+        model, _ = quantize_model(model, config, group_size, bits)
+    mx.eval(model.parameters())
+    return model
+
+
+def our_runner(model, compiled):
+    def run(prompt, max_tokens):
+        return generate_step(prompt, model, max_tokens=max_tokens, compiled=compiled)
+    return run
+
+
+def mlx_lm_runner(model):
+    from mlx_lm.generate import generate_step as mlx_lm_generate_step
+
+    def run(prompt, max_tokens):
+        return mlx_lm_generate_step(prompt, model, max_tokens=max_tokens)  # greedy by default
+    return run
+
+
+def measure(run, prompt, tg):
+    """One generation: (pp tok/s, tg tok/s, peak memory GB). pp counts up to the first token;
+    tg counts the tg - 1 tokens after it (as mlx-lm and stream_generate report them)."""
+    mx.synchronize()
+    mx.reset_peak_memory()
+    tokens = run(prompt, tg)
+    t0 = time.perf_counter()
+    next(tokens)
+    t1 = time.perf_counter()
+    n = sum(1 for _ in tokens)
+    t2 = time.perf_counter()
+    if n != tg - 1:
+        raise RuntimeError(f"expected {tg} tokens, got {n + 1}")
+    return prompt.size / (t1 - t0), n / (t2 - t1), mx.get_peak_memory() / 1e9
+
+
+def summary(xs):
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def device_name():
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    name = info.get("device_name") or info.get("name") or ""
+    backend = "cuda" if mx.cuda.is_available() else ("metal" if mx.metal.is_available() else "cpu")
+    return f"{backend}: {name}".strip(": ")
+
+
+def bench(modes, folder, label, bits, dtype, pp, tg, reps, group_size=64, seed=0, log=print):
+    config = read_config(folder)
+    runners, sizes = {}, {}
+    for mode in modes:
+        if mode == PEER:
+            model = load_mlx_lm(folder, bits, dtype, group_size)
+            runners[mode] = mlx_lm_runner(model)
+        else:
+            norm = mode.removesuffix(EAGER)
+            model = load_ours(folder, norm, bits, dtype, group_size)
+            runners[mode] = our_runner(model, compiled=not mode.endswith(EAGER))
+        sizes[mode] = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    n_params = sum(v.size for v in mx.load(str(next(folder.glob("*.safetensors")))).values()) \
+        if len(list(folder.glob("*.safetensors"))) == 1 else None
+
+    mx.random.seed(seed)
+    prompt = mx.random.randint(0, config.get("vocab_size", 32000), (pp,))
+    results = {m: {"pp": [], "tg": [], "peak_memory_gb": 0.0} for m in modes}
+    for rep in range(-1, reps):  # rep -1: warm-up (compilation, caches), not counted
+        for mode in modes:
+            p, t, mem = measure(runners[mode], prompt, tg)
+            log(f"{'warm-up' if rep < 0 else f'rep {rep + 1}/{reps}'} {mode:>12}: "
+                f"pp {p:9.2f} tok/s  tg {t:8.2f} tok/s")
+            if rep >= 0:
+                results[mode]["pp"].append(p)
+                results[mode]["tg"].append(t)
+                results[mode]["peak_memory_gb"] = max(results[mode]["peak_memory_gb"], mem)
+    for r in results.values():
+        r["pp_summary"], r["tg_summary"] = summary(r["pp"]), summary(r["tg"])
+    base = results.get("rms")
+    for r in results.values():
+        for test in ("pp", "tg"):
+            r[f"{test}_vs_rms"] = r[f"{test}_summary"]["median"] / base[f"{test}_summary"]["median"] \
+                if base else None
+    import mlx_lm
+
+    return {
+        "model": label, "params": n_params, "size_bytes": sizes, "device": device_name(),
+        "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "dtype": dtype, "bits": bits or None,
+        "group_size": group_size if bits else None, "pp": pp, "tg": tg, "reps": reps,
+        "command": "python -m mlx_flashnorm.bench " + " ".join(sys.argv[1:]), "results": results,
+    }
+
+
+def table(report):
+    """Markdown in the style of llama-bench: one row per mode and test."""
+    bits = f"Q{report['bits']}" if report["bits"] else "full"
+    params = f"{report['params'] / 1e6:.1f} M" if report["params"] else "?"
+    lines = [f"device: {report['device']} | MLX {report['mlx']} | mlx-lm {report['mlx_lm']} | "
+             f"activations {report['dtype']} | weights {bits} | {report['reps']} reps, interleaved, "
+             "after warm-up", "",
+             "| model | size | params | mode | test | t/s (median) | spread (min - max) | vs rms | peak mem |",
+             "| --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: |"]
+    for mode, r in report["results"].items():
+        for test in ("pp", "tg"):
+            s = r[f"{test}_summary"]
+            ratio = r[f"{test}_vs_rms"]
+            lines.append(
+                f"| {report['model']} {bits} | {report['size_bytes'][mode] / 2**20:.1f} MiB | {params} | "
+                f"{mode} | {test}{report[test]} | {s['median']:.2f} | {s['min']:.2f} - {s['max']:.2f} | "
+                f"{'-' if ratio is None else f'{ratio:.3f}'} | {r['peak_memory_gb'] * 1e3:.0f} MB |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report, path):
+    """Bar chart of median pp and tg tok/s per mode, whiskers from min to max; False without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(report["results"])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, test in zip(axes, ("pp", "tg")):
+        s = [report["results"][m][f"{test}_summary"] for m in modes]
+        med = [x["median"] for x in s]
+        err = [[x["median"] - x["min"] for x in s], [x["max"] - x["median"] for x in s]]
+        ax.bar(modes, med, yerr=err, capsize=4, color=["#4c72b0", "#dd8452", "#55a868", "#8172b3",
+                                                     "#937860", "#da8bc3", "#8c8c8c"][:len(modes)])
+        ax.set_title(f"{test}{report[test]} (tokens/s, higher is better)")
+        for i, m in enumerate(med):
+            ax.annotate(f"{m:.1f}", (i, m), ha="center", va="bottom", fontsize=8)
+    fig.suptitle(f"{report['model']}, {'Q' + str(report['bits']) if report['bits'] else 'full'} weights, "
+                 f"{report['dtype']} activations, {report['device']}, MLX {report['mlx']}", fontsize=9)
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return True
+
+
+def write_atomic(path, text):
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def arg_parser():
+    p = argparse.ArgumentParser(
+        prog="python -m mlx_flashnorm.bench",
+        description="Prompt (pp) and decode (tg) tokens/s of each norm mode and of mlx-lm on the same "
+                    "weights, interleaved in one process: the paper's OpenELM-270M table.",
+        epilog="Without --model: OpenELM-270M's architecture with random weights (labelled as such). "
+               "Modes: rms, flash, none, mlx-lm; add -eager to a norm mode (e.g. rms-eager) for our "
+               "runner without the compiled decode step.")
+    p.add_argument("--model", help="HF model folder or repo id (default: random OpenELM-270M-shaped weights)")
+    p.add_argument("--modes", default="rms,flash,none,mlx-lm", help="comma-separated (default: %(default)s)")
+    p.add_argument("--bits", type=int, default=4, help="weight bits, 0 for full precision (default: 4)")
+    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="activation dtype")
+    p.add_argument("--pp", type=int, default=512, help="prompt tokens (default: 512)")
+    p.add_argument("--tg", type=int, default=128, help="generated tokens (default: 128)")
+    p.add_argument("--reps", type=int, default=5, help="measured repetitions after one warm-up (default: 5)")
+    p.add_argument("--out", default="out/bench", help="folder for bench.md, bench.json, bench.png")
+    p.add_argument("--tiny", action="store_true", help="a 2-layer OpenELM-shaped random model: a smoke test in seconds")
+    p.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
+    return p
+
+
+def parse_modes(text):
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    valid = NORM_MODES + tuple(m + EAGER for m in NORM_MODES) + (PEER,)
+    bad = [m for m in modes if m not in valid]
+    if not modes or bad:
+        raise UserError(f"unknown mode '{bad[0] if bad else text}'; --modes takes a comma-separated list "
+                        f"of {', '.join(valid)}")
+    if len(set(modes)) != len(modes):
+        raise UserError("--modes lists a mode twice")
+    return modes
+
+
+def main(argv=None):
+    args = arg_parser().parse_args(argv)
+    modes = parse_modes(args.modes)
+    if args.pp < 1 or args.tg < 2 or args.reps < 1:
+        raise UserError("need --pp >= 1, --tg >= 2 and --reps >= 1")
+    if args.tiny and args.model:
+        raise UserError("--tiny builds its own model: drop --model or --tiny")
+    bits = args.bits or None
+    out = Path(args.out)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model:
+            folder = resolve(args.model)
+            if folder.is_file():
+                raise UserError(f"{folder}: the bench takes a Hugging Face model folder or repo id, not a file")
+            config = read_config(folder)
+            label = config.get("_name_or_path") or folder.name
+            if "quantization" in config:
+                print(f"note: {folder.name} is already quantized; --bits is ignored", file=sys.stderr)
+                bits = None
+        else:
+            config = TINY if args.tiny else OPENELM_270M
+            label = "tiny OpenELM (random weights)" if args.tiny else "OpenELM-270M (random weights)"
+            print(f"building {label}...", file=sys.stderr)
+            folder = random_checkpoint(Path(tmp) / "model", config)
+        arch, margs = model_args(config)
+        if args.pp + args.tg > margs.context_length:
+            raise UserError(f"--pp + --tg is {args.pp + args.tg}, the model's context is "
+                            f"{margs.context_length}: lower them")
+        report = bench(modes, folder, label, bits, args.dtype, args.pp, args.tg, args.reps,
+                       args.group_size, log=lambda s: print(s, file=sys.stderr, flush=True))
+    out.mkdir(parents=True, exist_ok=True)
+    md = table(report)
+    write_atomic(out / "bench.md", f"Command: `{report['command']}`\n\n{md}")
+    write_atomic(out / "bench.json", json.dumps(report, indent=1))
+    print(md)
+    if not plot(report, out / "bench.png"):
+        print("note: matplotlib is not installed, so no bench.png (pip install 'mlx-flashnorm[plot]')")
+    print(f"wrote {out}/bench.md, bench.json" + (", bench.png" if (out / "bench.png").exists() else ""))
