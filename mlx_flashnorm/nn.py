@@ -1,0 +1,386 @@
+"""Normalization layers and the general normalize operator with a fused residual add.
+
+The operator (over the last axis, d = its size):
+
+    p     = x + residual            (or x)
+    q     = p   or   p - mean(p)    (center)
+    sigma = sqrt(q.q / d + eps)
+    r     = q / sigma
+    o     = c / sqrt(d) * r * w + b
+
+and ``normalize`` returns ``(o, p)``: ``p`` is the new residual stream, so a stack of
+pre-norm layers needs one fused add+norm per layer (see ``normalize``'s docstring).
+With ``c = sqrt(d)`` (the default, ``c=None``) this is RMSNorm (center off) or
+LayerNorm (center on): ``normalize(x, weight=w, eps=e)[0] == mx.fast.rms_norm(x, w, e)``.
+
+Forward runs a fused add+norm kernel (``mx.fast.metal_kernel`` on Metal,
+``mx.fast.cuda_kernel`` on CUDA) when the default device is a GPU, and otherwise the
+plain MLX composition on ``mx.fast.rms_norm`` / ``mx.fast.layer_norm``.  Backward is
+the closed form through ``mx.custom_function``'s vjp, whatever ran forward.
+"""
+import math
+import struct
+from functools import lru_cache
+
+import mlx.core as mx
+import mlx.nn as nn
+
+__all__ = ["normalize", "RMSNorm", "LayerNorm", "DyT", "BACKEND", "select_backend",
+           "available_backends"]
+
+# "auto" picks the kernel of the default device's GPU backend, else "fallback".
+# Tests and benchmarks force a path with "fallback", "metal" or "cuda" (here or per call).
+BACKEND = "auto"
+
+_KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+_MAX_KERNEL_DIM = 65536
+
+
+def _gpu_backend():
+    if mx.metal.is_available():
+        return "metal"
+    if mx.cuda.is_available():
+        return "cuda"
+    return None
+
+
+def available_backends():
+    """Backends that can run here: "fallback" always, plus the GPU kernel if any."""
+    gpu = _gpu_backend()
+    return ["fallback"] + ([gpu] if gpu else [])
+
+
+def select_backend(backend=None):
+    """Resolve ``backend`` (None means the module flag BACKEND) to the path that runs."""
+    backend = BACKEND if backend is None else backend
+    if backend == "auto":
+        on_gpu = mx.default_device().type == mx.DeviceType.gpu
+        return (_gpu_backend() if on_gpu else None) or "fallback"
+    if backend not in ("fallback", "metal", "cuda"):
+        raise ValueError(f"unknown backend {backend!r}")
+    return backend
+
+
+# ----------------------------------------------------------------------------------
+# Plain MLX composition: the fallback forward and the reference for the tests.
+
+def _compose(x, residual, weight, bias, scale, center, eps):
+    """(o, p) from mx ops; ``scale`` is c / sqrt(d)."""
+    p = x if residual is None else x + residual
+    w = weight
+    if scale != 1.0 and w is not None:
+        w = w * scale
+    if center:
+        o = mx.fast.layer_norm(p, w, bias, eps)
+    else:
+        o = mx.fast.rms_norm(p, w, eps)
+        if bias is not None:
+            o = o + bias
+    if scale != 1.0 and weight is None:
+        o = o * scale if bias is None else (o - bias) * scale + bias
+    return o, p
+
+
+# ----------------------------------------------------------------------------------
+# Fused add+norm kernel: one threadgroup (block) per row, each thread keeps its
+# PER = ceil(D / BLOCK) values of p in registers, so memory is read once; the mean
+# (center) and sum of squares are two exact passes over the registers.
+
+_CUDA_HEADER = """
+__device__ inline float fnorm_f32(float v) { return v; }
+__device__ inline float fnorm_f32(__half v) { return __half2float(v); }
+__device__ inline float fnorm_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename U> __device__ inline U fnorm_cast(float v) { return v; }
+template <> __device__ inline __half fnorm_cast<__half>(float v) { return __float2half(v); }
+template <> __device__ inline __nv_bfloat16 fnorm_cast<__nv_bfloat16>(float v) {
+  return __float2bfloat16(v);
+}
+
+__device__ inline float fnorm_block_sum(float v, float* buf, int tid, int nwarps) {
+  for (int k = 16; k > 0; k >>= 1) v += __shfl_xor_sync(0xffffffff, v, k);
+  __syncthreads();  // buf may still be read by the previous block sum
+  if ((tid & 31) == 0) buf[tid >> 5] = v;
+  __syncthreads();
+  float s = 0.0f;
+  for (int i = 0; i < nwarps; ++i) s += buf[i];
+  return s;
+}
+"""
+
+_METAL_HEADER = """
+template <typename U> inline float fnorm_f32(U v) { return static_cast<float>(v); }
+template <typename U> inline U fnorm_cast(float v) { return static_cast<U>(v); }
+
+inline float fnorm_block_sum(float v, threadgroup float* buf, int tid, int nwarps) {
+  v = simd_sum(v);  // Apple GPUs: 32-wide SIMD groups
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if ((tid & 31) == 0) buf[tid >> 5] = v;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float s = 0.0f;
+  for (int i = 0; i < nwarps; ++i) s += buf[i];
+  return s;
+}
+"""
+
+_LANG = {
+    "cuda": dict(header=_CUDA_HEADER, row="blockIdx.x", tid="threadIdx.x",
+                 shared="__shared__", as_float="__int_as_float", rsqrt="rsqrtf"),
+    "metal": dict(header=_METAL_HEADER, row="threadgroup_position_in_grid.x",
+                  tid="thread_position_in_threadgroup.x", shared="threadgroup",
+                  as_float="as_type<float>", rsqrt="metal::rsqrt"),
+}
+
+_BODY = """
+  const int row = {row};
+  const int tid = {tid};
+  {shared} float buf[32];
+  constexpr int PER = (D + BLOCK - 1) / BLOCK;
+  const long base = long(row) * D;
+  float v[PER];
+  float s = 0.0f;
+  #pragma unroll
+  for (int k = 0; k < PER; ++k) {{
+    const int i = tid + k * BLOCK;
+    float t = 0.0f;
+    if (i < D) {{
+      {load_p}
+    }}
+    v[k] = t;
+    s += t;
+  }}
+  {center}
+  float ss = 0.0f;
+  #pragma unroll
+  for (int k = 0; k < PER; ++k) ss += v[k] * v[k];
+  const float inv = {rsqrt}(fnorm_block_sum(ss, buf, tid, BLOCK / 32) / D + {as_float}(EPS_BITS));
+  const float scale = {as_float}(SCALE_BITS) * inv;
+  #pragma unroll
+  for (int k = 0; k < PER; ++k) {{
+    const int i = tid + k * BLOCK;
+    if (i < D) {{
+      o[base + i] = fnorm_cast<T>(v[k] * scale{mul_w}{add_b});
+    }}
+  }}
+"""
+
+# p is rounded to T before the statistics, as the composition does (x + residual in T).
+_LOAD_P = "t = fnorm_f32(x[base + i]);"
+_LOAD_P_RES = """const T tp = fnorm_cast<T>(fnorm_f32(x[base + i]) + fnorm_f32(res[base + i]));
+      p[base + i] = tp;
+      t = fnorm_f32(tp);"""
+_CENTER = """const float mean = fnorm_block_sum(s, buf, tid, BLOCK / 32) / D;
+  #pragma unroll
+  for (int k = 0; k < PER; ++k) v[k] = (tid + k * BLOCK < D) ? v[k] - mean : 0.0f;"""
+
+
+@lru_cache(maxsize=None)
+def _kernel(backend, has_res, has_w, has_b, center):
+    lang = _LANG[backend]
+    source = _BODY.format(
+        row=lang["row"], tid=lang["tid"], shared=lang["shared"],
+        as_float=lang["as_float"], rsqrt=lang["rsqrt"],
+        load_p=_LOAD_P_RES if has_res else _LOAD_P,
+        center=_CENTER if center else "",
+        mul_w=" * fnorm_f32(w[i])" if has_w else "",
+        add_b=" + fnorm_f32(b[i])" if has_b else "")
+    inputs = ["x"] + ["res"] * has_res + ["w"] * has_w + ["b"] * has_b
+    outputs = ["o"] + ["p"] * has_res
+    flags = "".join(f for f, on in zip("rwbc", (has_res, has_w, has_b, center)) if on)
+    name = "flashnorm_" + flags
+    make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
+    return make(name=name, input_names=inputs, output_names=outputs,
+                source=source, header=lang["header"])
+
+
+def _float_bits(value):
+    return struct.unpack("<i", struct.pack("<f", value))[0]
+
+
+def _block_size(d):
+    """About 8 values a thread, 32..1024 threads, a power of two."""
+    return min(1024, max(32, 1 << max(0, math.ceil(d / 8) - 1).bit_length()))
+
+
+def _kernel_ok(x, residual, weight, bias):
+    arrays = [a for a in (x, residual, weight, bias) if a is not None]
+    return (x.dtype in _KERNEL_DTYPES and all(a.dtype == x.dtype for a in arrays)
+            and 0 < x.shape[-1] <= _MAX_KERNEL_DIM and x.size > 0)
+
+
+def _fused(backend, x, residual, weight, bias, scale, center, eps):
+    """(o, p) from one kernel launch; the caller checked ``_kernel_ok``."""
+    d = x.shape[-1]
+    block = _block_size(d)
+    rows = x.size // d
+    kernel = _kernel(backend, residual is not None, weight is not None, bias is not None,
+                     center)
+    inputs = [x] + [mx.broadcast_to(a, x.shape) for a in (residual,) if a is not None]
+    inputs += [a for a in (weight, bias) if a is not None]
+    n_out = 1 + (residual is not None)
+    outs = kernel(inputs=inputs,
+                  template=[("T", x.dtype), ("D", d), ("BLOCK", block),
+                            ("EPS_BITS", _float_bits(eps)),
+                            ("SCALE_BITS", _float_bits(scale))],
+                  grid=(rows * block, 1, 1), threadgroup=(block, 1, 1),
+                  output_shapes=[x.shape] * n_out, output_dtypes=[x.dtype] * n_out)
+    return outs[0], (outs[1] if residual is not None else x)
+
+
+# ----------------------------------------------------------------------------------
+# The differentiable operator: forward by kernel or composition, closed-form backward.
+
+@lru_cache(maxsize=None)
+def _operator(has_res, has_w, has_b, scale, center, eps, backend):
+    def unpack(arrays):
+        it = iter(arrays)
+        x = next(it)
+        return x, *(next(it) if on else None for on in (has_res, has_w, has_b))
+
+    @mx.custom_function
+    def op(*arrays):
+        x, res, w, b = unpack(arrays)
+        if backend != "fallback" and _kernel_ok(x, res, w, b):
+            o, p = _fused(backend, x, res, w, b, scale, center, eps)
+        else:
+            o, p = _compose(x, res, w, b, scale, center, eps)
+        return (o, p) if has_res else (o,)
+
+    @op.vjp
+    def op_vjp(arrays, cotangents, outputs):
+        # with one primal or one output, MLX hands over a bare array, not a tuple
+        if isinstance(arrays, mx.array):
+            arrays = (arrays,)
+        if isinstance(cotangents, mx.array):
+            cotangents = (cotangents,)
+        x, res, w, b = unpack(arrays)
+        ct = mx.float64 if x.dtype == mx.float64 else mx.float32
+        d = x.shape[-1]
+        p = (x if res is None else x + res).astype(ct)
+        q = p - p.mean(-1, keepdims=True) if center else p
+        sigma = mx.sqrt((q * q).mean(-1, keepdims=True) + eps)
+        r = q / sigma
+        do = cotangents[0].astype(ct)
+        dr = do * scale if w is None else do * (scale * w.astype(ct))
+        dq = (dr - (r * dr).mean(-1, keepdims=True) * r) / sigma
+        dp = dq - dq.mean(-1, keepdims=True) if center else dq
+        grads = [dp.astype(x.dtype)]
+        if has_res:
+            dp = dp + cotangents[1].astype(ct)  # p is also an output: the residual stream
+            grads = [dp.astype(x.dtype), dp.astype(res.dtype)]
+        if has_w:
+            grads.append((do * r * scale).reshape(-1, d).sum(0).astype(w.dtype))
+        if has_b:
+            grads.append(do.reshape(-1, d).sum(0).astype(b.dtype))
+        return tuple(grads)
+
+    return op
+
+
+def normalize(x, residual=None, weight=None, bias=None, c=None, center=False, eps=None,
+              backend=None):
+    """Fused (residual add +) RMSNorm/LayerNorm over the last axis; returns ``(o, p)``.
+
+    p = x + residual (x itself when residual is None); o = c/sqrt(d) * r * w + b with
+    r = q / sqrt(q.q/d + eps), q = p - mean(p) if ``center`` else p.
+
+    - ``c=None`` means c = sqrt(d), so ``normalize(x, weight=w, eps=e)[0]`` equals
+      ``mx.fast.rms_norm(x, w, e)`` and with ``center=True`` ``mx.fast.layer_norm``.
+    - ``eps=None`` means ``mx.finfo(x.dtype).eps`` (torch.nn.RMSNorm's default).
+    - ``backend``: None uses the module flag ``BACKEND``; "auto", "fallback", "metal"
+      or "cuda" (the kernel runs only for float32/float16/bfloat16 inputs of one dtype).
+
+    Fused residual over a stack of pre-norm layers f_1..f_n (equal to the naive
+    ``x = x + f(norm(x))``)::
+
+        p, r = x, None
+        for f in layers:
+            q, r = normalize(p, r, w)   # r_k = p_(k-1) + r_(k-1), q_k = norm(r_k)
+            p = f(q)
+        out = p + r
+    """
+    d = x.shape[-1]
+    scale = 1.0 if c is None else float(c) / math.sqrt(d)
+    eps = float(mx.finfo(x.dtype).eps) if eps is None else float(eps)
+    op = _operator(residual is not None, weight is not None, bias is not None, scale,
+                   bool(center), eps, select_backend(backend))
+    arrays = [a for a in (x, residual, weight, bias) if a is not None]
+    out = op(*arrays)
+    return (out[0], out[1]) if residual is not None else (out[0], x)
+
+
+# ----------------------------------------------------------------------------------
+# Modules (torch.nn semantics).
+
+def _as_shape(normalized_shape):
+    if isinstance(normalized_shape, int):
+        return (normalized_shape,)
+    return tuple(int(n) for n in normalized_shape)
+
+
+class _Norm(nn.Module):
+    """Shared by RMSNorm and LayerNorm: normalizes over the trailing ``normalized_shape``.
+
+    ``m(x)`` returns the normalized x; ``m(x, residual)`` returns ``(o, p)``, the fused
+    add+norm of ``normalize``.
+    """
+
+    center = False
+
+    def __init__(self, normalized_shape, eps, elementwise_affine, bias):
+        super().__init__()
+        self.normalized_shape = _as_shape(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            self.weight = mx.ones(self.normalized_shape)
+            if bias:
+                self.bias = mx.zeros(self.normalized_shape)
+
+    def __call__(self, x, residual=None):
+        shape = self.normalized_shape
+        if tuple(x.shape[x.ndim - len(shape):]) != shape:
+            raise ValueError(f"input shape {x.shape} does not end with {shape}")
+        flat = x.shape[:x.ndim - len(shape)] + (math.prod(shape),)
+        weight, bias = (getattr(self, n, None) for n in ("weight", "bias"))
+        o, p = normalize(
+            x.reshape(flat), None if residual is None else residual.reshape(flat),
+            None if weight is None else weight.reshape(-1),
+            None if bias is None else bias.reshape(-1), center=self.center, eps=self.eps)
+        if residual is None:
+            return o.reshape(x.shape)
+        return o.reshape(x.shape), p.reshape(x.shape)
+
+    def _extra_repr(self):
+        return (f"{self.normalized_shape}, eps={self.eps}, "
+                f"elementwise_affine={self.elementwise_affine}")
+
+
+class RMSNorm(_Norm):
+    """torch.nn.RMSNorm: x / sqrt(mean(x^2) + eps) * weight over the trailing
+    ``normalized_shape``; ``eps=None`` is the machine epsilon of the input's dtype."""
+
+    def __init__(self, normalized_shape, eps=None, elementwise_affine=True):
+        super().__init__(normalized_shape, eps, elementwise_affine, bias=False)
+
+
+class LayerNorm(_Norm):
+    """torch.nn.LayerNorm: (x - mean) / sqrt(var + eps) * weight + bias over the
+    trailing ``normalized_shape``."""
+
+    center = True
+
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True):
+        super().__init__(normalized_shape, eps, elementwise_affine, bias)
+
+
+class DyT(nn.Module):
+    """Dynamic Tanh: weight * tanh(alpha * x) + bias, alpha a learnable scalar."""
+
+    def __init__(self, dim, alpha_init=0.5):
+        super().__init__()
+        self.alpha = mx.full((1,), alpha_init)
+        self.weight = mx.ones((dim,))
+        self.bias = mx.zeros((dim,))
+
+    def __call__(self, x):
+        return self.weight * mx.tanh(self.alpha * x) + self.bias
