@@ -235,16 +235,99 @@ def _add_config_eos(tok, config):
             tok.eos_token_ids.add(i)
 
 
-def prepare(model, norm="rms", bits=None, group_size=64):
-    """Apply the norm mode, then quantization: FlashNorm folds in full precision first."""
+QUANT_BITS = (2, 3, 4, 5, 6, 8)
+QUANT_GROUP_SIZES = (32, 64, 128)
+
+
+def check_quantization(bits, group_size):
+    if bits not in QUANT_BITS:
+        raise UserError(f"bits must be one of {', '.join(map(str, QUANT_BITS))} (0: full precision), not {bits}")
+    if group_size not in QUANT_GROUP_SIZES:
+        raise UserError(f"group size must be one of {', '.join(map(str, QUANT_GROUP_SIZES))}, not {group_size}")
+
+
+def head_path(model):
+    """The module that produces the logits: lm_head, or the tied input embedding."""
+    if "lm_head" in model:
+        return "lm_head"
+    return next(p for p, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding)))
+
+
+def quantize(model, bits=4, group_size=64, overrides=None):
+    """Quantize every Linear and Embedding whose input width is a multiple of group_size (in place),
+    and record it in model.config the way mlx-lm does: {"group_size", "bits", "mode", path: override}.
+    overrides maps a module path to its own {"group_size", "bits"}, or False to keep it unquantized."""
+    check_quantization(bits, group_size)
+    overrides = dict(overrides or {})
+    for q in overrides.values():
+        if q:
+            check_quantization(q["bits"], q["group_size"])
+    quantization = {"group_size": group_size, "bits": bits, "mode": "affine"}
+
+    def predicate(path, module):
+        if not hasattr(module, "to_quantized"):
+            return False
+        q = overrides.get(path, True)
+        if q and module.weight.shape[-1] % (q["group_size"] if isinstance(q, dict) else group_size):
+            return False
+        if isinstance(q, dict):
+            quantization[path] = q
+        return q
+
+    nn.quantize(model, group_size=group_size, bits=bits, class_predicate=predicate)
+    mx.eval(model.parameters())  # frees the full-precision weights now
+    model.config = dict(model.config, quantization=quantization, quantization_config=quantization)
+    return model
+
+
+def _layout(model):
+    """The quantization a model has: (common bits, common group size, per-module overrides)."""
+    q = model.config["quantization"]
+    overrides = {p: {"group_size": q[p]["group_size"], "bits": q[p]["bits"]}
+                 for p, _ in model.named_modules() if isinstance(q.get(p), dict)}
+    return q["bits"], q["group_size"], overrides
+
+
+def _float_dtype(model):
+    return next(v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating))
+
+
+def prepare(model, norm="rms", bits=None, group_size=64, head_bits=None):
+    """Apply the norm mode, then quantization: FlashNorm folds in full precision first.
+
+    bits None keeps the weights as they are; a quantized checkpoint that must be folded (norm
+    "flash" or "none") is dequantized, folded and requantized with its own layout. bits 0 gives
+    full precision (dequantizing a quantized checkpoint). bits 2..8 quantizes a full-precision
+    model with group_size; head_bits gives the logits layer (and a tied embedding) its own bits.
+    """
+    if norm not in NORMS:
+        raise UserError(f"norm must be one of {', '.join(NORMS)}, not '{norm}'")
+    if bits:
+        check_quantization(bits, group_size)
+        if head_bits is not None:
+            check_quantization(head_bits, group_size)
+    elif head_bits is not None:
+        raise UserError("head bits need quantization: pass bits too")
+    layout = None
+    if "quantization" in model.config:
+        if bits:
+            q = model.config["quantization"]
+            raise UserError(f"the checkpoint is already quantized ({q['bits']}-bit, group size "
+                            f"{q['group_size']}); quantizing again stacks two rounding errors: "
+                            "dequantize it first (bits 0 gives full precision; the quantize command "
+                            "takes --dequantize) or start from a full-precision checkpoint")
+        if bits == 0 or norm != "rms":
+            layout = None if bits == 0 else _layout(model)
+            dequantize(model, _float_dtype(model))
     if norm != "rms":
         from . import flashnorm
 
-        if "quantization" in model.config:
-            raise UserError(f"norm='{norm}' on an already quantized checkpoint is not available yet")
         flashnorm.apply(model) if norm == "flash" else flashnorm.remove_norms(model)
-    if bits is not None:
-        raise UserError("--bits is not available yet")
+    if layout is not None:
+        quantize(model, *layout)
+    elif bits:
+        quantize(model, bits, group_size,
+                 None if head_bits is None else {head_path(model): {"group_size": group_size, "bits": head_bits}})
     return model
 
 
@@ -264,5 +347,5 @@ def dequantize(model, dtype=mx.float32):
     replace = [(p, full(m)) for p, m in model.named_modules()
                if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
     model.update_modules(tree_unflatten(replace))
-    model.config = {k: v for k, v in model.config.items() if k != "quantization"}
+    model.config = {k: v for k, v in model.config.items() if k not in ("quantization", "quantization_config")}
     return model
