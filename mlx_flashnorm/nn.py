@@ -82,9 +82,10 @@ def _compose(x, residual, weight, bias, scale, center, eps):
 
 
 # ----------------------------------------------------------------------------------
-# Fused add+norm kernel: one threadgroup (block) per row, each thread keeps its
-# PER = ceil(D / BLOCK) values of p in registers, so memory is read once; the mean
-# (center) and sum of squares are two exact passes over the registers.
+# Fused add+norm kernel: one threadgroup (block) per row, each thread keeps its (at
+# most PER) values of p in registers, so memory is read once; the mean (center) and
+# the sum of squares are two exact passes over the registers.  D and the block size
+# are read at run time, so one compiled kernel serves every width up to PER * block.
 
 _CUDA_HEADER = """
 __device__ inline float fnorm_f32(float v) { return v; }
@@ -123,24 +124,26 @@ inline float fnorm_block_sum(float v, threadgroup float* buf, int tid, int nwarp
 """
 
 _LANG = {
-    "cuda": dict(header=_CUDA_HEADER, row="blockIdx.x", tid="threadIdx.x",
+    "cuda": dict(header=_CUDA_HEADER, row="blockIdx.x", tid="threadIdx.x", nthreads="blockDim.x",
                  shared="__shared__", as_float="__int_as_float", rsqrt="rsqrtf"),
     "metal": dict(header=_METAL_HEADER, row="threadgroup_position_in_grid.x",
-                  tid="thread_position_in_threadgroup.x", shared="threadgroup",
+                  tid="thread_position_in_threadgroup.x", nthreads="threads_per_threadgroup.x",
+                  shared="threadgroup",
                   as_float="as_type<float>", rsqrt="metal::rsqrt"),
 }
 
 _BODY = """
   const int row = {row};
   const int tid = {tid};
+  const int block = {nthreads};
+  const int D = x_shape[x_ndim - 1];
   {shared} float buf[32];
-  constexpr int PER = (D + BLOCK - 1) / BLOCK;
   const long base = long(row) * D;
   float v[PER];
   float s = 0.0f;
   #pragma unroll
   for (int k = 0; k < PER; ++k) {{
-    const int i = tid + k * BLOCK;
+    const int i = tid + k * block;
     float t = 0.0f;
     if (i < D) {{
       {load_p}
@@ -152,11 +155,11 @@ _BODY = """
   float ss = 0.0f;
   #pragma unroll
   for (int k = 0; k < PER; ++k) ss += v[k] * v[k];
-  const float inv = {rsqrt}(fnorm_block_sum(ss, buf, tid, BLOCK / 32) / D + {as_float}(EPS_BITS));
+  const float inv = {rsqrt}(fnorm_block_sum(ss, buf, tid, block / 32) / D + {as_float}(EPS_BITS));
   const float scale = {as_float}(SCALE_BITS) * inv;
   #pragma unroll
   for (int k = 0; k < PER; ++k) {{
-    const int i = tid + k * BLOCK;
+    const int i = tid + k * block;
     if (i < D) {{
       o[base + i] = fnorm_cast<T>(v[k] * scale{mul_w}{add_b});
     }}
@@ -168,16 +171,16 @@ _LOAD_P = "t = fnorm_f32(x[base + i]);"
 _LOAD_P_RES = """const T tp = fnorm_cast<T>(fnorm_f32(x[base + i]) + fnorm_f32(res[base + i]));
       p[base + i] = tp;
       t = fnorm_f32(tp);"""
-_CENTER = """const float mean = fnorm_block_sum(s, buf, tid, BLOCK / 32) / D;
+_CENTER = """const float mean = fnorm_block_sum(s, buf, tid, block / 32) / D;
   #pragma unroll
-  for (int k = 0; k < PER; ++k) v[k] = (tid + k * BLOCK < D) ? v[k] - mean : 0.0f;"""
+  for (int k = 0; k < PER; ++k) v[k] = (tid + k * block < D) ? v[k] - mean : 0.0f;"""
 
 
 @lru_cache(maxsize=None)
 def _kernel(backend, has_res, has_w, has_b, center):
     lang = _LANG[backend]
     source = _BODY.format(
-        row=lang["row"], tid=lang["tid"], shared=lang["shared"],
+        row=lang["row"], tid=lang["tid"], nthreads=lang["nthreads"], shared=lang["shared"],
         as_float=lang["as_float"], rsqrt=lang["rsqrt"],
         load_p=_LOAD_P_RES if has_res else _LOAD_P,
         center=_CENTER if center else "",
@@ -196,9 +199,15 @@ def _float_bits(value):
     return struct.unpack("<i", struct.pack("<f", value))[0]
 
 
+def _pow2_at_least(n):
+    return 1 << max(0, n - 1).bit_length()
+
+
 def _block_size(d):
-    """About 8 values a thread, 32..1024 threads, a power of two."""
-    return min(1024, max(32, 1 << max(0, math.ceil(d / 8) - 1).bit_length()))
+    """About 8 values a thread: 32..1024 threads, a power of two, and the registers
+    each thread keeps (a power of two >= 8, so few kernels are compiled)."""
+    block = min(1024, max(32, _pow2_at_least(math.ceil(d / 8))))
+    return block, max(8, _pow2_at_least(math.ceil(d / block)))
 
 
 def _kernel_ok(x, residual, weight, bias):
@@ -210,7 +219,7 @@ def _kernel_ok(x, residual, weight, bias):
 def _fused(backend, x, residual, weight, bias, scale, center, eps):
     """(o, p) from one kernel launch; the caller checked ``_kernel_ok``."""
     d = x.shape[-1]
-    block = _block_size(d)
+    block, per = _block_size(d)
     rows = x.size // d
     kernel = _kernel(backend, residual is not None, weight is not None, bias is not None,
                      center)
@@ -218,7 +227,7 @@ def _fused(backend, x, residual, weight, bias, scale, center, eps):
     inputs += [a for a in (weight, bias) if a is not None]
     n_out = 1 + (residual is not None)
     outs = kernel(inputs=inputs,
-                  template=[("T", x.dtype), ("D", d), ("BLOCK", block),
+                  template=[("T", x.dtype), ("PER", per),
                             ("EPS_BITS", _float_bits(eps)),
                             ("SCALE_BITS", _float_bits(scale))],
                   grid=(rows * block, 1, 1), threadgroup=(block, 1, 1),
