@@ -42,6 +42,10 @@ def quantize_checkpoint(model_path, out, bits=4, group_size=64, norm="rms", head
                         tokenizer=None, dequantize_first=False, progress=True):
     """Load model_path, fold the norm mode, quantize (bits 0: keep full precision) and save to out.
 
+    norm "flash" saves FlashNorm's weightless form (Fig. 1(b)): norm weights folded into the
+    linears they feed and set to 1, the final norm folded into an (untied) LM head; a plain
+    checkpoint that any loader of the architecture runs, stock mlx-lm included.
+
     An already quantized input is refused unless dequantize_first (its rounding error stays in).
     Returns the path written."""
     out = Path(out)
@@ -57,19 +61,11 @@ def quantize_checkpoint(model_path, out, bits=4, group_size=64, norm="rms", head
                             f"group size {q['group_size']}): pass --dequantize to dequantize it first "
                             "(its rounding error stays), or quantize a full-precision checkpoint")
         dequantize(model)
-    prepare(model, norm=norm, bits=bits, group_size=group_size, head_bits=head_bits)
-    if norm != "rms":
-        _plain_checkpoint(model)
+    if norm == "flash":  # folded in full precision, kept in the reference structure
+        from .. import flashnorm
+
+        flashnorm.make_weightless(model)
+    elif norm != "rms":
+        raise UserError(f"norm must be rms or flash for a saved checkpoint, not '{norm}'")
+    prepare(model, bits=bits, group_size=group_size, head_bits=head_bits)
     return save(model, tok, out)
-
-
-def _plain_checkpoint(model):
-    """A folded model saved as a plain checkpoint: FlashNorm's folded weights with unit norm
-    weights, so that any loader of the plain architecture (ours, stock mlx-lm) computes it."""
-    from .. import flashnorm
-
-    export = getattr(flashnorm, "to_plain", None)
-    if export is None:
-        raise UserError("saving a FlashNorm-folded checkpoint needs flashnorm.to_plain(), "
-                        "which this version does not have; save with --norm rms")
-    export(model)

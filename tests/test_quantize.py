@@ -138,3 +138,22 @@ def test_cli_writes_a_loadable_checkpoint(exported, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["q8"]
     ref, _ = load(exported, progress=False)
     assert mx.allclose(logits(model), logits(ref), rtol=0.05, atol=0.05).item()
+
+
+def test_flash_export_is_a_plain_checkpoint_for_stock_mlx_lm(tiny_llama_dir, tmp_path):
+    """--norm flash folds (weightless form) before quantizing; stock mlx-lm runs the result."""
+    from mlx_lm.utils import load_model
+
+    full = quantize_checkpoint(tiny_llama_dir, tmp_path / "f32", bits=0, norm="flash", progress=False)
+    q4 = quantize_checkpoint(tiny_llama_dir, tmp_path / "q4", bits=4, norm="flash", progress=False)
+    ref, _ = load(tiny_llama_dir, progress=False)
+    folded, _ = load(full, progress=False)
+    assert folded.config["tie_word_embeddings"] is False  # final norm folded into a head copy
+    norms = [v for k, v in tree_flatten(folded.parameters()) if "norm" in k]
+    assert norms and all(mx.array_equal(v, mx.ones_like(v)).item() for v in norms)
+    # float32 folding is exact up to rounding: same function as the reference
+    assert mx.allclose(logits(folded), logits(ref), rtol=1e-4, atol=1e-5).item()
+    ours, _ = load(q4, progress=False)
+    stock, _ = load_model(q4)
+    assert ours.config["quantization"]["bits"] == 4
+    assert mx.array_equal(logits(ours), logits(stock)).item()
