@@ -1,0 +1,535 @@
+"""FlashNorm (Graef, Wasielewski, Clapp: arXiv 2407.09577) as load-time transformations.
+
+The model files stay plain reference code. Each transformation here takes a (norm, consumer) pair
+of a loaded model and replaces it: the norm becomes an identity and the consumer a flash module
+that computes the same function with the norm weights folded into its linear weights and the
+1/RMS scale deferred past the matmul. One class or function per paper section:
+
+    fold_weight, weightless            Sec. 1, Fig. 1(b): weightless normalization
+    DeferredLinear, rss_scale          Sec. 1, Fig. 1(c) + Appendix A/B: deferred 1/RMSe
+    FlashReLUFFN, FlashGLU             Sec. 2.1 / 2.2 (ReGLU, bilinear GLU): toy FFNs
+    FlashSwiGLU, FlashFusedSwiGLU      Sec. 2.2: SwiGLU (Llama mlp, OpenELM ffn)
+    FlashAttention                     Sec. 3: 1/RMS and 1/sqrt(h) fused into RoPE's cos/sin
+    FlashQKNormAttention               Sec. 4: QK-norm (OpenELM), norm weights fused into cos/sin
+    FlashHead, TiedFlashHead           final norm + LM head (untied copy or kept scale vector)
+    FlashLayerNormLinear, DyTLinear    Sec. 1.1: LayerNorm / DyT bias moved into the next linear
+    merge_mean_centering               Sec. 1.2: mean centering merged into a preceding linear
+
+apply(model) rewrites a whole Llama/OpenELM model; remove_norms(model) drops every norm (a speed
+ceiling, not the same function). Weights are folded in float32 and cast back to the model dtype.
+Every linear keeps its path (model.layers.0.self_attn.q_proj stays that), so per-module
+quantization settings carry over, and DeferredLinear quantizes to QuantizedDeferredLinear.
+"""
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import scaled_dot_product_attention
+
+from .errors import UserError
+
+HEADS = ("scale", "untie")
+DEFAULT_HEAD = "scale"
+
+
+# ---------------------------------------------------------------- Sec. 1, Appendix A/B: basics
+
+def rss_scale(x, eps):
+    """Appendix A/B: 1/RSSe(x) = rsqrt(sum(x^2) + n*eps), computed in float32.
+
+    With the norm weights multiplied by sqrt(n) (norm_gain), x * sqrt(n) * g / RSSe(x) is exactly
+    RMSNorm(x) = x * g / sqrt(mean(x^2) + eps): the epsilon is kept and no 1/n is computed."""
+    xf = x.astype(mx.float32)
+    return mx.rsqrt(mx.sum(xf * xf, axis=-1, keepdims=True) + x.shape[-1] * eps).astype(x.dtype)
+
+
+def norm_gain(norm, n=None):
+    """Appendix B: sqrt(n) * g (float32) for an RMSNorm; g = 1 for a weightless norm."""
+    n = n or norm.weight.shape[-1]
+    g = norm.weight.astype(mx.float32) if "weight" in norm else mx.ones((n,))
+    return math.sqrt(n) * g
+
+
+def fold_weight(weight, gain):
+    """Sec. 1, Fig. 1(b): W*[:, i] = gain_i * W[:, i] in MLX's (out, in) layout; folded in float32
+    and cast back to the weight's dtype."""
+    return (weight.astype(mx.float32) * gain).astype(weight.dtype)
+
+
+def weightless(norm, linears):
+    """Sec. 1, Fig. 1(b) in place: fold the norm weights g into each following linear and set g to
+    1. The model keeps its structure (an RMSNorm without effective weights), so the result is an
+    ordinary checkpoint that any loader runs unchanged. Biases are unaffected: y = (a*g) W^T + c."""
+    g = norm.weight.astype(mx.float32)
+    for linear in linears:
+        linear.weight = fold_weight(linear.weight, g)
+    norm.weight = mx.ones_like(norm.weight)
+
+
+class _Deferred:
+    """Sec. 1, Fig. 1(c): y = (x W*^T) * s + c, the scale s applied to the matmul output, before
+    the bias. s=None: no scale (bias still added); s None and eps set: s = 1/RSSe(x) of the input
+    itself, so the module alone replaces an RMSNorm + Linear pair."""
+
+    eps = None
+
+    def __call__(self, x, s=None):
+        y = self._product(x)
+        if s is None and self.eps is not None:
+            s = rss_scale(x, self.eps)
+        if s is not None:
+            y = y * s
+        return y + self["bias"] if "bias" in self else y
+
+
+class DeferredLinear(_Deferred, nn.Linear):
+    def _product(self, x):
+        return x @ self["weight"].T
+
+    def to_quantized(self, group_size=None, bits=None, mode="affine", quantize_input=False):
+        if quantize_input:
+            raise ValueError("DeferredLinear: quantized input is not supported")
+        q = QuantizedDeferredLinear.from_linear(self, group_size, bits, mode)
+        q.eps = self.eps
+        return q
+
+
+class QuantizedDeferredLinear(_Deferred, nn.QuantizedLinear):
+    def _product(self, x):
+        return mx.quantized_matmul(x, self["weight"], scales=self["scales"], biases=self.get("biases"),
+                                   transpose=True, group_size=self.group_size, bits=self.bits,
+                                   mode=self.mode)
+
+
+def deferred(linear, gain=None, eps=None):
+    """A DeferredLinear from a reference nn.Linear, with gain (e.g. norm_gain) folded in."""
+    out_dims, in_dims = linear.weight.shape
+    new = DeferredLinear(in_dims, out_dims, bias="bias" in linear)
+    new.weight = linear.weight if gain is None else fold_weight(linear.weight, gain)
+    if "bias" in linear:
+        new.bias = linear.bias
+    new.eps = eps
+    return new
+
+
+# ---------------------------------------------------------------- Sec. 2: FFNs
+
+class FlashSwiGLU(nn.Module):
+    """Sec. 2.2, SwiGLU after RMSNorm (Llama's mlp: gate_proj, up_proj, down_proj).
+
+    The norm weights are folded into gate and up; the gate branch is scaled by s = 1/RMS before
+    SiLU (SiLU is not scale invariant); the up branch's scale is deferred past down_proj (all of it
+    is linear). With an up bias the up scale comes before that bias (down_proj is not scaled)."""
+
+    def __init__(self, norm, mlp):
+        super().__init__()
+        gain = norm_gain(norm)
+        self.eps = norm.eps
+        self.gate_proj = deferred(mlp.gate_proj, gain)
+        self.up_proj = deferred(mlp.up_proj, gain)
+        self.down_proj = deferred(mlp.down_proj)
+
+    def __call__(self, x):
+        s = rss_scale(x, self.eps)
+        late = "bias" not in self.up_proj
+        h = nn.silu(self.gate_proj(x, s)) * self.up_proj(x, None if late else s)
+        return self.down_proj(h, s if late else None)
+
+
+class FlashFusedSwiGLU(nn.Module):
+    """Sec. 2.2 for OpenELM's ffn: proj_1 = [gate; up] (one fused, bias-free matmul), proj_2.
+    The gate half is scaled by 1/RMS before SiLU, the up half's scale is deferred to the output."""
+
+    def __init__(self, norm, ffn):
+        super().__init__()
+        if "bias" in ffn.proj_1 or "bias" in ffn.proj_2:
+            raise ValueError("FlashFusedSwiGLU needs bias-free proj_1 and proj_2")
+        self.eps = norm.eps
+        self.proj_1 = deferred(ffn.proj_1, norm_gain(norm))
+        self.proj_2 = deferred(ffn.proj_2)
+
+    def __call__(self, x):
+        s = rss_scale(x, self.eps)
+        gate, up = mx.split(self.proj_1(x), 2, axis=-1)
+        return self.proj_2(nn.silu(gate * s) * up, s)
+
+
+class FlashReLUFFN(nn.Module):
+    """Sec. 2.1: RMSNorm -> up -> ReLU -> down. ReLU(s*a) = s*ReLU(a) for s >= 0, so the whole
+    1/RMS scale moves to the FFN output (before down's bias). up must be bias-free."""
+
+    def __init__(self, norm, up, down):
+        super().__init__()
+        if "bias" in up:
+            raise ValueError("Sec. 2.1 needs a bias-free up projection (ReLU(s*a + c) != s*ReLU(a + c))")
+        self.eps = norm.eps
+        self.up = deferred(up, norm_gain(norm))
+        self.down = deferred(down)
+
+    def __call__(self, x):
+        return self.down(nn.relu(self.up(x)), rss_scale(x, self.eps))
+
+
+class FlashGLU(nn.Module):
+    """Sec. 2.2, ReGLU and bilinear GLU: RMSNorm -> down(act(gate) * up) with act ReLU or the
+    identity (both positively homogeneous). Both branches carry s, so one 1/MS = s^2 scale is
+    applied at the output. gate and up must be bias-free."""
+
+    ACTIVATIONS = {"relu": nn.relu, "bilinear": lambda a: a}
+
+    def __init__(self, norm, gate, up, down, activation):
+        super().__init__()
+        if activation not in self.ACTIVATIONS:
+            raise ValueError(f"activation must be one of {', '.join(self.ACTIVATIONS)} (s*act(a) = act(s*a))")
+        if "bias" in gate or "bias" in up:
+            raise ValueError("Sec. 2.2 (ReGLU/bilinear) needs bias-free gate and up projections")
+        gain = norm_gain(norm)
+        self.eps, self.activation = norm.eps, activation
+        self.gate, self.up, self.down = deferred(gate, gain), deferred(up, gain), deferred(down)
+
+    def __call__(self, x):
+        s = rss_scale(x, self.eps)
+        return self.down(self.ACTIVATIONS[self.activation](self.gate(x)) * self.up(x), s * s)
+
+
+# ---------------------------------------------------------------- Sec. 3/4: attention and RoPE
+
+def rope_frequencies(rope):
+    """(position scale, per-pair frequencies theta_i in float32) of a reference RoPE module, with
+    angle_i = (scale * pos) * theta_i computed as mx.fast.rope does. nn.RoPE: its scale and
+    theta_i = exp(-2i ln(base) / dims); mlx-lm's Llama3RoPE: 1 and 1 / _freqs (mx.fast.rope's
+    freqs are inverse frequencies). Other RoPE variants are refused."""
+    if type(rope) is nn.RoPE:
+        i = mx.arange(rope.dims // 2, dtype=mx.float32)
+        return rope.scale, mx.exp(-i * (2 * math.log(rope.base) / rope.dims))
+    if type(rope).__name__ == "Llama3RoPE":
+        return 1.0, 1.0 / rope._freqs.astype(mx.float32)
+    raise UserError(f"FlashNorm supports plain, linear-scaled and llama3 RoPE, not {type(rope).__name__}; "
+                    "use norm='rms' for this model")
+
+
+def rope_tables(frequencies, offset, length, traditional):
+    """cos and sin of shape (length, h) for positions offset .. offset+length-1 (offset an int or
+    a scalar array), laid out for the rotation used: interleaved (x0,x1),(x2,x3).. (traditional)
+    or rotate-half (i, i+h/2). frequencies: rope_frequencies(reference rope)."""
+    scale, theta = frequencies
+    pos = (offset + mx.arange(length)).astype(mx.float32) * scale
+    angles = pos[:, None] * theta[None, :]
+    expand = (lambda t: mx.repeat(t, 2, axis=-1)) if traditional else (lambda t: mx.concatenate([t, t], -1))
+    return expand(mx.cos(angles)), expand(mx.sin(angles))
+
+
+def rotate(x, traditional):
+    """The signed pair swap of RoPE: y = x*cos + rotate(x)*sin. Interleaved: (-x1, x0, -x3, x2, ..);
+    rotate-half: (-x[h/2:], x[:h/2])."""
+    if traditional:
+        pairs = x.reshape(*x.shape[:-1], -1, 2)
+        return mx.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(x.shape)
+    a, b = mx.split(x, 2, axis=-1)
+    return mx.concatenate([-b, a], axis=-1)
+
+
+def permute_gain(g, traditional):
+    """Sec. 4.2: the permutation with rotate(x * g) = rotate(x) * permute(g). Interleaved (as in
+    the paper): swap each pair (g1, g0, g3, g2, ..). Rotate-half (OpenELM, Llama in MLX): rotate
+    pairs element i with i+h/2, so permute swaps the two halves: (g[h/2:], g[:h/2])."""
+    if traditional:
+        return g.reshape(-1, 2)[:, ::-1].reshape(g.shape)
+    a, b = mx.split(g, 2, axis=-1)
+    return mx.concatenate([b, a], axis=-1)
+
+
+def apply_rope(x, cos, sin, traditional):
+    return x * cos + rotate(x, traditional) * sin
+
+
+class FlashAttention(nn.Module):
+    """Sec. 3, attention with RoPE after RMSNorm (Llama's self_attn).
+
+    The norm weights are folded into q/k/v_proj. s = 1/RMS(x) is one scalar per token; RoPE is
+    linear, so s is multiplied into the cos/sin tables (shared by all heads) together with
+    h^-1/4 for each of q and k, which makes the softmax scale 1/sqrt(h) fused too (sdpa runs with
+    scale 1). V keeps its deferred scale. q/k with a bias get s before the bias instead.
+    Same call signature, KV cache and mask as the reference; the cache holds the scaled k."""
+
+    def __init__(self, norm, attn):
+        super().__init__()
+        gain = norm_gain(norm)
+        self.eps = norm.eps
+        self.n_heads, self.n_kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        if attn.scale != self.head_dim**-0.5:
+            raise ValueError("FlashAttention fuses a 1/sqrt(head_dim) softmax scale only")
+        self.q_proj, self.k_proj, self.v_proj = (deferred(p, gain) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+        self.o_proj = attn.o_proj
+        self.traditional = attn.rope.traditional
+        self._rope = rope_frequencies(attn.rope)
+
+    def __call__(self, x, mask=None, cache=None):
+        B, L, _ = x.shape
+        s = rss_scale(x, self.eps)
+        fuse_q, fuse_k = "bias" not in self.q_proj, "bias" not in self.k_proj
+        q = self.q_proj(x, None if fuse_q else s).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = self.k_proj(x, None if fuse_k else s).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = self.v_proj(x, s).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        offset = cache.offset if cache is not None else 0
+        cos, sin = rope_tables(self._rope, offset, L, self.traditional)
+        c = self.head_dim**-0.25
+        cs = (c * s)[:, None].astype(mx.float32)  # (B, 1, L, 1): one factor per token, all heads
+        qf, kf = (cs if fuse else c for fuse in (fuse_q, fuse_k))
+        q = apply_rope(q, (cos * qf).astype(q.dtype), (sin * qf).astype(q.dtype), self.traditional)
+        k = apply_rope(k, (cos * kf).astype(k.dtype), (sin * kf).astype(k.dtype), self.traditional)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        o = scaled_dot_product_attention(q, k, v, cache=cache, scale=1.0, mask=mask)
+        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class FlashQKNormAttention(nn.Module):
+    """Sec. 4, QK-normalization with RoPE (OpenELM's attn: fused qkv_proj, q_norm, k_norm shared
+    by all heads, rotate-half RoPE).
+
+    4.1: q and k are RMS-normalized again per head, and RMS(s*a) = s*RMS(a), so the input's 1/RMS
+    cancels for them: only V gets the deferred s. With epsilon this is not exact: the reference
+    normalizes q(x/RMSe(x)) with eps, here the unscaled q(x) (weights times sqrt(n) g), so eps
+    weighs differently: the result changes where eps is not negligible against mean(q^2)
+    (measured in tests and bench/RESULTS.md, "FlashNorm exactness").
+    4.2: the q_norm/k_norm weights g (times sqrt(h), Appendix B, and h^-1/4 for the softmax
+    scale) are fused into cos/sin: RoPE(q*g) = q*(g*cos) + rotate(q)*(permute(g)*sin). The paper
+    writes the interleaved layout; for OpenELM's rotate-half layout permute swaps the halves of g
+    (permute_gain). Only the per-head 1/RSSe(q) is computed, and applied after RoPE.
+    Without QK-norm (normalize_qk_projections false), s goes into cos/sin as in Sec. 3."""
+
+    def __init__(self, norm, attn):
+        super().__init__()
+        self.eps = norm.eps
+        self.n_heads, self.n_kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        if "bias" in attn.qkv_proj:
+            raise ValueError("FlashQKNormAttention needs a bias-free qkv_proj")
+        self.qkv_proj = deferred(attn.qkv_proj, norm_gain(norm))
+        self.out_proj = attn.out_proj
+        self.traditional = attn.rope.traditional
+        self._rope = rope_frequencies(attn.rope)
+        c = self.head_dim**-0.25
+        if "q_norm" in attn:
+            self.qk_eps = attn.q_norm.eps
+            for name, qk_norm in (("q_gain", attn.q_norm), ("k_gain", attn.k_norm)):
+                g = c * norm_gain(qk_norm)
+                setattr(self, name, mx.stack([g, permute_gain(g, self.traditional)]).astype(qk_norm.weight.dtype))
+
+    def _rope_qk(self, x, cos, sin, gain):
+        """RoPE(x / RMSe(x) * g) * h^-1/4 with g fused into the tables (Sec. 4.2)."""
+        cos, sin = (cos * gain[0]).astype(x.dtype), (sin * gain[1]).astype(x.dtype)
+        return apply_rope(x, cos, sin, self.traditional) * rss_scale(x, self.qk_eps)
+
+    def __call__(self, x, mask=None, cache=None):
+        B, L, _ = x.shape
+        s = rss_scale(x, self.eps)
+        qkv = self.qkv_proj(x).reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3)
+        q, k, v = mx.split(qkv, [self.n_heads, self.n_heads + self.n_kv_heads], axis=1)
+        v = v * s[:, None]
+        offset = cache.offset if cache is not None else 0
+        cos, sin = rope_tables(self._rope, offset, L, self.traditional)
+        if "q_gain" in self:
+            q = self._rope_qk(q, cos, sin, self.q_gain)
+            k = self._rope_qk(k, cos, sin, self.k_gain)
+        else:
+            cs = (self.head_dim**-0.25 * s)[:, None]
+            q = apply_rope(q, (cos * cs).astype(q.dtype), (sin * cs).astype(q.dtype), self.traditional)
+            k = apply_rope(k, (cos * cs).astype(k.dtype), (sin * cs).astype(k.dtype), self.traditional)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        o = scaled_dot_product_attention(q, k, v, cache=cache, scale=1.0, mask=mask)
+        return self.out_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+# ---------------------------------------------------------------- final norm + LM head
+
+def FlashHead(norm, weight):
+    """Final RMSNorm + LM head with an untied head (Fig. 1(c)): sqrt(n)*g folded into a copy of
+    the head weight, logits scaled by the deferred 1/RSSe. For a tied embedding this copy costs
+    vocab x dim extra parameters (the 'untie' variant)."""
+    out_dims, in_dims = weight.shape
+    head = DeferredLinear(in_dims, out_dims, bias=False)
+    head.weight = fold_weight(weight, norm_gain(norm))
+    head.eps = norm.eps
+    return head
+
+
+class TiedFlashHead(nn.Module):
+    """Final RMSNorm + tied LM head, keeping the embedding shared (the 'scale' variant): the norm
+    weights stay as one scale vector, logits = E (x * sqrt(n) g) * 1/RSSe(x); no reduction sits
+    between x and the matmul. The embedding is looked up on the model at call time, so it may be
+    quantized (or replaced) later; it is not a parameter of this module."""
+
+    def __init__(self, norm, model):
+        super().__init__()
+        self.eps = norm.eps
+        self.scale = norm_gain(norm).astype(norm.weight.dtype)
+        self._model = lambda: model  # a plain attribute: keeps the embedding out of this subtree
+
+    def __call__(self, x):
+        return self._model().embed_tokens.as_linear(x * self.scale) * rss_scale(x, self.eps)
+
+
+# ---------------------------------------------------------------- Sec. 1.1/1.2: LayerNorm, DyT
+
+def _move_bias(norm, linear, gain):
+    """Sec. 1.1: a linear after y = n(x)*g + beta becomes W* = W*gain, c* = c + W beta."""
+    out_dims, in_dims = linear.weight.shape
+    new_bias = linear.bias.astype(mx.float32) if "bias" in linear else mx.zeros((out_dims,))
+    if "bias" in norm:
+        new_bias = new_bias + linear.weight.astype(mx.float32) @ norm.bias.astype(mx.float32)
+    return fold_weight(linear.weight, gain), new_bias.astype(linear.weight.dtype)
+
+
+class FlashLayerNormLinear(nn.Module):
+    """Sec. 1.1: LayerNorm (weight g, bias beta) followed by a linear (W, c). beta moves to the
+    linear's bias (c* = c + W beta), sqrt(n)*g is folded into W, and the 1/RSSe of the centered
+    input is deferred to the output (before c*). center=False when Sec. 1.2 already merged the
+    mean centering into the preceding linear (merge_mean_centering)."""
+
+    def __init__(self, norm, linear, center=True):
+        super().__init__()
+        n = linear.weight.shape[1]
+        gain = math.sqrt(n) * (norm.weight.astype(mx.float32) if "weight" in norm else mx.ones((n,)))
+        out_dims, in_dims = linear.weight.shape
+        self.linear = DeferredLinear(in_dims, out_dims, bias=True)
+        self.linear.weight, self.linear.bias = _move_bias(norm, linear, gain)
+        self.linear.eps = norm.eps
+        self.center = center
+
+    def __call__(self, x):
+        if self.center:
+            x = x - mx.mean(x, axis=-1, keepdims=True)
+        return self.linear(x)
+
+
+def DyTLinear(dyt, linear):
+    """Sec. 1.1 for DyT: y = g*tanh(alpha x) + beta then linear(W, c) becomes
+    linear(W*g, c + W beta) applied to tanh(alpha x): returns (alpha, the new nn.Linear)."""
+    out_dims, in_dims = linear.weight.shape
+    new = nn.Linear(in_dims, out_dims, bias=True)
+    new.weight, new.bias = _move_bias(dyt, linear, dyt.weight.astype(mx.float32))
+    return FlashDyT(dyt.alpha, new)
+
+
+class FlashDyT(nn.Module):
+    """tanh(alpha x) followed by a linear carrying DyT's weight and bias (see DyTLinear)."""
+
+    def __init__(self, alpha, linear):
+        super().__init__()
+        self.alpha, self.linear = alpha, linear
+
+    def __call__(self, x):
+        return self.linear(mx.tanh(self.alpha * x))
+
+
+def merge_mean_centering(linear):
+    """Sec. 1.2: a linear y = x V^T + c followed by mean centering over y's n features equals
+    y* = x V*^T + c* with V* = V - s/n, s_i the sum of column i over the outputs (the paper's row
+    sums of V in its (in, out) layout), i.e. V* = V - mean(V, axis=0), and c* = c - mean(c).
+    The LayerNorm after it then needs no centering: FlashLayerNormLinear(..., center=False)."""
+    out_dims, in_dims = linear.weight.shape
+    w = linear.weight.astype(mx.float32)
+    new = nn.Linear(in_dims, out_dims, bias="bias" in linear)
+    new.weight = (w - mx.mean(w, axis=0, keepdims=True)).astype(linear.weight.dtype)
+    if "bias" in linear:
+        c = linear.bias.astype(mx.float32)
+        new.bias = (c - mx.mean(c)).astype(linear.bias.dtype)
+    return new
+
+
+# ---------------------------------------------------------------- whole models
+
+# model_type: the (norm, consumer, flash module) pairs of a block, and the trunk holding `norm`.
+BLOCKS = {
+    "llama": ((("input_layernorm", "self_attn", FlashAttention),
+               ("post_attention_layernorm", "mlp", FlashSwiGLU)), "model"),
+    "openelm": ((("attn_norm", "attn", FlashQKNormAttention),
+                 ("ffn_norm", "ffn", FlashFusedSwiGLU)), "transformer"),
+}
+
+
+def _model_type(model):
+    model_type = model.args.model_type
+    if model_type not in BLOCKS:
+        raise UserError(f"FlashNorm knows model types {', '.join(BLOCKS)}, not '{model_type}'")
+    return model_type
+
+
+def _check_full_precision(model):
+    if any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules()):
+        raise UserError("FlashNorm folds full-precision weights: dequantize the model first "
+                        "(loader.dequantize), then quantize again after folding")
+
+
+def apply(model, head=DEFAULT_HEAD):
+    """Rewrite a loaded Llama/OpenELM model (in place) to compute the same function with FlashNorm;
+    returns it. Every pre-norm becomes nn.Identity and its consumer a flash module; the final norm
+    goes into the LM head.
+
+    head: how a tied embedding takes the final norm. "scale" (default) keeps the embedding shared
+    and the norm weights as one scale vector (TiedFlashHead): no extra memory, and the CPU decode
+    benchmark (bench/flash_head.py, bench/RESULTS.md) shows no measurable speed difference
+    against "untie", which folds the weights into an untied vocab x dim copy (FlashHead, +vocab*dim
+    parameters: +164 MB float32 for OpenELM-270M). An untied model always folds into its lm_head.
+    """
+    if head not in HEADS:
+        raise UserError(f"head must be one of {', '.join(HEADS)}, not '{head}'")
+    pairs, trunk_name = BLOCKS[_model_type(model)]
+    _check_full_precision(model)
+    for layer in model.layers:
+        for norm_name, consumer, flash in pairs:
+            setattr(layer, consumer, flash(getattr(layer, norm_name), getattr(layer, consumer)))
+            setattr(layer, norm_name, nn.Identity())
+    trunk = getattr(model, trunk_name)
+    norm = trunk.norm
+    if "lm_head" in model:
+        model.lm_head = FlashHead(norm, model.lm_head.weight)
+    elif head == "untie":
+        model.lm_head = FlashHead(norm, model.embed_tokens.weight)
+    else:
+        model.lm_head = TiedFlashHead(norm, model)
+    trunk.norm = nn.Identity()
+    mx.eval(model.parameters())
+    return model
+
+
+def remove_norms(model):
+    """Replace every RMSNorm (pre-norms, final norm, QK-norms) by an identity, in place. Not the
+    same function: the speed ceiling of any norm optimization, as in the paper's table."""
+    _model_type(model)
+    norms = [(path, nn.Identity()) for path, m in model.named_modules() if isinstance(m, nn.RMSNorm)]
+    from mlx.utils import tree_unflatten
+
+    model.update_modules(tree_unflatten(norms))
+    return model
+
+
+def make_weightless(model):
+    """Sec. 1, Fig. 1(b) on a whole model, in place, keeping its reference structure (for export):
+    every pre-norm's weights folded into the linears it feeds and set to 1; the final norm folded
+    into the LM head, untying a tied embedding (a head copy is written). QK-norm weights are not
+    foldable into a linear (a per-head RMS sits between) and are kept. Returns the model; its
+    config says the head is untied."""
+    model_type = _model_type(model)
+    _check_full_precision(model)
+    for layer in model.layers:
+        if model_type == "llama":
+            a, m = layer.self_attn, layer.mlp
+            weightless(layer.input_layernorm, [a.q_proj, a.k_proj, a.v_proj])
+            weightless(layer.post_attention_layernorm, [m.gate_proj, m.up_proj])
+        else:
+            weightless(layer.attn_norm, [layer.attn.qkv_proj])
+            weightless(layer.ffn_norm, [layer.ffn.proj_1])
+    trunk = getattr(model, BLOCKS[model_type][1])
+    if "lm_head" not in model:
+        w = model.embed_tokens.weight
+        model.lm_head = nn.Linear(w.shape[1], w.shape[0], bias=False)
+        model.lm_head.weight = w
+        tie_key = "tie_word_embeddings" if model_type == "llama" else "share_input_output_layers"
+        setattr(model.args, tie_key, False)
+        model.config = dict(model.config, **{tie_key: False})
+    weightless(trunk.norm, [model.lm_head])
+    mx.eval(model.parameters())
+    return model
