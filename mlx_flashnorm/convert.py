@@ -1,0 +1,76 @@
+"""python -m mlx_flashnorm.convert: write a weightless FlashNorm checkpoint (Sec. 1, Fig. 1(b)).
+
+Every pre-norm's weights are folded into the linears after it and set to 1; the final norm is
+folded into the LM head, so a tied embedding is untied (lm_head is written and
+tie_word_embeddings / share_input_output_layers set false). QK-norm weights (OpenELM) cannot be
+folded into a linear (a per-head RMS sits between) and are kept. The output is the same Hugging
+Face layout (config.json, model.safetensors, tokenizer files), in float32, so stock mlx-lm loads
+it unchanged and computes the same logits. A quantized source (e.g. the GGUF) is dequantized."""
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from . import flashnorm
+from .errors import UserError, run_cli
+from .loader import dequantize, load
+
+
+def export(model, tokenizer, out):
+    """Write model (its current weights and model.config) and tokenizer as an HF folder at out,
+    atomically: everything goes to a temporary folder beside it that is renamed at the end."""
+    out = Path(out)
+    if out.exists():
+        raise UserError(f"{out} already exists; choose a new --out folder (nothing is overwritten)")
+    if not out.parent.is_dir():
+        raise UserError(f"{out.parent}: no such folder; create it first or choose another --out")
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    try:
+        tmp.mkdir()
+        config = {k: v for k, v in model.config.items() if k not in ("quantization", "quantization_config")}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(model.parameters())),
+                            metadata={"format": "mlx"})
+        if tokenizer is not None:
+            tokenizer._tokenizer.save_pretrained(str(tmp))
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def arg_parser():
+    p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.convert", description=__doc__.split("\n\n")[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="HF model folder, HF repo id, or llama .gguf file "
+                                   "(default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--tokenizer", help="tokenizer folder, repo id or sentencepiece .model file "
+                                       "(saved into the output)")
+    p.add_argument("--flashnorm", action="store_true", help="fold the norm weights (the conversion done)")
+    p.add_argument("--out", required=True, help="new output folder (must not exist)")
+    p.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
+    return p
+
+
+def main(argv=None):
+    args = arg_parser().parse_args(argv)
+    if not args.flashnorm:
+        raise UserError("nothing to do: pass --flashnorm to write a weightless FlashNorm checkpoint")
+    if Path(args.out).exists():  # fail before loading the model
+        raise UserError(f"{args.out} already exists; choose a new --out folder (nothing is overwritten)")
+    model, tokenizer = load(args.model, norm="rms", dtype="float32", tokenizer=args.tokenizer)
+    if "quantization" in model.config:
+        dequantize(model)
+    flashnorm.make_weightless(model)
+    out = export(model, tokenizer, args.out)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))

@@ -1,0 +1,91 @@
+"""python -m mlx_flashnorm.verify: check that FlashNorm computes the same function as RMSNorm.
+
+Loads the model twice in float32 (a quantized checkpoint is dequantized first, so both copies hold
+the same weights), applies FlashNorm to one, and prints the max absolute and relative difference
+of every layer's hidden state and of the logits, then whether greedy decoding agrees.
+Exit code 1 when the greedy tokens differ."""
+import argparse
+import sys
+
+import mlx.core as mx
+from mlx_lm.models.base import create_attention_mask
+
+from . import flashnorm
+from .errors import UserError, run_cli
+from .generate import generate_step
+from .loader import dequantize, load
+
+
+def load_float32(model, tokenizer=None):
+    m, tok = load(model, norm="rms", dtype="float32", tokenizer=tokenizer)
+    if "quantization" in m.config:
+        dequantize(m)
+    return m, tok
+
+
+def hidden_states(model, tokens):
+    """The residual stream after each block (the same tensors in a reference and a flash model)."""
+    h = model.embed_tokens(tokens)
+    mask = create_attention_mask(h, None)
+    states = []
+    for layer in model.layers:
+        h = layer(h, mask)
+        states.append(h)
+    return states
+
+
+def difference(ref, other):
+    """(max |ref - other|, max |ref - other| / max |ref|) as floats."""
+    diff = mx.abs(ref - other).max()
+    return diff.item(), (diff / mx.maximum(mx.abs(ref).max(), 1e-30)).item()
+
+
+def greedy(model, prompt, steps):
+    return [int(t) for t, _ in generate_step(prompt, model, max_tokens=steps)][:steps]
+
+
+def compare(ref, flash, tokens, steps):
+    """Rows (name, max abs, max rel) per layer and for the logits, and the two greedy sequences."""
+    rows = [(f"layer {i}", *difference(a, b))
+            for i, (a, b) in enumerate(zip(hidden_states(ref, tokens[None]), hidden_states(flash, tokens[None])))]
+    rows.append(("logits", *difference(ref(tokens[None]), flash(tokens[None]))))
+    return rows, greedy(ref, tokens, steps), greedy(flash, tokens, steps)
+
+
+def arg_parser():
+    p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.verify", description=__doc__.split("\n\n")[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="HF model folder, HF repo id, or llama .gguf file "
+                                   "(default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--tokenizer", help="tokenizer folder, repo id or sentencepiece .model file")
+    p.add_argument("--prompt", default="The quick brown fox jumps over the lazy dog. Once upon a time",
+                   help="text fed to both models")
+    p.add_argument("--steps", type=int, default=32, help="greedy tokens to compare (default 32)")
+    p.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
+    return p
+
+
+def main(argv=None):
+    args = arg_parser().parse_args(argv)
+    if args.steps < 1:
+        raise UserError("--steps must be at least 1")
+    ref, tok = load_float32(args.model, args.tokenizer)
+    flash, _ = load_float32(args.model, args.tokenizer)
+    flashnorm.apply(flash)
+    tokens = mx.array(tok.encode(args.prompt))
+    if tokens.size == 0:
+        raise UserError("the prompt encodes to no tokens; pass some text with --prompt")
+    rows, a, b = compare(ref, flash, tokens, args.steps)
+    print(f"{'':10} {'max abs diff':>14} {'max rel diff':>14}")
+    for name, d_abs, d_rel in rows:
+        print(f"{name:10} {d_abs:14.3e} {d_rel:14.3e}")
+    same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if same is None:
+        print(f"greedy tokens agree over {args.steps} steps")
+        return 0
+    print(f"greedy tokens differ from step {same} of {args.steps}: rms {a[same]}, flash {b[same]}")
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))
