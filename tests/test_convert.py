@@ -1,0 +1,102 @@
+"""Weightless checkpoints (python -m mlx_flashnorm.convert) loaded by stock mlx-lm, and the
+verify command."""
+import json
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.utils import load_model
+
+from conftest import OPENELM_270M, cli, random_weights
+from mlx_flashnorm import flashnorm, loader
+from mlx_flashnorm.convert import export
+
+MODEL_TOL = 1e-4  # max |ours - mlx-lm| / max |ours| of the logits, float32
+
+
+def rel(ref, got):
+    return (mx.abs(ref - got).max() / mx.abs(ref).max()).item()
+
+
+def test_smollm2_weightless_checkpoint_in_stock_mlx_lm(tmp_path):
+    out = tmp_path / "smollm2-flash"
+    r = cli("mlx_flashnorm.convert", "--flashnorm", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False and "quantization" not in config
+    assert {"tokenizer.json", "tokenizer_config.json", "model.safetensors"} <= {p.name for p in out.iterdir()}
+    weights = mx.load(str(out / "model.safetensors"))
+    assert "lm_head.weight" in weights
+    norms = [v for k, v in weights.items() if "norm" in k]
+    assert len(norms) == 2 * 30 + 1 and all(mx.array_equal(v, mx.ones_like(v)) for v in norms)
+
+    ref, tok = loader.load(progress=False)
+    loader.dequantize(ref)
+    stock, _ = load_model(out)
+    tokens = mx.array([tok.encode("Weightless normalization folds the weights")])
+    assert rel(ref(tokens), stock(tokens)) < MODEL_TOL
+    again = loader.load(out, progress=False)[0]  # and ours reads it too
+    assert rel(ref(tokens), again(tokens)) < MODEL_TOL
+
+
+def test_openelm_weightless_checkpoint_in_stock_mlx_lm(tmp_path):
+    """Random OpenELM-270M shape: pre-norms folded, tied head untied, QK-norm weights kept."""
+    arch, args = loader.model_args(OPENELM_270M)
+    model = arch.Model(args)
+    model.load_weights(list(random_weights(model, seed=5).items()))
+    model.config = dict(OPENELM_270M)
+    tokens = mx.random.randint(0, 32000, (1, 16))
+    ref = model(tokens)
+    mx.eval(ref)
+    q_norm = model.layers[0].attn.q_norm.weight
+    flashnorm.make_weightless(model)
+    out = export(model, None, tmp_path / "openelm-flash")
+    config = json.loads((out / "config.json").read_text())
+    assert config["share_input_output_layers"] is False
+    weights = mx.load(str(out / "model.safetensors"))
+    assert mx.array_equal(weights["transformer.layers.0.attn.q_norm.weight"], q_norm)
+    assert mx.array_equal(weights["transformer.layers.0.attn_norm.weight"], mx.ones(1280))
+    del model, weights
+    stock, _ = load_model(out)
+    assert rel(ref, stock(tokens)) < MODEL_TOL
+
+
+def test_convert_refuses_existing_output_and_missing_flag(tmp_path):
+    r = cli("mlx_flashnorm.convert", "--flashnorm", "--out", str(tmp_path))
+    assert r.returncode == 2 and "already exists" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    r = cli("mlx_flashnorm.convert", "--out", str(tmp_path / "new"))
+    assert r.returncode == 2 and "--flashnorm" in r.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing written, no temporary folder left
+
+
+def test_export_is_atomic(tmp_path):
+    """A failed write leaves neither the output nor its temporary folder behind."""
+    class Broken:
+        config = {"model_type": "llama"}
+
+        def parameters(self):
+            raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        export(Broken(), None, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_verify_command(tiny_llama_dir):
+    r = cli("mlx_flashnorm.verify", "--model", str(tiny_llama_dir), "--steps", "8")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    rows = {line.split()[0] + (" " + line.split()[1] if line.startswith("layer") else ""): line.split()[-2:]
+            for line in lines[1:-1]}
+    assert set(rows) == {"layer 0", "layer 1", "logits"}
+    assert all(float(rel_diff) < 1e-4 for _, rel_diff in rows.values())
+    assert lines[-1] == "greedy tokens agree over 8 steps"
+
+
+@pytest.mark.parametrize("command", ["mlx_flashnorm.verify", "mlx_flashnorm.convert"])
+def test_help_and_bad_input(command, tmp_path):
+    assert cli(command, "--help").returncode == 0
+    r = cli(command, "--model", str(tmp_path / "missing"), "--out", str(tmp_path / "o"), "--flashnorm") \
+        if command.endswith("convert") else cli(command, "--model", str(tmp_path / "missing"))
+    assert r.returncode == 2 and "no such file or folder" in r.stderr and "Traceback" not in r.stderr
