@@ -469,11 +469,11 @@ def apply(model, head=DEFAULT_HEAD):
     goes into the LM head.
 
     head: how a tied embedding takes the final norm. "scale" (default) keeps the embedding shared
-    and the norm weights as one scale vector (TiedFlashHead): no extra memory, and the CPU decode
-    benchmark (bench/flash_head.py, bench/RESULTS.md) shows no measurable speed difference
-    against "untie", which folds the weights into an untied vocab x dim copy (FlashHead, +vocab*dim
-    parameters: +164 MB float32 for OpenELM-270M). An untied model always folds into its lm_head.
-    """
+    and the norm weights as one scale vector (TiedFlashHead): no extra memory. "untie" folds them
+    into an untied vocab x dim copy (FlashHead): +156 MiB in float32 for OpenELM-270M (+15%), and
+    no faster: CPU decode 3.26 vs 3.33 tokens/s for "scale" (bench/flash_head.py, interleaved, in
+    bench/RESULTS.md), since decode is bound by reading weights. An untied model always folds
+    into its own lm_head."""
     if head not in HEADS:
         raise UserError(f"head must be one of {', '.join(HEADS)}, not '{head}'")
     pairs, trunk_name = BLOCKS[_model_type(model)]

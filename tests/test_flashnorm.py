@@ -411,7 +411,7 @@ def test_openelm_270m_end_to_end(openelm_270m):
 
 
 @pytest.fixture(scope="module")
-def smollm2_pair(smollm2):
+def smollm2_pair():
     """SmolLM2-135M real weights dequantized to float32: (reference, flash, tokenizer)."""
     model, tok = loader.load(progress=False)
     ref, _ = loader.load(progress=False)
@@ -425,7 +425,8 @@ def test_smollm2_logits_and_greedy_generation(smollm2_pair):
     ref, flash, tok = smollm2_pair
     prompt = mx.array(tok.encode("The history of the printing press begins"))
     assert rel(ref(prompt[None]), flash(prompt[None])) < MODEL_TOL
-    for compiled in (True, False):
-        a = [int(t) for t, _ in generate_step(prompt, ref, max_tokens=64, compiled=compiled)]
-        b = [int(t) for t, _ in generate_step(prompt, flash, max_tokens=64, compiled=compiled)]
-        assert len(a) == 64 and a == b
+    # the compiled decode step: StaticKVCache, offsets as arrays (the eager KVCache path is
+    # covered per module by run_attention above)
+    a = [int(t) for t, _ in generate_step(prompt, ref, max_tokens=64)]
+    b = [int(t) for t, _ in generate_step(prompt, flash, max_tokens=64)]
+    assert len(a) == 64 and a == b
