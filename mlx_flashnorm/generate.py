@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, create_attention_mask
 from mlx_lm.sample_utils import make_sampler
 
+from .cache import StaticKVCache, make_cache
 from .errors import UserError, run_cli
 from .loader import DTYPES, NORMS, load
 
@@ -23,55 +23,6 @@ class Response:
     generation_tps: float
     peak_memory: float  # GB
     finish_reason: Optional[str] = None  # "stop" (EOS), "length", or None while generating
-
-
-class StaticKVCache:
-    """Keys and values in buffers preallocated to `capacity` positions and written in place.
-
-    While `offset` is a Python int (prefill) the cache behaves like mlx-lm's KVCache and hands out
-    only the filled part. Once `offset` is an mx.array (decoding), every 1-token step sees buffers
-    and a mask of the same shapes, so the decode step compiles once and is replayed."""
-
-    def __init__(self, capacity):
-        self.capacity = capacity
-        self.keys = self.values = None
-        self.offset = 0
-
-    def update_and_fetch(self, keys, values):
-        B, H, N, _ = keys.shape
-        if self.keys is None:
-            self.keys = mx.zeros((B, H, self.capacity, keys.shape[3]), keys.dtype)
-            self.values = mx.zeros((B, H, self.capacity, values.shape[3]), values.dtype)
-        if isinstance(self.offset, int):
-            end = self.offset + N
-            if end > self.capacity:
-                raise ValueError(f"StaticKVCache holds {self.capacity} positions, {end} were asked for")
-            self.keys[..., self.offset:end, :] = keys
-            self.values[..., self.offset:end, :] = values
-            self.offset = end
-            return self.keys[..., :end, :], self.values[..., :end, :]
-        self.keys = mx.slice_update(self.keys, keys, self.offset, axes=(2,))
-        self.values = mx.slice_update(self.values, values, self.offset, axes=(2,))
-        self.offset = self.offset + N
-        return self.keys, self.values
-
-    def make_mask(self, N, return_array=False, window_size=None):
-        if isinstance(self.offset, int):
-            return create_attention_mask(N, offset=self.offset, return_array=return_array,
-                                         window_size=window_size)
-        # query i sits at offset + i and sees every filled position up to itself
-        return mx.arange(self.capacity)[None] <= (self.offset + mx.arange(N))[:, None]
-
-    @property
-    def state(self):
-        return self.keys, self.values
-
-
-def make_cache(model, capacity=None):
-    """One cache per layer: mlx-lm's growing KVCache, or a StaticKVCache of `capacity` positions."""
-    if capacity is None:
-        return [KVCache() for _ in model.layers]
-    return [StaticKVCache(capacity) for _ in model.layers]
 
 
 def context_length(model):

@@ -28,7 +28,8 @@ import mlx.nn as nn
 __all__ = ["normalize", "RMSNorm", "LayerNorm", "DyT", "BACKEND", "select_backend",
            "available_backends"]
 
-# "auto" picks the kernel of the default device's GPU backend, else "fallback".
+# "auto" picks the kernel of the default device's GPU backend for a fused residual add, else
+# "fallback" (a lone norm is one mx.fast kernel already).
 # Tests and benchmarks force a path with "fallback", "metal" or "cuda" (here or per call).
 BACKEND = "auto"
 
@@ -310,8 +311,11 @@ def normalize(x, residual=None, weight=None, bias=None, c=None, center=False, ep
     d = x.shape[-1]
     scale = 1.0 if c is None else float(c) / math.sqrt(d)
     eps = float(mx.finfo(x.dtype).eps) if eps is None else float(eps)
+    path = select_backend(backend)
+    if residual is None and (BACKEND if backend is None else backend) == "auto":
+        path = "fallback"  # nothing to fuse: mx.fast.rms_norm / layer_norm is one kernel already
     op = _operator(residual is not None, weight is not None, bias is not None, scale,
-                   bool(center), eps, select_backend(backend))
+                   bool(center), eps, path)
     arrays = [a for a in (x, residual, weight, bias) if a is not None]
     out = op(*arrays)
     return (out[0], out[1]) if residual is not None else (out[0], x)
@@ -319,6 +323,9 @@ def normalize(x, residual=None, weight=None, bias=None, c=None, center=False, ep
 
 # ----------------------------------------------------------------------------------
 # Modules (torch.nn semantics).
+
+_ALONE = object()  # m(x) called without a residual argument
+
 
 def _as_shape(normalized_shape):
     if isinstance(normalized_shape, int):
@@ -330,7 +337,8 @@ class _Norm(nn.Module):
     """Shared by RMSNorm and LayerNorm: normalizes over the trailing ``normalized_shape``.
 
     ``m(x)`` returns the normalized x; ``m(x, residual)`` returns ``(o, p)``, the fused
-    add+norm of ``normalize``.
+    add+norm of ``normalize`` (p = x + residual, the new residual stream; residual None
+    means p = x): the form the models call for every pre-norm.
     """
 
     center = False
@@ -345,17 +353,19 @@ class _Norm(nn.Module):
             if bias:
                 self.bias = mx.zeros(self.normalized_shape)
 
-    def __call__(self, x, residual=None):
+    def __call__(self, x, residual=_ALONE):
         shape = self.normalized_shape
         if tuple(x.shape[x.ndim - len(shape):]) != shape:
             raise ValueError(f"input shape {x.shape} does not end with {shape}")
         flat = x.shape[:x.ndim - len(shape)] + (math.prod(shape),)
         weight, bias = (getattr(self, n, None) for n in ("weight", "bias"))
+        alone = residual is _ALONE
+        residual = None if alone else residual
         o, p = normalize(
             x.reshape(flat), None if residual is None else residual.reshape(flat),
             None if weight is None else weight.reshape(-1),
             None if bias is None else bias.reshape(-1), center=self.center, eps=self.eps)
-        if residual is None:
+        if alone:
             return o.reshape(x.shape)
         return o.reshape(x.shape), p.reshape(x.shape)
 

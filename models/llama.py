@@ -5,7 +5,10 @@ from typing import Dict, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+from mlx_lm.models.base import create_attention_mask
+
+from ..cache import scaled_dot_product_attention
+from ..nn import RMSNorm
 from mlx_lm.models.rope_utils import initialize_rope
 
 
@@ -81,14 +84,15 @@ class MLP(nn.Module):
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.self_attn = Attention(args)
-        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def __call__(self, x, mask=None, cache=None):
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def __call__(self, x, residual, mask=None, cache=None):
+        h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, mask, cache), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -96,15 +100,16 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
-        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, tokens, cache=None):
         h = self.embed_tokens(tokens)
         cache = cache or [None] * len(self.layers)
         mask = create_attention_mask(h, cache[0])
+        residual = None
         for layer, c in zip(self.layers, cache):
-            h = layer(h, mask, c)
-        return self.norm(h)
+            h, residual = layer(h, residual, mask, c)
+        return self.norm(h, residual)[0]
 
 
 class Model(nn.Module):

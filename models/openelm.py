@@ -5,7 +5,10 @@ from typing import List
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+from mlx_lm.models.base import create_attention_mask
+
+from ..cache import scaled_dot_product_attention
+from ..nn import RMSNorm
 
 
 @dataclass
@@ -56,8 +59,8 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(args.model_dim, (self.n_heads + 2 * self.n_kv_heads) * h, bias=False)
         self.out_proj = nn.Linear(self.n_heads * h, args.model_dim, bias=False)
         if args.normalize_qk_projections:
-            self.q_norm = nn.RMSNorm(h, eps=args.rms_norm_eps)
-            self.k_norm = nn.RMSNorm(h, eps=args.rms_norm_eps)
+            self.q_norm = RMSNorm(h, eps=args.rms_norm_eps)
+            self.k_norm = RMSNorm(h, eps=args.rms_norm_eps)
         self.rope = nn.RoPE(h, traditional=False, base=args.rope_freq_constant)
 
     def __call__(self, x, mask=None, cache=None):
@@ -90,14 +93,15 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
-        self.attn_norm = nn.RMSNorm(args.model_dim, eps=args.rms_norm_eps)
+        self.attn_norm = RMSNorm(args.model_dim, eps=args.rms_norm_eps)
         self.attn = Attention(args, layer)
-        self.ffn_norm = nn.RMSNorm(args.model_dim, eps=args.rms_norm_eps)
+        self.ffn_norm = RMSNorm(args.model_dim, eps=args.rms_norm_eps)
         self.ffn = FeedForward(args, layer)
 
-    def __call__(self, x, mask=None, cache=None):
-        h = x + self.attn(self.attn_norm(x), mask, cache)
-        return h + self.ffn(self.ffn_norm(h))
+    def __call__(self, x, residual, mask=None, cache=None):
+        h, residual = self.attn_norm(x, residual)
+        h, residual = self.ffn_norm(self.attn(h, mask, cache), residual)
+        return self.ffn(h), residual
 
 
 class OpenELMModel(nn.Module):
@@ -105,15 +109,16 @@ class OpenELMModel(nn.Module):
         super().__init__()
         self.token_embeddings = nn.Embedding(args.vocab_size, args.model_dim)
         self.layers = [TransformerBlock(args, i) for i in range(args.num_transformer_layers)]
-        self.norm = nn.RMSNorm(args.model_dim, eps=args.rms_norm_eps)
+        self.norm = RMSNorm(args.model_dim, eps=args.rms_norm_eps)
 
     def __call__(self, tokens, cache=None):
         h = self.token_embeddings(tokens)
         cache = cache or [None] * len(self.layers)
         mask = create_attention_mask(h, cache[0])
+        residual = None
         for layer, c in zip(self.layers, cache):
-            h = layer(h, mask, c)
-        return self.norm(h)
+            h, residual = layer(h, residual, mask, c)
+        return self.norm(h, residual)[0]
 
 
 class Model(nn.Module):

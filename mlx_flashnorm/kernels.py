@@ -1,0 +1,270 @@
+"""Fused kernels for the decode step, each with a plain-MLX fallback.
+
+On a CUDA device the functions below run one ``mx.fast.cuda_kernel`` each; everywhere else
+(CPU, Metal) they run the plain MLX composition, which is also the reference the tests compare
+against. Inside ``mx.compile`` a custom kernel is one node of the graph like any built-in op, so
+each kernel here removes the graph nodes (and GPU launches) of the ops it replaces: that is the
+per-token cost that bounds decoding on a fast GPU.
+
+    decode_attention   softmax(q k^T * scale) v over the first n cached positions (n an array),
+                       so a compiled decode step attends over a fixed-size cache without a mask
+    add_rss            p = x * xs + r, p * g, and 1/RSSe(p) = rsqrt(sum(p^2) + d*eps) per row:
+                       the residual add and FlashNorm's deferred scale in one pass
+    qk_norm_rope       FlashNorm Sec. 4 for a fused qkv projection: per-head 1/RSSe of q and k,
+                       q/k norm weights fused into RoPE's cos/sin (rotate-half layout), v * s
+
+Set MLX_FLASHNORM_KERNELS=0 (or ``kernels.ENABLED = False``) to force the fallbacks.
+"""
+import math
+import os
+import struct
+from functools import lru_cache
+
+import mlx.core as mx
+
+ENABLED = os.environ.get("MLX_FLASHNORM_KERNELS", "1") != "0"
+
+
+def use_cuda():
+    """True when the fused CUDA kernels run: enabled, CUDA present and the default device a GPU."""
+    return ENABLED and mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+def _float_bits(value):
+    return struct.unpack("<i", struct.pack("<f", float(value)))[0]
+
+
+_HEADER = """
+__device__ inline float fn_f(float v) { return v; }
+__device__ inline float fn_f(__half v) { return __half2float(v); }
+__device__ inline float fn_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename U> __device__ inline U fn_cast(float v) { return v; }
+template <> __device__ inline __half fn_cast<__half>(float v) { return __float2half(v); }
+template <> __device__ inline __nv_bfloat16 fn_cast<__nv_bfloat16>(float v) {
+  return __float2bfloat16(v);
+}
+__device__ inline float fn_warp_sum(float v) {
+  for (int k = 16; k > 0; k >>= 1) v += __shfl_xor_sync(0xffffffff, v, k);
+  return v;
+}
+"""
+
+
+def _kernel(name, inputs, outputs, source):
+    return mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs,
+                               source=source, header=_HEADER)
+
+
+# ---------------------------------------------------------------- attention over a static cache
+
+_ATTENTION = """
+  // one block per (batch, query head); warps take key positions in turn, lanes head dims
+  constexpr int VPT = D / 32;
+  const int head = blockIdx.x;
+  const int b = head / HQ, hkv = (head % HQ) / GQA;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int len = n[0];
+  const float scale = __int_as_float(SCALE_BITS) * 1.4426950408889634f;  // exp2 domain
+  float qv[VPT], acc[VPT];
+  const long qbase = long(head) * D;
+  #pragma unroll
+  for (int i = 0; i < VPT; ++i) { qv[i] = fn_f(q[qbase + lane * VPT + i]) * scale; acc[i] = 0.0f; }
+  const long kvbase = long(b * HKV + hkv) * C * D;
+  float m = -1e30f, l = 0.0f;
+  for (int j = warp; j < len; j += NW) {
+    const long row = kvbase + long(j) * D + lane * VPT;
+    float sc = 0.0f;
+    #pragma unroll
+    for (int i = 0; i < VPT; ++i) sc += qv[i] * fn_f(k[row + i]);
+    sc = fn_warp_sum(sc);
+    const float mn = fmaxf(m, sc);
+    const float corr = exp2f(m - mn), p = exp2f(sc - mn);
+    l = l * corr + p;
+    #pragma unroll
+    for (int i = 0; i < VPT; ++i) acc[i] = acc[i] * corr + p * fn_f(v[row + i]);
+    m = mn;
+  }
+  __shared__ float sm[NW], sl[NW], sacc[NW][D];
+  if (lane == 0) { sm[warp] = m; sl[warp] = l; }
+  #pragma unroll
+  for (int i = 0; i < VPT; ++i) sacc[warp][lane * VPT + i] = acc[i];
+  __syncthreads();
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float M = -1e30f;
+    for (int w = 0; w < NW; ++w) M = fmaxf(M, sm[w]);
+    float L = 0.0f, O = 0.0f;
+    for (int w = 0; w < NW; ++w) {
+      const float f = exp2f(sm[w] - M);
+      L += sl[w] * f;
+      O += sacc[w][d] * f;
+    }
+    o[qbase + d] = fn_cast<T>(O / L);
+  }
+"""
+
+
+@lru_cache(maxsize=None)
+def _attention_kernel():
+    return _kernel("fn_decode_attention", ["q", "k", "v", "n"], ["o"], _ATTENTION)
+
+
+def decode_attention(q, k, v, n, scale):
+    """Attention of queries q (B, Hq, L, D) over the first n positions of k, v (B, Hkv, C, D),
+    n an int32 array of one element (the positions filled, the queries' own included): query i
+    sees positions up to n - L + i. The CUDA kernel takes L = 1 (a decode step)."""
+    B, Hq, L, D = q.shape
+    Hkv, C = k.shape[1], k.shape[2]
+    if use_cuda() and L == 1 and D % 32 == 0 and D <= 256 and q.dtype == k.dtype == v.dtype:
+        threads = 256
+        return _attention_kernel()(
+            inputs=[q, k, v, n.astype(mx.int32).reshape(1)],
+            template=[("T", q.dtype), ("D", D), ("HQ", Hq), ("HKV", Hkv), ("GQA", Hq // Hkv),
+                      ("C", C), ("NW", threads // 32), ("SCALE_BITS", _float_bits(scale))],
+            grid=(B * Hq * threads, 1, 1), threadgroup=(threads, 1, 1),
+            output_shapes=[q.shape], output_dtypes=[q.dtype])[0]
+    mask = mx.arange(C)[None] < (n.reshape(-1)[0] - L + 1 + mx.arange(L))[:, None]
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
+# ---------------------------------------------------------------- residual add + deferred scale
+
+_ADD_RSS = """
+  // one block per row: p = x * xs + r, pg = p * g, s = rsqrt(sum(p^2) + d * eps)
+  const int row = blockIdx.x;
+  const int D = x_shape[x_ndim - 1];
+  const long base = long(row) * D;
+  float ss = 0.0f;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) {{
+    float t = fn_f(x[base + i]);
+    {scale_x}
+    {add_r}
+    const T tp = fn_cast<T>(t);
+    {write_p}
+    {write_pg}
+    ss += fn_f(tp) * fn_f(tp);
+  }}
+  __shared__ float buf[32];
+  ss = fn_warp_sum(ss);
+  if (threadIdx.x % 32 == 0) buf[threadIdx.x / 32] = ss;
+  __syncthreads();
+  if (threadIdx.x == 0) {{
+    float total = 0.0f;
+    for (int w = 0; w < int(blockDim.x / 32); ++w) total += buf[w];
+    s[row] = fn_cast<T>(rsqrtf(total + D * __int_as_float(EPS_BITS)));
+  }}
+"""
+
+
+@lru_cache(maxsize=None)
+def _add_rss_kernel(has_xs, has_r, has_g):
+    source = _ADD_RSS.format(
+        scale_x="t *= fn_f(xs[row]);" if has_xs else "",
+        add_r="t += fn_f(r[base + i]);" if has_r else "",
+        write_p="p[base + i] = tp;" if (has_r or has_xs) else "",
+        write_pg="pg[base + i] = fn_cast<T>(fn_f(tp) * fn_f(g[i]));" if has_g else "")
+    inputs = ["x"] + ["xs"] * has_xs + ["r"] * has_r + ["g"] * has_g
+    outputs = ["p"] * (has_r or has_xs) + ["pg"] * has_g + ["s"]
+    return _kernel(f"fn_add_rss_{int(has_xs)}{int(has_r)}{int(has_g)}", inputs, outputs, source)
+
+
+def add_rss(x, eps, xs=None, r=None, g=None):
+    """(p, pg, s) over the last axis: p = x * xs + r (xs (.., 1) and r optional), pg = p * g (g
+    optional, else None), s = 1/RSSe(p) = rsqrt(sum(p^2) + d * eps) with shape (.., 1).
+    Appendix A/B of the paper: with sqrt(d) * g as the gain, pg * s is RMSNorm(p) * g."""
+    if use_cuda() and x.dtype in (mx.float32, mx.float16, mx.bfloat16):
+        d, rows = x.shape[-1], x.size // x.shape[-1]
+        threads = min(1024, max(32, 32 * math.ceil(d / 4 / 32)))
+        arrays = [x] + [a.astype(x.dtype) for a in (xs, r, g) if a is not None]
+        outs = _add_rss_kernel(xs is not None, r is not None, g is not None)(
+            inputs=arrays,
+            template=[("T", x.dtype), ("EPS_BITS", _float_bits(eps))],
+            grid=(rows * threads, 1, 1), threadgroup=(threads, 1, 1),
+            output_shapes=[x.shape] * ((r is not None or xs is not None) + (g is not None))
+            + [x.shape[:-1] + (1,)],
+            output_dtypes=[x.dtype] * (1 + (r is not None or xs is not None) + (g is not None)))
+        outs = list(outs)
+        p = outs.pop(0) if (r is not None or xs is not None) else x
+        pg = outs.pop(0) if g is not None else None
+        return p, pg, outs[0]
+    p = x if xs is None else x * xs
+    p = p if r is None else p + r
+    pf = p.astype(mx.float32)
+    s = mx.rsqrt(mx.sum(pf * pf, axis=-1, keepdims=True) + x.shape[-1] * eps).astype(x.dtype)
+    return p, (None if g is None else p * g), s
+
+
+# ---------------------------------------------------------------- QK-norm + RoPE (Sec. 4)
+
+_QK_NORM_ROPE = """
+  // one warp per (token, head) of the fused qkv output; heads: HQ queries, HKV keys, HKV values.
+  // rotate-half RoPE: lane holds elements lane + 32 t, whose partners i +- D/2 are in the same lane.
+  constexpr int VPT = D / 32, HALF = VPT / 2, H = HQ + 2 * HKV;
+  const int gw = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (gw >= ROWS * H) return;
+  const int row = gw / H, head = gw % H;      // row = b * L + l
+  const int b = row / L, l = row % L;
+  const long in = long(row) * H * D + long(head) * D;
+  float x[VPT];
+  #pragma unroll
+  for (int t = 0; t < VPT; ++t) x[t] = fn_f(qkv[in + lane + 32 * t]);
+  if (head >= HQ + HKV) {
+    const float sv = fn_f(s[row]);
+    const long out = (long(b * HKV + head - HQ - HKV) * L + l) * D;
+    #pragma unroll
+    for (int t = 0; t < VPT; ++t) vo[out + lane + 32 * t] = fn_cast<T>(x[t] * sv);
+    return;
+  }
+  const bool is_q = head < HQ;
+  const float* gain = is_q ? qg : kg;   // (2, D): g and permute(g), sqrt(D), D^-1/4 folded in
+  float ss = 0.0f;
+  #pragma unroll
+  for (int t = 0; t < VPT; ++t) ss += x[t] * x[t];
+  const float inv = rsqrtf(fn_warp_sum(ss) + D * __int_as_float(EPS_BITS));
+  const float pos = float(off[0] + l);
+  float y[VPT];
+  #pragma unroll
+  for (int t = 0; t < HALF; ++t) {
+    const int i = lane + 32 * t, j = i + D / 2;   // a rotation pair
+    float sn, cs;
+    sincosf(pos * theta[i], &sn, &cs);
+    y[t] = inv * (x[t] * gain[i] * cs - x[t + HALF] * gain[D + i] * sn);
+    y[t + HALF] = inv * (x[t + HALF] * gain[j] * cs + x[t] * gain[D + j] * sn);
+  }
+  const long out = is_q ? (long(b * HQ + head) * L + l) * D : (long(b * HKV + head - HQ) * L + l) * D;
+  T* dst = is_q ? qo : ko;
+  #pragma unroll
+  for (int t = 0; t < VPT; ++t) dst[out + lane + 32 * t] = fn_cast<T>(y[t]);
+"""
+
+
+@lru_cache(maxsize=None)
+def _qk_norm_rope_kernel():
+    return _kernel("fn_qk_norm_rope", ["qkv", "s", "off", "theta", "qg", "kg"], ["qo", "ko", "vo"],
+                   _QK_NORM_ROPE)
+
+
+def qk_norm_rope_supported(head_dim, traditional):
+    return use_cuda() and not traditional and head_dim % 64 == 0 and head_dim <= 256
+
+
+def qk_norm_rope(qkv, s, offset, theta, q_gain, k_gain, n_heads, n_kv_heads, eps):
+    """CUDA kernel of FlashQKNormAttention's q/k/v preparation (rotate-half layout only; see
+    qk_norm_rope_supported): qkv (B, L, (Hq + 2 Hkv) * D) from the fused projection, s (B, L, 1)
+    the deferred 1/RSSe of the block input, theta (D/2,) float32 angles per position, gains (2, D)
+    float32. Returns q, k, v as (B, H, L, D)."""
+    B, L, _ = qkv.shape
+    D = q_gain.shape[-1]
+    H = n_heads + 2 * n_kv_heads
+    rows = B * L
+    threads = 256
+    warps = rows * H
+    off = offset if isinstance(offset, mx.array) else mx.array(offset)
+    return _qk_norm_rope_kernel()(
+        inputs=[qkv, s.astype(qkv.dtype), off.astype(mx.int32).reshape(1), theta,
+                q_gain.astype(mx.float32), k_gain.astype(mx.float32)],
+        template=[("T", qkv.dtype), ("D", D), ("HQ", n_heads), ("HKV", n_kv_heads), ("L", L),
+                  ("ROWS", rows), ("EPS_BITS", _float_bits(eps))],
+        grid=(math.ceil(warps * 32 / threads) * threads, 1, 1), threadgroup=(threads, 1, 1),
+        output_shapes=[(B, n_heads, L, D), (B, n_kv_heads, L, D), (B, n_kv_heads, L, D)],
+        output_dtypes=[qkv.dtype] * 3)
