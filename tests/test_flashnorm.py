@@ -2,7 +2,8 @@
 
 Error measure throughout: rel(ref, got) = max|ref - got| / max|ref|. Each transformation must stay
 within TOL = 1e-5 on random inputs of ordinary, tiny (x 1e-3) and huge (x 1e3) norm; whole models
-within 1e-4 of their logits."""
+within 1e-4 of their logits. The flash modules are tested with the norm gain folded into the
+weights (fold=True) and kept on the input with the weights untouched (fold=False)."""
 import math
 
 import mlx.core as mx
@@ -17,7 +18,7 @@ from mlx_flashnorm import flashnorm as fn
 from mlx_flashnorm import loader
 from mlx_flashnorm.generate import generate_step
 from mlx_flashnorm.nn import DyT
-from models import llama, openelm
+from mlx_flashnorm.models import llama, openelm
 
 TOL = 1e-5
 MODEL_TOL = 1e-4
@@ -55,6 +56,12 @@ def rms_norm(n, eps=EPS):
     return norm
 
 
+def untouched(ref_linears, flash_linears, fold):
+    """fold=False leaves every weight as the very same array; fold=True changes those it folds."""
+    same = [mx.array_equal(a.weight, b.weight).item() for a, b in zip(ref_linears, flash_linears)]
+    assert all(same) if not fold else not any(same)
+
+
 def linear(n_in, n_out, bias):
     lin = nn.Linear(n_in, n_out, bias=bias)
     lin.weight = 0.1 * mx.random.normal((n_out, n_in))
@@ -81,12 +88,15 @@ def test_weightless_folds_norm_weights_into_linear(bias):
         assert rel(lin(norm(x)), folded(folded_norm(x))) < TOL
 
 
+@pytest.mark.parametrize("fold", [True, False])
 @pytest.mark.parametrize("bias", [False, True])
-def test_deferred_linear_matches_norm_then_linear(bias):
-    """Fig. 1(c) + Appendix A/B: x W*^T / RSSe(x) (+ c) with W* = sqrt(n) g W, eps kept."""
+def test_deferred_linear_matches_norm_then_linear(bias, fold):
+    """Fig. 1(c) + Appendix A/B: x W*^T / RSSe(x) (+ c) with W* = sqrt(n) g W, eps kept; or,
+    not folded, (x * sqrt(n) g) W^T / RSSe(x) (+ c) (FlashHead: one deferred linear)."""
     mx.random.seed(0)
     norm, lin = rms_norm(64), linear(64, 32, bias)
-    flash = fn.deferred(lin, fn.norm_gain(norm), eps=norm.eps)
+    flash = fn.FlashHead(norm, lin, fold)
+    untouched([lin], [flash], fold)
     for x in inputs((3, 7, 64)):
         assert rel(lin(norm(x)), flash(x)) < TOL
     # epsilon matters: an all-but-zero input, where RMSe differs from RMS, still matches
@@ -100,12 +110,15 @@ def llama_args(**kw):
     return llama.ModelArgs(**{**TINY_LLAMA, "vocab_size": 97, **kw})
 
 
+@pytest.mark.parametrize("fold", [True, False])
 @pytest.mark.parametrize("mlp_bias", [False, True])
-def test_swiglu_separate_projections(mlp_bias):
+def test_swiglu_separate_projections(mlp_bias, fold):
     """Sec. 2.2 on Llama's mlp (gate_proj, up_proj, down_proj), with and without biases."""
     args = llama_args(mlp_bias=mlp_bias)
     mlp, norm = randomize(llama.MLP(args)), rms_norm(args.hidden_size)
-    flash = fn.FlashSwiGLU(norm, mlp)
+    flash = fn.FlashSwiGLU(norm, mlp, fold)
+    untouched([mlp.gate_proj, mlp.up_proj], [flash.gate_proj, flash.up_proj], fold)
+    assert ("gain" in flash) != fold
     for x in inputs((2, 5, args.hidden_size)):
         assert rel(mlp(norm(x)), flash(x)) < TOL
 
@@ -116,11 +129,13 @@ def openelm_args(**kw):
                               "ffn_multipliers": [0.5, 1.5], "ffn_dim_divisor": 32, **kw})[1]
 
 
-def test_swiglu_fused_projection():
+@pytest.mark.parametrize("fold", [True, False])
+def test_swiglu_fused_projection(fold):
     """Sec. 2.2 on OpenELM's ffn: proj_1 = [gate; up] fused, gate scaled before SiLU."""
     args = openelm_args()
     ffn, norm = randomize(openelm.FeedForward(args, 1)), rms_norm(args.model_dim)
-    flash = fn.FlashFusedSwiGLU(norm, ffn)
+    flash = fn.FlashFusedSwiGLU(norm, ffn, fold)
+    untouched([ffn.proj_1], [flash.proj_1], fold)
     for x in inputs((2, 5, args.model_dim)):
         assert rel(ffn(norm(x)), flash(x)) < TOL
 
@@ -143,22 +158,26 @@ class GLU(nn.Module):
         return self.down(self.act(self.gate(x)) * self.up(x))
 
 
+@pytest.mark.parametrize("fold", [True, False])
 @pytest.mark.parametrize("bias", [False, True])
-def test_relu_ffn_scale_deferred_to_output(bias):
+def test_relu_ffn_scale_deferred_to_output(bias, fold):
     """Sec. 2.1: ReLU(s a) = s ReLU(a), the 1/RMS goes to the FFN output (before down's bias)."""
     mx.random.seed(0)
     ffn, norm = ReLUFFN(32, 96, bias), rms_norm(32)
-    flash = fn.FlashReLUFFN(norm, ffn.up, ffn.down)
+    flash = fn.FlashReLUFFN(norm, ffn.up, ffn.down, fold)
+    untouched([ffn.up], [flash.up], fold)
     for x in inputs((2, 5, 32)):
         assert rel(ffn(norm(x)), flash(x)) < TOL
 
 
+@pytest.mark.parametrize("fold", [True, False])
 @pytest.mark.parametrize("activation,act", [("relu", nn.relu), ("bilinear", lambda a: a)])
-def test_reglu_and_bilinear_one_output_scale(activation, act):
+def test_reglu_and_bilinear_one_output_scale(activation, act, fold):
     """Sec. 2.2 special case: ReGLU / bilinear GLU, a single 1/MS scale at the output."""
     mx.random.seed(0)
     ffn, norm = GLU(32, 96, act, True), rms_norm(32)
-    flash = fn.FlashGLU(norm, ffn.gate, ffn.up, ffn.down, activation)
+    flash = fn.FlashGLU(norm, ffn.gate, ffn.up, ffn.down, activation, fold)
+    untouched([ffn.gate, ffn.up], [flash.gate, flash.up], fold)
     for x in inputs((2, 5, 32)):
         assert rel(ffn(norm(x)), flash(x)) < TOL
     with pytest.raises(ValueError, match="activation"):
@@ -214,28 +233,32 @@ def run_attention(attn, x, steps=3):
     return mx.concatenate(outs, axis=1)
 
 
+@pytest.mark.parametrize("fold", [True, False])
 @pytest.mark.parametrize("kw", [{}, {"attention_bias": True}, {"rope_traditional": True},
                                 {"rope_scaling": LLAMA3, "rope_theta": 500000.0}])
-def test_attention_rope_fusion(kw):
+def test_attention_rope_fusion(kw, fold):
     """Sec. 3: 1/RMS and h^-1/4 folded into cos/sin, V deferred; prefill and KV-cached decode."""
     args = llama_args(**kw)
     attn, norm = randomize(llama.Attention(args)), rms_norm(args.hidden_size)
-    flash = fn.FlashAttention(norm, attn)
+    flash = fn.FlashAttention(norm, attn, fold)
+    untouched([attn.q_proj, attn.k_proj, attn.v_proj], [flash.q_proj, flash.k_proj, flash.v_proj], fold)
     for x in inputs((2, 9, args.hidden_size)):
         assert rel(run_attention(attn, norm(x)), run_attention(flash, x)) < TOL
 
 
-def qk_pair(eps):
+def qk_pair(eps, fold=True):
     attn, norm = randomize(openelm.Attention(openelm_args(), 1)), rms_norm(128)
     norm.eps = attn.q_norm.eps = attn.k_norm.eps = eps  # nn.RMSNorm refuses eps=0 only in __init__
-    return attn, norm, fn.FlashQKNormAttention(norm, attn)
+    return attn, norm, fn.FlashQKNormAttention(norm, attn, fold)
 
 
-def test_qk_norm_exact_without_epsilon():
+@pytest.mark.parametrize("fold", [True, False])
+def test_qk_norm_exact_without_epsilon(fold):
     """Sec. 4.1/4.2 with eps = 0: dropping the input RMS for Q/K is exact (scale invariance), and
     the q_norm/k_norm weights fused into cos/sin with the rotate-half permutation."""
-    attn, norm, flash = qk_pair(0.0)
+    attn, norm, flash = qk_pair(0.0, fold)
     assert "q_gain" in flash and "q_norm" not in flash
+    untouched([attn.qkv_proj], [flash.qkv_proj], fold)
     for x in inputs((2, 9, 128)):
         assert rel(run_attention(attn, norm(x)), run_attention(flash, x)) < TOL
 
@@ -256,10 +279,11 @@ def test_qk_norm_epsilon_deviation_bounded():
     assert qk_epsilon_deviation(1e-3) > 1e-4  # the documented inexactness, not a bug we hide
 
 
-def test_openelm_attention_without_qk_norm():
+@pytest.mark.parametrize("fold", [True, False])
+def test_openelm_attention_without_qk_norm(fold):
     args = openelm_args(normalize_qk_projections=False)
     attn, norm = randomize(openelm.Attention(args, 0)), rms_norm(args.model_dim)
-    flash = fn.FlashQKNormAttention(norm, attn)
+    flash = fn.FlashQKNormAttention(norm, attn, fold)
     for x in inputs((2, 9, 128)):
         assert rel(run_attention(attn, norm(x)), run_attention(flash, x)) < TOL
 
@@ -353,21 +377,83 @@ def test_flash_model_with_half_precision_weights():
     assert rel(ref(tokens).astype(mx.float32), out.astype(mx.float32)) < 1e-2
 
 
-def test_flash_then_quantize_keeps_deferred_scales():
-    """prepare() quantizes after folding: the deferred linears quantize to their own class."""
-    ref, flash = tiny_llama(), tiny_llama()
-    loader.prepare(flash, norm="flash", bits=8, group_size=32)
+def quantized_arrays(model):
+    """The quantized layers' weight, scales and biases arrays, by path."""
+    params = dict(tree_flatten(model.parameters()))
+    return {k: v for k, v in params.items()
+            if k.endswith((".weight", ".scales", ".biases")) and k.rsplit(".", 1)[0] + ".scales" in params}
+
+
+def tiny_openelm(seed=0):
+    config = {**OPENELM_270M, "model_dim": 128, "num_transformer_layers": 2, "head_dim": 16,
+              "num_query_heads": [4, 6], "num_kv_heads": [2, 3], "ffn_multipliers": [0.5, 1.5],
+              "ffn_dim_divisor": 32, "vocab_size": 97}
+    arch, args = loader.model_args(config)
+    model = arch.Model(args)
+    model.load_weights(list(random_weights(model, seed, scale=0.1).items()))
+    model.config = config
+    return model
+
+
+@pytest.mark.parametrize("build", [lambda: tiny_llama(tie_word_embeddings=True),
+                                   lambda: tiny_llama(tie_word_embeddings=False), tiny_openelm],
+                         ids=["llama-tied", "llama-untied", "openelm"])
+def test_flash_without_folding_is_rms_with_the_same_weights(build):
+    """apply(fold=False) in full precision: same function, every linear weight the very array of
+    the reference, the norm gains kept as vectors (one per flash module, none per linear)."""
+    ref, flash = build(), build()
+    before = dict(tree_flatten(flash.parameters()))
+    fn.apply(flash, fold=False)
+    tokens = mx.array([[3, 14, 15, 92, 65, 35, 89, 79]])
+    assert rel(ref(tokens), flash(tokens)) < TOL
+    after = dict(tree_flatten(flash.parameters()))
+    shared = [k for k in before if "norm" not in k]
+    assert shared and all(before[k] is after[k] for k in shared)
+    gains = [k for k in after if k.endswith(".gain")]
+    assert len(gains) == 2 * len(flash.layers) + ("lm_head.weight" in before)
+    assert not any(k.endswith(("proj.gain", "proj_1.gain")) for k in gains)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_flash_quantized_equals_rms_quantized(tie):
+    """prepare(bits=4) with norm flash keeps the norm gains off the weights (fold=False): the
+    quantized arrays are exactly those of norm rms, the logits equal up to float32 rounding.
+    Applying FlashNorm to the already quantized model gives the same model again."""
+    ref, flash, late = (tiny_llama(tie_word_embeddings=tie) for _ in range(3))
+    loader.prepare(ref, norm="rms", bits=4, group_size=32)
+    loader.prepare(flash, norm="flash", bits=4, group_size=32)
+    loader.quantize(late, bits=4, group_size=32)
+    fn.apply(late, fold=False)
     kinds = {type(m).__name__ for _, m in flash.named_modules()}
-    assert "QuantizedDeferredLinear" in kinds and "DeferredLinear" not in kinds
-    tokens = mx.array([[3, 14, 15, 92, 65]])
-    assert rel(ref(tokens), flash(tokens)) < 2e-2  # 8-bit rounding, not FlashNorm
+    assert "QuantizedDeferredLinear" in kinds and "DeferredLinear" not in kinds and "Linear" not in kinds
+    q_ref = quantized_arrays(ref)
+    assert len(q_ref) == 3 * (7 * 2 + 1 + (not tie))  # 7 linears per layer, embedding, lm_head
+    for other in (flash, late):
+        q = quantized_arrays(other)
+        assert q.keys() == q_ref.keys()
+        assert all(mx.array_equal(q[k], q_ref[k]).item() for k in q_ref)
+    if not tie:  # the untied head: to_quantized carried its gain and eps over
+        assert "gain" in flash.lm_head and flash.lm_head.eps == TINY_LLAMA["rms_norm_eps"]
+    tokens = mx.array([[3, 14, 15, 92, 65, 35, 89, 79]])
+    assert rel(ref(tokens), flash(tokens)) < MODEL_TOL
+    assert rel(ref(tokens), late(tokens)) < MODEL_TOL
 
 
-def test_apply_refuses_quantized_model():
+def test_flash_quantized_head_bits_reach_the_tied_embedding():
+    model = tiny_llama()
+    loader.prepare(model, norm="flash", bits=4, group_size=32, head_bits=8)
+    assert model.model.embed_tokens.bits == 8 and model.model.layers[0].mlp.up_proj.bits == 4
+    assert model.config["quantization"]["model.embed_tokens"] == {"group_size": 32, "bits": 8}
+
+
+def test_folding_refuses_quantized_model():
     model = tiny_llama()
     loader.quantize(model, bits=4, group_size=32)
     with pytest.raises(loader.UserError, match="dequantize"):
         fn.apply(model)
+    with pytest.raises(loader.UserError, match="fold=True"):
+        fn.apply(model, head="untie", fold=False)
+    assert isinstance(model.model.layers[0].mlp, llama.MLP)  # refused before changing anything
 
 
 def test_remove_norms_drops_every_norm():
@@ -419,6 +505,20 @@ def smollm2_pair():
     loader.dequantize(ref)
     fn.apply(model)
     return ref, model, tok
+
+
+def test_smollm2_gguf_flash_as_loaded_equals_rms(smollm2):
+    """The embedded Q4_1 GGUF with norm flash: the quantized weights used as they are (not
+    dequantized), the same arrays as norm rms, logits equal up to float32 rounding."""
+    ref, tok = smollm2
+    flash, _ = loader.load(norm="flash", progress=False)
+    assert flash.config["quantization"] == ref.config["quantization"]
+    assert isinstance(flash.model.layers[0].self_attn.q_proj, fn.QuantizedDeferredLinear)
+    q_ref, q_flash = quantized_arrays(ref), quantized_arrays(flash)
+    assert len(q_ref) == 3 * (30 * 7 + 1) and q_flash.keys() == q_ref.keys()
+    assert all(mx.array_equal(q_flash[k], q_ref[k]).item() for k in q_ref)
+    prompt = mx.array(tok.encode("The history of the printing press begins"))[None]
+    assert rel(ref(prompt), flash(prompt)) < MODEL_TOL
 
 
 def test_smollm2_logits_and_greedy_generation(smollm2_pair):
