@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One call on the CUDA device machine (see bench/RESULTS.md): unpack the MLX CUDA build carried in
+# .mlxcuda2 (part 1 was copied to /root/mlxp by the call before, as ../shared/device/mlx-cuda-parts.sh
+# prints), run the kernel and decode tests there, count the decode step's graph, and bench.
+# Usage: bash bench/gpu_session.sh [bench args...]; logs go to $OUT.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+if [ ! -d /tmp/site/mlx ]; then
+  cat /root/mlxp/part_aa .mlxcuda2/part_ab | xz -d | (mkdir -p /tmp/site && cd /tmp/site && tar xf -)
+fi
+# the package as installed: models/, quantize/, bench/ become mlx_flashnorm subpackages
+rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -r mlx_flashnorm tests /tmp/pkg/
+for d in models quantize bench; do cp -r "$d" "/tmp/pkg/mlx_flashnorm/$d"; done
+export PYTHONPATH=/tmp/site:/tmp/pkg
+cd /tmp/pkg
+python3 -c "import mlx.core as mx; print(mx.__version__, mx.default_device(), mx.device_info().get('device_name'))"
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_decode.py > "$OUT/tests.log" 2>&1
+tail -25 "$OUT/tests.log"
+python3 -m mlx_flashnorm.bench.step_graph 2>&1 | tee "$OUT/graph.log" | cut -c1-400
+for args in "$@"; do
+  echo "== bench $args"
+  eval "timeout 300 python3 -m mlx_flashnorm.bench $args" > "$OUT/bench.log" 2>&1
+  grep -E "^\||^device|rror" "$OUT/bench.log" | tail -20
+done

@@ -1,0 +1,56 @@
+"""Operations in one 1-token decode step, per norm mode: the graph that mx.compile replays.
+
+On a fast GPU decoding is bound by per-operation host work, so this count is the cost model of
+the levers in bench/RESULTS.md. Counts the step's (uncompiled) graph by operation name:
+
+    python -m mlx_flashnorm.bench.step_graph [--bits 4] [--dtype float16]
+"""
+import argparse
+import collections
+import io
+import re
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+
+from ..cache import StaticKVCache
+from .decode import NORM_MODES, OPENELM_270M, load_ours, random_checkpoint
+
+VIEWS = {"Reshape", "Transpose", "Slice", "Split", "ExpandDims", "Squeeze", "Broadcast", "AsStrided",
+         "Flatten", "Unflatten"}  # no kernel: they share the input's buffer (when contiguous)
+
+
+def step_ops(model, prompt=8):
+    """Operation names in the graph of one 1-token step after a prefill of `prompt` tokens."""
+    cache = [StaticKVCache(prompt + 8) for _ in model.layers]
+    model(mx.arange(prompt)[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    for c in cache:
+        c.offset = mx.array(prompt)
+    logits = model(mx.array([[3]]), cache=cache)
+    f = io.StringIO()
+    mx.export_to_dot(f, logits, *[a for c in cache for a in c.state])
+    return re.findall(r'label ="?([A-Za-z]+)', f.getvalue())
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.bench.step_graph", description=__doc__)
+    p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--dtype", default="float16")
+    p.add_argument("--layers", type=int, default=16)
+    args = p.parse_args(argv)
+    config = dict(OPENELM_270M, num_transformer_layers=args.layers,
+                  **{k: OPENELM_270M[k][:args.layers] for k in ("num_query_heads", "num_kv_heads", "ffn_multipliers")})
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = random_checkpoint(Path(tmp) / "m", config)
+        print(f"device {mx.default_device()}, {args.layers} layers, bits {args.bits}, {args.dtype}")
+        for mode in NORM_MODES:
+            ops = step_ops(load_ours(folder, mode, args.bits or None, args.dtype, 64))
+            counts = collections.Counter(ops)
+            kernels = sum(n for op, n in counts.items() if op not in VIEWS)
+            print(f"{mode:6} ops {len(ops):4}  non-view {kernels:4}  {dict(counts.most_common())}")
+
+
+if __name__ == "__main__":
+    main()

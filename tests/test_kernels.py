@@ -1,0 +1,104 @@
+"""mlx_flashnorm.kernels: each function against the plain computation it replaces.
+
+On this CPU the functions run their fallbacks; on a CUDA machine (the device runs this file
+too) the same tests check the CUDA kernels, and the `cuda` tests compare kernel and fallback."""
+import math
+
+import mlx.core as mx
+import pytest
+
+from mlx_flashnorm import kernels
+
+CUDA = kernels.use_cuda()
+RTOL = {mx.float32: 1e-5, mx.float16: 2e-3}  # max |a - b| / max |b|
+
+
+def rel(a, b):
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    return (mx.abs(a - b).max() / mx.abs(b).max()).item()
+
+
+def rand(shape, seed, scale=1.0, dtype=mx.float32):
+    return (scale * mx.random.normal(shape, key=mx.random.key(seed))).astype(dtype)
+
+
+def reference_attention(q, k, v, n, scale):
+    """Plain softmax attention of each query over its visible positions (float32)."""
+    B, Hq, L, D = q.shape
+    g = Hq // k.shape[1]
+    k, v = (mx.repeat(a.astype(mx.float32), g, axis=1) for a in (k, v))
+    s = (q.astype(mx.float32) @ k.transpose(0, 1, 3, 2)) * scale
+    visible = mx.arange(k.shape[2])[None] < (n - L + 1 + mx.arange(L))[:, None]
+    s = mx.where(visible, s, -mx.inf)
+    return mx.softmax(s, axis=-1) @ v
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+@pytest.mark.parametrize("D,Hq,Hkv,C,n,L", [(64, 12, 3, 640, 513, 1), (64, 20, 5, 64, 1, 1),
+                                           (128, 8, 8, 300, 300, 1), (64, 4, 2, 32, 20, 3)])
+def test_decode_attention(dtype, D, Hq, Hkv, C, n, L):
+    q, k, v = rand((2, Hq, L, D), 1, dtype=dtype), rand((2, Hkv, C, D), 2, dtype=dtype), rand((2, Hkv, C, D), 3, dtype=dtype)
+    k = mx.where(mx.arange(C)[:, None] < n, k, mx.array(1e4, dtype))  # unfilled slots hold junk
+    out = kernels.decode_attention(q, k, v, mx.array(n), D**-0.5)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert rel(out, reference_attention(q, k, v, n, D**-0.5)) < RTOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+@pytest.mark.parametrize("with_xs,with_r,with_g", [(False, False, False), (False, True, True),
+                                                   (True, True, False), (True, True, True)])
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
+def test_add_rss(dtype, with_xs, with_r, with_g, scale):
+    x = rand((3, 5, 1280), 4, scale, dtype)
+    xs = mx.abs(rand((3, 5, 1), 5, dtype=dtype)) if with_xs else None
+    r = rand((3, 5, 1280), 6, scale, dtype) if with_r else None
+    g = rand((1280,), 7, dtype=dtype) if with_g else None
+    eps = 1e-6
+    p, pg, s = kernels.add_rss(x, eps, xs=xs, r=r, g=g)
+    f = lambda a: None if a is None else a.astype(mx.float32)
+    ref_p = f(x) * (f(xs) if with_xs else 1.0) + (f(r) if with_r else 0.0)
+    assert rel(p, ref_p) < RTOL[dtype]
+    assert (pg is None) == (not with_g)
+    if with_g:
+        assert rel(pg, ref_p * f(g)) < RTOL[dtype]
+    ref_s = 1 / mx.sqrt(mx.sum(ref_p * ref_p, axis=-1, keepdims=True) + 1280 * eps)
+    assert s.shape == (3, 5, 1) and rel(s, ref_s) < RTOL[dtype]
+
+
+@pytest.mark.skipif(not CUDA, reason="the QK-norm + RoPE kernel runs on CUDA only; elsewhere the "
+                                     "composition in flashnorm.FlashQKNormAttention runs (tested there)")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+@pytest.mark.parametrize("D,Hq,Hkv,L,offset", [(64, 12, 3, 1, 700), (64, 4, 2, 7, 0), (128, 8, 4, 1, 3)])
+def test_qk_norm_rope_cuda(dtype, D, Hq, Hkv, L, offset):
+    B, eps, base = 2, 1e-6, 10000.0
+    qkv = rand((B, L, (Hq + 2 * Hkv) * D), 8, 3.0, dtype)
+    s = mx.abs(rand((B, L, 1), 9, dtype=dtype))
+    gq, gk = 1 + 0.3 * rand((D,), 10), 1 + 0.3 * rand((D,), 11)
+    c = D**-0.25
+    swap = lambda g: mx.concatenate([g[D // 2:], g[:D // 2]])
+    gains = [mx.stack([c * math.sqrt(D) * g, swap(c * math.sqrt(D) * g)]) for g in (gq, gk)]
+    theta = mx.exp(-mx.arange(D // 2, dtype=mx.float32) * (2 * math.log(base) / D))
+    q, k, v = kernels.qk_norm_rope(qkv, s, offset, theta, *gains, Hq, Hkv, eps)
+    x = qkv.astype(mx.float32).reshape(B, L, -1, D).transpose(0, 2, 1, 3)
+    xq, xk, xv = x[:, :Hq], x[:, Hq:Hq + Hkv], x[:, Hq + Hkv:]
+    ref = lambda a, g: c * mx.fast.rope(mx.fast.rms_norm(a, g, eps), D, traditional=False, base=base,
+                                        scale=1.0, offset=offset)
+    assert rel(q, ref(xq, gq)) < 10 * RTOL[dtype]
+    assert rel(k, ref(xk, gk)) < 10 * RTOL[dtype]
+    assert rel(v, xv * s.astype(mx.float32)[:, None]) < RTOL[dtype]
+
+
+@pytest.mark.skipif(not CUDA, reason="compares the CUDA kernels with their fallbacks")
+def test_cuda_kernels_equal_their_fallbacks():
+    q, k, v = rand((1, 12, 1, 64), 1), rand((1, 3, 128, 64), 2), rand((1, 3, 128, 64), 3)
+    x, r = rand((4, 1280), 4), rand((4, 1280), 5)
+    outs = []
+    for enabled in (True, False):
+        kernels.ENABLED = enabled
+        try:
+            outs.append([kernels.decode_attention(q, k, v, mx.array(77), 0.125),
+                         *kernels.add_rss(x, 1e-5, r=r)])
+        finally:
+            kernels.ENABLED = True
+    for a, b in zip(*outs):
+        assert rel(a, b) < 1e-5
