@@ -18,8 +18,10 @@ python3 -c "import mlx.core as mx; print(mx.__version__, mx.default_device(), mx
 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_decode.py > "$OUT/tests.log" 2>&1
 tail -25 "$OUT/tests.log"
 python3 -m mlx_flashnorm.bench.step_graph 2>&1 | tee "$OUT/graph.log" | cut -c1-400
+i=0
 for args in "$@"; do
+  i=$((i + 1))
   echo "== bench $args"
-  eval "timeout 300 python3 -m mlx_flashnorm.bench $args" > "$OUT/bench.log" 2>&1
-  grep -E "^\||^device|rror" "$OUT/bench.log" | tail -20
+  eval "timeout 300 python3 -m mlx_flashnorm.bench $args --out $OUT/bench$i" > "$OUT/bench$i.log" 2>&1
+  grep -E "^\||^device|rror" "$OUT/bench$i.log" | tail -20
 done
