@@ -2,8 +2,10 @@
 
 The model files stay plain reference code. Each transformation here takes a (norm, consumer) pair
 of a loaded model and replaces it: the norm becomes an identity and the consumer a flash module
-that computes the same function with the norm weights folded into its linear weights and the
-1/RMS scale deferred past the matmul. One class or function per paper section:
+that computes the same function with the 1/RMS scale deferred past the matmul and the norm gain
+sqrt(n) g either folded into its linear weights (fold=True: weightless, for full precision) or
+multiplied onto its input, the weights untouched (fold=False: for quantized weights, which then
+equal those of the reference exactly). One class or function per paper section:
 
     fold_weight, weightless            Sec. 1, Fig. 1(b): weightless normalization
     DeferredLinear, rss_scale          Sec. 1, Fig. 1(c) + Appendix A/B: deferred 1/RMSe
@@ -11,14 +13,18 @@ that computes the same function with the norm weights folded into its linear wei
     FlashSwiGLU, FlashFusedSwiGLU      Sec. 2.2: SwiGLU (Llama mlp, OpenELM ffn)
     FlashAttention                     Sec. 3: 1/RMS and 1/sqrt(h) fused into RoPE's cos/sin
     FlashQKNormAttention               Sec. 4: QK-norm (OpenELM), norm weights fused into cos/sin
-    FlashHead, TiedFlashHead           final norm + LM head (untied copy or kept scale vector)
+    FlashHead, TiedFlashHead           final norm + LM head (untied: folded or input gain; tied:
+                                       kept scale vector)
     FlashLayerNormLinear, DyTLinear    Sec. 1.1: LayerNorm / DyT bias moved into the next linear
     merge_mean_centering               Sec. 1.2: mean centering merged into a preceding linear
 
-apply(model) rewrites a whole Llama/OpenELM model; remove_norms(model) drops every norm (a speed
-ceiling, not the same function). Weights are folded in float32 and cast back to the model dtype.
-Every linear keeps its path (model.layers.0.self_attn.q_proj stays that), so per-module
-quantization settings carry over, and DeferredLinear quantizes to QuantizedDeferredLinear.
+apply(model, fold=...) rewrites a whole Llama/OpenELM model; remove_norms(model) drops every norm
+(a speed ceiling, not the same function). Weights are folded in float32 and cast back to the model
+dtype. Why not always fold: quantizing W*g loses far more than quantizing W where g varies inside a
+quantization group (SmolLM2 4-bit perplexity +46%, bench/RESULTS.md), so a quantized model keeps g
+on the activations. Every linear keeps its path (model.layers.0.self_attn.q_proj stays that), so
+per-module quantization settings carry over, and DeferredLinear quantizes to QuantizedDeferredLinear
+(a QuantizedLinear becomes one as it is, with apply(fold=False)).
 """
 import math
 
@@ -56,6 +62,18 @@ def fold_weight(weight, gain):
     return (weight.astype(mx.float32) * gain).astype(weight.dtype)
 
 
+def split_gain(norm, fold):
+    """(folded, kept): norm_gain(norm) in float32 to fold into the weights of the linears the norm
+    feeds (fold), or in the norm's dtype to keep for their input (not fold); the other is None."""
+    gain = norm_gain(norm)
+    return (gain, None) if fold else (None, gain.astype(norm.weight.dtype if "weight" in norm else mx.float32))
+
+
+def gained(module, x):
+    """x * module.gain where the module keeps the norm gain on the activation side, else x."""
+    return x * module.gain if "gain" in module else x
+
+
 def weightless(norm, linears):
     """Sec. 1, Fig. 1(b) in place: fold the norm weights g into each following linear and set g to
     1. The model keeps its structure (an RMSNorm without effective weights), so the result is an
@@ -67,16 +85,17 @@ def weightless(norm, linears):
 
 
 class _Deferred:
-    """Sec. 1, Fig. 1(c): y = (x W*^T) * s + c, the scale s applied to the matmul output, before
-    the bias. s=None: no scale (bias still added); s None and eps set: s = 1/RSSe(x) of the input
+    """Sec. 1, Fig. 1(c): y = ((x * gain) W^T) * s + c, the scale s applied to the matmul output,
+    before the bias. gain (optional parameter): the norm gain kept on the input (not folded into
+    W). s=None: no scale (bias still added); s None and eps set: s = 1/RSSe(x) of the input
     itself, so the module alone replaces an RMSNorm + Linear pair."""
 
     eps = None
 
     def __call__(self, x, s=None):
-        y = self._product(x)
         if s is None and self.eps is not None:
             s = rss_scale(x, self.eps)
+        y = self._product(gained(self, x))
         if s is not None:
             y = y * s
         return y + self["bias"] if "bias" in self else y
@@ -91,6 +110,8 @@ class DeferredLinear(_Deferred, nn.Linear):
             raise ValueError("DeferredLinear: quantized input is not supported")
         q = QuantizedDeferredLinear.from_linear(self, group_size, bits, mode)
         q.eps = self.eps
+        if "gain" in self:
+            q.gain = self.gain
         return q
 
 
@@ -102,12 +123,20 @@ class QuantizedDeferredLinear(_Deferred, nn.QuantizedLinear):
 
 
 def deferred(linear, gain=None, eps=None):
-    """A DeferredLinear from a reference nn.Linear, with gain (e.g. norm_gain) folded in."""
-    out_dims, in_dims = linear.weight.shape
-    new = DeferredLinear(in_dims, out_dims, bias="bias" in linear)
-    new.weight = linear.weight if gain is None else fold_weight(linear.weight, gain)
-    if "bias" in linear:
-        new.bias = linear.bias
+    """The deferred form of a reference nn.Linear (a DeferredLinear) or nn.QuantizedLinear (a
+    QuantizedDeferredLinear), holding its arrays as they are, with gain (e.g. norm_gain) folded
+    into the weight (full precision only)."""
+    if isinstance(linear, nn.QuantizedLinear):
+        if gain is not None:
+            raise ValueError("cannot fold a norm gain into quantized weights: keep it on the input (fold=False)")
+        out_dims, packed = linear.weight.shape
+        new = QuantizedDeferredLinear(packed * 32 // linear.bits, out_dims, "bias" in linear,
+                                      linear.group_size, linear.bits, linear.mode)
+    else:
+        new = DeferredLinear(linear.weight.shape[1], linear.weight.shape[0], "bias" in linear)
+    new.update(linear.parameters())
+    if gain is not None:
+        new.weight = fold_weight(linear.weight, gain)
     new.eps = eps
     return new
 
@@ -117,22 +146,24 @@ def deferred(linear, gain=None, eps=None):
 class FlashSwiGLU(nn.Module):
     """Sec. 2.2, SwiGLU after RMSNorm (Llama's mlp: gate_proj, up_proj, down_proj).
 
-    The norm weights are folded into gate and up; the gate branch is scaled by s = 1/RMS before
-    SiLU (SiLU is not scale invariant); the up branch's scale is deferred past down_proj (all of it
-    is linear). With an up bias the up scale comes before that bias (down_proj is not scaled)."""
+    The norm weights are folded into gate and up (or, fold=False, multiplied onto x once for
+    both); the gate branch is scaled by s = 1/RMS before SiLU (SiLU is not scale invariant); the up
+    branch's scale is deferred past down_proj (all of it is linear). With an up bias the up scale
+    comes before that bias (down_proj is not scaled)."""
 
-    def __init__(self, norm, mlp):
+    def __init__(self, norm, mlp, fold=True):
         super().__init__()
-        gain = norm_gain(norm)
+        folded, self.gain = split_gain(norm, fold)
         self.eps = norm.eps
-        self.gate_proj = deferred(mlp.gate_proj, gain)
-        self.up_proj = deferred(mlp.up_proj, gain)
+        self.gate_proj = deferred(mlp.gate_proj, folded)
+        self.up_proj = deferred(mlp.up_proj, folded)
         self.down_proj = deferred(mlp.down_proj)
 
     def __call__(self, x):
         s = rss_scale(x, self.eps)
         late = "bias" not in self.up_proj
-        h = nn.silu(self.gate_proj(x, s)) * self.up_proj(x, None if late else s)
+        a = gained(self, x)
+        h = nn.silu(self.gate_proj(a, s)) * self.up_proj(a, None if late else s)
         return self.down_proj(h, s if late else None)
 
 
@@ -140,17 +171,18 @@ class FlashFusedSwiGLU(nn.Module):
     """Sec. 2.2 for OpenELM's ffn: proj_1 = [gate; up] (one fused, bias-free matmul), proj_2.
     The gate half is scaled by 1/RMS before SiLU, the up half's scale is deferred to the output."""
 
-    def __init__(self, norm, ffn):
+    def __init__(self, norm, ffn, fold=True):
         super().__init__()
         if "bias" in ffn.proj_1 or "bias" in ffn.proj_2:
             raise ValueError("FlashFusedSwiGLU needs bias-free proj_1 and proj_2")
+        folded, self.gain = split_gain(norm, fold)
         self.eps = norm.eps
-        self.proj_1 = deferred(ffn.proj_1, norm_gain(norm))
+        self.proj_1 = deferred(ffn.proj_1, folded)
         self.proj_2 = deferred(ffn.proj_2)
 
     def __call__(self, x):
         s = rss_scale(x, self.eps)
-        gate, up = mx.split(self.proj_1(x), 2, axis=-1)
+        gate, up = mx.split(self.proj_1(gained(self, x)), 2, axis=-1)
         return self.proj_2(nn.silu(gate * s) * up, s)
 
 
@@ -158,16 +190,17 @@ class FlashReLUFFN(nn.Module):
     """Sec. 2.1: RMSNorm -> up -> ReLU -> down. ReLU(s*a) = s*ReLU(a) for s >= 0, so the whole
     1/RMS scale moves to the FFN output (before down's bias). up must be bias-free."""
 
-    def __init__(self, norm, up, down):
+    def __init__(self, norm, up, down, fold=True):
         super().__init__()
         if "bias" in up:
             raise ValueError("Sec. 2.1 needs a bias-free up projection (ReLU(s*a + c) != s*ReLU(a + c))")
+        folded, self.gain = split_gain(norm, fold)
         self.eps = norm.eps
-        self.up = deferred(up, norm_gain(norm))
+        self.up = deferred(up, folded)
         self.down = deferred(down)
 
     def __call__(self, x):
-        return self.down(nn.relu(self.up(x)), rss_scale(x, self.eps))
+        return self.down(nn.relu(self.up(gained(self, x))), rss_scale(x, self.eps))
 
 
 class FlashGLU(nn.Module):
@@ -177,19 +210,20 @@ class FlashGLU(nn.Module):
 
     ACTIVATIONS = {"relu": nn.relu, "bilinear": lambda a: a}
 
-    def __init__(self, norm, gate, up, down, activation):
+    def __init__(self, norm, gate, up, down, activation, fold=True):
         super().__init__()
         if activation not in self.ACTIVATIONS:
             raise ValueError(f"activation must be one of {', '.join(self.ACTIVATIONS)} (s*act(a) = act(s*a))")
         if "bias" in gate or "bias" in up:
             raise ValueError("Sec. 2.2 (ReGLU/bilinear) needs bias-free gate and up projections")
-        gain = norm_gain(norm)
+        folded, self.gain = split_gain(norm, fold)
         self.eps, self.activation = norm.eps, activation
-        self.gate, self.up, self.down = deferred(gate, gain), deferred(up, gain), deferred(down)
+        self.gate, self.up, self.down = deferred(gate, folded), deferred(up, folded), deferred(down)
 
     def __call__(self, x):
         s = rss_scale(x, self.eps)
-        return self.down(self.ACTIVATIONS[self.activation](self.gate(x)) * self.up(x), s * s)
+        a = gained(self, x)
+        return self.down(self.ACTIVATIONS[self.activation](self.gate(a)) * self.up(a), s * s)
 
 
 # ---------------------------------------------------------------- Sec. 3/4: attention and RoPE
@@ -246,20 +280,21 @@ def apply_rope(x, cos, sin, traditional):
 class FlashAttention(nn.Module):
     """Sec. 3, attention with RoPE after RMSNorm (Llama's self_attn).
 
-    The norm weights are folded into q/k/v_proj. s = 1/RMS(x) is one scalar per token; RoPE is
+    The norm weights are folded into q/k/v_proj (or, fold=False, multiplied onto x once for all
+    three). s = 1/RMS(x) is one scalar per token; RoPE is
     linear, so s is multiplied into the cos/sin tables (shared by all heads) together with
     h^-1/4 for each of q and k, which makes the softmax scale 1/sqrt(h) fused too (sdpa runs with
     scale 1). V keeps its deferred scale. q/k with a bias get s before the bias instead.
     Same call signature, KV cache and mask as the reference; the cache holds the scaled k."""
 
-    def __init__(self, norm, attn):
+    def __init__(self, norm, attn, fold=True):
         super().__init__()
-        gain = norm_gain(norm)
+        folded, self.gain = split_gain(norm, fold)
         self.eps = norm.eps
         self.n_heads, self.n_kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
         if attn.scale != self.head_dim**-0.5:
             raise ValueError("FlashAttention fuses a 1/sqrt(head_dim) softmax scale only")
-        self.q_proj, self.k_proj, self.v_proj = (deferred(p, gain) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+        self.q_proj, self.k_proj, self.v_proj = (deferred(p, folded) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
         self.o_proj = attn.o_proj
         self.traditional = attn.rope.traditional
         self._rope = rope_frequencies(attn.rope)
@@ -268,9 +303,10 @@ class FlashAttention(nn.Module):
         B, L, _ = x.shape
         s = rss_scale(x, self.eps)
         fuse_q, fuse_k = "bias" not in self.q_proj, "bias" not in self.k_proj
-        q = self.q_proj(x, None if fuse_q else s).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = self.k_proj(x, None if fuse_k else s).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = self.v_proj(x, s).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        a = gained(self, x)
+        q = self.q_proj(a, None if fuse_q else s).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = self.k_proj(a, None if fuse_k else s).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = self.v_proj(a, s).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         offset = cache.offset if cache is not None else 0
         cos, sin = rope_tables(self._rope, offset, L, self.traditional)
         c = self.head_dim**-0.25
@@ -288,6 +324,7 @@ class FlashQKNormAttention(nn.Module):
     """Sec. 4, QK-normalization with RoPE (OpenELM's attn: fused qkv_proj, q_norm, k_norm shared
     by all heads, rotate-half RoPE).
 
+    The norm weights are folded into qkv_proj (or, fold=False, multiplied onto x).
     4.1: q and k are RMS-normalized again per head, and RMS(s*a) = s*RMS(a), so the input's 1/RMS
     cancels for them: only V gets the deferred s. With epsilon this is not exact: the reference
     normalizes q(x/RMSe(x)) with eps, here the unscaled q(x) (weights times sqrt(n) g), so eps
@@ -299,13 +336,14 @@ class FlashQKNormAttention(nn.Module):
     (permute_gain). Only the per-head 1/RSSe(q) is computed, and applied after RoPE.
     Without QK-norm (normalize_qk_projections false), s goes into cos/sin as in Sec. 3."""
 
-    def __init__(self, norm, attn):
+    def __init__(self, norm, attn, fold=True):
         super().__init__()
         self.eps = norm.eps
         self.n_heads, self.n_kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
         if "bias" in attn.qkv_proj:
             raise ValueError("FlashQKNormAttention needs a bias-free qkv_proj")
-        self.qkv_proj = deferred(attn.qkv_proj, norm_gain(norm))
+        folded, self.gain = split_gain(norm, fold)
+        self.qkv_proj = deferred(attn.qkv_proj, folded)
         self.out_proj = attn.out_proj
         self.traditional = attn.rope.traditional
         self._rope = rope_frequencies(attn.rope)
@@ -324,7 +362,7 @@ class FlashQKNormAttention(nn.Module):
     def __call__(self, x, mask=None, cache=None):
         B, L, _ = x.shape
         s = rss_scale(x, self.eps)
-        qkv = self.qkv_proj(x).reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3)
+        qkv = self.qkv_proj(gained(self, x)).reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3)
         q, k, v = mx.split(qkv, [self.n_heads, self.n_heads + self.n_kv_heads], axis=1)
         v = v * s[:, None]
         offset = cache.offset if cache is not None else 0
@@ -344,14 +382,14 @@ class FlashQKNormAttention(nn.Module):
 
 # ---------------------------------------------------------------- final norm + LM head
 
-def FlashHead(norm, weight):
-    """Final RMSNorm + LM head with an untied head (Fig. 1(c)): sqrt(n)*g folded into a copy of
-    the head weight, logits scaled by the deferred 1/RSSe. For a tied embedding this copy costs
-    vocab x dim extra parameters (the 'untie' variant)."""
-    out_dims, in_dims = weight.shape
-    head = DeferredLinear(in_dims, out_dims, bias=False)
-    head.weight = fold_weight(weight, norm_gain(norm))
-    head.eps = norm.eps
+def FlashHead(norm, linear, fold=True):
+    """Final RMSNorm + an untied LM head (an nn.Linear, or nn.QuantizedLinear with fold=False) as
+    one deferred linear (Fig. 1(c)): sqrt(n)*g folded into the head weight (fold) or kept as its
+    input gain, logits scaled by the deferred 1/RSSe. For a tied embedding, apply(head="untie")
+    passes a copy of the embedding: vocab x dim extra parameters."""
+    folded, kept = split_gain(norm, fold)
+    head = deferred(linear, folded, norm.eps)
+    head.gain = kept  # None: no gain (folded)
     return head
 
 
@@ -459,35 +497,48 @@ def _model_type(model):
 
 def _check_full_precision(model):
     if any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules()):
-        raise UserError("FlashNorm folds full-precision weights: dequantize the model first "
-                        "(loader.dequantize), then quantize again after folding")
+        raise UserError("folding norm weights needs full-precision weights: dequantize the model "
+                        "first (loader.dequantize), or keep the norm gain on the activations "
+                        "(flashnorm.apply(model, fold=False))")
 
 
-def apply(model, head=DEFAULT_HEAD):
+def apply(model, head=DEFAULT_HEAD, fold=True):
     """Rewrite a loaded Llama/OpenELM model (in place) to compute the same function with FlashNorm;
     returns it. Every pre-norm becomes nn.Identity and its consumer a flash module; the final norm
     goes into the LM head.
+
+    fold=True (full precision only): each norm's sqrt(n) g is folded into the weights of the
+    linears it feeds. fold=False: no linear weight is touched (a QuantizedLinear becomes a
+    QuantizedDeferredLinear holding the same arrays, nothing is dequantized) and the gain
+    multiplies each flash module's input once; quantizing afterwards gives exactly the quantized
+    weights of the reference model. Use it for quantized models (bench/RESULTS.md, "Perplexity").
 
     head: how a tied embedding takes the final norm. "scale" (default) keeps the embedding shared
     and the norm weights as one scale vector (TiedFlashHead): no extra memory. "untie" folds them
     into an untied vocab x dim copy (FlashHead): +156 MiB in float32 for OpenELM-270M (+15%), and
     no faster: CPU decode 3.26 vs 3.33 tokens/s for "scale" (bench/flash_head.py, interleaved, in
     bench/RESULTS.md), since decode is bound by reading weights. An untied model always folds
-    into its own lm_head."""
+    into its own lm_head. "untie" exists to fold, so it needs fold=True."""
     if head not in HEADS:
         raise UserError(f"head must be one of {', '.join(HEADS)}, not '{head}'")
+    if head == "untie" and not fold:
+        raise UserError("head 'untie' folds the final norm into a head copy: it needs fold=True")
     pairs, trunk_name = BLOCKS[_model_type(model)]
-    _check_full_precision(model)
+    if fold:
+        _check_full_precision(model)
     for layer in model.layers:
         for norm_name, consumer, flash in pairs:
-            setattr(layer, consumer, flash(getattr(layer, norm_name), getattr(layer, consumer)))
+            setattr(layer, consumer, flash(getattr(layer, norm_name), getattr(layer, consumer), fold))
             setattr(layer, norm_name, nn.Identity())
     trunk = getattr(model, trunk_name)
     norm = trunk.norm
     if "lm_head" in model:
-        model.lm_head = FlashHead(norm, model.lm_head.weight)
+        model.lm_head = FlashHead(norm, model.lm_head, fold)
     elif head == "untie":
-        model.lm_head = FlashHead(norm, model.embed_tokens.weight)
+        w = model.embed_tokens.weight
+        untied = nn.Linear(w.shape[1], w.shape[0], bias=False)
+        untied.weight = w
+        model.lm_head = FlashHead(norm, untied)
     else:
         model.lm_head = TiedFlashHead(norm, model)
     trunk.norm = nn.Identity()
@@ -497,7 +548,8 @@ def apply(model, head=DEFAULT_HEAD):
 
 def remove_norms(model):
     """Replace every RMSNorm (pre-norms, final norm, QK-norms) by an identity, in place. Not the
-    same function: the speed ceiling of any norm optimization, as in the paper's table."""
+    same function: the speed ceiling of any norm optimization, as in the paper's table. No linear
+    weight is touched, so a quantized model stays as it is."""
     _model_type(model)
     norms = [(path, nn.Identity()) for path, m in model.named_modules() if isinstance(m, nn.RMSNorm)]
     from mlx.utils import tree_unflatten
@@ -511,7 +563,9 @@ def make_weightless(model):
     every pre-norm's weights folded into the linears it feeds and set to 1; the final norm folded
     into the LM head, untying a tied embedding (a head copy is written). QK-norm weights are not
     foldable into a linear (a per-head RMS sits between) and are kept. Returns the model; its
-    config says the head is untied."""
+    config says the head is untied. Quantizing this form afterwards quantizes W*g, which costs
+    quality at low bits (bench/RESULTS.md, "Perplexity"); a stock loader has no place for the gain
+    on the activations, so an export has no other choice."""
     model_type = _model_type(model)
     _check_full_precision(model)
     for layer in model.layers:

@@ -202,7 +202,8 @@ def load(path_or_repo=None, norm="rms", bits=None, dtype="float32", tokenizer=No
 
     path_or_repo: a HF checkpoint folder, a HF repo id, or a llama .gguf file (None: the embedded
     SmolLM2-135M-Instruct). norm: "rms" (reference), "flash" (FlashNorm, same function) or "none"
-    (every norm removed: a speed ceiling, meaningless text). bits: quantize after FlashNorm folding.
+    (every norm removed: a speed ceiling, meaningless text). bits: quantize at load time; norm and
+    quantization compose as prepare() says.
     """
     if norm not in NORMS:
         raise UserError(f"norm must be one of {', '.join(NORMS)}, not '{norm}'")
@@ -280,25 +281,21 @@ def quantize(model, bits=4, group_size=64, overrides=None):
     return model
 
 
-def _layout(model):
-    """The quantization a model has: (common bits, common group size, per-module overrides)."""
-    q = model.config["quantization"]
-    overrides = {p: {"group_size": q[p]["group_size"], "bits": q[p]["bits"]}
-                 for p, _ in model.named_modules() if isinstance(q.get(p), dict)}
-    return q["bits"], q["group_size"], overrides
-
-
 def _float_dtype(model):
     return next(v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating))
 
 
 def prepare(model, norm="rms", bits=None, group_size=64, head_bits=None):
-    """Apply the norm mode, then quantization: FlashNorm folds in full precision first.
+    """Apply the norm mode, then quantization.
 
-    bits None keeps the weights as they are; a quantized checkpoint that must be folded (norm
-    "flash" or "none") is dequantized, folded and requantized with its own layout. bits 0 gives
-    full precision (dequantizing a quantized checkpoint). bits 2..8 quantizes a full-precision
-    model with group_size; head_bits gives the logits layer (and a tied embedding) its own bits.
+    bits None keeps the weights as they are (a quantized checkpoint stays quantized); bits 0 gives
+    full precision (dequantizing a quantized checkpoint); bits 2..8 quantizes a full-precision
+    model with group_size, head_bits gives the logits layer (and a tied embedding) its own bits.
+    norm "flash" folds the norm weights into the linear weights when the result is full precision
+    (flashnorm.apply(fold=True)); when it is quantized, it leaves every linear weight as it is and
+    keeps the norm gain on the activations (fold=False), because quantizing folded weights costs
+    quality (bench/RESULTS.md, "Perplexity"): the quantized weights are exactly those of norm "rms",
+    and a quantized checkpoint is used as it is. norm "none" touches no linear weight either.
     """
     if norm not in NORMS:
         raise UserError(f"norm must be one of {', '.join(NORMS)}, not '{norm}'")
@@ -308,7 +305,6 @@ def prepare(model, norm="rms", bits=None, group_size=64, head_bits=None):
             check_quantization(head_bits, group_size)
     elif head_bits is not None:
         raise UserError("head bits need quantization: pass bits too")
-    layout = None
     if "quantization" in model.config:
         if bits:
             q = model.config["quantization"]
@@ -316,18 +312,17 @@ def prepare(model, norm="rms", bits=None, group_size=64, head_bits=None):
                             f"{q['group_size']}); quantizing again stacks two rounding errors: "
                             "dequantize it first (bits 0 gives full precision; the quantize command "
                             "takes --dequantize) or start from a full-precision checkpoint")
-        if bits == 0 or norm != "rms":
-            layout = None if bits == 0 else _layout(model)
+        if bits == 0:
             dequantize(model, _float_dtype(model))
+    quantized = bool(bits) or "quantization" in model.config
+    head = head_path(model)  # before FlashNorm replaces the head: the tied embedding or lm_head
     if norm != "rms":
         from . import flashnorm
 
-        flashnorm.apply(model) if norm == "flash" else flashnorm.remove_norms(model)
-    if layout is not None:
-        quantize(model, *layout)
-    elif bits:
+        flashnorm.apply(model, fold=not quantized) if norm == "flash" else flashnorm.remove_norms(model)
+    if bits:
         quantize(model, bits, group_size,
-                 None if head_bits is None else {head_path(model): {"group_size": group_size, "bits": head_bits}})
+                 None if head_bits is None else {head: {"group_size": group_size, "bits": head_bits}})
     return model
 
 

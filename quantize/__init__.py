@@ -1,8 +1,10 @@
 """Write a quantized (or full-precision) checkpoint in the mlx-lm layout.
 
-The order is fixed: FlashNorm folds in full precision, then the weights are quantized. The
-checkpoint records its quantization in config.json as mlx-lm does, so our load() and stock
-mlx-lm (mlx_lm.utils.load_model) read it back as it is, without quantizing again.
+With --norm flash the checkpoint is FlashNorm's weightless form, so the order is fixed: fold in
+full precision, then quantize W*g. That is the only form a stock loader runs, and it costs quality
+at low bits (bench/RESULTS.md, "Perplexity"); load(..., norm="flash", bits=...) does not fold and
+has no such cost. The checkpoint records its quantization in config.json as mlx-lm does, so our
+load() and stock mlx-lm (mlx_lm.utils.load_model) read it back as it is, without quantizing again.
 """
 import json
 import shutil
@@ -44,7 +46,8 @@ def quantize_checkpoint(model_path, out, bits=4, group_size=64, norm="rms", head
 
     norm "flash" saves FlashNorm's weightless form (Fig. 1(b)): norm weights folded into the
     linears they feed and set to 1, the final norm folded into an (untied) LM head; a plain
-    checkpoint that any loader of the architecture runs, stock mlx-lm included.
+    checkpoint that any loader of the architecture runs, stock mlx-lm included. Quantized, it
+    loses more than norm "rms" does (the folded weights quantize worse).
 
     An already quantized input is refused unless dequantize_first (its rounding error stays in).
     Returns the path written."""

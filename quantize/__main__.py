@@ -1,5 +1,6 @@
 """python -m mlx_flashnorm.quantize --model X --bits 4 --out DIR"""
 import argparse
+import sys
 
 from ..errors import UserError, run_cli
 from ..loader import NORMS, QUANT_BITS, QUANT_GROUP_SIZES
@@ -38,6 +39,11 @@ def main(argv=None):
     out = quantize_checkpoint(args.model, args.out, bits=args.bits, group_size=args.group_size,
                               norm=args.norm, head_bits=args.head_bits, tokenizer=args.tokenizer,
                               dequantize_first=args.dequantize)
+    if args.norm == "flash" and 0 < args.bits < 8:
+        print(f"note: --norm flash quantizes the norm-folded weights, which costs quality at {args.bits} "
+              "bits (SmolLM2 at 4 bits: perplexity +46%, bench/RESULTS.md); FlashNorm at load time "
+              f"(--norm flash --bits {args.bits} on an rms checkpoint) does not fold and has no such cost",
+              file=sys.stderr)
     what = "full precision" if args.bits == 0 else f"{args.bits}-bit, group size {args.group_size}"
     print(f"wrote {out} ({what}, norm {args.norm})")
 

@@ -1,5 +1,5 @@
 """Quantization: checkpoints written by `quantize` read back by our load() and by stock mlx-lm,
-load-time quantization, requantizing a quantized layout, and bad input."""
+load-time quantization, norm modes on a quantized checkpoint, and bad input."""
 import json
 
 import mlx.core as mx
@@ -8,7 +8,7 @@ from mlx.utils import tree_flatten
 
 from conftest import TINY_LLAMA, cli
 from mlx_flashnorm.errors import UserError
-from mlx_flashnorm.loader import _layout, dequantize, load, prepare, quantize
+from mlx_flashnorm.loader import load, prepare
 from mlx_flashnorm.quantize import quantize_checkpoint
 
 TOKENS = mx.array([[1, 450, 2304, 17, 88, 9000, 31, 4, 1200, 77, 5, 6]])
@@ -67,28 +67,18 @@ def test_quantization_error_shrinks_with_bits(tiny_llama_dir):
     assert errors[-1] < 0.01, errors  # 8 bits: within 1% of the float32 logits
 
 
-def test_requantizing_a_dequantized_layout(exported):
-    """The path prepare() takes for folding a quantized checkpoint: same layout back, and each
-    weight moves by less than one quantization step (MLX's affine grid keeps zero exact, so the
-    requantized grid is not always the old one: this costs accuracy, see bench/RESULTS.md)."""
-    def dequantized(m):
-        return mx.dequantize(m.weight, m.scales, m.biases, group_size=m.group_size, bits=m.bits)
-
-    model, _ = load(exported, progress=False)
-    layout = _layout(model)
-    assert layout == (4, 32, {"model.embed_tokens": {"group_size": 32, "bits": 8}})
-    paths = ["model.embed_tokens", "model.layers.0.self_attn.o_proj", "model.layers.1.mlp.up_proj"]
-    modules = dict(model.named_modules())
-    before = {p: (dequantized(modules[p]), mx.repeat(modules[p].scales, 32, axis=-1)) for p in paths}
-    dequantize(model)
-    assert "quantization" not in model.config and "quantization_config" not in model.config
-    quantize(model, *layout)
-    assert model.config["quantization"]["model.embed_tokens"] == {"group_size": 32, "bits": 8}
-    modules = dict(model.named_modules())
-    for p in paths:
-        w, step = before[p]
-        assert modules[p].bits == (8 if "embed" in p else 4)
-        assert (mx.abs(dequantized(modules[p]) - w) <= mx.abs(step) * (1 + 1e-4)).all().item(), p
+@pytest.mark.parametrize("norm", ["flash", "none"])
+def test_norm_modes_keep_a_quantized_checkpoint_as_it_is(exported, norm):
+    """norm flash (gain kept on the activations) and none touch no linear weight: a quantized
+    checkpoint keeps its layout and its very arrays, nothing dequantized or requantized."""
+    ref, _ = load(exported, progress=False)
+    model, _ = load(exported, norm=norm, progress=False)
+    assert model.config["quantization"] == ref.config["quantization"]
+    assert model.model.embed_tokens.bits == 8 and model.model.layers[1].mlp.up_proj.bits == 4
+    ref_w, got = dict(tree_flatten(ref.parameters())), dict(tree_flatten(model.parameters()))
+    quantized = [k for k in ref_w if k.rsplit(".", 1)[0] + ".scales" in ref_w]
+    assert len(quantized) == 3 * (2 * 7 + 1)
+    assert all(mx.array_equal(got[k], ref_w[k]).item() for k in quantized)
 
 
 def test_bits_0_dequantizes_the_gguf():
@@ -141,11 +131,16 @@ def test_cli_writes_a_loadable_checkpoint(exported, tmp_path):
 
 
 def test_flash_export_is_a_plain_checkpoint_for_stock_mlx_lm(tiny_llama_dir, tmp_path):
-    """--norm flash folds (weightless form) before quantizing; stock mlx-lm runs the result."""
+    """--norm flash folds (weightless form) before quantizing, and says once that this costs
+    quality below 8 bits; stock mlx-lm runs the result."""
     from mlx_lm.utils import load_model
 
     full = quantize_checkpoint(tiny_llama_dir, tmp_path / "f32", bits=0, norm="flash", progress=False)
-    q4 = quantize_checkpoint(tiny_llama_dir, tmp_path / "q4", bits=4, norm="flash", progress=False)
+    q4 = tmp_path / "q4"
+    r = cli("mlx_flashnorm.quantize", "--model", str(tiny_llama_dir), "--norm", "flash", "--out", str(q4))
+    assert r.returncode == 0, r.stderr
+    note = [line for line in r.stderr.splitlines() if line.startswith("note:")]
+    assert len(note) == 1 and "bench/RESULTS.md" in note[0], r.stderr
     ref, _ = load(tiny_llama_dir, progress=False)
     folded, _ = load(full, progress=False)
     assert folded.config["tie_word_embeddings"] is False  # final norm folded into a head copy
