@@ -30,9 +30,10 @@ import math
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import scaled_dot_product_attention
 
+from .cache import scaled_dot_product_attention
 from .errors import UserError
+from .nn import RMSNorm
 
 HEADS = ("scale", "untie")
 DEFAULT_HEAD = "scale"
@@ -479,6 +480,17 @@ def merge_mean_centering(linear):
 
 # ---------------------------------------------------------------- whole models
 
+class NoNorm(nn.Module):
+    """In place of a norm whose work moved elsewhere (or was removed): m(x) returns x, and
+    m(x, residual) the fused residual add alone, (p, p) with p = x + residual."""
+
+    def __call__(self, x, *residual):
+        if not residual:
+            return x
+        p = x if residual[0] is None else x + residual[0]
+        return p, p
+
+
 # model_type: the (norm, consumer, flash module) pairs of a block, and the trunk holding `norm`.
 BLOCKS = {
     "llama": ((("input_layernorm", "self_attn", FlashAttention),
@@ -504,7 +516,7 @@ def _check_full_precision(model):
 
 def apply(model, head=DEFAULT_HEAD, fold=True):
     """Rewrite a loaded Llama/OpenELM model (in place) to compute the same function with FlashNorm;
-    returns it. Every pre-norm becomes nn.Identity and its consumer a flash module; the final norm
+    returns it. Every pre-norm becomes NoNorm (the residual add alone) and its consumer a flash module; the final norm
     goes into the LM head.
 
     fold=True (full precision only): each norm's sqrt(n) g is folded into the weights of the
@@ -529,7 +541,7 @@ def apply(model, head=DEFAULT_HEAD, fold=True):
     for layer in model.layers:
         for norm_name, consumer, flash in pairs:
             setattr(layer, consumer, flash(getattr(layer, norm_name), getattr(layer, consumer), fold))
-            setattr(layer, norm_name, nn.Identity())
+            setattr(layer, norm_name, NoNorm())
     trunk = getattr(model, trunk_name)
     norm = trunk.norm
     if "lm_head" in model:
@@ -541,7 +553,7 @@ def apply(model, head=DEFAULT_HEAD, fold=True):
         model.lm_head = FlashHead(norm, untied)
     else:
         model.lm_head = TiedFlashHead(norm, model)
-    trunk.norm = nn.Identity()
+    trunk.norm = NoNorm()
     mx.eval(model.parameters())
     return model
 
@@ -551,7 +563,7 @@ def remove_norms(model):
     same function: the speed ceiling of any norm optimization, as in the paper's table. No linear
     weight is touched, so a quantized model stays as it is."""
     _model_type(model)
-    norms = [(path, nn.Identity()) for path, m in model.named_modules() if isinstance(m, nn.RMSNorm)]
+    norms = [(path, NoNorm()) for path, m in model.named_modules() if isinstance(m, (RMSNorm, nn.RMSNorm))]
     from mlx.utils import tree_unflatten
 
     model.update_modules(tree_unflatten(norms))
