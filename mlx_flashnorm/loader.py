@@ -131,6 +131,7 @@ def build_model(config, weights, progress=True):
     except ValueError as e:
         raise UserError(f"weights do not match config.json: {str(e).splitlines()[0]}")
     _materialize(model, progress)
+    model.eval()  # inference: norms skip their training-only custom VJP (mlx_flashnorm.nn)
     model.config = config
     return model
 

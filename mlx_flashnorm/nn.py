@@ -246,14 +246,15 @@ def _operator(has_res, has_w, has_b, scale, center, eps, backend):
         x = next(it)
         return x, *(next(it) if on else None for on in (has_res, has_w, has_b))
 
-    @mx.custom_function
-    def op(*arrays):
+    def forward(*arrays):
         x, res, w, b = unpack(arrays)
         if backend != "fallback" and _kernel_ok(x, res, w, b):
             o, p = _fused(backend, x, res, w, b, scale, center, eps)
         else:
             o, p = _compose(x, res, w, b, scale, center, eps)
         return (o, p) if has_res else (o,)
+
+    op = mx.custom_function(forward)
 
     @op.vjp
     def op_vjp(arrays, cotangents, outputs):
@@ -283,11 +284,11 @@ def _operator(has_res, has_w, has_b, scale, center, eps, backend):
             grads.append(do.reshape(-1, d).sum(0).astype(b.dtype))
         return tuple(grads)
 
-    return op
+    return op, forward
 
 
 def normalize(x, residual=None, weight=None, bias=None, c=None, center=False, eps=None,
-              backend=None):
+              backend=None, vjp=True):
     """Fused (residual add +) RMSNorm/LayerNorm over the last axis; returns ``(o, p)``.
 
     p = x + residual (x itself when residual is None); o = c/sqrt(d) * r * w + b with
@@ -296,6 +297,9 @@ def normalize(x, residual=None, weight=None, bias=None, c=None, center=False, ep
     - ``c=None`` means c = sqrt(d), so ``normalize(x, weight=w, eps=e)[0]`` equals
       ``mx.fast.rms_norm(x, w, e)`` and with ``center=True`` ``mx.fast.layer_norm``.
     - ``eps=None`` means ``mx.finfo(x.dtype).eps`` (torch.nn.RMSNorm's default).
+    - ``vjp=False`` skips the custom-VJP wrapper (two graph nodes per call, and a
+      StopGradient per input): for inference. The composition path stays differentiable by
+      MLX's own rules; the GPU kernel then has no gradient. Modules pass ``self.training``.
     - ``backend``: None uses the module flag ``BACKEND``; "auto", "fallback", "metal"
       or "cuda" (the kernel runs only for float32/float16/bfloat16 inputs of one dtype).
 
@@ -314,10 +318,10 @@ def normalize(x, residual=None, weight=None, bias=None, c=None, center=False, ep
     path = select_backend(backend)
     if residual is None and (BACKEND if backend is None else backend) == "auto":
         path = "fallback"  # nothing to fuse: mx.fast.rms_norm / layer_norm is one kernel already
-    op = _operator(residual is not None, weight is not None, bias is not None, scale,
-                   bool(center), eps, path)
+    op, forward = _operator(residual is not None, weight is not None, bias is not None, scale,
+                            bool(center), eps, path)
     arrays = [a for a in (x, residual, weight, bias) if a is not None]
-    out = op(*arrays)
+    out = (op if vjp else forward)(*arrays)
     return (out[0], out[1]) if residual is not None else (out[0], x)
 
 
@@ -364,7 +368,8 @@ class _Norm(nn.Module):
         o, p = normalize(
             x.reshape(flat), None if residual is None else residual.reshape(flat),
             None if weight is None else weight.reshape(-1),
-            None if bias is None else bias.reshape(-1), center=self.center, eps=self.eps)
+            None if bias is None else bias.reshape(-1), center=self.center, eps=self.eps,
+            vjp=self.training)
         if alone:
             return o.reshape(x.shape)
         return o.reshape(x.shape), p.reshape(x.shape)
