@@ -31,6 +31,7 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import kernels
 from .cache import scaled_dot_product_attention
 from .errors import UserError
 from .nn import RMSNorm
@@ -75,6 +76,13 @@ def gained(module, x):
     return x * module.gain if "gain" in module else x
 
 
+def deferred_input(module, x):
+    """(gained(module, x), rss_scale(x, module.eps)) in one pass over x (kernels.add_rss: one
+    fused kernel on CUDA): what a flash module needs of the norm it replaced."""
+    _, xg, s = kernels.add_rss(x, module.eps, g=module.get("gain"))
+    return (x if xg is None else xg), s
+
+
 def weightless(norm, linears):
     """Sec. 1, Fig. 1(b) in place: fold the norm weights g into each following linear and set g to
     1. The model keeps its structure (an RMSNorm without effective weights), so the result is an
@@ -95,8 +103,10 @@ class _Deferred:
 
     def __call__(self, x, s=None):
         if s is None and self.eps is not None:
-            s = rss_scale(x, self.eps)
-        y = self._product(gained(self, x))
+            x, s = deferred_input(self, x)
+        else:
+            x = gained(self, x)
+        y = self._product(x)
         if s is not None:
             y = y * s
         return y + self["bias"] if "bias" in self else y
@@ -161,9 +171,8 @@ class FlashSwiGLU(nn.Module):
         self.down_proj = deferred(mlp.down_proj)
 
     def __call__(self, x):
-        s = rss_scale(x, self.eps)
+        a, s = deferred_input(self, x)
         late = "bias" not in self.up_proj
-        a = gained(self, x)
         h = nn.silu(self.gate_proj(a, s)) * self.up_proj(a, None if late else s)
         return self.down_proj(h, s if late else None)
 
@@ -182,8 +191,8 @@ class FlashFusedSwiGLU(nn.Module):
         self.proj_2 = deferred(ffn.proj_2)
 
     def __call__(self, x):
-        s = rss_scale(x, self.eps)
-        gate, up = mx.split(self.proj_1(gained(self, x)), 2, axis=-1)
+        a, s = deferred_input(self, x)
+        gate, up = mx.split(self.proj_1(a), 2, axis=-1)
         return self.proj_2(nn.silu(gate * s) * up, s)
 
 
@@ -302,9 +311,8 @@ class FlashAttention(nn.Module):
 
     def __call__(self, x, mask=None, cache=None):
         B, L, _ = x.shape
-        s = rss_scale(x, self.eps)
+        a, s = deferred_input(self, x)
         fuse_q, fuse_k = "bias" not in self.q_proj, "bias" not in self.k_proj
-        a = gained(self, x)
         q = self.q_proj(a, None if fuse_q else s).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
         k = self.k_proj(a, None if fuse_k else s).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         v = self.v_proj(a, s).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
@@ -348,6 +356,7 @@ class FlashQKNormAttention(nn.Module):
         self.out_proj = attn.out_proj
         self.traditional = attn.rope.traditional
         self._rope = rope_frequencies(attn.rope)
+        self._theta = self._rope[0] * self._rope[1]  # angle per position (kernels.qk_norm_rope)
         c = self.head_dim**-0.25
         if "q_norm" in attn:
             self.qk_eps = attn.q_norm.eps
@@ -362,11 +371,15 @@ class FlashQKNormAttention(nn.Module):
 
     def __call__(self, x, mask=None, cache=None):
         B, L, _ = x.shape
-        s = rss_scale(x, self.eps)
-        qkv = self.qkv_proj(gained(self, x)).reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3)
+        a, s = deferred_input(self, x)
+        offset = cache.offset if cache is not None else 0
+        if "q_gain" in self and kernels.qk_norm_rope_supported(self.head_dim, self.traditional):
+            q, k, v = kernels.qk_norm_rope(self.qkv_proj(a), s, offset, self._theta, self.q_gain,
+                                           self.k_gain, self.n_heads, self.n_kv_heads, self.qk_eps)
+            return self._attend(q, k, v, mask, cache)
+        qkv = self.qkv_proj(a).reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3)
         q, k, v = mx.split(qkv, [self.n_heads, self.n_heads + self.n_kv_heads], axis=1)
         v = v * s[:, None]
-        offset = cache.offset if cache is not None else 0
         cos, sin = rope_tables(self._rope, offset, L, self.traditional)
         if "q_gain" in self:
             q = self._rope_qk(q, cos, sin, self.q_gain)
@@ -375,6 +388,10 @@ class FlashQKNormAttention(nn.Module):
             cs = (self.head_dim**-0.25 * s)[:, None]
             q = apply_rope(q, (cos * cs).astype(q.dtype), (sin * cs).astype(q.dtype), self.traditional)
             k = apply_rope(k, (cos * cs).astype(k.dtype), (sin * cs).astype(k.dtype), self.traditional)
+        return self._attend(q, k, v, mask, cache)
+
+    def _attend(self, q, k, v, mask, cache):
+        B, _, L, _ = q.shape
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         o = scaled_dot_product_attention(q, k, v, cache=cache, scale=1.0, mask=mask)
@@ -407,7 +424,8 @@ class TiedFlashHead(nn.Module):
         self._model = lambda: model  # a plain attribute: keeps the embedding out of this subtree
 
     def __call__(self, x):
-        return self._model().embed_tokens.as_linear(x * self.scale) * rss_scale(x, self.eps)
+        _, xg, s = kernels.add_rss(x, self.eps, g=self.scale)
+        return self._model().embed_tokens.as_linear(xg) * s
 
 
 # ---------------------------------------------------------------- Sec. 1.1/1.2: LayerNorm, DyT
