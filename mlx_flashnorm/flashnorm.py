@@ -27,6 +27,7 @@ per-module quantization settings carry over, and DeferredLinear quantizes to Qua
 (a QuantizedLinear becomes one as it is, with apply(fold=False)).
 """
 import math
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -76,11 +77,50 @@ def gained(module, x):
     return x * module.gain if "gain" in module else x
 
 
+class Deferred(NamedTuple):
+    """A value left unnormalized, its scale deferred (Fig. 1(c)): the value is xg * s, per row.
+    From a DeferredNorm: x its input p, xg = p * gain (the norm gain kept on the activations; p
+    where it was folded into the weights), s = 1/RSSe(p). From a flash FFN: its output before the
+    deferred s (x = xg), which the next DeferredNorm multiplies in during its residual add."""
+    x: mx.array
+    xg: mx.array
+    s: mx.array
+
+
+class DeferredNorm(nn.Module):
+    """What FlashNorm leaves of a pre-norm inside a model: the fused residual add, 1/RSSe and, when
+    not folded, the gain, in one pass (kernels.add_rss: one kernel on CUDA). m(x) -> Deferred;
+    m(x, residual) -> (Deferred, p) with p = x + residual (the models' fused-residual form). The
+    flash module after it reads the Deferred instead of a normalized array."""
+
+    def __init__(self, eps, gain=None):
+        super().__init__()
+        self.eps = eps
+        if gain is not None:
+            self.gain = gain
+
+    def __call__(self, x, *residual):
+        xs = None
+        if isinstance(x, Deferred):
+            x, xs = x.xg, x.s
+        r = residual[0] if residual else None
+        p, pg, s = kernels.add_rss(x, self.eps, xs=xs, r=r, g=self.get("gain"))
+        d = Deferred(p, p if pg is None else pg, s)
+        return (d, p) if residual else d
+
+
 def deferred_input(module, x):
-    """(gained(module, x), rss_scale(x, module.eps)) in one pass over x (kernels.add_rss: one
-    fused kernel on CUDA): what a flash module needs of the norm it replaced."""
+    """(x * gain, 1/RSSe(x)) for a flash module: read from a Deferred (its DeferredNorm did the
+    work), or computed here in one pass (standalone use: the module holds eps and gain)."""
+    if isinstance(x, Deferred):
+        return x.xg, x.s
     _, xg, s = kernels.add_rss(x, module.eps, g=module.get("gain"))
     return (x if xg is None else xg), s
+
+
+def deferred_output(module, y, s):
+    """y * s, or Deferred(y, y, s) where apply() let the next DeferredNorm apply s."""
+    return Deferred(y, y, s) if getattr(module, "defer_output", False) else y * s
 
 
 def weightless(norm, linears):
@@ -102,7 +142,7 @@ class _Deferred:
     eps = None
 
     def __call__(self, x, s=None):
-        if s is None and self.eps is not None:
+        if isinstance(x, Deferred) or (s is None and self.eps is not None):
             x, s = deferred_input(self, x)
         else:
             x = gained(self, x)
@@ -174,6 +214,8 @@ class FlashSwiGLU(nn.Module):
         a, s = deferred_input(self, x)
         late = "bias" not in self.up_proj
         h = nn.silu(self.gate_proj(a, s)) * self.up_proj(a, None if late else s)
+        if late and "bias" not in self.down_proj:
+            return deferred_output(self, self.down_proj(h), s)
         return self.down_proj(h, s if late else None)
 
 
@@ -193,7 +235,7 @@ class FlashFusedSwiGLU(nn.Module):
     def __call__(self, x):
         a, s = deferred_input(self, x)
         gate, up = mx.split(self.proj_1(a), 2, axis=-1)
-        return self.proj_2(nn.silu(gate * s) * up, s)
+        return deferred_output(self, self.proj_2(nn.silu(gate * s) * up), s)
 
 
 class FlashReLUFFN(nn.Module):
@@ -310,8 +352,8 @@ class FlashAttention(nn.Module):
         self._rope = rope_frequencies(attn.rope)
 
     def __call__(self, x, mask=None, cache=None):
-        B, L, _ = x.shape
         a, s = deferred_input(self, x)
+        B, L, _ = a.shape
         fuse_q, fuse_k = "bias" not in self.q_proj, "bias" not in self.k_proj
         q = self.q_proj(a, None if fuse_q else s).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
         k = self.k_proj(a, None if fuse_k else s).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
@@ -370,8 +412,8 @@ class FlashQKNormAttention(nn.Module):
         return apply_rope(x, cos, sin, self.traditional) * rss_scale(x, self.qk_eps)
 
     def __call__(self, x, mask=None, cache=None):
-        B, L, _ = x.shape
         a, s = deferred_input(self, x)
+        B, L, _ = a.shape
         offset = cache.offset if cache is not None else 0
         if "q_gain" in self and kernels.qk_norm_rope_supported(self.head_dim, self.traditional):
             q, k, v = kernels.qk_norm_rope(self.qkv_proj(a), s, offset, self._theta, self.q_gain,
@@ -424,7 +466,10 @@ class TiedFlashHead(nn.Module):
         self._model = lambda: model  # a plain attribute: keeps the embedding out of this subtree
 
     def __call__(self, x):
-        _, xg, s = kernels.add_rss(x, self.eps, g=self.scale)
+        if isinstance(x, Deferred):
+            xg, s = x.xg, x.s
+        else:
+            _, xg, s = kernels.add_rss(x, self.eps, g=self.scale)
         return self._model().embed_tokens.as_linear(xg) * s
 
 
@@ -534,8 +579,9 @@ def _check_full_precision(model):
 
 def apply(model, head=DEFAULT_HEAD, fold=True):
     """Rewrite a loaded Llama/OpenELM model (in place) to compute the same function with FlashNorm;
-    returns it. Every pre-norm becomes NoNorm (the residual add alone) and its consumer a flash module; the final norm
-    goes into the LM head.
+    returns it. Every pre-norm becomes a DeferredNorm (residual add, 1/RSSe and any kept gain in one
+    pass) and its consumer a flash module reading that Deferred value; the final norm's weights go
+    into the LM head (or stay as its DeferredNorm's gain).
 
     fold=True (full precision only): each norm's sqrt(n) g is folded into the weights of the
     linears it feeds. fold=False: no linear weight is touched (a QuantizedLinear becomes a
@@ -558,8 +604,10 @@ def apply(model, head=DEFAULT_HEAD, fold=True):
         _check_full_precision(model)
     for layer in model.layers:
         for norm_name, consumer, flash in pairs:
-            setattr(layer, consumer, flash(getattr(layer, norm_name), getattr(layer, consumer), fold))
-            setattr(layer, norm_name, NoNorm())
+            module = flash(getattr(layer, norm_name), getattr(layer, consumer), fold)
+            module.defer_output = True  # an FFN's last scale goes into the next residual add
+            setattr(layer, consumer, module)
+            setattr(layer, norm_name, DeferredNorm(module.eps, module.pop("gain", None)))
     trunk = getattr(model, trunk_name)
     norm = trunk.norm
     if "lm_head" in model:
@@ -571,7 +619,9 @@ def apply(model, head=DEFAULT_HEAD, fold=True):
         model.lm_head = FlashHead(norm, untied)
     else:
         model.lm_head = TiedFlashHead(norm, model)
-    trunk.norm = NoNorm()
+    gain = model.lm_head.pop("scale", None) if isinstance(model.lm_head, TiedFlashHead) \
+        else model.lm_head.pop("gain", None)
+    trunk.norm = DeferredNorm(norm.eps, gain)
     mx.eval(model.parameters())
     return model
 

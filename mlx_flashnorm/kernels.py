@@ -216,7 +216,7 @@ _QK_NORM_ROPE = """
     return;
   }
   const bool is_q = head < HQ;
-  const float* gain = is_q ? qg : kg;   // (2, D): g and permute(g), sqrt(D), D^-1/4 folded in
+  const auto* gain = is_q ? qg : kg;   // (2, D): g and permute(g), sqrt(D), D^-1/4 folded in
   float ss = 0.0f;
   #pragma unroll
   for (int t = 0; t < VPT; ++t) ss += x[t] * x[t];
@@ -227,9 +227,9 @@ _QK_NORM_ROPE = """
   for (int t = 0; t < HALF; ++t) {
     const int i = lane + 32 * t, j = i + D / 2;   // a rotation pair
     float sn, cs;
-    sincosf(pos * theta[i], &sn, &cs);
-    y[t] = inv * (x[t] * gain[i] * cs - x[t + HALF] * gain[D + i] * sn);
-    y[t + HALF] = inv * (x[t + HALF] * gain[j] * cs + x[t] * gain[D + j] * sn);
+    sincosf(pos * fn_f(theta[i]), &sn, &cs);
+    y[t] = inv * (x[t] * fn_f(gain[i]) * cs - x[t + HALF] * fn_f(gain[D + i]) * sn);
+    y[t + HALF] = inv * (x[t + HALF] * fn_f(gain[j]) * cs + x[t] * fn_f(gain[D + j]) * sn);
   }
   const long out = is_q ? (long(b * HQ + head) * L + l) * D : (long(b * HKV + head - HQ) * L + l) * D;
   T* dst = is_q ? qo : ko;
@@ -251,8 +251,7 @@ def qk_norm_rope_supported(head_dim, traditional):
 def qk_norm_rope(qkv, s, offset, theta, q_gain, k_gain, n_heads, n_kv_heads, eps):
     """CUDA kernel of FlashQKNormAttention's q/k/v preparation (rotate-half layout only; see
     qk_norm_rope_supported): qkv (B, L, (Hq + 2 Hkv) * D) from the fused projection, s (B, L, 1)
-    the deferred 1/RSSe of the block input, theta (D/2,) float32 angles per position, gains (2, D)
-    float32. Returns q, k, v as (B, H, L, D)."""
+    the deferred 1/RSSe of the block input, theta (D/2,) angles per position, gains (2, D). Returns q, k, v as (B, H, L, D)."""
     B, L, _ = qkv.shape
     D = q_gain.shape[-1]
     H = n_heads + 2 * n_kv_heads
@@ -261,8 +260,7 @@ def qk_norm_rope(qkv, s, offset, theta, q_gain, k_gain, n_heads, n_kv_heads, eps
     warps = rows * H
     off = offset if isinstance(offset, mx.array) else mx.array(offset)
     return _qk_norm_rope_kernel()(
-        inputs=[qkv, s.astype(qkv.dtype), off.astype(mx.int32).reshape(1), theta,
-                q_gain.astype(mx.float32), k_gain.astype(mx.float32)],
+        inputs=[qkv, s.astype(qkv.dtype), off.astype(mx.int32).reshape(1), theta, q_gain, k_gain],
         template=[("T", qkv.dtype), ("D", D), ("HQ", n_heads), ("HKV", n_kv_heads), ("L", L),
                   ("ROWS", rows), ("EPS_BITS", _float_bits(eps))],
         grid=(math.ceil(warps * 32 / threads) * threads, 1, 1), threadgroup=(threads, 1, 1),

@@ -25,12 +25,14 @@ def load_float32(model, tokenizer=None):
 
 def hidden_states(model, tokens):
     """The residual stream after each block (the same tensors in a reference and a flash model)."""
-    h = model.embed_tokens(tokens)
+    from .flashnorm import Deferred
+
+    h, residual = model.embed_tokens(tokens), None
     mask = create_attention_mask(h, None)
     states = []
     for layer in model.layers:
-        h = layer(h, mask)
-        states.append(h)
+        h, residual = layer(h, residual, mask)  # the block's output still to be added
+        states.append((h.xg * h.s if isinstance(h, Deferred) else h) + residual)
     return states
 
 
