@@ -47,6 +47,15 @@ OPENELM_270M = {
     "activation_fn_name": "swish",
 }
 
+# HuggingFaceTB/SmolLM2-135M's config.json: the Llama-family shape (Sec. 3 attention, SwiGLU mlp)
+SMOLLM2_135M = {
+    "model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30, "intermediate_size": 1536,
+    "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152,
+    "rms_norm_eps": 1e-5, "rope_theta": 100000, "max_position_embeddings": 8192,
+    "tie_word_embeddings": True,
+}
+SHAPES = {"openelm-270m": ("OpenELM-270M", OPENELM_270M), "smollm2-135m": ("SmolLM2-135M", SMOLLM2_135M)}
+
 # The same architecture shrunk so that every mode runs end to end in seconds (tests use it).
 TINY = dict(OPENELM_270M, model_dim=128, num_transformer_layers=2, num_query_heads=[4, 4],
             num_kv_heads=[2, 1], ffn_multipliers=[0.5, 1.0], vocab_size=512, max_context_length=128)
@@ -248,6 +257,8 @@ def arg_parser():
     p.add_argument("--tg", type=int, default=128, help="generated tokens (default: 128)")
     p.add_argument("--reps", type=int, default=5, help="measured repetitions after one warm-up (default: 5)")
     p.add_argument("--out", default="out/bench", help="folder for bench.md, bench.json, bench.png")
+    p.add_argument("--shape", choices=list(SHAPES), default="openelm-270m",
+                   help="architecture of the random weights without --model (default: %(default)s)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer OpenELM-shaped random model: a smoke test in seconds")
     p.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
     return p
@@ -285,8 +296,8 @@ def main(argv=None):
                 print(f"note: {folder.name} is already quantized; --bits is ignored", file=sys.stderr)
                 bits = None
         else:
-            config = TINY if args.tiny else OPENELM_270M
-            label = "tiny OpenELM (random weights)" if args.tiny else "OpenELM-270M (random weights)"
+            name, config = ("tiny OpenELM", TINY) if args.tiny else SHAPES[args.shape]
+            label = f"{name} (random weights)"
             print(f"building {label}...", file=sys.stderr)
             folder = random_checkpoint(Path(tmp) / "model", config)
         arch, margs = model_args(config)

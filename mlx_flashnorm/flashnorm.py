@@ -168,9 +168,8 @@ class DeferredLinear(_Deferred, nn.Linear):
 
 class QuantizedDeferredLinear(_Deferred, nn.QuantizedLinear):
     def _product(self, x):
-        return mx.quantized_matmul(x, self["weight"], scales=self["scales"], biases=self.get("biases"),
-                                   transpose=True, group_size=self.group_size, bits=self.bits,
-                                   mode=self.mode)
+        return kernels.quantized_matmul(x, self["weight"], self["scales"], self.get("biases"),
+                                        self.group_size, self.bits, self.mode)
 
 
 def deferred(linear, gain=None, eps=None):
@@ -350,21 +349,32 @@ class FlashAttention(nn.Module):
         self.o_proj = attn.o_proj
         self.traditional = attn.rope.traditional
         self._rope = rope_frequencies(attn.rope)
+        self._theta = self._rope[0] * self._rope[1]  # angle per position (kernels.rope_qkv)
 
     def __call__(self, x, mask=None, cache=None):
         a, s = deferred_input(self, x)
         B, L, _ = a.shape
+        offset = cache.offset if cache is not None else 0
+        biases = any("bias" in p for p in (self.q_proj, self.k_proj, self.v_proj))
+        if not biases and kernels.rope_qkv_supported(self.head_dim, self.traditional):
+            q, k, v = kernels.rope_qkv(self.q_proj(a), self.k_proj(a), self.v_proj(a), s, offset,
+                                       self._theta, self.n_heads, self.n_kv_heads,
+                                       factor=self.head_dim**-0.25)
+            return self._attend(q, k, v, mask, cache)
         fuse_q, fuse_k = "bias" not in self.q_proj, "bias" not in self.k_proj
         q = self.q_proj(a, None if fuse_q else s).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
         k = self.k_proj(a, None if fuse_k else s).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         v = self.v_proj(a, s).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        offset = cache.offset if cache is not None else 0
         cos, sin = rope_tables(self._rope, offset, L, self.traditional)
         c = self.head_dim**-0.25
         cs = (c * s)[:, None].astype(mx.float32)  # (B, 1, L, 1): one factor per token, all heads
         qf, kf = (cs if fuse else c for fuse in (fuse_q, fuse_k))
         q = apply_rope(q, (cos * qf).astype(q.dtype), (sin * qf).astype(q.dtype), self.traditional)
         k = apply_rope(k, (cos * kf).astype(k.dtype), (sin * kf).astype(k.dtype), self.traditional)
+        return self._attend(q, k, v, mask, cache)
+
+    def _attend(self, q, k, v, mask, cache):
+        B, _, L, _ = q.shape
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         o = scaled_dot_product_attention(q, k, v, cache=cache, scale=1.0, mask=mask)
@@ -398,7 +408,7 @@ class FlashQKNormAttention(nn.Module):
         self.out_proj = attn.out_proj
         self.traditional = attn.rope.traditional
         self._rope = rope_frequencies(attn.rope)
-        self._theta = self._rope[0] * self._rope[1]  # angle per position (kernels.qk_norm_rope)
+        self._theta = self._rope[0] * self._rope[1]  # angle per position (kernels.rope_qkv)
         c = self.head_dim**-0.25
         if "q_norm" in attn:
             self.qk_eps = attn.q_norm.eps
@@ -415,9 +425,14 @@ class FlashQKNormAttention(nn.Module):
         a, s = deferred_input(self, x)
         B, L, _ = a.shape
         offset = cache.offset if cache is not None else 0
-        if "q_gain" in self and kernels.qk_norm_rope_supported(self.head_dim, self.traditional):
-            q, k, v = kernels.qk_norm_rope(self.qkv_proj(a), s, offset, self._theta, self.q_gain,
-                                           self.k_gain, self.n_heads, self.n_kv_heads, self.qk_eps)
+        if kernels.rope_qkv_supported(self.head_dim, self.traditional):
+            qkv = self.qkv_proj(a)
+            if "q_gain" in self:
+                q, k, v = kernels.rope_qkv(qkv, qkv, qkv, s, offset, self._theta, self.n_heads,
+                                           self.n_kv_heads, (self.q_gain, self.k_gain), self.qk_eps)
+            else:
+                q, k, v = kernels.rope_qkv(qkv, qkv, qkv, s, offset, self._theta, self.n_heads,
+                                           self.n_kv_heads, factor=self.head_dim**-0.25)
             return self._attend(q, k, v, mask, cache)
         qkv = self.qkv_proj(a).reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3)
         q, k, v = mx.split(qkv, [self.n_heads, self.n_heads + self.n_kv_heads], axis=1)

@@ -10,8 +10,13 @@ per-token cost that bounds decoding on a fast GPU.
                        so a compiled decode step attends over a fixed-size cache without a mask
     add_rss            p = x * xs + r, p * g, and 1/RSSe(p) = rsqrt(sum(p^2) + d*eps) per row:
                        the residual add and FlashNorm's deferred scale in one pass
-    qk_norm_rope       FlashNorm Sec. 4 for a fused qkv projection: per-head 1/RSSe of q and k,
-                       q/k norm weights fused into RoPE's cos/sin (rotate-half layout), v * s
+    rope_qkv           FlashNorm Sec. 3/4 after the q, k, v projections: RoPE with the deferred
+                       1/RSS (Sec. 3) or, with QK-norm (Sec. 4), each head's own 1/RSSe and the
+                       q/k norm weights fused into cos/sin (rotate-half layout); v * s
+
+On the CPU, where decoding is bound by MLX's (single-threaded) 4-bit matrix-vector product,
+quantized_matmul splits the weight rows over two CPU streams, which MLX runs on two threads; the
+result is bit-identical.
 
 Set MLX_FLASHNORM_KERNELS=0 (or ``kernels.ENABLED = False``) to force the fallbacks.
 """
@@ -21,6 +26,7 @@ import struct
 from functools import lru_cache
 
 import mlx.core as mx
+import mlx.nn as nn
 
 ENABLED = os.environ.get("MLX_FLASHNORM_KERNELS", "1") != "0"
 
@@ -28,6 +34,59 @@ ENABLED = os.environ.get("MLX_FLASHNORM_KERNELS", "1") != "0"
 def use_cuda():
     """True when the fused CUDA kernels run: enabled, CUDA present and the default device a GPU."""
     return ENABLED and mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+# ---------------------------------------------------------------- CPU: row-parallel matmul
+
+CPU_STREAMS = 2  # measured on 2 cores: a 4-bit matvec 1.8x faster, decode 1.4x (bench/RESULTS.md)
+
+
+@lru_cache(maxsize=None)
+def _cpu_streams():
+    return [mx.new_stream(mx.cpu) for _ in range(CPU_STREAMS)]
+
+
+def quantized_matmul(x, w, scales, biases, group_size, bits, mode="affine"):
+    """x @ dequantize(w).T, as mx.quantized_matmul(..., transpose=True). On the CPU (with at least
+    two cores) the output columns are computed in row blocks of w on separate streams; each block
+    is the same computation as before, so the result is bit-identical."""
+    n = w.shape[0]
+    if not (ENABLED and mx.default_device() == mx.cpu and (os.cpu_count() or 1) > 1 and n >= 2 * CPU_STREAMS):
+        return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size,
+                                   bits=bits, mode=mode)
+    cuts = [n * i // CPU_STREAMS for i in range(CPU_STREAMS + 1)]
+    parts = [mx.quantized_matmul(x, w[a:b], scales[a:b], None if biases is None else biases[a:b],
+                                 transpose=True, group_size=group_size, bits=bits, mode=mode, stream=st)
+             for a, b, st in zip(cuts, cuts[1:], _cpu_streams())]
+    return mx.concatenate(parts, axis=-1)
+
+
+class QuantizedLinear(nn.QuantizedLinear):
+    """nn.QuantizedLinear computed through quantized_matmul (the loader swaps it in)."""
+
+    def __call__(self, x):
+        y = quantized_matmul(x, self["weight"], self["scales"], self.get("biases"), self.group_size,
+                             self.bits, self.mode)
+        return y + self["bias"] if "bias" in self else y
+
+
+class QuantizedEmbedding(nn.QuantizedEmbedding):
+    """nn.QuantizedEmbedding whose as_linear (a tied LM head) goes through quantized_matmul."""
+
+    def as_linear(self, x):
+        return quantized_matmul(x, self["weight"], self["scales"], self.get("biases"), self.group_size,
+                                self.bits, self.mode)
+
+
+def row_parallel(model):
+    """Make every nn.QuantizedLinear / nn.QuantizedEmbedding of model use quantized_matmul, in
+    place (the same arrays, the same parameter names; only the class changes)."""
+    for _, m in model.named_modules():
+        if type(m) is nn.QuantizedLinear:
+            m.__class__ = QuantizedLinear
+        elif type(m) is nn.QuantizedEmbedding:
+            m.__class__ = QuantizedEmbedding
+    return model
 
 
 def _float_bits(value):
@@ -195,8 +254,9 @@ def add_rss(x, eps, xs=None, r=None, g=None):
 
 # ---------------------------------------------------------------- QK-norm + RoPE (Sec. 4)
 
-_QK_NORM_ROPE = """
-  // one warp per (token, head) of the fused qkv output; heads: HQ queries, HKV keys, HKV values.
+_ROPE_QKV = """
+  // one warp per (token, head); heads: HQ queries, HKV keys, HKV values, read from q, k, v at
+  // row strides QS, KS, VS and column offsets QO, KO, VO (one fused qkv array may be all three).
   // rotate-half RoPE: lane holds elements lane + 32 t, whose partners i +- D/2 are in the same lane.
   constexpr int VPT = D / 32, HALF = VPT / 2, H = HQ + 2 * HKV;
   const int gw = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
@@ -204,23 +264,30 @@ _QK_NORM_ROPE = """
   if (gw >= ROWS * H) return;
   const int row = gw / H, head = gw % H;      // row = b * L + l
   const int b = row / L, l = row % L;
-  const long in = long(row) * H * D + long(head) * D;
+  const bool is_q = head < HQ, is_k = !is_q && head < HQ + HKV;
+  const T* src = is_q ? q : (is_k ? k : v);
+  const long in = is_q ? long(row) * QS + QO + long(head) * D
+      : is_k ? long(row) * KS + KO + long(head - HQ) * D
+             : long(row) * VS + VO + long(head - HQ - HKV) * D;
   float x[VPT];
   #pragma unroll
-  for (int t = 0; t < VPT; ++t) x[t] = fn_f(qkv[in + lane + 32 * t]);
-  if (head >= HQ + HKV) {
+  for (int t = 0; t < VPT; ++t) x[t] = fn_f(src[in + lane + 32 * t]);
+  if (!is_q && !is_k) {
     const float sv = fn_f(s[row]);
     const long out = (long(b * HKV + head - HQ - HKV) * L + l) * D;
     #pragma unroll
     for (int t = 0; t < VPT; ++t) vo[out + lane + 32 * t] = fn_cast<T>(x[t] * sv);
     return;
   }
-  const bool is_q = head < HQ;
-  const auto* gain = is_q ? qg : kg;   // (2, D): g and permute(g), sqrt(D), D^-1/4 folded in
+  // QK_NORM (Sec. 4): 1/RSSe of the head, gains g and permute(g) (sqrt(D), D^-1/4 folded in) on
+  // cos and sin. Else (Sec. 3): the token's deferred s times D^-1/4 (FACTOR) on cos and sin.
+  const auto* gain = is_q ? qg : kg;
   float ss = 0.0f;
   #pragma unroll
   for (int t = 0; t < VPT; ++t) ss += x[t] * x[t];
-  const float inv = rsqrtf(fn_warp_sum(ss) + D * __int_as_float(EPS_BITS));
+  ss = fn_warp_sum(ss);
+  const float inv = QK_NORM ? rsqrtf(ss + D * __int_as_float(EPS_BITS))
+                            : __int_as_float(FACTOR_BITS) * fn_f(s[row]);
   const float pos = float(off[0] + l);
   float y[VPT];
   #pragma unroll
@@ -228,8 +295,10 @@ _QK_NORM_ROPE = """
     const int i = lane + 32 * t, j = i + D / 2;   // a rotation pair
     float sn, cs;
     sincosf(pos * fn_f(theta[i]), &sn, &cs);
-    y[t] = inv * (x[t] * fn_f(gain[i]) * cs - x[t + HALF] * fn_f(gain[D + i]) * sn);
-    y[t + HALF] = inv * (x[t + HALF] * fn_f(gain[j]) * cs + x[t] * fn_f(gain[D + j]) * sn);
+    const float gi = QK_NORM ? fn_f(gain[i]) : 1.0f, gj = QK_NORM ? fn_f(gain[j]) : 1.0f;
+    const float pi = QK_NORM ? fn_f(gain[D + i]) : 1.0f, pj = QK_NORM ? fn_f(gain[D + j]) : 1.0f;
+    y[t] = inv * (x[t] * gi * cs - x[t + HALF] * pi * sn);
+    y[t + HALF] = inv * (x[t + HALF] * gj * cs + x[t] * pj * sn);
   }
   const long out = is_q ? (long(b * HQ + head) * L + l) * D : (long(b * HKV + head - HQ) * L + l) * D;
   T* dst = is_q ? qo : ko;
@@ -239,30 +308,39 @@ _QK_NORM_ROPE = """
 
 
 @lru_cache(maxsize=None)
-def _qk_norm_rope_kernel():
-    return _kernel("fn_qk_norm_rope", ["qkv", "s", "off", "theta", "qg", "kg"], ["qo", "ko", "vo"],
-                   _QK_NORM_ROPE)
+def _rope_qkv_kernel():
+    return _kernel("fn_rope_qkv", ["q", "k", "v", "s", "off", "theta", "qg", "kg"], ["qo", "ko", "vo"],
+                   _ROPE_QKV)
 
 
-def qk_norm_rope_supported(head_dim, traditional):
+def rope_qkv_supported(head_dim, traditional):
     return use_cuda() and not traditional and head_dim % 64 == 0 and head_dim <= 256
 
 
-def qk_norm_rope(qkv, s, offset, theta, q_gain, k_gain, n_heads, n_kv_heads, eps):
-    """CUDA kernel of FlashQKNormAttention's q/k/v preparation (rotate-half layout only; see
-    qk_norm_rope_supported): qkv (B, L, (Hq + 2 Hkv) * D) from the fused projection, s (B, L, 1)
-    the deferred 1/RSSe of the block input, theta (D/2,) angles per position, gains (2, D). Returns q, k, v as (B, H, L, D)."""
-    B, L, _ = qkv.shape
-    D = q_gain.shape[-1]
-    H = n_heads + 2 * n_kv_heads
-    rows = B * L
-    threads = 256
-    warps = rows * H
+def rope_qkv(q, k, v, s, offset, theta, n_heads, n_kv_heads, gains=None, eps=0.0, factor=1.0):
+    """CUDA kernel preparing q, k, v for attention after a FlashNorm'd pre-norm (rotate-half layout
+    only; see rope_qkv_supported). q, k, v (B, L, H * D) token-major projection outputs, or one
+    fused (B, L, (Hq + 2 Hkv) * D) array passed as all three; s (B, L, 1) the deferred 1/RSSe of
+    the block input; theta (D/2,) angles per position. v is returned times s. q and k get RoPE and:
+    with gains ((2, D) tables for q and k, Sec. 4) their own per-head 1/RSSe and the gain tables on
+    cos/sin; without (Sec. 3) s * factor. Returns q, k, v as (B, H, L, D)."""
+    B, L, _ = q.shape
+    D = theta.shape[0] * 2
+    fused = q is k
+    width = (n_heads + 2 * n_kv_heads) * D
+    strides = (width,) * 3 if fused else (n_heads * D, n_kv_heads * D, n_kv_heads * D)
+    offsets = (0, n_heads * D, (n_heads + n_kv_heads) * D) if fused else (0, 0, 0)
+    rows, threads = B * L, 256
+    warps = rows * (n_heads + 2 * n_kv_heads)
     off = offset if isinstance(offset, mx.array) else mx.array(offset)
-    return _qk_norm_rope_kernel()(
-        inputs=[qkv, s.astype(qkv.dtype), off.astype(mx.int32).reshape(1), theta, q_gain, k_gain],
-        template=[("T", qkv.dtype), ("D", D), ("HQ", n_heads), ("HKV", n_kv_heads), ("L", L),
-                  ("ROWS", rows), ("EPS_BITS", _float_bits(eps))],
+    qg, kg = gains if gains is not None else (theta, theta)  # unused without QK-norm
+    return _rope_qkv_kernel()(
+        inputs=[q, k, v, s.astype(q.dtype), off.astype(mx.int32).reshape(1), theta, qg, kg],
+        template=[("T", q.dtype), ("D", D), ("HQ", n_heads), ("HKV", n_kv_heads), ("L", L),
+                  ("ROWS", rows), ("QS", strides[0]), ("KS", strides[1]), ("VS", strides[2]),
+                  ("QO", offsets[0]), ("KO", offsets[1]), ("VO", offsets[2]),
+                  ("QK_NORM", gains is not None), ("EPS_BITS", _float_bits(eps)),
+                  ("FACTOR_BITS", _float_bits(factor))],
         grid=(math.ceil(warps * 32 / threads) * threads, 1, 1), threadgroup=(threads, 1, 1),
         output_shapes=[(B, n_heads, L, D), (B, n_kv_heads, L, D), (B, n_kv_heads, L, D)],
-        output_dtypes=[qkv.dtype] * 3)
+        output_dtypes=[q.dtype] * 3)

@@ -5,6 +5,7 @@ too) the same tests check the CUDA kernels, and the `cuda` tests compare kernel 
 import math
 
 import mlx.core as mx
+import mlx.nn as mlx_nn
 import pytest
 
 from mlx_flashnorm import kernels
@@ -65,11 +66,14 @@ def test_add_rss(dtype, with_xs, with_r, with_g, scale):
     assert s.shape == (3, 5, 1) and rel(s, ref_s) < RTOL[dtype]
 
 
-@pytest.mark.skipif(not CUDA, reason="the QK-norm + RoPE kernel runs on CUDA only; elsewhere the "
-                                     "composition in flashnorm.FlashQKNormAttention runs (tested there)")
+@pytest.mark.skipif(not CUDA, reason="the RoPE kernel runs on CUDA only; elsewhere the compositions "
+                                     "in flashnorm.FlashAttention / FlashQKNormAttention run (tested there)")
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+@pytest.mark.parametrize("qk_norm", [True, False])
 @pytest.mark.parametrize("D,Hq,Hkv,L,offset", [(64, 12, 3, 1, 700), (64, 4, 2, 7, 0), (128, 8, 4, 1, 3)])
-def test_qk_norm_rope_cuda(dtype, D, Hq, Hkv, L, offset):
+def test_rope_qkv_cuda(dtype, qk_norm, D, Hq, Hkv, L, offset):
+    """Sec. 4 on a fused qkv array (OpenELM) and Sec. 3 on separate q, k, v (Llama) against
+    mx.fast.rms_norm / mx.fast.rope."""
     B, eps, base = 2, 1e-6, 10000.0
     qkv = rand((B, L, (Hq + 2 * Hkv) * D), 8, 3.0, dtype)
     s = mx.abs(rand((B, L, 1), 9, dtype=dtype))
@@ -78,14 +82,20 @@ def test_qk_norm_rope_cuda(dtype, D, Hq, Hkv, L, offset):
     swap = lambda g: mx.concatenate([g[D // 2:], g[:D // 2]])
     gains = [mx.stack([c * math.sqrt(D) * g, swap(c * math.sqrt(D) * g)]) for g in (gq, gk)]
     theta = mx.exp(-mx.arange(D // 2, dtype=mx.float32) * (2 * math.log(base) / D))
-    q, k, v = kernels.qk_norm_rope(qkv, s, offset, theta, *gains, Hq, Hkv, eps)
     x = qkv.astype(mx.float32).reshape(B, L, -1, D).transpose(0, 2, 1, 3)
     xq, xk, xv = x[:, :Hq], x[:, Hq:Hq + Hkv], x[:, Hq + Hkv:]
-    ref = lambda a, g: c * mx.fast.rope(mx.fast.rms_norm(a, g, eps), D, traditional=False, base=base,
-                                        scale=1.0, offset=offset)
-    assert rel(q, ref(xq, gq)) < 10 * RTOL[dtype]
-    assert rel(k, ref(xk, gk)) < 10 * RTOL[dtype]
-    assert rel(v, xv * s.astype(mx.float32)[:, None]) < RTOL[dtype]
+    rope = lambda a: mx.fast.rope(a, D, traditional=False, base=base, scale=1.0, offset=offset)
+    sf = s.astype(mx.float32)[:, None]
+    if qk_norm:
+        q, k, v = kernels.rope_qkv(qkv, qkv, qkv, s, offset, theta, Hq, Hkv, gains, eps)
+        ref_q, ref_k = (c * rope(mx.fast.rms_norm(a, g, eps)) for a, g in ((xq, gq), (xk, gk)))
+    else:
+        parts = mx.split(qkv, [Hq * D, (Hq + Hkv) * D], axis=-1)
+        q, k, v = kernels.rope_qkv(*parts, s, offset, theta, Hq, Hkv, factor=c)
+        ref_q, ref_k = c * sf * rope(xq), c * sf * rope(xk)
+    assert rel(q, ref_q) < 10 * RTOL[dtype]
+    assert rel(k, ref_k) < 10 * RTOL[dtype]
+    assert rel(v, xv * sf) < RTOL[dtype]
 
 
 @pytest.mark.skipif(not CUDA, reason="compares the CUDA kernels with their fallbacks")
@@ -104,3 +114,23 @@ def test_cuda_kernels_equal_their_fallbacks():
         assert (a is None) == (b is None)
         if a is not None:
             assert rel(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("shape,rows", [((1, 1280), 5120), ((3, 7, 256), 131), ((2, 64), 4)])
+def test_row_parallel_quantized_matmul_is_bit_identical(shape, rows):
+    """On the CPU the rows of w are split over two streams: the same numbers, bit for bit."""
+    x = rand(shape, 12)
+    w, scales, biases = mx.quantize(rand((rows, shape[-1]), 13), 64, 4)
+    ref = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=64, bits=4)
+    out = kernels.quantized_matmul(x, w, scales, biases, 64, 4)
+    assert out.shape == ref.shape and mx.array_equal(out, ref).item()
+
+
+def test_loaded_quantized_models_use_it(tiny_llama_dir):
+    from mlx_flashnorm import load
+
+    for norm in ("rms", "flash"):
+        model, _ = load(tiny_llama_dir, norm=norm, bits=4, group_size=32, progress=False)
+        kinds = {type(m) for _, m in model.named_modules()}
+        assert kernels.QuantizedLinear in kinds and kernels.QuantizedEmbedding in kinds
+        assert mlx_nn.QuantizedLinear not in kinds  # every plain one was swapped
