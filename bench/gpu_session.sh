@@ -15,7 +15,7 @@ for d in models quantize bench; do cp -r "$d" "/tmp/pkg/mlx_flashnorm/$d"; done
 export PYTHONPATH=/tmp/site:/tmp/pkg
 cd /tmp/pkg
 python3 -c "import mlx.core as mx; print(mx.__version__, mx.default_device(), mx.device_info().get('device_name'))"
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_decode.py > "$OUT/tests.log" 2>&1
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_nn.py tests/test_kernels.py tests/test_decode.py > "$OUT/tests.log" 2>&1
 tail -25 "$OUT/tests.log"
 python3 -m mlx_flashnorm.bench.step_graph 2>&1 | tee "$OUT/graph.log" | cut -c1-400
 i=0

@@ -89,11 +89,12 @@ def row_parallel(model):
     return model
 
 
-def _float_bits(value):
+def float_bits(value):
     return struct.unpack("<i", struct.pack("<f", float(value)))[0]
 
 
-_HEADER = """
+# float <-> T conversions for T = float, __half, __nv_bfloat16 (also used by nn.py's kernel)
+CUDA_DTYPES = """
 __device__ inline float fn_f(float v) { return v; }
 __device__ inline float fn_f(__half v) { return __half2float(v); }
 __device__ inline float fn_f(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -102,7 +103,9 @@ template <> __device__ inline __half fn_cast<__half>(float v) { return __float2h
 template <> __device__ inline __nv_bfloat16 fn_cast<__nv_bfloat16>(float v) {
   return __float2bfloat16(v);
 }
-__device__ inline float fn_warp_sum(float v) {
+"""
+
+_HEADER = CUDA_DTYPES + """__device__ inline float fn_warp_sum(float v) {
   for (int k = 16; k > 0; k >>= 1) v += __shfl_xor_sync(0xffffffff, v, k);
   return v;
 }
@@ -178,7 +181,7 @@ def decode_attention(q, k, v, n, scale):
         return _attention_kernel()(
             inputs=[q, k, v, n.astype(mx.int32).reshape(1)],
             template=[("T", q.dtype), ("D", D), ("HQ", Hq), ("HKV", Hkv), ("GQA", Hq // Hkv),
-                      ("C", C), ("NW", threads // 32), ("SCALE_BITS", _float_bits(scale))],
+                      ("C", C), ("NW", threads // 32), ("SCALE_BITS", float_bits(scale))],
             grid=(B * Hq * threads, 1, 1), threadgroup=(threads, 1, 1),
             output_shapes=[q.shape], output_dtypes=[q.dtype])[0]
     mask = mx.arange(C)[None] < (n.reshape(-1)[0] - L + 1 + mx.arange(L))[:, None]
@@ -236,7 +239,7 @@ def add_rss(x, eps, xs=None, r=None, g=None):
         arrays = [x] + [a.astype(x.dtype) for a in (xs, r, g) if a is not None]
         outs = _add_rss_kernel(xs is not None, r is not None, g is not None)(
             inputs=arrays,
-            template=[("T", x.dtype), ("EPS_BITS", _float_bits(eps))],
+            template=[("T", x.dtype), ("EPS_BITS", float_bits(eps))],
             grid=(rows * threads, 1, 1), threadgroup=(threads, 1, 1),
             output_shapes=[x.shape] * ((r is not None or xs is not None) + (g is not None))
             + [x.shape[:-1] + (1,)],
@@ -339,8 +342,8 @@ def rope_qkv(q, k, v, s, offset, theta, n_heads, n_kv_heads, gains=None, eps=0.0
         template=[("T", q.dtype), ("D", D), ("HQ", n_heads), ("HKV", n_kv_heads), ("L", L),
                   ("ROWS", rows), ("QS", strides[0]), ("KS", strides[1]), ("VS", strides[2]),
                   ("QO", offsets[0]), ("KO", offsets[1]), ("VO", offsets[2]),
-                  ("QK_NORM", gains is not None), ("EPS_BITS", _float_bits(eps)),
-                  ("FACTOR_BITS", _float_bits(factor))],
+                  ("QK_NORM", gains is not None), ("EPS_BITS", float_bits(eps)),
+                  ("FACTOR_BITS", float_bits(factor))],
         grid=(math.ceil(warps * 32 / threads) * threads, 1, 1), threadgroup=(threads, 1, 1),
         output_shapes=[(B, n_heads, L, D), (B, n_kv_heads, L, D), (B, n_kv_heads, L, D)],
         output_dtypes=[q.dtype] * 3)

@@ -19,11 +19,12 @@ plain MLX composition on ``mx.fast.rms_norm`` / ``mx.fast.layer_norm``.  Backwar
 the closed form through ``mx.custom_function``'s vjp, whatever ran forward.
 """
 import math
-import struct
 from functools import lru_cache
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from .kernels import CUDA_DTYPES, float_bits
 
 __all__ = ["normalize", "RMSNorm", "LayerNorm", "DyT", "BACKEND", "select_backend",
            "available_backends"]
@@ -88,16 +89,7 @@ def _compose(x, residual, weight, bias, scale, center, eps):
 # the sum of squares are two exact passes over the registers.  D and the block size
 # are read at run time, so one compiled kernel serves every width up to PER * block.
 
-_CUDA_HEADER = """
-__device__ inline float fnorm_f32(float v) { return v; }
-__device__ inline float fnorm_f32(__half v) { return __half2float(v); }
-__device__ inline float fnorm_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename U> __device__ inline U fnorm_cast(float v) { return v; }
-template <> __device__ inline __half fnorm_cast<__half>(float v) { return __float2half(v); }
-template <> __device__ inline __nv_bfloat16 fnorm_cast<__nv_bfloat16>(float v) {
-  return __float2bfloat16(v);
-}
-
+_CUDA_HEADER = CUDA_DTYPES + """
 __device__ inline float fnorm_block_sum(float v, float* buf, int tid, int nwarps) {
   for (int k = 16; k > 0; k >>= 1) v += __shfl_xor_sync(0xffffffff, v, k);
   __syncthreads();  // buf may still be read by the previous block sum
@@ -110,8 +102,8 @@ __device__ inline float fnorm_block_sum(float v, float* buf, int tid, int nwarps
 """
 
 _METAL_HEADER = """
-template <typename U> inline float fnorm_f32(U v) { return static_cast<float>(v); }
-template <typename U> inline U fnorm_cast(float v) { return static_cast<U>(v); }
+template <typename U> inline float fn_f(U v) { return static_cast<float>(v); }
+template <typename U> inline U fn_cast(float v) { return static_cast<U>(v); }
 
 inline float fnorm_block_sum(float v, threadgroup float* buf, int tid, int nwarps) {
   v = simd_sum(v);  // Apple GPUs: 32-wide SIMD groups
@@ -162,16 +154,16 @@ _BODY = """
   for (int k = 0; k < PER; ++k) {{
     const int i = tid + k * block;
     if (i < D) {{
-      o[base + i] = fnorm_cast<T>(v[k] * scale{mul_w}{add_b});
+      o[base + i] = fn_cast<T>(v[k] * scale{mul_w}{add_b});
     }}
   }}
 """
 
 # p is rounded to T before the statistics, as the composition does (x + residual in T).
-_LOAD_P = "t = fnorm_f32(x[base + i]);"
-_LOAD_P_RES = """const T tp = fnorm_cast<T>(fnorm_f32(x[base + i]) + fnorm_f32(res[base + i]));
+_LOAD_P = "t = fn_f(x[base + i]);"
+_LOAD_P_RES = """const T tp = fn_cast<T>(fn_f(x[base + i]) + fn_f(res[base + i]));
       p[base + i] = tp;
-      t = fnorm_f32(tp);"""
+      t = fn_f(tp);"""
 _CENTER = """const float mean = fnorm_block_sum(s, buf, tid, block / 32) / D;
   #pragma unroll
   for (int k = 0; k < PER; ++k) v[k] = (tid + k * block < D) ? v[k] - mean : 0.0f;"""
@@ -185,8 +177,8 @@ def _kernel(backend, has_res, has_w, has_b, center):
         as_float=lang["as_float"], rsqrt=lang["rsqrt"],
         load_p=_LOAD_P_RES if has_res else _LOAD_P,
         center=_CENTER if center else "",
-        mul_w=" * fnorm_f32(w[i])" if has_w else "",
-        add_b=" + fnorm_f32(b[i])" if has_b else "")
+        mul_w=" * fn_f(w[i])" if has_w else "",
+        add_b=" + fn_f(b[i])" if has_b else "")
     inputs = ["x"] + ["res"] * has_res + ["w"] * has_w + ["b"] * has_b
     outputs = ["o"] + ["p"] * has_res
     flags = "".join(f for f, on in zip("rwbc", (has_res, has_w, has_b, center)) if on)
@@ -194,10 +186,6 @@ def _kernel(backend, has_res, has_w, has_b, center):
     make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
     return make(name=name, input_names=inputs, output_names=outputs,
                 source=source, header=lang["header"])
-
-
-def _float_bits(value):
-    return struct.unpack("<i", struct.pack("<f", value))[0]
 
 
 def _pow2_at_least(n):
@@ -229,8 +217,8 @@ def _fused(backend, x, residual, weight, bias, scale, center, eps):
     n_out = 1 + (residual is not None)
     outs = kernel(inputs=inputs,
                   template=[("T", x.dtype), ("PER", per),
-                            ("EPS_BITS", _float_bits(eps)),
-                            ("SCALE_BITS", _float_bits(scale))],
+                            ("EPS_BITS", float_bits(eps)),
+                            ("SCALE_BITS", float_bits(scale))],
                   grid=(rows * block, 1, 1), threadgroup=(block, 1, 1),
                   output_shapes=[x.shape] * n_out, output_dtypes=[x.dtype] * n_out)
     return outs[0], (outs[1] if residual is not None else x)
