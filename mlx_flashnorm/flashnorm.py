@@ -1,14 +1,15 @@
 """FlashNorm (Graef, Wasielewski, Clapp: arXiv 2407.09577) as load-time transformations.
 
 The model files stay plain reference code. Each transformation here takes a (norm, consumer) pair
-of a loaded model and replaces it: the norm becomes an identity and the consumer a flash module
-that computes the same function with the 1/RMS scale deferred past the matmul and the norm gain
+of a loaded model and replaces it: the norm becomes a DeferredNorm (the residual add and 1/RSS,
+handed on as a Deferred value, not applied) and the consumer a flash module that computes the same function with the 1/RMS scale deferred past the matmul and the norm gain
 sqrt(n) g either folded into its linear weights (fold=True: weightless, for full precision) or
 multiplied onto its input, the weights untouched (fold=False: for quantized weights, which then
 equal those of the reference exactly). One class or function per paper section:
 
     fold_weight, weightless            Sec. 1, Fig. 1(b): weightless normalization
     DeferredLinear, rss_scale          Sec. 1, Fig. 1(c) + Appendix A/B: deferred 1/RMSe
+    DeferredNorm, Deferred             what is left of a pre-norm in a model, and its output
     FlashReLUFFN, FlashGLU             Sec. 2.1 / 2.2 (ReGLU, bilinear GLU): toy FFNs
     FlashSwiGLU, FlashFusedSwiGLU      Sec. 2.2: SwiGLU (Llama mlp, OpenELM ffn)
     FlashAttention                     Sec. 3: 1/RMS and 1/sqrt(h) fused into RoPE's cos/sin
