@@ -23,7 +23,7 @@ class StaticKVCache:
 
     While `offset` is a Python int (prefill) the cache behaves like mlx-lm's KVCache and hands out
     only the filled part. Once `offset` is an mx.array (decoding), every 1-token step sees buffers
-    and a mask of the same shapes, so the decode step compiles once and is replayed."""
+    of the same shapes, so the decode step compiles once and is replayed."""
 
     def __init__(self, capacity):
         self.capacity = capacity
@@ -52,8 +52,7 @@ class StaticKVCache:
         if isinstance(self.offset, int):
             return create_attention_mask(N, offset=self.offset, return_array=return_array,
                                          window_size=window_size)
-        # query i sits at offset + i and sees every filled position up to itself
-        return mx.arange(self.capacity)[None] <= (self.offset + mx.arange(N))[:, None]
+        return None  # decoding: attention() covers exactly the filled positions
 
     def attention(self, q, k, v, scale, mask):
         if isinstance(self.offset, int):

@@ -329,6 +329,16 @@ def apply_rope(x, cos, sin, traditional):
     return x * cos + rotate(x, traditional) * sin
 
 
+def attend(q, k, v, mask, cache, out_proj):
+    """Cache update, attention with the softmax scale already in q and k, and the output
+    projection: the end of both flash attention modules."""
+    B, _, L, _ = q.shape
+    if cache is not None:
+        k, v = cache.update_and_fetch(k, v)
+    o = scaled_dot_product_attention(q, k, v, cache=cache, scale=1.0, mask=mask)
+    return out_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
 class FlashAttention(nn.Module):
     """Sec. 3, attention with RoPE after RMSNorm (Llama's self_attn).
 
@@ -361,7 +371,7 @@ class FlashAttention(nn.Module):
             q, k, v = kernels.rope_qkv(self.q_proj(a), self.k_proj(a), self.v_proj(a), s, offset,
                                        self._theta, self.n_heads, self.n_kv_heads,
                                        factor=self.head_dim**-0.25)
-            return self._attend(q, k, v, mask, cache)
+            return attend(q, k, v, mask, cache, self.o_proj)
         fuse_q, fuse_k = "bias" not in self.q_proj, "bias" not in self.k_proj
         q = self.q_proj(a, None if fuse_q else s).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
         k = self.k_proj(a, None if fuse_k else s).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
@@ -372,14 +382,7 @@ class FlashAttention(nn.Module):
         qf, kf = (cs if fuse else c for fuse in (fuse_q, fuse_k))
         q = apply_rope(q, (cos * qf).astype(q.dtype), (sin * qf).astype(q.dtype), self.traditional)
         k = apply_rope(k, (cos * kf).astype(k.dtype), (sin * kf).astype(k.dtype), self.traditional)
-        return self._attend(q, k, v, mask, cache)
-
-    def _attend(self, q, k, v, mask, cache):
-        B, _, L, _ = q.shape
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        o = scaled_dot_product_attention(q, k, v, cache=cache, scale=1.0, mask=mask)
-        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return attend(q, k, v, mask, cache, self.o_proj)
 
 
 class FlashQKNormAttention(nn.Module):
@@ -428,13 +431,11 @@ class FlashQKNormAttention(nn.Module):
         offset = cache.offset if cache is not None else 0
         if kernels.rope_qkv_supported(self.head_dim, self.traditional):
             qkv = self.qkv_proj(a)
-            if "q_gain" in self:
-                q, k, v = kernels.rope_qkv(qkv, qkv, qkv, s, offset, self._theta, self.n_heads,
-                                           self.n_kv_heads, (self.q_gain, self.k_gain), self.qk_eps)
-            else:
-                q, k, v = kernels.rope_qkv(qkv, qkv, qkv, s, offset, self._theta, self.n_heads,
-                                           self.n_kv_heads, factor=self.head_dim**-0.25)
-            return self._attend(q, k, v, mask, cache)
+            qk_norm = "q_gain" in self  # Sec. 4; else Sec. 3 with s in cos/sin
+            q, k, v = kernels.rope_qkv(qkv, qkv, qkv, s, offset, self._theta, self.n_heads,
+                                       self.n_kv_heads, (self.q_gain, self.k_gain) if qk_norm else None,
+                                       self.qk_eps if qk_norm else 0.0, factor=self.head_dim**-0.25)
+            return attend(q, k, v, mask, cache, self.out_proj)
         qkv = self.qkv_proj(a).reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3)
         q, k, v = mx.split(qkv, [self.n_heads, self.n_heads + self.n_kv_heads], axis=1)
         v = v * s[:, None]
@@ -446,14 +447,7 @@ class FlashQKNormAttention(nn.Module):
             cs = (self.head_dim**-0.25 * s)[:, None]
             q = apply_rope(q, (cos * cs).astype(q.dtype), (sin * cs).astype(q.dtype), self.traditional)
             k = apply_rope(k, (cos * cs).astype(k.dtype), (sin * cs).astype(k.dtype), self.traditional)
-        return self._attend(q, k, v, mask, cache)
-
-    def _attend(self, q, k, v, mask, cache):
-        B, _, L, _ = q.shape
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        o = scaled_dot_product_attention(q, k, v, cache=cache, scale=1.0, mask=mask)
-        return self.out_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return attend(q, k, v, mask, cache, self.out_proj)
 
 
 # ---------------------------------------------------------------- final norm + LM head

@@ -10,6 +10,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .errors import UserError
+from .kernels import row_parallel
 from .models import ARCHITECTURES
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -324,8 +325,6 @@ def prepare(model, norm="rms", bits=None, group_size=64, head_bits=None):
     if bits:
         quantize(model, bits, group_size,
                  None if head_bits is None else {head: {"group_size": group_size, "bits": head_bits}})
-    from .kernels import row_parallel
-
     return row_parallel(model)  # quantized matmuls over two CPU threads (bit-identical)
 
 
