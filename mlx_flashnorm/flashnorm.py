@@ -67,15 +67,22 @@ def fold_weight(weight, gain):
 
 
 def split_gain(norm, fold):
-    """(folded, kept): norm_gain(norm) in float32 to fold into the weights of the linears the norm
-    feeds (fold), or in the norm's dtype to keep for their input (not fold); the other is None."""
+    """(folded, kept): norm_gain(norm), in float32, to fold into the weights of the linears the
+    norm feeds (fold), or to keep for their input (not fold; kernels.add_rss multiplies it in
+    float32 and rounds once); the other is None."""
     gain = norm_gain(norm)
-    return (gain, None) if fold else (None, gain.astype(norm.weight.dtype if "weight" in norm else mx.float32))
+    return (gain, None) if fold else (None, gain)
+
+
+def times(y, s):
+    """y * s in y's dtype: the deferred scale s (float32 in half precision, kernels.add_rss)
+    applied with one rounding."""
+    return y * s if s.dtype == y.dtype else (y * s).astype(y.dtype)
 
 
 def gained(module, x):
     """x * module.gain where the module keeps the norm gain on the activation side, else x."""
-    return x * module.gain if "gain" in module else x
+    return times(x, module.gain) if "gain" in module else x
 
 
 class Deferred(NamedTuple):
@@ -121,7 +128,7 @@ def deferred_input(module, x):
 
 def deferred_output(module, y, s):
     """y * s, or Deferred(y, y, s) where apply() let the next DeferredNorm apply s."""
-    return Deferred(y, y, s) if getattr(module, "defer_output", False) else y * s
+    return Deferred(y, y, s) if getattr(module, "defer_output", False) else times(y, s)
 
 
 def weightless(norm, linears):
@@ -149,7 +156,7 @@ class _Deferred:
             x = gained(self, x)
         y = self._product(x)
         if s is not None:
-            y = y * s
+            y = times(y, s)
         return y + self["bias"] if "bias" in self else y
 
 
@@ -213,7 +220,9 @@ class FlashSwiGLU(nn.Module):
     def __call__(self, x):
         a, s = deferred_input(self, x)
         late = "bias" not in self.up_proj
-        h = nn.silu(self.gate_proj(a, s)) * self.up_proj(a, None if late else s)
+        gate = self.gate_proj(a, s) if "bias" in self.gate_proj else self.gate_proj(a) * s
+        up = self.up_proj(a, None if late else s)
+        h = (nn.silu(gate) * up).astype(up.dtype)  # float32 in half precision, rounded once
         if late and "bias" not in self.down_proj:
             return deferred_output(self, self.down_proj(h), s)
         return self.down_proj(h, s if late else None)
@@ -235,7 +244,8 @@ class FlashFusedSwiGLU(nn.Module):
     def __call__(self, x):
         a, s = deferred_input(self, x)
         gate, up = mx.split(self.proj_1(a), 2, axis=-1)
-        return deferred_output(self, self.proj_2(nn.silu(gate * s) * up), s)
+        h = (nn.silu(gate * s) * up).astype(up.dtype)  # float32 in half precision, rounded once
+        return deferred_output(self, self.proj_2(h), s)
 
 
 class FlashReLUFFN(nn.Module):
@@ -325,8 +335,11 @@ def permute_gain(g, traditional):
     return mx.concatenate([b, a], axis=-1)
 
 
-def apply_rope(x, cos, sin, traditional):
-    return x * cos + rotate(x, traditional) * sin
+def apply_rope(x, cos, sin, traditional, scale=None):
+    """x * cos + rotate(x) * sin (times a per-row scale), computed in the tables' float32 and
+    rounded once to x's dtype, as mx.fast.rope does."""
+    y = x * cos + rotate(x, traditional) * sin
+    return (y if scale is None else y * scale).astype(x.dtype)
 
 
 def attend(q, k, v, mask, cache, out_proj):
@@ -380,8 +393,8 @@ class FlashAttention(nn.Module):
         c = self.head_dim**-0.25
         cs = (c * s)[:, None].astype(mx.float32)  # (B, 1, L, 1): one factor per token, all heads
         qf, kf = (cs if fuse else c for fuse in (fuse_q, fuse_k))
-        q = apply_rope(q, (cos * qf).astype(q.dtype), (sin * qf).astype(q.dtype), self.traditional)
-        k = apply_rope(k, (cos * kf).astype(k.dtype), (sin * kf).astype(k.dtype), self.traditional)
+        q = apply_rope(q, cos * qf, sin * qf, self.traditional)
+        k = apply_rope(k, cos * kf, sin * kf, self.traditional)
         return attend(q, k, v, mask, cache, self.o_proj)
 
 
@@ -418,12 +431,13 @@ class FlashQKNormAttention(nn.Module):
             self.qk_eps = attn.q_norm.eps
             for name, qk_norm in (("q_gain", attn.q_norm), ("k_gain", attn.k_norm)):
                 g = c * norm_gain(qk_norm)
-                setattr(self, name, mx.stack([g, permute_gain(g, self.traditional)]).astype(qk_norm.weight.dtype))
+                setattr(self, name, mx.stack([g, permute_gain(g, self.traditional)]))
 
     def _rope_qk(self, x, cos, sin, gain):
         """RoPE(x / RMSe(x) * g) * h^-1/4 with g fused into the tables (Sec. 4.2)."""
-        cos, sin = (cos * gain[0]).astype(x.dtype), (sin * gain[1]).astype(x.dtype)
-        return apply_rope(x, cos, sin, self.traditional) * rss_scale(x, self.qk_eps)
+        xf = x.astype(mx.float32)
+        inv = mx.rsqrt(mx.sum(xf * xf, axis=-1, keepdims=True) + x.shape[-1] * self.qk_eps)
+        return apply_rope(x, cos * gain[0], sin * gain[1], self.traditional, inv)
 
     def __call__(self, x, mask=None, cache=None):
         a, s = deferred_input(self, x)
@@ -438,15 +452,15 @@ class FlashQKNormAttention(nn.Module):
             return attend(q, k, v, mask, cache, self.out_proj)
         qkv = self.qkv_proj(a).reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3)
         q, k, v = mx.split(qkv, [self.n_heads, self.n_heads + self.n_kv_heads], axis=1)
-        v = v * s[:, None]
+        v = times(v, s[:, None])
         cos, sin = rope_tables(self._rope, offset, L, self.traditional)
         if "q_gain" in self:
             q = self._rope_qk(q, cos, sin, self.q_gain)
             k = self._rope_qk(k, cos, sin, self.k_gain)
         else:
             cs = (self.head_dim**-0.25 * s)[:, None]
-            q = apply_rope(q, (cos * cs).astype(q.dtype), (sin * cs).astype(q.dtype), self.traditional)
-            k = apply_rope(k, (cos * cs).astype(k.dtype), (sin * cs).astype(k.dtype), self.traditional)
+            q = apply_rope(q, cos * cs, sin * cs, self.traditional)
+            k = apply_rope(k, cos * cs, sin * cs, self.traditional)
         return attend(q, k, v, mask, cache, self.out_proj)
 
 
@@ -472,7 +486,7 @@ class TiedFlashHead(nn.Module):
     def __init__(self, norm, model):
         super().__init__()
         self.eps = norm.eps
-        self.scale = norm_gain(norm).astype(norm.weight.dtype)
+        self.scale = norm_gain(norm)
         self._model = lambda: model  # a plain attribute: keeps the embedding out of this subtree
 
     def __call__(self, x):
@@ -480,7 +494,7 @@ class TiedFlashHead(nn.Module):
             xg, s = x.xg, x.s
         else:
             _, xg, s = kernels.add_rss(x, self.eps, g=self.scale)
-        return self._model().embed_tokens.as_linear(xg) * s
+        return times(self._model().embed_tokens.as_linear(xg), s)
 
 
 # ---------------------------------------------------------------- Sec. 1.1/1.2: LayerNorm, DyT

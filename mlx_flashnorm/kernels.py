@@ -191,7 +191,9 @@ def decode_attention(q, k, v, n, scale):
 # ---------------------------------------------------------------- residual add + deferred scale
 
 _ADD_RSS = """
-  // one block per row: p = x * xs + r, pg = p * g, s = rsqrt(sum(p^2) + d * eps)
+  // one block per row: p = x * xs + r (in float32, rounded once to T), s = rsqrt(sum(p^2) + d*eps)
+  // and pg = p * g * P, s / P. PRESCALE (half precision): P = 2^floor(log2(s)), an exact power of
+  // two that brings pg to the scale of a normalized row (in range) and leaves s / P in [1, 2).
   const int row = blockIdx.x;
   const int D = x_shape[x_ndim - 1];
   const long base = long(row) * D;
@@ -202,57 +204,91 @@ _ADD_RSS = """
     {add_r}
     const T tp = fn_cast<T>(t);
     {write_p}
-    {write_pg}
     ss += fn_f(tp) * fn_f(tp);
   }}
   __shared__ float buf[32];
+  __shared__ float total;
   ss = fn_warp_sum(ss);
   if (threadIdx.x % 32 == 0) buf[threadIdx.x / 32] = ss;
   __syncthreads();
   if (threadIdx.x == 0) {{
-    float total = 0.0f;
-    for (int w = 0; w < int(blockDim.x / 32); ++w) total += buf[w];
-    s[row] = fn_cast<T>(rsqrtf(total + D * __int_as_float(EPS_BITS)));
+    float t = 0.0f;
+    for (int w = 0; w < int(blockDim.x / 32); ++w) t += buf[w];
+    total = t;
   }}
+  __syncthreads();
+  const float sc = rsqrtf(total + D * __int_as_float(EPS_BITS));
+  const float P = PRESCALE ? __int_as_float(__float_as_int(sc) & 0x7f800000) : 1.0f;
+  if (threadIdx.x == 0) s[row] = sc / P;
+  {write_pg}
 """
+
+_WRITE_PG = """for (int i = threadIdx.x; i < D; i += blockDim.x)
+    pg[base + i] = fn_cast<T>(fn_f({p}[base + i]){g} * P);"""
 
 
 @lru_cache(maxsize=None)
-def _add_rss_kernel(has_xs, has_r, has_g):
+def _add_rss_kernel(has_xs, has_r, has_g, prescale):
+    has_p = has_r or has_xs
     source = _ADD_RSS.format(
-        scale_x="t *= fn_f(xs[row]);" if has_xs else "",
+        scale_x="t *= xs[row];" if has_xs else "",
         add_r="t += fn_f(r[base + i]);" if has_r else "",
-        write_p="p[base + i] = tp;" if (has_r or has_xs) else "",
-        write_pg="pg[base + i] = fn_cast<T>(fn_f(tp) * fn_f(g[i]));" if has_g else "")
+        write_p="p[base + i] = tp;" if has_p else "",
+        write_pg=_WRITE_PG.format(p="p" if has_p else "x", g=" * g[i]" if has_g else "")
+        if (has_g or prescale) else "")
     inputs = ["x"] + ["xs"] * has_xs + ["r"] * has_r + ["g"] * has_g
-    outputs = ["p"] * (has_r or has_xs) + ["pg"] * has_g + ["s"]
-    return _kernel(f"fn_add_rss_{int(has_xs)}{int(has_r)}{int(has_g)}", inputs, outputs, source)
+    outputs = ["p"] * has_p + ["pg"] * (has_g or prescale) + ["s"]
+    flags = "".join(str(int(f)) for f in (has_xs, has_r, has_g, prescale))
+    return _kernel(f"fn_add_rss_{flags}", inputs, outputs, source)
+
+
+def power_of_two_below(s):
+    """2^floor(log2(s)) of a positive float32 array, exactly (the exponent bits of s)."""
+    return mx.view(mx.bitwise_and(mx.view(s, mx.int32), 0x7F800000), mx.float32)
 
 
 def add_rss(x, eps, xs=None, r=None, g=None):
-    """(p, pg, s) over the last axis: p = x * xs + r (xs (.., 1) and r optional), pg = p * g (g
-    optional, else None), s = 1/RSSe(p) = rsqrt(sum(p^2) + d * eps) with shape (.., 1).
-    Appendix A/B of the paper: with sqrt(d) * g as the gain, pg * s is RMSNorm(p) * g."""
+    """(p, pg, s) over the last axis: p = x * xs + r (xs (.., 1) and r optional), the new residual
+    stream in x's dtype; s = 1/RSSe(p) = rsqrt(sum(p^2) + d * eps) with shape (.., 1), in float32;
+    pg = p * g (g optional; None when there is no g, in float32). Appendix A/B of the paper: with
+    sqrt(d) * g as the gain, pg * s is RMSNorm(p) * g.
+
+    Half precision: p * sqrt(d) * g leaves float16's range on trained models (their residual
+    stream reaches 1e4), and so would every matmul output after it. There pg carries an exact power
+    of two P = 2^floor(log2 s) (pg = p * g * P, also without g) and s is returned as s / P, in
+    [1, 2): pg is then on the scale of a normalized row and pg * s is unchanged, since a power-of-two
+    factor adds no rounding. x * xs + r is computed in float32 and rounded once."""
+    half = x.dtype != mx.float32
     if use_cuda() and x.dtype in (mx.float32, mx.float16, mx.bfloat16):
         d, rows = x.shape[-1], x.size // x.shape[-1]
         threads = min(1024, max(32, 32 * math.ceil(d / 4 / 32)))
-        arrays = [x] + [a.astype(x.dtype) for a in (xs, r, g) if a is not None]
-        outs = _add_rss_kernel(xs is not None, r is not None, g is not None)(
+        has_p, has_pg = r is not None or xs is not None, g is not None or half
+        arrays = [x] + [a.astype(t) for a, t in ((xs, mx.float32), (r, x.dtype), (g, mx.float32))
+                        if a is not None]
+        outs = list(_add_rss_kernel(xs is not None, r is not None, g is not None, half)(
             inputs=arrays,
-            template=[("T", x.dtype), ("EPS_BITS", float_bits(eps))],
+            template=[("T", x.dtype), ("EPS_BITS", float_bits(eps)), ("PRESCALE", half)],
             grid=(rows * threads, 1, 1), threadgroup=(threads, 1, 1),
-            output_shapes=[x.shape] * ((r is not None or xs is not None) + (g is not None))
-            + [x.shape[:-1] + (1,)],
-            output_dtypes=[x.dtype] * (1 + (r is not None or xs is not None) + (g is not None)))
-        outs = list(outs)
-        p = outs.pop(0) if (r is not None or xs is not None) else x
-        pg = outs.pop(0) if g is not None else None
+            output_shapes=[x.shape] * (has_p + has_pg) + [x.shape[:-1] + (1,)],
+            output_dtypes=[x.dtype] * (has_p + has_pg) + [mx.float32]))
+        p = outs.pop(0) if has_p else x
+        pg = outs.pop(0) if has_pg else None
         return p, pg, outs[0]
-    p = x if xs is None else x * xs
-    p = p if r is None else p + r
+    if not half:
+        p = x if xs is None else x * xs
+        p = p if r is None else p + r
+        s = mx.rsqrt(mx.sum(p * p, axis=-1, keepdims=True) + x.shape[-1] * eps)
+        return p, (None if g is None else p * g), s
+    if xs is None:
+        p = x if r is None else x + r
+    else:
+        pf = x.astype(mx.float32) * xs
+        p = (pf if r is None else pf + r.astype(mx.float32)).astype(x.dtype)
     pf = p.astype(mx.float32)
-    s = mx.rsqrt(mx.sum(pf * pf, axis=-1, keepdims=True) + x.shape[-1] * eps).astype(x.dtype)
-    return p, (None if g is None else p * g), s
+    s = mx.rsqrt(mx.sum(pf * pf, axis=-1, keepdims=True) + x.shape[-1] * eps)
+    P = power_of_two_below(s)
+    pg = (pf * P if g is None else pf * (g.astype(mx.float32) * P)).astype(x.dtype)
+    return p, pg, s / P
 
 
 # ---------------------------------------------------------------- QK-norm + RoPE (Sec. 4)
@@ -338,7 +374,7 @@ def rope_qkv(q, k, v, s, offset, theta, n_heads, n_kv_heads, gains=None, eps=0.0
     off = offset if isinstance(offset, mx.array) else mx.array(offset)
     qg, kg = gains if gains is not None else (theta, theta)  # unused without QK-norm
     return _rope_qkv_kernel()(
-        inputs=[q, k, v, s.astype(q.dtype), off.astype(mx.int32).reshape(1), theta, qg, kg],
+        inputs=[q, k, v, s.astype(mx.float32), off.astype(mx.int32).reshape(1), theta, qg, kg],
         template=[("T", q.dtype), ("D", D), ("HQ", n_heads), ("HKV", n_kv_heads), ("L", L),
                   ("ROWS", rows), ("QS", strides[0]), ("KS", strides[1]), ("VS", strides[2]),
                   ("QO", offsets[0]), ("KO", offsets[1]), ("VO", offsets[2]),
