@@ -17,7 +17,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from . import flashnorm
-from .errors import UserError, run_cli
+from .errors import HelpFormatter, UserError, run_cli
 from .loader import dequantize, load
 
 
@@ -46,8 +46,9 @@ def export(model, tokenizer, out):
 
 
 def arg_parser():
-    p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.convert", description=__doc__.split("\n\n")[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.convert",
+                                description=__doc__.split("\n\n")[1],
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", help="HF model folder, HF repo id, or llama .gguf file "
                                    "(default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--tokenizer", help="tokenizer folder, repo id or sentencepiece .model file "
