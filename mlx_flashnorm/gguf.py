@@ -209,6 +209,12 @@ def read_gguf(path, bits=None, group_size=64):
         "bos_token_id": _scalar(meta, "tokenizer.ggml.bos_token_id", -1),
         "eos_token_id": _scalar(meta, "tokenizer.ggml.eos_token_id", -1),
     }
+    scaling = _scalar(meta, p + "rope.scaling.type", "none")
+    if scaling == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(_scalar(meta, p + "rope.scaling.factor"))}
+    elif scaling != "none" or "rope_freqs.weight" in tensors:
+        raise UserError(f"{path}: GGUF RoPE scaling '{'llama3 (rope_freqs)' if scaling == 'none' else scaling}' "
+                        "is not supported; use the model's Hugging Face checkpoint")
     weights = {}
     for name, w in tensors.items():
         hf = _hf_name(name)

@@ -94,6 +94,24 @@ def read_safetensors(folder):
     return weights
 
 
+ROPE_THETA_KEYS = {"openelm": "rope_freq_constant"}  # architectures that name rope_theta otherwise
+
+
+def rope_v4(config):
+    """config with its RoPE settings in the transformers 4.x form our models read: top-level
+    rope_theta (OpenELM: rope_freq_constant) and rope_scaling. transformers 5 writes them as
+    rope_parameters {"rope_theta", "rope_type": "default" | "linear" | "llama3" | ..., factors}."""
+    rp = config.get("rope_parameters")
+    if not isinstance(rp, dict) or any(isinstance(v, dict) for v in rp.values()):
+        return config  # absent, or per attention type (Gemma 3): the architecture reads it
+    config = {k: v for k, v in config.items() if k != "rope_parameters"}
+    if "rope_theta" in rp:
+        config[ROPE_THETA_KEYS.get(config["model_type"], "rope_theta")] = rp["rope_theta"]
+    if rp.get("rope_type", rp.get("type", "default")) != "default":
+        config["rope_scaling"] = {k: v for k, v in rp.items() if k != "rope_theta"}
+    return config
+
+
 def model_args(config):
     model_type = config["model_type"]
     if model_type not in ARCHITECTURES:
@@ -101,6 +119,12 @@ def model_args(config):
                         f"supported: {', '.join(sorted(ARCHITECTURES))}")
     arch = ARCHITECTURES[model_type]
     fields = dataclasses.fields(arch.ModelArgs)
+    config = rope_v4(config)
+    scaling = config.get("rope_scaling")
+    if scaling and "rope_scaling" not in {f.name for f in fields}:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        raise UserError(f"config.json asks for '{kind}' RoPE scaling, which model_type '{model_type}' "
+                        "does not have; only default RoPE is supported for it")
     for f in fields:
         no_default = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if no_default and f.name not in config:

@@ -39,12 +39,14 @@ def encode(w, qtype, rng):
         return rng.integers(0, 0x30, (w.shape[0], w.shape[1] // block * size), dtype=np.uint8)
 
 
-def write_llama_gguf(path, types, seed=0):
+def write_llama_gguf(path, types, seed=0, metadata=()):
     """A tiny random Llama as a GGUF file; types(name) gives each 2-D tensor's GGUF type. Returns
     the HF weights the file holds, as the gguf package dequantizes them."""
     rng = np.random.default_rng(seed)
     arch, args = model_args(CONFIG)
     writer = gguf.GGUFWriter(str(path), "llama")
+    for add, value in metadata:
+        getattr(writer, add)(value)
     writer.add_block_count(2)
     writer.add_context_length(64)
     writer.add_embedding_length(256)
@@ -169,3 +171,19 @@ def test_real_q4_k_m_file_matches_the_gguf_reader(tmp_path_factory):
             ref = gguf.quants.dequantize(t.data, t.tensor_type)
             assert np.array_equal(np.array(tensors[t.name]).reshape(ref.shape), ref), t.name
     assert seen == {"F32", "Q4_K", "Q5_0", "Q6_K", "Q8_0"}
+
+
+def test_linear_rope_scaling_is_read(tmp_path):
+    path = tmp_path / "linear.gguf"
+    reference = write_llama_gguf(path, lambda name: T.F32, metadata=[
+        ("add_rope_scaling_type", gguf.RopeScalingType.LINEAR), ("add_rope_scaling_factor", 4.0)])
+    config, weights, _, _ = read_gguf(path)
+    assert config["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
+    tokens = mx.array([list(range(1, 40, 2))])
+    expected = build_model({**CONFIG, "rope_scaling": config["rope_scaling"]}, reference, progress=False)(tokens)
+    assert mx.array_equal(build_model(config, weights, progress=False)(tokens), expected)
+    assert not mx.allclose(build_model(CONFIG, reference, progress=False)(tokens), expected, atol=1e-4)
+    path = tmp_path / "yarn.gguf"
+    write_llama_gguf(path, lambda name: T.F32, metadata=[("add_rope_scaling_type", gguf.RopeScalingType.YARN)])
+    with pytest.raises(UserError, match="GGUF RoPE scaling 'yarn' is not supported"):
+        read_gguf(path)
