@@ -105,6 +105,8 @@ def read_tensors(path, bits=None, group_size=64):
         except Exception as e:  # MLX raises plain exceptions for unreadable files
             raise UserError(f"{path}: cannot read GGUF file ({e}); it may be truncated or corrupt")
         return tensors, meta, []
+    for kind, name in {kind: name for name, kind in types.items()}.items():  # before decoding anything
+        _check_readable(path, name, gguf.GGMLQuantizationType[kind])
     bits = 4 if bits is None else bits
     tensors = {}
     for name, shape, kind, offset in header.tensors:
@@ -136,8 +138,17 @@ def _dequantize(header, path, name, shape, kind, offset):
     raw = np.frombuffer(header.buf, np.uint8, nbytes, start)
     if qtype.name in _FLOAT_TYPES:
         return raw.view(_FLOAT_TYPES[qtype.name]).reshape(shape).astype(np.float32)
+    return gguf.quants.dequantize(raw.reshape(rows, -1), qtype).reshape(shape)
+
+
+def _check_readable(path, name, qtype):
+    import gguf
+    from gguf.constants import GGML_QUANT_SIZES
+
+    if qtype.name in _FLOAT_TYPES:
+        return
     try:
-        return gguf.quants.dequantize(raw.reshape(rows, -1), qtype).reshape(shape)
+        gguf.quants.dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
     except NotImplementedError:
         raise UserError(f"{path}: tensor '{name}' has GGUF type {qtype.name}, which cannot be read "
                         "(the gguf package does not decode it); use a file of another type "
