@@ -15,7 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..errors import UserError
+from ..errors import HelpFormatter, UserError
 from ..generate import generate_step
 from ..loader import DTYPES, build_model, model_args, prepare, read_config, read_safetensors, resolve
 
@@ -58,7 +58,7 @@ SHAPES = {"openelm-270m": ("OpenELM-270M", OPENELM_270M), "smollm2-135m": ("Smol
 
 # The same architecture shrunk so that every mode runs end to end in seconds (tests use it).
 TINY = dict(OPENELM_270M, model_dim=128, num_transformer_layers=2, num_query_heads=[4, 4],
-            num_kv_heads=[2, 1], ffn_multipliers=[0.5, 1.0], vocab_size=512, max_context_length=128)
+            num_kv_heads=[2, 1], ffn_multipliers=[0.5, 1.0], vocab_size=512, max_context_length=1024)
 
 
 def random_checkpoint(folder, config, seed=0):
@@ -205,11 +205,9 @@ def table(report):
 
 
 def plot(report, path):
-    """Bar chart of median pp and tg tok/s per mode, whiskers from min to max; False without matplotlib."""
-    try:
-        import matplotlib
-    except ImportError:
-        return False
+    """Bar chart of median pp and tg tok/s per mode, whiskers from min to max."""
+    import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -231,7 +229,6 @@ def plot(report, path):
     fig.savefig(tmp, dpi=110)
     plt.close(fig)
     os.replace(tmp, path)
-    return True
 
 
 def write_atomic(path, text):
@@ -247,18 +244,19 @@ def arg_parser():
                     "weights, interleaved in one process: the paper's OpenELM-270M table.",
         epilog="Without --model: OpenELM-270M's architecture with random weights (labelled as such). "
                "Modes: rms, flash, none, mlx-lm; add -eager to a norm mode (e.g. rms-eager) for our "
-               "runner without the compiled decode step.")
+               "runner without the compiled decode step.",
+        formatter_class=HelpFormatter)
     p.add_argument("--model", help="HF model folder or repo id (default: random OpenELM-270M-shaped weights)")
-    p.add_argument("--modes", default="rms,flash,none,mlx-lm", help="comma-separated (default: %(default)s)")
-    p.add_argument("--bits", type=int, default=4, help="weight bits, 0 for full precision (default: 4)")
-    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--modes", default="rms,flash,none,mlx-lm", help="comma-separated")
+    p.add_argument("--bits", type=int, default=4, help="weight bits, 0 for full precision")
+    p.add_argument("--group-size", type=int, default=64, help="weights per scale/bias")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="activation dtype")
-    p.add_argument("--pp", type=int, default=512, help="prompt tokens (default: 512)")
-    p.add_argument("--tg", type=int, default=128, help="generated tokens (default: 128)")
-    p.add_argument("--reps", type=int, default=5, help="measured repetitions after one warm-up (default: 5)")
+    p.add_argument("--pp", type=int, default=512, help="prompt tokens")
+    p.add_argument("--tg", type=int, default=128, help="generated tokens")
+    p.add_argument("--reps", type=int, default=5, help="measured repetitions after one warm-up")
     p.add_argument("--out", default="out/bench", help="folder for bench.md, bench.json, bench.png")
     p.add_argument("--shape", choices=list(SHAPES), default="openelm-270m",
-                   help="architecture of the random weights without --model (default: %(default)s)")
+                   help="architecture of the random weights without --model")
     p.add_argument("--tiny", action="store_true", help="a 2-layer OpenELM-shaped random model: a smoke test in seconds")
     p.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
     return p
@@ -311,6 +309,5 @@ def main(argv=None):
     write_atomic(out / "bench.md", f"Command: `{report['command']}`\n\n{md}")
     write_atomic(out / "bench.json", json.dumps(report, indent=1))
     print(md)
-    if not plot(report, out / "bench.png"):
-        print("note: matplotlib is not installed, so no bench.png (pip install 'mlx-flashnorm[plot]')")
-    print(f"wrote {out}/bench.md, bench.json" + (", bench.png" if (out / "bench.png").exists() else ""))
+    plot(report, out / "bench.png")
+    print(f"wrote {out}/bench.md, bench.json, bench.png")

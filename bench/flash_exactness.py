@@ -9,13 +9,14 @@
 
     python -m mlx_flashnorm.bench.flash_exactness
 """
+import argparse
 import functools
 import sys
 
 import mlx.core as mx
 
 from .. import flashnorm
-from ..errors import run_cli
+from ..errors import HelpFormatter, run_cli
 from ..generate import generate_step
 from ..loader import dequantize, load, model_args
 from .decode import OPENELM_270M
@@ -43,7 +44,9 @@ def qk_deviation(scale, eps):
     return rel(attn(norm(x), mask="causal"), flash(x, mask="causal"))
 
 
-def main():
+def main(argv=None):
+    argparse.ArgumentParser(prog="python -m mlx_flashnorm.bench.flash_exactness", description=__doc__,
+                            formatter_class=HelpFormatter).parse_args(argv)
     print("| input RMS | rel, eps 1e-6 | rel, eps 0 |")
     print("| ---: | ---: | ---: |")
     for scale in (1e-3, 1e-2, 1e-1, 1.0, 1e1, 1e3):

@@ -14,7 +14,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .. import flashnorm
-from ..errors import UserError, run_cli
+from ..errors import HelpFormatter, UserError, run_cli
 from ..generate import generate_step
 from ..loader import dequantize, load, model_args
 from .decode import OPENELM_270M, device_name, measure, summary
@@ -50,12 +50,14 @@ def param_bytes(model):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.bench.flash_head", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.bench.flash_head",
+                                description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", help="model to load (default: OpenELM-270M shape, random weights)")
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=5, help="measured repetitions")
     p.add_argument("--pp", type=int, default=16, help="prompt tokens")
     p.add_argument("--tg", type=int, default=64, help="generated tokens per round")
-    p.add_argument("--verbose", action="store_true")
+    p.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
     args = p.parse_args(argv)
     if args.reps < 1 or args.tg < 2 or args.pp < 1:
         raise UserError("--reps and --pp must be at least 1, --tg at least 2")

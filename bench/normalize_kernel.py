@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import mlx.core as mx  # noqa: E402
 
 from mlx_flashnorm import nn as fnn  # noqa: E402
+from mlx_flashnorm.errors import HelpFormatter  # noqa: E402
 
 SHAPES = [(1, 1280), (1, 2048), (1, 4096), (512, 1280), (512, 4096)]
 TOLERANCE = {mx.float32: 2e-6, mx.float16: 2e-3}  # relative, Frobenius norm
@@ -103,7 +104,7 @@ def bench(kernel, samples, calls, dtype, warmup=5):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     parser.add_argument("--samples", type=int, help="default 30 on a GPU, 5 on the CPU")
     parser.add_argument("--calls", type=int, help="default 50 on a GPU, 5 on the CPU")
     args = parser.parse_args()

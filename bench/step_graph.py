@@ -15,6 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..cache import StaticKVCache
+from ..errors import HelpFormatter
 from .decode import NORM_MODES, OPENELM_270M, load_ours, random_checkpoint
 
 VIEWS = {"Reshape", "Transpose", "Slice", "Split", "ExpandDims", "Squeeze", "Broadcast", "AsStrided",
@@ -35,10 +36,12 @@ def step_ops(model, prompt=8):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.bench.step_graph", description=__doc__)
-    p.add_argument("--bits", type=int, default=4)
-    p.add_argument("--dtype", default="float16")
-    p.add_argument("--layers", type=int, default=16)
+    p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.bench.step_graph",
+                                description=__doc__,
+                                formatter_class=HelpFormatter)
+    p.add_argument("--bits", type=int, default=4, help="weight bits, 0 for full precision")
+    p.add_argument("--dtype", default="float16", help="activation dtype")
+    p.add_argument("--layers", type=int, default=16, help="decoder layers")
     args = p.parse_args(argv)
     config = dict(OPENELM_270M, num_transformer_layers=args.layers,
                   **{k: OPENELM_270M[k][:args.layers] for k in ("num_query_heads", "num_kv_heads", "ffn_multipliers")})

@@ -4,8 +4,10 @@ Every pre-norm's weights are folded into the linears after it and set to 1; the 
 folded into the LM head, so a tied embedding is untied (lm_head is written and
 tie_word_embeddings / share_input_output_layers set false). QK-norm weights (OpenELM) cannot be
 folded into a linear (a per-head RMS sits between) and are kept. The output is the same Hugging
-Face layout (config.json, model.safetensors, tokenizer files), in float32, so stock mlx-lm loads
-it unchanged and computes the same logits. A quantized source (e.g. the GGUF) is dequantized."""
+Face layout (config.json, model.safetensors, tokenizer files), in the source's dtype (--dtype), so
+stock mlx-lm loads it unchanged and computes the same logits. A quantized source (e.g. the GGUF) is
+dequantized; -q quantizes the folded weights (mlx-lm layout), which costs more quality than
+quantizing unfolded ones (bench/RESULTS.md, "Perplexity")."""
 import argparse
 import json
 import os
@@ -17,8 +19,9 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from . import flashnorm
-from .errors import UserError, run_cli
-from .loader import dequantize, load
+from .errors import HelpFormatter, UserError, run_cli
+from .loader import (DTYPES, check_quantization, default_model_path, dequantize, load, quantize,
+                     read_config, resolve)
 
 
 def export(model, tokenizer, out):
@@ -32,8 +35,7 @@ def export(model, tokenizer, out):
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     try:
         tmp.mkdir()
-        config = {k: v for k, v in model.config.items() if k not in ("quantization", "quantization_config")}
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(model.config, indent=2) + "\n")
         mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(model.parameters())),
                             metadata={"format": "mlx"})
         if tokenizer is not None:
@@ -46,16 +48,34 @@ def export(model, tokenizer, out):
 
 
 def arg_parser():
-    p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.convert", description=__doc__.split("\n\n")[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.convert",
+                                description=__doc__.split("\n\n")[1],
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", help="HF model folder, HF repo id, or llama .gguf file "
                                    "(default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--tokenizer", help="tokenizer folder, repo id or sentencepiece .model file "
                                        "(saved into the output)")
     p.add_argument("--flashnorm", action="store_true", help="fold the norm weights (the conversion done)")
     p.add_argument("--out", required=True, help="new output folder (must not exist)")
+    p.add_argument("--dtype", choices=list(DTYPES),
+                   help="dtype of the written weights (default: the source's; float16 for a GGUF)")
+    p.add_argument("-q", "--quantize", action="store_true",
+                   help="quantize the folded weights too (mlx-lm layout), as mlx_lm.convert -q does")
+    p.add_argument("--q-bits", type=int, default=4, help="bits per weight with -q")
+    p.add_argument("--q-group-size", type=int, default=64, help="weights per scale/bias with -q")
     p.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
     return p
+
+
+def source_dtype(model_path):
+    """The dtype a checkpoint is stored in: config.json's dtype (transformers 5) or torch_dtype;
+    float16 for a GGUF (its quantized blocks carry float16 scales)."""
+    path = default_model_path() if model_path is None else resolve(model_path)
+    if path.is_file():
+        return "float16"
+    config = read_config(path)
+    dtype = config.get("dtype") or config.get("torch_dtype")
+    return dtype if dtype in DTYPES else "float32"
 
 
 def main(argv=None):
@@ -64,12 +84,21 @@ def main(argv=None):
         raise UserError("nothing to do: pass --flashnorm to write a weightless FlashNorm checkpoint")
     if Path(args.out).exists():  # fail before loading the model
         raise UserError(f"{args.out} already exists; choose a new --out folder (nothing is overwritten)")
+    if args.quantize:
+        check_quantization(args.q_bits, args.q_group_size)
+    dtype = args.dtype or source_dtype(args.model)
     model, tokenizer = load(args.model, norm="rms", dtype="float32", tokenizer=args.tokenizer)
     if "quantization" in model.config:
         dequantize(model)
-    flashnorm.make_weightless(model)
+    flashnorm.make_weightless(model)  # in float32, then stored as dtype
+    model.set_dtype(DTYPES[dtype])
+    dtype_key = "dtype" if "dtype" in model.config else "torch_dtype"
+    model.config = dict(model.config, **{dtype_key: dtype})
+    if args.quantize:
+        quantize(model, args.q_bits, args.q_group_size)
     out = export(model, tokenizer, args.out)
-    print(f"wrote {out}")
+    what = f", {args.q_bits}-bit, group size {args.q_group_size}" if args.quantize else ""
+    print(f"wrote {out} ({dtype}{what})")
 
 
 if __name__ == "__main__":

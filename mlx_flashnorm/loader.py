@@ -3,6 +3,7 @@ import dataclasses
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -93,6 +94,24 @@ def read_safetensors(folder):
     return weights
 
 
+ROPE_THETA_KEYS = {"openelm": "rope_freq_constant"}  # architectures that name rope_theta otherwise
+
+
+def rope_v4(config):
+    """config with its RoPE settings in the transformers 4.x form our models read: top-level
+    rope_theta (OpenELM: rope_freq_constant) and rope_scaling. transformers 5 writes them as
+    rope_parameters {"rope_theta", "rope_type": "default" | "linear" | "llama3" | ..., factors}."""
+    rp = config.get("rope_parameters")
+    if not isinstance(rp, dict) or any(isinstance(v, dict) for v in rp.values()):
+        return config  # absent, or per attention type (Gemma 3): the architecture reads it
+    config = {k: v for k, v in config.items() if k != "rope_parameters"}
+    if "rope_theta" in rp:
+        config[ROPE_THETA_KEYS.get(config["model_type"], "rope_theta")] = rp["rope_theta"]
+    if rp.get("rope_type", rp.get("type", "default")) != "default":
+        config["rope_scaling"] = {k: v for k, v in rp.items() if k != "rope_theta"}
+    return config
+
+
 def model_args(config):
     model_type = config["model_type"]
     if model_type not in ARCHITECTURES:
@@ -100,6 +119,12 @@ def model_args(config):
                         f"supported: {', '.join(sorted(ARCHITECTURES))}")
     arch = ARCHITECTURES[model_type]
     fields = dataclasses.fields(arch.ModelArgs)
+    config = rope_v4(config)
+    scaling = config.get("rope_scaling")
+    if scaling and "rope_scaling" not in {f.name for f in fields}:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        raise UserError(f"config.json asks for '{kind}' RoPE scaling, which model_type '{model_type}' "
+                        "does not have; only default RoPE is supported for it")
     for f in fields:
         no_default = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if no_default and f.name not in config:
@@ -217,7 +242,15 @@ def load(path_or_repo=None, norm="rms", bits=None, dtype="float32", tokenizer=No
             raise UserError(f"{path}: not a model; pass a model folder, a .gguf file or a repo id")
         from .gguf import read_gguf
 
-        config, weights, meta = read_gguf(path)
+        if bits:
+            check_quantization(bits, group_size)
+        config, weights, meta, dequantized = read_gguf(path, bits, group_size)
+        if dequantized:  # read_gguf quantized (or kept in float32) what MLX cannot use as it is
+            if bits is None and "quantization" in config:
+                print(f"note: {path.name} holds {', '.join(dequantized)} tensors, which MLX does not "
+                      f"compute with: quantized to MLX 4-bit, group size {group_size} (bits 0: full "
+                      "precision)", file=sys.stderr)
+            bits = None
         model = build_model(config, weights, progress)
         tok = load_tokenizer(path.parent, tokenizer, gguf_meta=None if tokenizer else meta)
     else:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .errors import UserError, run_cli
+from .errors import HelpFormatter, UserError, run_cli
 from .loader import DTYPES, NORMS, load
 
 
@@ -50,16 +50,17 @@ def arg_parser():
         prog="python -m mlx_flashnorm.perplexity",
         description="Perplexity of a model on a text file, in fixed non-overlapping windows.",
         epilog="The last line printed is exactly 'perplexity: <number>'. --bits 0 dequantizes a "
-               "quantized checkpoint (e.g. the embedded Q4_1 GGUF) to full precision.")
+               "quantized checkpoint (e.g. the embedded Q4_1 GGUF) to full precision.",
+        formatter_class=HelpFormatter)
     p.add_argument("--model", help="HF model folder, HF repo id, or llama .gguf file "
                                    "(default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--text", required=True, help="UTF-8 text file")
     p.add_argument("--tokenizer", help="tokenizer folder, repo id or sentencepiece .model file")
-    p.add_argument("--norm", choices=NORMS, default="rms")
+    p.add_argument("--norm", choices=NORMS, default="rms", help="rms: reference; flash: FlashNorm; none: no norms")
     p.add_argument("--bits", type=int, default=None,
                    help="quantize at load time (2-8), or 0 for full precision (dequantizes)")
-    p.add_argument("--group-size", type=int, default=64)
-    p.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    p.add_argument("--group-size", type=int, default=64, help="weights per scale/bias with --bits")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="activation dtype")
     p.add_argument("--window", type=int, default=512, help="tokens predicted per window")
     p.add_argument("--max-tokens", type=int, default=0,
                    help="score only the first N tokens of the text (0: all of it)")

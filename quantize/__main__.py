@@ -2,7 +2,7 @@
 import argparse
 import sys
 
-from ..errors import UserError, run_cli
+from ..errors import HelpFormatter, UserError, run_cli
 from ..loader import NORMS, QUANT_BITS, QUANT_GROUP_SIZES
 from . import quantize_checkpoint
 
@@ -12,7 +12,8 @@ def arg_parser():
         prog="python -m mlx_flashnorm.quantize",
         description="Write a quantized checkpoint (mlx-lm layout: loads in our load() and in "
                     "mlx-lm). With --norm flash, FlashNorm is folded in full precision first.",
-        epilog="--bits 0 writes full precision (float32), e.g. a dequantized copy of a GGUF.")
+        epilog="--bits 0 writes full precision (float32), e.g. a dequantized copy of a GGUF.",
+        formatter_class=HelpFormatter)
     p.add_argument("--model", help="HF model folder, HF repo id, or llama .gguf file "
                                    "(default: embedded SmolLM2-135M-Instruct, Q4_1)")
     p.add_argument("--out", required=True, help="new folder to write (must not exist)")

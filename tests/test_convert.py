@@ -20,8 +20,9 @@ def rel(ref, got):
 
 def test_smollm2_weightless_checkpoint_in_stock_mlx_lm(tmp_path):
     out = tmp_path / "smollm2-flash"
-    r = cli("mlx_flashnorm.convert", "--flashnorm", "--out", str(out))
+    r = cli("mlx_flashnorm.convert", "--flashnorm", "--out", str(out), "--dtype", "float32")
     assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().endswith("(float32)")
     config = json.loads((out / "config.json").read_text())
     assert config["tie_word_embeddings"] is False and "quantization" not in config
     assert {"tokenizer.json", "tokenizer_config.json", "model.safetensors"} <= {p.name for p in out.iterdir()}
@@ -100,3 +101,24 @@ def test_help_and_bad_input(command, tmp_path):
     r = cli(command, "--model", str(tmp_path / "missing"), "--out", str(tmp_path / "o"), "--flashnorm") \
         if command.endswith("convert") else cli(command, "--model", str(tmp_path / "missing"))
     assert r.returncode == 2 and "no such file or folder" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_convert_keeps_the_source_dtype_and_quantizes_with_q(tmp_path, spm_model):
+    from conftest import TINY_LLAMA, make_checkpoint
+    from mlx_flashnorm.convert import main
+
+    config = {**TINY_LLAMA, "vocab_size": 60, "torch_dtype": "bfloat16"}
+    folder, _ = make_checkpoint(tmp_path / "bf16", config)
+    ref = loader.load(str(folder), tokenizer=str(spm_model), progress=False)[0]
+    tokens = mx.array([[1, 5, 9, 13, 17]])
+    for args, dtype, bits in (([], mx.bfloat16, None), (["--dtype", "float32"], mx.float32, None),
+                              (["-q", "--q-bits", "8"], mx.bfloat16, 8)):
+        out = tmp_path / f"out{len(list(tmp_path.iterdir()))}"
+        main(["--model", str(folder), "--tokenizer", str(spm_model), "--flashnorm", "--out", str(out), *args])
+        saved = json.loads((out / "config.json").read_text())
+        weights = mx.load(str(out / "model.safetensors"))
+        assert weights["model.layers.0.mlp.up_proj.scales" if bits else "lm_head.weight"].dtype == dtype
+        assert saved["torch_dtype"] == str(dtype).split(".")[-1]
+        assert saved.get("quantization", {}).get("bits") == bits
+        model = loader.load(str(out), progress=False, tokenizer=str(spm_model))[0]
+        assert rel(ref(tokens), model(tokens)) < 0.02  # bfloat16 weights

