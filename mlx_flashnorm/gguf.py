@@ -1,12 +1,147 @@
-"""Llama-architecture GGUF files: metadata -> HF config, tensors -> HF names, tokenizer from metadata.
+"""GGUF files: tensors of every type (read_tensors), and llama GGUF metadata -> HF config, tensors ->
+HF names, tokenizer from metadata (read_gguf).
 
-MLX reads GGUF natively; Q4_0/Q4_1/Q8_0 tensors arrive in MLX's quantized layout (weight, scales,
-biases, groups of 32) and are kept as they are. llama.cpp stores q/k projections with their rows
-permuted for the interleaved RoPE layout; we permute them back so the model is an ordinary HF Llama.
+Files whose tensors are all F32, F16, Q4_0, Q4_1 or Q8_0 load through MLX's own GGUF reader; the
+quantized tensors arrive in MLX's quantized layout (weight, scales, biases, groups of 32) and are kept
+as they are. Any other file (k-quants such as Q4_K_M, Q5_0, BF16, i-quants, ...) is read here and
+each tensor dequantized by the `gguf` package, then kept in float32 or quantized to MLX's format.
+llama.cpp stores q/k projections with their rows permuted for the interleaved RoPE layout; we permute
+them back so the model is an ordinary HF Llama.
 """
+import mmap
+import struct
+
 import mlx.core as mx
+import numpy as np
 
 from .errors import UserError
+
+MLX_TYPES = {"F32", "F16", "Q4_0", "Q4_1", "Q8_0"}  # what mx.load reads exactly
+_FLOAT_TYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8,
+                "I16": np.int16, "I32": np.int32, "I64": np.int64}  # stored unquantized
+# GGUF metadata value types: struct format of each scalar; 8 is a string, 9 an array.
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+class _Header:
+    """Metadata and tensor directory of a GGUF file (GGUF v2/v3 layout, little-endian)."""
+
+    def __init__(self, path):
+        with open(path, "rb") as f:
+            self.buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.pos = 4
+        if self.buf[:4] != b"GGUF":
+            raise ValueError("not a GGUF file (bad magic)")
+        version, n_tensors, n_kv = self._read("<IQQ")
+        if version < 2:
+            raise ValueError(f"GGUF version {version} is too old")
+        self.meta = {}
+        for _ in range(n_kv):
+            key = self._string()
+            self.meta[key] = self._value(self._read("<I")[0])
+        self.tensors = []  # (name, shape in numpy order, type number, offset from the data start)
+        for _ in range(n_tensors):
+            name = self._string()
+            n_dims = self._read("<I")[0]
+            dims = self._read(f"<{n_dims}Q")
+            kind, offset = self._read("<IQ")
+            self.tensors.append((name, tuple(reversed(dims)), kind, offset))
+        align = int(self.meta.get("general.alignment", 32))
+        self.data_start = -(-self.pos // align) * align
+
+    def _read(self, fmt):
+        values = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return values
+
+    def _string(self):
+        n = self._read("<Q")[0]
+        self.pos += n
+        if self.pos > len(self.buf):
+            raise ValueError("the file ends inside its header")
+        return self.buf[self.pos - n:self.pos].decode("utf-8", errors="replace")
+
+    def _value(self, kind):
+        if kind == 8:
+            return self._string()
+        if kind == 9:
+            item, n = self._read("<IQ")
+            if item in _SCALARS:
+                dtype = np.dtype("<" + _SCALARS[item])
+                values = np.frombuffer(self.buf, dtype, n, self.pos).copy()
+                self.pos += n * dtype.itemsize
+                return values
+            return [self._value(item) for _ in range(n)]
+        if kind not in _SCALARS:
+            raise ValueError(f"unknown metadata value type {kind}")
+        return self._read("<" + _SCALARS[kind])[0]
+
+
+def read_tensors(path, bits=None, group_size=64):
+    """Every tensor of a GGUF file, by GGUF name: (tensors, metadata, dequantized).
+
+    A file MLX reads itself (all tensors F32, F16, Q4_0, Q4_1 or Q8_0) comes back as mx.load gives
+    it: quantized tensors in MLX's layout (name.weight, .scales, .biases, groups of 32) and bits is
+    ignored; dequantized is []. Any other file is read with the gguf package: every tensor is
+    dequantized to float32, then those the file stored quantized (2-D, width a multiple of
+    group_size) are quantized to MLX's format with `bits` (None: 4; 0: kept in float32).
+    dequantized names the GGUF types that were dequantized. Metadata values are Python scalars,
+    strings, lists of strings or numpy arrays. Unreadable files and types raise UserError."""
+    try:
+        header = _Header(str(path))
+    except (ValueError, struct.error, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: cannot read GGUF file ({e}); it is truncated or corrupt")
+    import gguf
+
+    try:
+        types = {name: gguf.GGMLQuantizationType(kind).name for name, _, kind, _ in header.tensors}
+    except ValueError:
+        kind = next(k for _, _, k, _ in header.tensors if k not in set(gguf.GGMLQuantizationType))
+        raise UserError(f"{path}: unknown GGUF tensor type {kind} (newer than the gguf package "
+                        "knows); upgrade gguf or use a file of another type (e.g. Q4_K_M, Q8_0)")
+    if set(types.values()) <= MLX_TYPES:
+        try:
+            tensors, meta = mx.load(str(path), return_metadata=True)
+        except Exception as e:  # MLX raises plain exceptions for unreadable files
+            raise UserError(f"{path}: cannot read GGUF file ({e}); it may be truncated or corrupt")
+        return tensors, meta, []
+    bits = 4 if bits is None else bits
+    tensors = {}
+    for name, shape, kind, offset in header.tensors:
+        w = _dequantize(header, path, name, shape, kind, offset)
+        quantized = types[name] not in _FLOAT_TYPES and types[name] != "BF16"
+        if bits and quantized and w.ndim == 2 and w.shape[1] % group_size == 0:
+            stem = name[: -len(".weight")] if name.endswith(".weight") else name
+            w, scales, biases = mx.quantize(mx.array(w), group_size=group_size, bits=bits)
+            tensors.update({f"{stem}.weight": w, f"{stem}.scales": scales, f"{stem}.biases": biases})
+        else:
+            tensors[name] = mx.array(w)
+    dequantized = sorted({t for t in types.values() if t not in ("F32", "F16")})
+    return tensors, header.meta, dequantized
+
+
+def _dequantize(header, path, name, shape, kind, offset):
+    """One tensor as a float32 numpy array (the gguf package decodes the quantized types)."""
+    import gguf
+    from gguf.constants import GGML_QUANT_SIZES
+
+    qtype = gguf.GGMLQuantizationType(kind)
+    block, size = GGML_QUANT_SIZES[qtype]
+    rows, cols = int(np.prod(shape[:-1])), shape[-1]
+    nbytes = rows * cols // block * size
+    start = header.data_start + offset
+    if cols % block or start + nbytes > len(header.buf):
+        raise UserError(f"{path}: tensor '{name}' ({qtype.name}, shape {list(shape)}) lies beyond the "
+                        "end of the file or is misshapen; it is truncated or corrupt")
+    raw = np.frombuffer(header.buf, np.uint8, nbytes, start)
+    if qtype.name in _FLOAT_TYPES:
+        return raw.view(_FLOAT_TYPES[qtype.name]).reshape(shape).astype(np.float32)
+    try:
+        return gguf.quants.dequantize(raw.reshape(rows, -1), qtype).reshape(shape)
+    except NotImplementedError:
+        raise UserError(f"{path}: tensor '{name}' has GGUF type {qtype.name}, which cannot be read "
+                        "(the gguf package does not decode it); use a file of another type "
+                        "(e.g. Q4_K_M, Q8_0)")
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -28,7 +163,7 @@ def _scalar(meta, key, default=None):
             raise UserError(f"GGUF metadata lacks '{key}': the file is not a complete llama model")
         return default
     v = meta[key]
-    return v.item() if isinstance(v, mx.array) else v
+    return v.item() if hasattr(v, "item") else v
 
 
 def _hf_name(name):
@@ -46,12 +181,10 @@ def _unpermute_rows(w, n_heads):
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def read_gguf(path):
-    """Return (config, weights, metadata) for a llama GGUF, with HF tensor names and config keys."""
-    try:
-        tensors, meta = mx.load(str(path), return_metadata=True)
-    except Exception as e:  # MLX raises plain exceptions for unreadable files
-        raise UserError(f"{path}: cannot read GGUF file ({e}); it may be truncated or corrupt")
+def read_gguf(path, bits=None, group_size=64):
+    """Return (config, weights, metadata, dequantized) for a llama GGUF, with HF tensor names and
+    config keys; bits, group_size and dequantized as read_tensors has them."""
+    tensors, meta, dequantized = read_tensors(path, bits, group_size)
     arch = _scalar(meta, "general.architecture", "unknown")
     if arch != "llama":
         raise UserError(f"{path}: GGUF architecture '{arch}' is not supported; only 'llama' GGUF files load")
@@ -72,7 +205,7 @@ def read_gguf(path):
         "rope_theta": float(_scalar(meta, p + "rope.freq_base", 10000.0)),
         "max_position_embeddings": int(_scalar(meta, p + "context_length", 2048)),
         "vocab_size": int(_scalar(meta, p + "vocab_size", len(tokens) or None)),
-        "tie_word_embeddings": "output.weight" not in tensors,
+        "tie_word_embeddings": not any(k.startswith("output.") for k in tensors),
         "bos_token_id": _scalar(meta, "tokenizer.ggml.bos_token_id", -1),
         "eos_token_id": _scalar(meta, "tokenizer.ggml.eos_token_id", -1),
     }
@@ -84,20 +217,19 @@ def read_gguf(path):
         elif ".k_proj." in hf:
             w = _unpermute_rows(w, n_kv)
         weights[hf] = w
-    quant = _quantization(weights)
+    quant = _quantization(weights, group_size if dequantized else 32)
     if quant:
         config["quantization"] = quant
-    return config, weights, meta
+    return config, weights, meta, dequantized
 
 
-def _quantization(weights):
+def _quantization(weights, group_size):
     """mlx-lm style quantization entry: the common (group_size, bits) plus per-module overrides."""
     per_module = {}
     for key, scales in weights.items():
         if key.endswith(".scales"):
             mod = key[: -len(".scales")]
             packed = weights[mod + ".weight"].shape[-1]
-            group_size = 32  # all GGUF block types MLX keeps quantized use blocks of 32
             in_features = scales.shape[-1] * group_size
             per_module[mod] = {"group_size": group_size, "bits": packed * 32 // in_features}
     if not per_module:

@@ -3,6 +3,7 @@ import dataclasses
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -224,7 +225,15 @@ def load(path_or_repo=None, norm="rms", bits=None, dtype="float32", tokenizer=No
             raise UserError(f"{path}: not a model; pass a model folder, a .gguf file or a repo id")
         from .gguf import read_gguf
 
-        config, weights, meta = read_gguf(path)
+        if bits:
+            check_quantization(bits, group_size)
+        config, weights, meta, dequantized = read_gguf(path, bits, group_size)
+        if dequantized:  # read_gguf quantized (or kept in float32) what MLX cannot use as it is
+            if bits is None and "quantization" in config:
+                print(f"note: {path.name} holds {', '.join(dequantized)} tensors, which MLX does not "
+                      f"compute with: quantized to MLX 4-bit, group size {group_size} (bits 0: full "
+                      "precision)", file=sys.stderr)
+            bits = None
         model = build_model(config, weights, progress)
         tok = load_tokenizer(path.parent, tokenizer, gguf_meta=None if tokenizer else meta)
     else:

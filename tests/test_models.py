@@ -57,7 +57,7 @@ def test_smollm2_gguf_matches_mlx_lm(smollm2):
     from mlx_lm.models import llama
 
     model, tokenizer = smollm2
-    config, weights, _ = read_gguf(default_model_path())
+    config, weights, _, _ = read_gguf(default_model_path())
     theirs = llama.Model(llama.ModelArgs.from_dict(config))
     quantize_like(theirs, config["quantization"], weights)  # Q4_1 blocks, Q8_0 embedding
     theirs.load_weights(list(theirs.sanitize(weights).items()), strict=True)

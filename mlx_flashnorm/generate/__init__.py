@@ -8,9 +8,9 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
-from .cache import StaticKVCache, make_cache
-from .errors import UserError, run_cli
-from .loader import DTYPES, NORMS, load
+from ..cache import StaticKVCache, make_cache
+from ..errors import UserError, run_cli
+from ..loader import DTYPES, NORMS, load
 
 
 @dataclass
@@ -200,7 +200,3 @@ def main(argv=None):
     print(f"Prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.3f} tokens-per-sec")
     print(f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec")
     print(f"Peak memory: {r.peak_memory:.3f} GB")
-
-
-if __name__ == "__main__":
-    run_cli(main)
