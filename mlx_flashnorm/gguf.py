@@ -183,11 +183,18 @@ def _unpermute_rows(w, n_heads):
 
 def read_gguf(path, bits=None, group_size=64):
     """Return (config, weights, metadata, dequantized) for a llama GGUF, with HF tensor names and
-    config keys; bits, group_size and dequantized as read_tensors has them."""
+    config keys; bits, group_size and dequantized as read_tensors has them. Other architectures are
+    mapped by their model file (models/*.py: GGUF_ARCHITECTURE and from_gguf)."""
     tensors, meta, dequantized = read_tensors(path, bits, group_size)
     arch = _scalar(meta, "general.architecture", "unknown")
     if arch != "llama":
-        raise UserError(f"{path}: GGUF architecture '{arch}' is not supported; only 'llama' GGUF files load")
+        from .models import GGUF_ARCHITECTURES
+
+        if arch not in GGUF_ARCHITECTURES:
+            raise UserError(f"{path}: GGUF architecture '{arch}' is not supported; GGUF files of "
+                            f"{', '.join(['llama', *GGUF_ARCHITECTURES])} load")
+        config, weights = GGUF_ARCHITECTURES[arch].from_gguf(tensors, lambda *a: _scalar(meta, *a))
+        return _with_quantization(config, weights, group_size if dequantized else 32), weights, meta, dequantized
     p = "llama."
     n_heads = int(_scalar(meta, p + "attention.head_count"))
     n_kv = int(_scalar(meta, p + "attention.head_count_kv", n_heads))
@@ -217,10 +224,12 @@ def read_gguf(path, bits=None, group_size=64):
         elif ".k_proj." in hf:
             w = _unpermute_rows(w, n_kv)
         weights[hf] = w
-    quant = _quantization(weights, group_size if dequantized else 32)
-    if quant:
-        config["quantization"] = quant
-    return config, weights, meta, dequantized
+    return _with_quantization(config, weights, group_size if dequantized else 32), weights, meta, dequantized
+
+
+def _with_quantization(config, weights, group_size):
+    quant = _quantization(weights, group_size)
+    return dict(config, quantization=quant) if quant else config
 
 
 def _quantization(weights, group_size):

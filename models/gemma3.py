@@ -18,6 +18,7 @@ from .. import nn as fnn
 from ..cache import scaled_dot_product_attention
 
 MODEL_TYPES = ("gemma3_text",)
+GGUF_ARCHITECTURE = "gemma3"  # llama.cpp's name (from_gguf below)
 
 # FlashNorm on this architecture: the two pre-norms go: input_layernorm folded (gain 1 + w) into
 # q/k/v_proj with Sec. 4 for the QK-norm (q_norm/k_norm fused into RoPE's cos/sin, their per-head
@@ -224,3 +225,59 @@ class Model(nn.Module):
         if self.args.tie_word_embeddings:
             weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
         return weights
+
+
+# GGUF (llama.cpp) tensor names -> HF names.
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def from_gguf(tensors, scalar):
+    """(config.json dict, HF-named weights) from a gemma3 GGUF's tensors (GGUF names, as
+    gguf.read_tensors gives them) and metadata (scalar(key, default) reads a value). llama.cpp
+    stores every norm weight as 1 + w (the gain): 1 is subtracted again. What the metadata lacks,
+    llama.cpp fixes for Gemma 3 too: local RoPE base 10000, a global layer every 6th, softmax scale
+    1/sqrt(head_dim) (27B, 62 layers: 1/sqrt(hidden_size / heads))."""
+    p = "gemma3."
+    hidden, heads = int(scalar(p + "embedding_length")), int(scalar(p + "attention.head_count"))
+    layers, head_dim = int(scalar(p + "block_count")), int(scalar(p + "attention.key_length", 256))
+    config = {
+        "model_type": "gemma3_text",
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": int(scalar(p + "feed_forward_length")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(scalar(p + "attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(scalar(p + "attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(scalar(p + "rope.freq_base", 1_000_000.0)),
+        "rope_local_base_freq": 10_000.0,
+        "query_pre_attn_scalar": hidden // heads if layers == 62 else head_dim,
+        "sliding_window": int(scalar(p + "attention.sliding_window", 512)),
+        "sliding_window_pattern": 6,
+        "max_position_embeddings": int(scalar(p + "context_length", 32768)),
+        "vocab_size": int(tensors["token_embd.weight"].shape[0]),
+        "tie_word_embeddings": not any(k.startswith("output.") for k in tensors),
+        "bos_token_id": scalar("tokenizer.ggml.bos_token_id", -1),
+        "eos_token_id": scalar("tokenizer.ggml.eos_token_id", -1),
+    }
+    if scalar(p + "rope.scaling.type", "none") == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(scalar(p + "rope.scaling.factor"))}
+    weights = {}
+    for name, w in tensors.items():
+        parts = name.split(".")
+        if parts[0] == "blk":
+            hf = f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES.get(parts[2], parts[2])}"
+            hf = ".".join([hf] + parts[3:])
+        else:
+            hf = ".".join([_GGUF_TOP_NAMES.get(parts[0], parts[0])] + parts[1:])
+        if hf.endswith("norm.weight"):
+            w = (w.astype(mx.float32) - 1.0).astype(w.dtype)
+        weights[hf] = w
+    return config, weights
