@@ -115,3 +115,20 @@ def test_weightless_export_runs_in_stock_mlx_lm(checkpoint, tokens, tmp_path):
     assert mx.array_equal(weights["model.layers.2.post_feedforward_layernorm.weight"], post)
     stock, _ = load_model(out)
     assert rel(stock(tokens), ref) < TOL
+
+
+def test_verify_names_kept_norms_and_compares_layers(checkpoint, tokens):
+    """verify's per-layer comparison runs Gemma as its model does (scaled embeddings, sliding
+    masks: the 12-token prompt exceeds the window of 8), and names the norms FlashNorm keeps."""
+    from mlx_flashnorm import verify
+
+    ref, flash = ours(checkpoint), flashnorm.apply(ours(checkpoint))
+    line = verify.norms_line(ref)
+    assert line.startswith("FlashNorm removes input_layernorm, pre_feedforward_layernorm")
+    assert "fuses q_norm/k_norm" in line and "keeps post_attention_layernorm" in line
+    assert "post_feedforward_layernorm" in line
+    states = verify.hidden_states(ref, tokens[:1])
+    final = ref.model.norm(states[-1])
+    assert rel(ref.model.embed_tokens.as_linear(final), ref(tokens[:1])) < 1e-6  # the model's own path
+    rows, a, b = verify.compare(ref, flash, tokens[0], 4)
+    assert len(rows) == 8 and all(r < TOL for _, _, r in rows) and a == b
