@@ -3,7 +3,7 @@
 mlx-lm's growing KVCache serves prefill and uncompiled decoding. StaticKVCache preallocates its
 buffers so that every compiled 1-token step sees arrays of the same shapes; its attention then
 covers the filled positions through kernels.decode_attention, with no mask (a masked attention
-takes a slow path on some backends)."""
+takes a slow path on some backends), except on sliding-window layers, which get a window mask."""
 import mlx.core as mx
 from mlx_lm.models.base import scaled_dot_product_attention as mlx_lm_attention
 from mlx_lm.models.cache import KVCache, create_attention_mask
@@ -52,10 +52,14 @@ class StaticKVCache:
         if isinstance(self.offset, int):
             return create_attention_mask(N, offset=self.offset, return_array=return_array,
                                          window_size=window_size)
-        return None  # decoding: attention() covers exactly the filled positions
+        if window_size is None:
+            return None  # decoding: attention() covers exactly the filled positions
+        # a sliding-window layer (Gemma 3): the last window_size positions up to this token
+        j = mx.arange(self.capacity)
+        return ((j <= self.offset) & (j > self.offset + N - 1 - window_size))[None]
 
     def attention(self, q, k, v, scale, mask):
-        if isinstance(self.offset, int):
+        if isinstance(self.offset, int) or mask is not None:  # prefill, or a windowed decode step
             return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
         return decode_attention(q, k, v, self.offset, scale)
 

@@ -12,14 +12,17 @@ equal those of the reference exactly). One class or function per paper section:
     DeferredNorm, Deferred             what is left of a pre-norm in a model, and its output
     FlashReLUFFN, FlashGLU             Sec. 2.1 / 2.2 (ReGLU, bilinear GLU): toy FFNs
     FlashSwiGLU, FlashFusedSwiGLU      Sec. 2.2: SwiGLU (Llama mlp, OpenELM ffn)
+    FlashGeGLU                         Sec. 2.2 with tanh GELU (Gemma mlp)
     FlashAttention                     Sec. 3: 1/RMS and 1/sqrt(h) fused into RoPE's cos/sin
-    FlashQKNormAttention               Sec. 4: QK-norm (OpenELM), norm weights fused into cos/sin
+    FlashQKNormAttention               Sec. 4: QK-norm (OpenELM, Qwen 3, Gemma 3), norm weights
+                                       fused into cos/sin
     FlashHead, TiedFlashHead           final norm + LM head (untied: folded or input gain; tied:
                                        kept scale vector)
     FlashLayerNormLinear, DyTLinear    Sec. 1.1: LayerNorm / DyT bias moved into the next linear
     merge_mean_centering               Sec. 1.2: mean centering merged into a preceding linear
 
-apply(model, fold=...) rewrites a whole Llama/OpenELM model; remove_norms(model) drops every norm
+apply(model, fold=...) rewrites a whole model following the Mapping its model file states
+(models/*.py: FLASHNORM, a Pair per pre-norm); remove_norms(model) drops every norm
 (a speed ceiling, not the same function). Weights are folded in float32 and cast back to the model
 dtype. Why not always fold: quantizing W*g loses far more than quantizing W where g varies inside a
 quantization group (SmolLM2 4-bit perplexity +46%, bench/RESULTS.md), so a quantized model keeps g
@@ -56,8 +59,14 @@ def rss_scale(x, eps):
 def norm_gain(norm, n=None):
     """Appendix B: sqrt(n) * g (float32) for an RMSNorm; g = 1 for a weightless norm."""
     n = n or norm.weight.shape[-1]
-    g = norm.weight.astype(mx.float32) if "weight" in norm else mx.ones((n,))
+    g = norm_weight(norm) if "weight" in norm else mx.ones((n,))
     return math.sqrt(n) * g
+
+
+def norm_weight(norm):
+    """The gain g an RMSNorm multiplies by, in float32: its weight, plus the norm's `offset` where
+    it has one (Gemma scales by 1 + weight)."""
+    return norm.weight.astype(mx.float32) + getattr(norm, "offset", 0.0)
 
 
 def fold_weight(weight, gain):
@@ -133,12 +142,12 @@ def deferred_output(module, y, s):
 
 def weightless(norm, linears):
     """Sec. 1, Fig. 1(b) in place: fold the norm weights g into each following linear and set g to
-    1. The model keeps its structure (an RMSNorm without effective weights), so the result is an
+    1 (a weight of 0 for a norm with offset 1). The model keeps its structure (an RMSNorm without effective weights), so the result is an
     ordinary checkpoint that any loader runs unchanged. Biases are unaffected: y = (a*g) W^T + c."""
-    g = norm.weight.astype(mx.float32)
+    g = norm_weight(norm)
     for linear in linears:
         linear.weight = fold_weight(linear.weight, g)
-    norm.weight = mx.ones_like(norm.weight)
+    norm.weight = mx.full(norm.weight.shape, 1.0 - getattr(norm, "offset", 0.0), norm.weight.dtype)
 
 
 class _Deferred:
@@ -209,6 +218,8 @@ class FlashSwiGLU(nn.Module):
     branch's scale is deferred past down_proj (all of it is linear). With an up bias the up scale
     comes before that bias (down_proj is not scaled)."""
 
+    activation = staticmethod(nn.silu)
+
     def __init__(self, norm, mlp, fold=True):
         super().__init__()
         folded, self.gain = split_gain(norm, fold)
@@ -222,10 +233,17 @@ class FlashSwiGLU(nn.Module):
         late = "bias" not in self.up_proj
         gate = self.gate_proj(a, s) if "bias" in self.gate_proj else self.gate_proj(a) * s
         up = self.up_proj(a, None if late else s)
-        h = (nn.silu(gate) * up).astype(up.dtype)  # float32 in half precision, rounded once
+        h = (self.activation(gate) * up).astype(up.dtype)  # float32 in half precision, rounded once
         if late and "bias" not in self.down_proj:
             return deferred_output(self, self.down_proj(h), s)
         return self.down_proj(h, s if late else None)
+
+
+class FlashGeGLU(FlashSwiGLU):
+    """Sec. 2.2 with GELU (Gemma's mlp: GeGLU, tanh-approximated GELU): as FlashSwiGLU, the gate
+    branch scaled by 1/RMS before the (not scale-invariant) GELU, the up branch's scale deferred."""
+
+    activation = staticmethod(nn.gelu_approx)
 
 
 class FlashFusedSwiGLU(nn.Module):
@@ -399,18 +417,18 @@ class FlashAttention(nn.Module):
 
 
 class FlashQKNormAttention(nn.Module):
-    """Sec. 4, QK-normalization with RoPE (OpenELM's attn: fused qkv_proj, q_norm, k_norm shared
-    by all heads, rotate-half RoPE).
+    """Sec. 4, QK-normalization with RoPE: q_norm, k_norm shared by all heads, after either one
+    fused qkv_proj (OpenELM's attn, out_proj) or separate q/k/v_proj (Qwen 3, Gemma 3: o_proj).
 
-    The norm weights are folded into qkv_proj (or, fold=False, multiplied onto x).
+    The norm weights are folded into the q/k/v projections (or, fold=False, multiplied onto x).
     4.1: q and k are RMS-normalized again per head, and RMS(s*a) = s*RMS(a), so the input's 1/RMS
     cancels for them: only V gets the deferred s. With epsilon this is not exact: the reference
     normalizes q(x/RMSe(x)) with eps, here the unscaled q(x) (weights times sqrt(n) g), so eps
     weighs differently: the result changes where eps is not negligible against mean(q^2)
     (measured in tests and bench/RESULTS.md, "FlashNorm exactness").
-    4.2: the q_norm/k_norm weights g (times sqrt(h), Appendix B, and h^-1/4 for the softmax
-    scale) are fused into cos/sin: RoPE(q*g) = q*(g*cos) + rotate(q)*(permute(g)*sin). The paper
-    writes the interleaved layout; for OpenELM's rotate-half layout permute swaps the halves of g
+    4.2: the q_norm/k_norm weights g (times sqrt(h), Appendix B, and the square root of the
+    softmax scale: h^-1/4, or Gemma's query_pre_attn_scalar^-1/4) are fused into cos/sin:
+    RoPE(q*g) = q*(g*cos) + rotate(q)*(permute(g)*sin). The paper writes the interleaved layout; for OpenELM's rotate-half layout permute swaps the halves of g
     (permute_gain). Only the per-head 1/RSSe(q) is computed, and applied after RoPE.
     Without QK-norm (normalize_qk_projections false), s goes into cos/sin as in Sec. 3."""
 
@@ -418,15 +436,19 @@ class FlashQKNormAttention(nn.Module):
         super().__init__()
         self.eps = norm.eps
         self.n_heads, self.n_kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
-        if "bias" in attn.qkv_proj:
-            raise ValueError("FlashQKNormAttention needs a bias-free qkv_proj")
+        self.fused = "qkv_proj" in attn  # OpenELM: one qkv_proj, out_proj; else q/k/v_proj, o_proj
+        projections = ("qkv_proj",) if self.fused else ("q_proj", "k_proj", "v_proj")
+        if any("bias" in attn[p] for p in projections):
+            raise ValueError("FlashQKNormAttention needs bias-free q/k/v projections")
         folded, self.gain = split_gain(norm, fold)
-        self.qkv_proj = deferred(attn.qkv_proj, folded)
-        self.out_proj = attn.out_proj
+        for p in projections:
+            setattr(self, p, deferred(attn[p], folded))
+        self.out_name = "out_proj" if self.fused else "o_proj"
+        setattr(self, self.out_name, attn[self.out_name])
         self.traditional = attn.rope.traditional
         self._rope = rope_frequencies(attn.rope)
         self._theta = self._rope[0] * self._rope[1]  # angle per position (kernels.rope_qkv)
-        c = self.head_dim**-0.25
+        self.factor = c = attn.scale**0.5  # sqrt of the softmax scale, into q and k each
         if "q_norm" in attn:
             self.qk_eps = attn.q_norm.eps
             for name, qk_norm in (("q_gain", attn.q_norm), ("k_gain", attn.k_norm)):
@@ -434,7 +456,7 @@ class FlashQKNormAttention(nn.Module):
                 setattr(self, name, mx.stack([g, permute_gain(g, self.traditional)]))
 
     def _rope_qk(self, x, cos, sin, gain):
-        """RoPE(x / RMSe(x) * g) * h^-1/4 with g fused into the tables (Sec. 4.2)."""
+        """RoPE(x / RMSe(x) * g) * sqrt(scale) with g fused into the tables (Sec. 4.2)."""
         xf = x.astype(mx.float32)
         inv = mx.rsqrt(mx.sum(xf * xf, axis=-1, keepdims=True) + x.shape[-1] * self.qk_eps)
         return apply_rope(x, cos * gain[0], sin * gain[1], self.traditional, inv)
@@ -443,25 +465,30 @@ class FlashQKNormAttention(nn.Module):
         a, s = deferred_input(self, x)
         B, L, _ = a.shape
         offset = cache.offset if cache is not None else 0
+        out_proj = self[self.out_name]
         if kernels.rope_qkv_supported(self.head_dim, self.traditional):
-            qkv = self.qkv_proj(a)
+            qkv = (self.qkv_proj(a),) * 3 if self.fused else (self.q_proj(a), self.k_proj(a), self.v_proj(a))
             qk_norm = "q_gain" in self  # Sec. 4; else Sec. 3 with s in cos/sin
-            q, k, v = kernels.rope_qkv(qkv, qkv, qkv, s, offset, self._theta, self.n_heads,
+            q, k, v = kernels.rope_qkv(*qkv, s, offset, self._theta, self.n_heads,
                                        self.n_kv_heads, (self.q_gain, self.k_gain) if qk_norm else None,
-                                       self.qk_eps if qk_norm else 0.0, factor=self.head_dim**-0.25)
-            return attend(q, k, v, mask, cache, self.out_proj)
-        qkv = self.qkv_proj(a).reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3)
-        q, k, v = mx.split(qkv, [self.n_heads, self.n_heads + self.n_kv_heads], axis=1)
+                                       self.qk_eps if qk_norm else 0.0, factor=self.factor)
+            return attend(q, k, v, mask, cache, out_proj)
+        if self.fused:
+            qkv = self.qkv_proj(a).reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3)
+            q, k, v = mx.split(qkv, [self.n_heads, self.n_heads + self.n_kv_heads], axis=1)
+        else:
+            q, k, v = (self[p](a).reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3)
+                       for p in ("q_proj", "k_proj", "v_proj"))
         v = times(v, s[:, None])
         cos, sin = rope_tables(self._rope, offset, L, self.traditional)
         if "q_gain" in self:
             q = self._rope_qk(q, cos, sin, self.q_gain)
             k = self._rope_qk(k, cos, sin, self.k_gain)
         else:
-            cs = (self.head_dim**-0.25 * s)[:, None]
+            cs = (self.factor * s)[:, None]
             q = apply_rope(q, cos * cs, sin * cs, self.traditional)
             k = apply_rope(k, cos * cs, sin * cs, self.traditional)
-        return attend(q, k, v, mask, cache, self.out_proj)
+        return attend(q, k, v, mask, cache, out_proj)
 
 
 # ---------------------------------------------------------------- final norm + LM head
@@ -578,20 +605,38 @@ class NoNorm(nn.Module):
         return p, p
 
 
-# model_type: the (norm, consumer, flash module) pairs of a block, and the trunk holding `norm`.
-BLOCKS = {
-    "llama": ((("input_layernorm", "self_attn", FlashAttention),
-               ("post_attention_layernorm", "mlp", FlashSwiGLU)), "model"),
-    "openelm": ((("attn_norm", "attn", FlashQKNormAttention),
-                 ("ffn_norm", "ffn", FlashFusedSwiGLU)), "transformer"),
-}
+class Pair(NamedTuple):
+    """A pre-norm of a block and what it feeds, as a model file states it: the norm's attribute on
+    the block, its consumer's, the flash module replacing the consumer, the consumer's linears
+    that take the norm weights in a weightless export (make_weightless), and whether the flash
+    module may hand its last deferred scale on to the next DeferredNorm (its output goes straight
+    to a residual add) or must apply it (its output feeds a norm first: Gemma's post-norms)."""
+    norm: str
+    consumer: str
+    flash: type
+    linears: tuple
+    defer_output: bool = True
 
 
-def _model_type(model):
-    model_type = model.args.model_type
-    if model_type not in BLOCKS:
-        raise UserError(f"FlashNorm knows model types {', '.join(BLOCKS)}, not '{model_type}'")
-    return model_type
+class Mapping(NamedTuple):
+    """How FlashNorm maps onto one architecture; each model file states its own as FLASHNORM
+    (models/*.py). pairs: the block's (pre-norm, consumer) Pairs; trunk: the attribute of the
+    Model holding the final `norm` (which goes into the LM head); tie_key: the config key saying
+    the embedding is tied (set false when an export unties it); kept: the block's norms FlashNorm
+    leaves as they are, with why (verify and the README name them)."""
+    pairs: tuple
+    trunk: str
+    tie_key: str
+    kept: tuple = ()
+
+
+def mapping(model):
+    """The Mapping the model's architecture file states (its class attribute FLASHNORM)."""
+    spec = getattr(type(model), "FLASHNORM", None)
+    if spec is None:
+        raise UserError(f"FlashNorm has no mapping for model type '{model.args.model_type}' "
+                        "(its model file states no FLASHNORM)")
+    return spec
 
 
 def _check_full_precision(model):
@@ -602,7 +647,7 @@ def _check_full_precision(model):
 
 
 def apply(model, head=DEFAULT_HEAD, fold=True):
-    """Rewrite a loaded Llama/OpenELM model (in place) to compute the same function with FlashNorm;
+    """Rewrite a loaded model (in place), as its model file's FLASHNORM Mapping says, to compute the same function with FlashNorm;
     returns it. Every pre-norm becomes a DeferredNorm (residual add, 1/RSSe and any kept gain in one
     pass) and its consumer a flash module reading that Deferred value; the final norm's weights go
     into the LM head (or stay as its DeferredNorm's gain).
@@ -623,16 +668,16 @@ def apply(model, head=DEFAULT_HEAD, fold=True):
         raise UserError(f"head must be one of {', '.join(HEADS)}, not '{head}'")
     if head == "untie" and not fold:
         raise UserError("head 'untie' folds the final norm into a head copy: it needs fold=True")
-    pairs, trunk_name = BLOCKS[_model_type(model)]
+    spec = mapping(model)
     if fold:
         _check_full_precision(model)
     for layer in model.layers:
-        for norm_name, consumer, flash in pairs:
-            module = flash(getattr(layer, norm_name), getattr(layer, consumer), fold)
-            module.defer_output = True  # an FFN's last scale goes into the next residual add
-            setattr(layer, consumer, module)
-            setattr(layer, norm_name, DeferredNorm(module.eps, module.pop("gain", None)))
-    trunk = getattr(model, trunk_name)
+        for pair in spec.pairs:
+            module = pair.flash(getattr(layer, pair.norm), getattr(layer, pair.consumer), fold)
+            module.defer_output = pair.defer_output  # an FFN's last scale into the next residual add
+            setattr(layer, pair.consumer, module)
+            setattr(layer, pair.norm, DeferredNorm(module.eps, module.pop("gain", None)))
+    trunk = getattr(model, spec.trunk)
     norm = trunk.norm
     if "lm_head" in model:
         model.lm_head = FlashHead(norm, model.lm_head, fold)
@@ -654,7 +699,7 @@ def remove_norms(model):
     """Replace every RMSNorm (pre-norms, final norm, QK-norms) by an identity, in place. Not the
     same function: the speed ceiling of any norm optimization, as in the paper's table. No linear
     weight is touched, so a quantized model stays as it is."""
-    _model_type(model)
+    mapping(model)
     norms = [(path, NoNorm()) for path, m in model.named_modules() if isinstance(m, (RMSNorm, nn.RMSNorm))]
     from mlx.utils import tree_unflatten
 
@@ -670,24 +715,19 @@ def make_weightless(model):
     config says the head is untied. Quantizing this form afterwards quantizes W*g, which costs
     quality at low bits (bench/RESULTS.md, "Perplexity"); a stock loader has no place for the gain
     on the activations, so an export has no other choice."""
-    model_type = _model_type(model)
+    spec = mapping(model)
     _check_full_precision(model)
     for layer in model.layers:
-        if model_type == "llama":
-            a, m = layer.self_attn, layer.mlp
-            weightless(layer.input_layernorm, [a.q_proj, a.k_proj, a.v_proj])
-            weightless(layer.post_attention_layernorm, [m.gate_proj, m.up_proj])
-        else:
-            weightless(layer.attn_norm, [layer.attn.qkv_proj])
-            weightless(layer.ffn_norm, [layer.ffn.proj_1])
-    trunk = getattr(model, BLOCKS[model_type][1])
+        for pair in spec.pairs:
+            consumer = getattr(layer, pair.consumer)
+            weightless(getattr(layer, pair.norm), [getattr(consumer, name) for name in pair.linears])
+    trunk = getattr(model, spec.trunk)
     if "lm_head" not in model:
         w = model.embed_tokens.weight
         model.lm_head = nn.Linear(w.shape[1], w.shape[0], bias=False)
         model.lm_head.weight = w
-        tie_key = "tie_word_embeddings" if model_type == "llama" else "share_input_output_layers"
-        setattr(model.args, tie_key, False)
-        model.config = dict(model.config, **{tie_key: False})
+        setattr(model.args, spec.tie_key, False)
+        model.config = dict(model.config, **{spec.tie_key: False})
     weightless(trunk.norm, [model.lm_head])
     mx.eval(model.parameters())
     return model

@@ -194,11 +194,18 @@ def _unpermute_rows(w, n_heads):
 
 def read_gguf(path, bits=None, group_size=64):
     """Return (config, weights, metadata, dequantized) for a llama GGUF, with HF tensor names and
-    config keys; bits, group_size and dequantized as read_tensors has them."""
+    config keys; bits, group_size and dequantized as read_tensors has them. Other architectures are
+    mapped by their model file (models/*.py: GGUF_ARCHITECTURE and from_gguf)."""
     tensors, meta, dequantized = read_tensors(path, bits, group_size)
     arch = _scalar(meta, "general.architecture", "unknown")
     if arch != "llama":
-        raise UserError(f"{path}: GGUF architecture '{arch}' is not supported; only 'llama' GGUF files load")
+        from .models import GGUF_ARCHITECTURES
+
+        if arch not in GGUF_ARCHITECTURES:
+            raise UserError(f"{path}: GGUF architecture '{arch}' is not supported; GGUF files of "
+                            f"{', '.join(['llama', *GGUF_ARCHITECTURES])} load")
+        config, weights = GGUF_ARCHITECTURES[arch].from_gguf(tensors, lambda *a: _scalar(meta, *a))
+        return _with_quantization(config, weights, group_size if dequantized else 32), weights, meta, dequantized
     p = "llama."
     n_heads = int(_scalar(meta, p + "attention.head_count"))
     n_kv = int(_scalar(meta, p + "attention.head_count_kv", n_heads))
@@ -234,10 +241,12 @@ def read_gguf(path, bits=None, group_size=64):
         elif ".k_proj." in hf:
             w = _unpermute_rows(w, n_kv)
         weights[hf] = w
-    quant = _quantization(weights, group_size if dequantized else 32)
-    if quant:
-        config["quantization"] = quant
-    return config, weights, meta, dequantized
+    return _with_quantization(config, weights, group_size if dequantized else 32), weights, meta, dequantized
+
+
+def _with_quantization(config, weights, group_size):
+    quant = _quantization(weights, group_size)
+    return dict(config, quantization=quant) if quant else config
 
 
 def _quantization(weights, group_size):
@@ -258,11 +267,17 @@ def _quantization(weights, group_size):
 
 
 def gguf_tokenizer(meta):
-    """A transformers fast tokenizer built from GGUF metadata (GPT-2 style byte-level BPE)."""
+    """A tokenizer built from GGUF metadata: a transformers fast tokenizer (GPT-2 style byte-level
+    BPE), or a SentencePieceTokenizer (a SentencePiece vocabulary with scores)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     kind = meta.get("tokenizer.ggml.model")
+    if kind == "llama":
+        # mlx-lm's TokenizerWrapper takes a class with an apply_chat_template of its own for a
+        # custom chat renderer; this one has none, so it gets the Hugging Face one (never called).
+        SentencePieceTokenizer.apply_chat_template = PreTrainedTokenizerFast.apply_chat_template
+        return SentencePieceTokenizer(meta)
     if kind != "gpt2":
         raise UserError(f"GGUF tokenizer type '{kind}' is not supported; pass --tokenizer PATH_OR_REPO")
     tokens = list(meta["tokenizer.ggml.tokens"])
@@ -295,3 +310,81 @@ def gguf_tokenizer(meta):
         chat_template=meta.get("tokenizer.chat_template"),
     )
     return hf
+
+
+class SentencePieceTokenizer:
+    """The tokenizer of a GGUF with a SentencePiece vocabulary (tokenizer.ggml.model 'llama':
+    pieces with scores and types, byte fallback), run by the sentencepiece library from a model
+    proto built from that metadata. It offers what mlx-lm's TokenizerWrapper and our commands use
+    of a Hugging Face tokenizer (encode, decode, special token ids, vocabulary); it has no chat
+    template (pass --tokenizer for one)."""
+
+    chat_template = None
+
+    def __init__(self, meta):
+        import sentencepiece as spm
+        from sentencepiece import sentencepiece_model_pb2 as pb
+
+        tokens = list(meta["tokenizer.ggml.tokens"])
+        scores = meta.get("tokenizer.ggml.scores")
+        types = meta.get("tokenizer.ggml.token_type")
+        scores = [0.0] * len(tokens) if scores is None else [float(s) for s in scores]
+        types = [1] * len(tokens) if types is None else [int(t) for t in types]
+        ids = {key: int(_scalar(meta, f"tokenizer.ggml.{key}_token_id", -1))
+               for key in ("unknown", "bos", "eos", "padding")}
+        if not 0 <= ids["unknown"] < len(tokens):
+            raise UserError("GGUF tokenizer metadata names no unknown token; pass --tokenizer PATH_OR_REPO")
+        proto = pb.ModelProto()
+        spec = proto.trainer_spec
+        spec.model_type, spec.vocab_size, spec.byte_fallback = pb.TrainerSpec.BPE, len(tokens), True
+        spec.unk_id, spec.bos_id, spec.eos_id, spec.pad_id = (ids[k] for k in ("unknown", "bos", "eos", "padding"))
+        norm = proto.normalizer_spec
+        norm.name, norm.escape_whitespaces, norm.remove_extra_whitespaces = "identity", True, False
+        self.add_dummy_prefix = bool(_scalar(meta, "tokenizer.ggml.add_space_prefix", True))
+        norm.add_dummy_prefix = self.add_dummy_prefix
+        for i, (piece, score, kind) in enumerate(zip(tokens, scores, types)):
+            # GGUF token types number as sentencepiece's (1 normal .. 6 byte); one unknown piece
+            proto.pieces.add(piece=piece, score=score, type=2 if i == ids["unknown"] else (kind if kind != 2 else 1))
+        self.sp = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
+        self._tokens = tokens
+        self._vocab = {t: i for i, t in enumerate(tokens)}
+        self.add_bos = bool(_scalar(meta, "tokenizer.ggml.add_bos_token", True))
+        self.add_eos = bool(_scalar(meta, "tokenizer.ggml.add_eos_token", False))
+        self.bos_token_id, self.eos_token_id = (ids[k] if ids[k] >= 0 else None for k in ("bos", "eos"))
+        self.bos_token, self.eos_token = (None if i is None else tokens[i] for i in (self.bos_token_id, self.eos_token_id))
+        self.pad_token_id = ids["padding"] if ids["padding"] >= 0 else None
+        self.unk_token_id = ids["unknown"]
+        self.all_special_ids = sorted(i for i, t in enumerate(types) if t == 3)
+
+    def __len__(self):
+        return len(self._tokens)
+
+    def encode(self, text, add_special_tokens=True):
+        ids = self.sp.encode(text)
+        if add_special_tokens:
+            ids = ([self.bos_token_id] if self.add_bos and self.bos_token_id is not None else []) + ids
+            ids += [self.eos_token_id] if self.add_eos and self.eos_token_id is not None else []
+        return ids
+
+    def decode(self, ids, skip_special_tokens=False):
+        ids = [int(i) for i in ids]
+        if skip_special_tokens:
+            special = set(self.all_special_ids)
+            ids = [i for i in ids if i not in special]
+        return self.sp.decode(ids)
+
+    def get_vocab(self):
+        return dict(self._vocab)
+
+    @property
+    def vocab(self):
+        return self._vocab
+
+    def convert_ids_to_tokens(self, ids):
+        return [self._tokens[i] for i in ids] if isinstance(ids, (list, tuple)) else self._tokens[ids]
+
+    def convert_tokens_to_ids(self, tokens):
+        if isinstance(tokens, str):
+            return self._vocab.get(tokens, self.unk_token_id)
+        return [self._vocab.get(t, self.unk_token_id) for t in tokens]
+

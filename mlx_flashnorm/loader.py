@@ -188,9 +188,16 @@ def load_tokenizer(folder, tokenizer=None, gguf_meta=None):
                 raise UserError(f"{folder}: --tokenizer takes a folder, a repo id or a sentencepiece .model file")
             return _sentencepiece_tokenizer(folder)
     elif gguf_meta is not None:
-        from .gguf import gguf_tokenizer
+        from functools import partial
 
-        return TokenizerWrapper(gguf_tokenizer(gguf_meta), BPEStreamingDetokenizer)
+        from mlx_lm.tokenizer_utils import SPMStreamingDetokenizer
+
+        from .gguf import SentencePieceTokenizer, gguf_tokenizer
+
+        tok = gguf_tokenizer(gguf_meta)
+        if isinstance(tok, SentencePieceTokenizer):  # sentencepiece pieces: "▁" and <0xNN> bytes
+            return TokenizerWrapper(tok, partial(SPMStreamingDetokenizer, trim_space=tok.add_dummy_prefix))
+        return TokenizerWrapper(tok, BPEStreamingDetokenizer)
     files = {p.name for p in folder.iterdir()}
     if {"tokenizer.json", "tokenizer_config.json"} & files:
         try:

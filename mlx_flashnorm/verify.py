@@ -27,13 +27,29 @@ def hidden_states(model, tokens):
     """The residual stream after each block (the same tensors in a reference and a flash model)."""
     from .flashnorm import Deferred
 
-    h, residual = model.embed_tokens(tokens), None
-    mask = create_attention_mask(h, None)
-    states = []
+    trunk = getattr(model, flashnorm.mapping(model).trunk)
+    h = trunk.embed(tokens) if hasattr(trunk, "embed") else model.embed_tokens(tokens)  # Gemma scales
+    full = sliding = create_attention_mask(h, None)
+    if hasattr(trunk, "masks"):  # Gemma 3: sliding-window layers
+        full, sliding = trunk.masks(h, [None] * len(model.layers))
+    residual, states = None, []
     for layer in model.layers:
+        mask = sliding if getattr(layer, "is_sliding", False) else full
         h, residual = layer(h, residual, mask)  # the block's output still to be added
         states.append((h.xg * h.s if isinstance(h, Deferred) else h) + residual)
     return states
+
+
+def norms_line(model):
+    """Which norms FlashNorm removes on this architecture and which it keeps (its model file's
+    FLASHNORM)."""
+    spec = flashnorm.mapping(model)
+    removed = [p.norm for p in spec.pairs]
+    qk = any("q_norm" in getattr(model.layers[0], p.consumer) for p in spec.pairs)
+    line = f"FlashNorm removes {', '.join(removed)} (each block) and the final norm"
+    line += "; fuses q_norm/k_norm into RoPE (their per-head 1/RMS stays)" if qk else ""
+    kept = "; ".join(f"{name} ({why})" for name, why in spec.kept)
+    return line + (f"; keeps {kept}" if kept else "; keeps none")
 
 
 def difference(ref, other):
@@ -74,6 +90,7 @@ def main(argv=None):
         raise UserError("--steps must be at least 1")
     ref, tok = load_float32(args.model, args.tokenizer)
     flash, _ = load_float32(args.model, args.tokenizer)
+    print(norms_line(ref))
     flashnorm.apply(flash)
     tokens = mx.array(tok.encode(args.prompt))
     if tokens.size == 0:

@@ -7,9 +7,21 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
+from mlx_lm.models.rope_utils import initialize_rope
+
+from .. import flashnorm as fn
 from ..cache import scaled_dot_product_attention
 from ..nn import RMSNorm
-from mlx_lm.models.rope_utils import initialize_rope
+
+MODEL_TYPES = ("llama", "mistral")  # config.json model_type values this file serves
+
+# FlashNorm on this architecture: both pre-norms of a block feed linears and go (folded into
+# q/k/v and gate/up, or kept as their input gain; 1/RMS deferred, Sec. 3 and 2.2); the final norm
+# goes into the LM head. No norm is left.
+FLASHNORM = fn.Mapping(
+    pairs=(fn.Pair("input_layernorm", "self_attn", fn.FlashAttention, ("q_proj", "k_proj", "v_proj")),
+           fn.Pair("post_attention_layernorm", "mlp", fn.FlashSwiGLU, ("gate_proj", "up_proj"))),
+    trunk="model", tie_key="tie_word_embeddings")
 
 
 @dataclass
@@ -113,6 +125,8 @@ class LlamaModel(nn.Module):
 
 
 class Model(nn.Module):
+    FLASHNORM = FLASHNORM
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args

@@ -7,8 +7,19 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
+from .. import flashnorm as fn
 from ..cache import scaled_dot_product_attention
 from ..nn import RMSNorm
+
+MODEL_TYPES = ("openelm",)
+
+# FlashNorm on this architecture: both pre-norms go (attn_norm folded into qkv_proj with Sec. 4
+# for the QK-norm, ffn_norm into proj_1 with Sec. 2.2); q_norm/k_norm are fused into RoPE's cos/sin
+# (their per-head 1/RMS stays; in an export their weights stay); the final norm goes into the head.
+FLASHNORM = fn.Mapping(
+    pairs=(fn.Pair("attn_norm", "attn", fn.FlashQKNormAttention, ("qkv_proj",)),
+           fn.Pair("ffn_norm", "ffn", fn.FlashFusedSwiGLU, ("proj_1",))),
+    trunk="transformer", tie_key="share_input_output_layers")
 
 
 @dataclass
@@ -122,6 +133,8 @@ class OpenELMModel(nn.Module):
 
 
 class Model(nn.Module):
+    FLASHNORM = FLASHNORM
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args

@@ -87,7 +87,8 @@ def test_export_is_atomic(tmp_path):
 def test_verify_command(tiny_llama_dir):
     r = cli("mlx_flashnorm.verify", "--model", str(tiny_llama_dir), "--steps", "8")
     assert r.returncode == 0, r.stderr
-    lines = r.stdout.splitlines()
+    removed, *lines = r.stdout.splitlines()
+    assert removed.startswith("FlashNorm removes input_layernorm, post_attention_layernorm") and "keeps none" in removed
     rows = {line.split()[0] + (" " + line.split()[1] if line.startswith("layer") else ""): line.split()[-2:]
             for line in lines[1:-1]}
     assert set(rows) == {"layer 0", "layer 1", "logits"}

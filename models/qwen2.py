@@ -1,0 +1,160 @@
+"""Qwen 2 / 2.5 (dense): Llama-like blocks (GQA, RoPE, SwiGLU MLP, RMSNorm pre-norms) with biases
+on the q, k and v projections (none on o_proj or the MLP), and tied or untied embeddings."""
+from dataclasses import dataclass
+from typing import Dict, Optional, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.rope_utils import initialize_rope
+
+from .. import flashnorm as fn
+from ..cache import scaled_dot_product_attention
+from ..nn import RMSNorm
+
+MODEL_TYPES = ("qwen2",)
+
+# FlashNorm on this architecture: both pre-norms go (input_layernorm folded into q/k/v_proj with
+# Sec. 3; their biases take the deferred 1/RMS before the bias, q/k outside RoPE's cos/sin;
+# post_attention_layernorm into gate/up_proj with Sec. 2.2); the final norm goes into the LM head.
+# No norm is left.
+FLASHNORM = fn.Mapping(
+    pairs=(fn.Pair("input_layernorm", "self_attn", fn.FlashAttention, ("q_proj", "k_proj", "v_proj")),
+           fn.Pair("post_attention_layernorm", "mlp", fn.FlashSwiGLU, ("gate_proj", "up_proj"))),
+    trunk="model", tie_key="tie_word_embeddings")
+
+
+@dataclass
+class ModelArgs:
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    vocab_size: int
+    num_key_value_heads: Optional[int] = None
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 32768
+    rope_theta: Optional[float] = None
+    rope_traditional: bool = False
+    use_sliding_window: bool = False
+    rope_scaling: Optional[Dict[str, Union[float, str]]] = None
+    rope_parameters: Optional[dict] = None  # transformers >= 5: rope_theta and scaling in here
+    tie_word_embeddings: bool = True
+
+    @property
+    def context_length(self):
+        return self.max_position_embeddings
+
+    def __post_init__(self):
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        if self.rope_parameters:
+            self.rope_theta = self.rope_theta or self.rope_parameters.get("rope_theta")
+            if self.rope_scaling is None and self.rope_parameters.get("rope_type", "default") != "default":
+                self.rope_scaling = self.rope_parameters
+        self.rope_theta = self.rope_theta or 1000000.0
+        if self.use_sliding_window:
+            raise ValueError("config.json: use_sliding_window=true Qwen 2 variants are not supported")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("config.json: num_attention_heads must be a multiple of num_key_value_heads")
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        dim = args.hidden_size
+        self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
+        self.head_dim = h = dim // self.n_heads
+        self.scale = h**-0.5
+        self.q_proj = nn.Linear(dim, self.n_heads * h, bias=True)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * h, bias=True)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * h, bias=True)
+        self.o_proj = nn.Linear(self.n_heads * h, dim, bias=False)
+        self.rope = initialize_rope(h, args.rope_theta, args.rope_traditional, args.rope_scaling,
+                                    args.max_position_embeddings)
+
+    def __call__(self, x, mask=None, cache=None):
+        B, L, _ = x.shape
+        q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        offset = cache.offset if cache is not None else 0
+        q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        o = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
+        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        dim, hidden = args.hidden_size, args.intermediate_size
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def __call__(self, x):
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def __call__(self, x, residual, mask=None, cache=None):
+        h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, mask, cache), residual)
+        return self.mlp(h), residual
+
+
+class Qwen2Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
+        self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, tokens, cache=None):
+        h = self.embed_tokens(tokens)
+        cache = cache or [None] * len(self.layers)
+        mask = create_attention_mask(h, cache[0])
+        residual = None
+        for layer, c in zip(self.layers, cache):
+            h, residual = layer(h, residual, mask, c)
+        return self.norm(h, residual)[0]
+
+
+class Model(nn.Module):
+    FLASHNORM = FLASHNORM
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = Qwen2Model(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, tokens, cache=None):
+        h = self.model(tokens, cache)
+        if "lm_head" in self:
+            return self.lm_head(h)
+        return self.model.embed_tokens.as_linear(h)
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    @property
+    def embed_tokens(self):
+        return self.model.embed_tokens
+
+    def sanitize(self, weights):
+        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+        if self.args.tie_word_embeddings:
+            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
+        return weights
