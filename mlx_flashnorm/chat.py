@@ -9,7 +9,8 @@ import mlx.core as mx
 
 from .cache import make_cache
 from .errors import UserError, run_cli
-from .generate import add_model_args, add_sampling_args, context_length, load_from_args, stream_generate
+from .generate import (add_model_args, add_sampling_args, context_length, load_from_args, make_sampler_for,
+                       stream_generate)
 
 CACHE_STEP = 1024  # the cache grows by this many positions when a turn needs more room
 
@@ -72,6 +73,7 @@ def arg_parser():
 
 def main(argv=None):
     args = arg_parser().parse_args(argv)
+    make_sampler_for(args.temp, args.top_p, args.top_k)  # checks the sampling flags
     model, tokenizer = load_from_args(args)
     chat = Chat(model, tokenizer, args.system_prompt, max_tokens=args.max_tokens, temp=args.temp,
                 top_p=args.top_p, top_k=args.top_k)
