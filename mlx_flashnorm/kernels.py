@@ -23,6 +23,7 @@ Set MLX_FLASHNORM_KERNELS=0 (or ``kernels.ENABLED = False``) to force the fallba
 import math
 import os
 import struct
+import threading
 from functools import lru_cache
 
 import mlx.core as mx
@@ -41,9 +42,15 @@ def use_cuda():
 CPU_STREAMS = 2  # measured on 2 cores: a 4-bit matvec 1.8x faster, decode 1.4x (bench/RESULTS.md)
 
 
-@lru_cache(maxsize=None)
+_thread = threading.local()
+
+
 def _cpu_streams():
-    return [mx.new_stream(mx.cpu) for _ in range(CPU_STREAMS)]
+    """The streams of the row blocks; an MLX stream belongs to the thread that made it, so each
+    thread running a model (the server's generation worker, say) gets its own."""
+    if not hasattr(_thread, "cpu_streams"):
+        _thread.cpu_streams = [mx.new_stream(mx.cpu) for _ in range(CPU_STREAMS)]
+    return _thread.cpu_streams
 
 
 def quantized_matmul(x, w, scales, biases, group_size, bits, mode="affine"):

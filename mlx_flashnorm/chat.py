@@ -1,0 +1,108 @@
+"""A multi-turn chat in the terminal: `python -m mlx_flashnorm.chat`.
+
+The KV cache is kept across turns: each turn prefills only the tokens that the chat template adds
+after those the cache already holds (the reply just generated, the closing tags, the new message)."""
+import argparse
+import sys
+
+import mlx.core as mx
+
+from .cache import make_cache
+from .errors import UserError, run_cli
+from .generate import (add_model_args, add_sampling_args, context_length, load_from_args, make_sampler_for,
+                       stream_generate)
+
+CACHE_STEP = 1024  # the cache grows by this many positions when a turn needs more room
+
+
+class Chat:
+    def __init__(self, model, tokenizer, system_prompt=None, max_tokens=256, **sampling):
+        if not tokenizer.has_chat_template:
+            raise UserError("this model's tokenizer has no chat template; use the generate command")
+        self.model, self.tokenizer, self.system_prompt = model, tokenizer, system_prompt
+        self.max_tokens, self.sampling = max_tokens, sampling
+        self.reset()
+
+    def reset(self):
+        self.messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        self.cache, self.cached = None, []  # cached: the token ids the cache holds, in order
+
+    def reply(self, text):
+        """Yield the answer to the user's message `text` piece by piece; it then joins the conversation."""
+        messages = self.messages + [{"role": "user", "content": text}]
+        tokens = list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        ctx = context_length(self.model)
+        if len(tokens) >= ctx:
+            raise UserError(f"the conversation would have {len(tokens)} tokens, the model's context is "
+                            f"{ctx}: /reset starts a new one")
+        keep = 0  # the cached tokens that the conversation still begins with stay in the cache
+        while keep < min(len(self.cached), len(tokens) - 1) and self.cached[keep] == tokens[keep]:
+            keep += 1
+        self._make_room(keep, min(ctx, len(tokens) + self.max_tokens))
+        self.cached = tokens[:keep]
+        answer, generated = "", []
+        for r in stream_generate(self.model, self.tokenizer, tokens[keep:], self.max_tokens,
+                                 cache=self.cache, **self.sampling):
+            answer += r.text
+            generated.append(r.token)
+            yield r.text
+        self.cached = (tokens + generated)[:self.cache[0].offset]
+        self.messages = messages + [{"role": "assistant", "content": answer}]
+
+    def _make_room(self, keep, needed):
+        """Trim the cache to its first `keep` positions, with room for `needed` in all."""
+        if self.cache is None or self.cache[0].capacity < needed:
+            old, self.cache = self.cache, make_cache(self.model, -(-needed // CACHE_STEP) * CACHE_STEP)
+            if old and keep:
+                for c, o in zip(self.cache, old):
+                    c.update_and_fetch(o.keys[..., :keep, :], o.values[..., :keep, :])
+        for c in self.cache:
+            c.offset = keep
+
+
+def arg_parser():
+    p = argparse.ArgumentParser(
+        prog="python -m mlx_flashnorm.chat",
+        description="Chat with an MLX model in the terminal (or over standard input, one message "
+                    "a line). /reset starts a new conversation, /exit (or end of input) quits.")
+    p.add_argument("--system-prompt", help="the system message that opens the conversation")
+    add_model_args(p)
+    add_sampling_args(p)
+    return p
+
+
+def main(argv=None):
+    args = arg_parser().parse_args(argv)
+    make_sampler_for(args.temp, args.top_p, args.top_k)  # checks the sampling flags
+    model, tokenizer = load_from_args(args)
+    chat = Chat(model, tokenizer, args.system_prompt, max_tokens=args.max_tokens, temp=args.temp,
+                top_p=args.top_p, top_k=args.top_k)
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("Chat: /reset starts a new conversation, /exit or Ctrl-D quits.")
+    try:
+        while True:
+            try:
+                line = input(">> " if interactive else "").strip()
+            except EOFError:
+                break
+            if line == "/exit":
+                break
+            if line == "/reset":
+                chat.reset()
+                print("[new conversation]", flush=True)
+            elif line:
+                try:
+                    for piece in chat.reply(line):
+                        print(piece, end="", flush=True)
+                    print(flush=True)
+                except UserError as e:  # too long: the message is dropped, the chat goes on
+                    print(f"error: {e}", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        print()
+
+
+if __name__ == "__main__":
+    run_cli(main)

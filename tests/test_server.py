@@ -1,0 +1,165 @@
+"""The OpenAI-compatible server, talked to with the official openai client, on the embedded
+SmolLM2 (greedy, a few tokens a request). The server listens on a free port of 127.0.0.1."""
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from mlx_flashnorm.generate import generate
+from mlx_flashnorm.server import Server
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+GERMANY = [{"role": "user", "content": "What is the capital of Germany?"}]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2):
+    server = Server(*smollm2, "smol", port=0)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="none",
+                         max_retries=0, timeout=120)
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == ["smol"]
+
+
+def test_chat_completion_plain_and_streamed(client, smollm2):
+    model, tokenizer = smollm2
+    r = client.chat.completions.create(model="smol", messages=FRANCE, max_tokens=8)
+    answer = r.choices[0].message.content
+    assert "Paris" in answer and r.choices[0].finish_reason == "stop"
+    assert answer == generate(model, tokenizer, FRANCE[0]["content"], max_tokens=8)
+    prompt = tokenizer.apply_chat_template(FRANCE, add_generation_prompt=True)
+    assert r.usage.prompt_tokens == len(prompt)
+    assert r.usage.completion_tokens == len(tokenizer.encode(answer))  # (the end-of-turn token not counted)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+    chunks = list(client.chat.completions.create(model="smol", messages=FRANCE, max_tokens=8, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 3  # piece by piece
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage == r.usage
+
+
+def test_completion_stop_and_length(client):
+    r = client.completions.create(model="smol", prompt="1, 2, 3, 4,", max_tokens=12, stop=[" 7", "x"])
+    assert (r.choices[0].text, r.choices[0].finish_reason) == ("5, 6,", "stop")
+    streamed = list(client.completions.create(model="smol", prompt="1, 2, 3, 4,", max_tokens=12, stop=" 7",
+                                              stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == "5, 6,"
+    r = client.completions.create(model="smol", prompt="1, 2, 3, 4,", max_tokens=3)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+
+
+def test_two_clients_at_once(client):
+    results = {}
+
+    def ask(name, messages, stream):
+        r = client.chat.completions.create(model="smol", messages=messages, max_tokens=8, stream=stream)
+        results[name] = ("".join(c.choices[0].delta.content or "" for c in r) if stream
+                         else r.choices[0].message.content)
+
+    threads = [threading.Thread(target=ask, args=("france", FRANCE, True)),
+               threading.Thread(target=ask, args=("germany", GERMANY, False))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert "Paris" in results["france"] and "Berlin" not in results["france"]
+    assert "Berlin" in results["germany"] and "Paris" not in results["germany"]
+
+
+def post(server, path, data):
+    """POST raw bytes; (status, parsed JSON body)."""
+    request = urllib.request.Request(f"http://127.0.0.1:{server.server_address[1]}{path}", data=data,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+BAD = [  # (body, the field the error names)
+    (b"{not json", None),
+    (b'{"model": "smol"}', "messages"),
+    (b'{"messages": []}', "messages"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}', "max_tokens"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}', "temperature"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}', "stream"),
+    (b'{"messages": [{"role": "user", "content": 7}]}', "messages"),
+    (json.dumps({"messages": [{"role": "user", "content": "word " * 9000}]}).encode(), "messages"),
+]
+
+
+def test_each_bad_request_gets_400_and_the_next_good_one_succeeds(server):
+    for body, param in BAD:
+        status, answer = post(server, "/v1/chat/completions", body)
+        assert status == 400 and answer["error"]["type"] == "invalid_request_error", body[:80]
+        assert answer["error"]["message"] and answer["error"]["param"] == param, body[:80]
+        status, answer = post(server, "/v1/completions", b'{"prompt": "Hello", "max_tokens": 1}')
+        assert status == 200 and answer["usage"] == {"prompt_tokens": 1, "completion_tokens": 1,
+                                                     "total_tokens": 2}
+
+
+def test_bad_request_through_the_client(client):
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.chat.completions.create(model="smol", messages=FRANCE, max_tokens=-5)
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.completions.create(model="smol", prompt="word " * 9000)
+
+
+def test_disconnected_stream_stops_its_generation(client):
+    stream = client.completions.create(model="smol", prompt="1, 2, 3, 4,", max_tokens=2000, stream=True)
+    for n, _ in enumerate(stream):  # counting on for ~2000 tokens, minutes on this CPU...
+        if n == 3:
+            break
+    stream.close()  # ... but the client hangs up
+    tic = time.perf_counter()
+    r = client.chat.completions.create(model="smol", messages=FRANCE, max_tokens=8, timeout=60)
+    assert "Paris" in r.choices[0].message.content
+    assert time.perf_counter() - tic < 60  # a few seconds: the worker dropped the first request
+
+
+def test_server_command(tiny_llama_dir, server):
+    """python -m mlx_flashnorm.server: says where it listens, serves, stops on Ctrl-C; a taken port
+    is a one-line error."""
+    cmd = [sys.executable, "-m", "mlx_flashnorm.server", "--model", str(tiny_llama_dir)]
+    taken = subprocess.run(cmd + ["--port", str(server.server_address[1])], capture_output=True,
+                           text=True, timeout=120)
+    assert taken.returncode == 2 and taken.stderr.startswith("error: cannot listen on 127.0.0.1:")
+    assert "Traceback" not in taken.stderr
+    p = subprocess.Popen(cmd + ["--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = threading.Timer(120, p.kill)  # so that no read below can wait forever
+    deadline.start()
+    try:
+        line = p.stdout.readline()
+        assert line.startswith("serving tiny-llama on http://127.0.0.1:"), line + p.stderr.read()
+        url = line.split()[-1]
+        with urllib.request.urlopen(f"{url}/models", timeout=60) as r:
+            assert json.load(r)["data"][0]["id"] == "tiny-llama"
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=60) == 0
+    finally:
+        deadline.cancel()
+        p.kill()
+        p.communicate()
