@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten
 
 from ..errors import HelpFormatter, UserError
 from ..generate import generate_step
-from ..loader import DTYPES, build_model, model_args, prepare, read_config, read_safetensors, resolve
+from ..loader import DTYPE_CHOICES, DTYPES, build_model, resolve_dtype, model_args, prepare, read_config, read_safetensors, resolve
 
 NORM_MODES = ("rms", "flash", "none")
 PEER = "mlx-lm"
@@ -250,7 +250,8 @@ def arg_parser():
     p.add_argument("--modes", default="rms,flash,none,mlx-lm", help="comma-separated")
     p.add_argument("--bits", type=int, default=4, help="weight bits, 0 for full precision")
     p.add_argument("--group-size", type=int, default=64, help="weights per scale/bias")
-    p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="activation dtype")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="activation dtype; auto: float32 on the CPU, the checkpoint's half precision on a GPU")
     p.add_argument("--pp", type=int, default=512, help="prompt tokens")
     p.add_argument("--tg", type=int, default=128, help="generated tokens")
     p.add_argument("--reps", type=int, default=5, help="measured repetitions after one warm-up")
@@ -302,7 +303,7 @@ def main(argv=None):
         if args.pp + args.tg > margs.context_length:
             raise UserError(f"--pp + --tg is {args.pp + args.tg}, the model's context is "
                             f"{margs.context_length}: lower them")
-        report = bench(modes, folder, label, bits, args.dtype, args.pp, args.tg, args.reps,
+        report = bench(modes, folder, label, bits, resolve_dtype(args.dtype, config), args.pp, args.tg, args.reps,
                        args.group_size, log=lambda s: print(s, file=sys.stderr, flush=True))
     out.mkdir(parents=True, exist_ok=True)
     md = table(report)

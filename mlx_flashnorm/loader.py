@@ -1,6 +1,7 @@
 """load(): a local HF folder, a Hugging Face repo id, or a llama GGUF file -> (model, tokenizer)."""
 import dataclasses
 import json
+from functools import lru_cache
 import os
 import re
 import sys
@@ -15,6 +16,28 @@ from .kernels import row_parallel
 from .models import ARCHITECTURES
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+DTYPE_CHOICES = ("auto", *DTYPES)  # what the commands' --dtype takes
+
+
+def resolve_dtype(dtype, config=None):
+    """The activation dtype to run: 'auto' is float32 on the CPU and, on a GPU, the checkpoint's own
+    half precision (config.json torch_dtype/dtype bfloat16 or float16; float16 for a float32 or GGUF
+    checkpoint). An explicit half precision on the CPU runs, with a note that it is emulated."""
+    if dtype not in DTYPE_CHOICES:
+        raise UserError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, not '{dtype}'")
+    cpu = mx.default_device() == mx.cpu
+    if dtype == "auto":
+        source = (config or {}).get("torch_dtype") or (config or {}).get("dtype")
+        return "float32" if cpu else (source if source in ("bfloat16", "float16") else "float16")
+    if cpu and dtype != "float32":
+        _emulated_note(dtype)
+    return dtype
+
+
+@lru_cache(maxsize=None)
+def _emulated_note(dtype):
+    print(f"note: MLX emulates {dtype} on the CPU, which is slow; float32 (or --dtype auto) runs "
+          "faster here", file=sys.stderr)
 NORMS = ("rms", "flash", "none")
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
 OPENELM_TOKENIZER_HINT = "OpenELM uses the Llama-2 tokenizer: e.g. --tokenizer meta-llama/Llama-2-7b-hf"
@@ -230,19 +253,20 @@ def _sentencepiece_tokenizer(file):
         raise UserError(f"{file}: not a sentencepiece model ({str(e).splitlines()[0]})")
 
 
-def load(path_or_repo=None, norm="rms", bits=None, dtype="float32", tokenizer=None,
+def load(path_or_repo=None, norm="rms", bits=None, dtype="auto", tokenizer=None,
          group_size=64, progress=True):
     """Load a model and its tokenizer.
 
     path_or_repo: a HF checkpoint folder, a HF repo id, or a llama .gguf file (None: the embedded
     SmolLM2-135M-Instruct). norm: "rms" (reference), "flash" (FlashNorm, same function) or "none"
     (every norm removed: a speed ceiling, meaningless text). bits: quantize at load time; norm and
-    quantization compose as prepare() says.
+    quantization compose as prepare() says. dtype: "auto" (float32 on the CPU, the checkpoint's
+    half precision on a GPU: resolve_dtype), "float32", "float16" or "bfloat16".
     """
     if norm not in NORMS:
         raise UserError(f"norm must be one of {', '.join(NORMS)}, not '{norm}'")
-    if dtype not in DTYPES:
-        raise UserError(f"dtype must be one of {', '.join(DTYPES)}, not '{dtype}'")
+    if dtype not in DTYPE_CHOICES:
+        raise UserError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, not '{dtype}'")
     path = default_model_path() if path_or_repo is None else resolve(path_or_repo)
     if path.is_file():
         if path.suffix != ".gguf":
@@ -265,7 +289,7 @@ def load(path_or_repo=None, norm="rms", bits=None, dtype="float32", tokenizer=No
         model_args(config)  # fail on a bad config before reading gigabytes of weights
         model = build_model(config, read_safetensors(path), progress)
         tok = load_tokenizer(path, tokenizer)
-    model.set_dtype(DTYPES[dtype])
+    model.set_dtype(DTYPES[resolve_dtype(dtype, config)])
     model = prepare(model, norm=norm, bits=bits, group_size=group_size)
     _add_config_eos(tok, config)
     return model, tok

@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .errors import HelpFormatter, UserError, run_cli
-from .loader import DTYPES, NORMS, load
+from .loader import DTYPE_CHOICES, DTYPES, NORMS, load
 
 
 def window_nll(model, tokens):
@@ -60,7 +60,8 @@ def arg_parser():
     p.add_argument("--bits", type=int, default=None,
                    help="quantize at load time (2-8), or 0 for full precision (dequantizes)")
     p.add_argument("--group-size", type=int, default=64, help="weights per scale/bias with --bits")
-    p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="activation dtype")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="activation dtype; auto: float32 on the CPU, the checkpoint's half precision on a GPU")
     p.add_argument("--window", type=int, default=512, help="tokens predicted per window")
     p.add_argument("--max-tokens", type=int, default=0,
                    help="score only the first N tokens of the text (0: all of it)")

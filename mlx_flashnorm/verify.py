@@ -3,7 +3,10 @@
 Loads the model twice in float32 (a quantized checkpoint is dequantized first, so both copies hold
 the same weights), applies FlashNorm to one, and prints the max absolute and relative difference
 of every layer's hidden state and of the logits, then whether greedy decoding agrees.
-Exit code 1 when the greedy tokens differ."""
+Exit code 1 when the greedy tokens differ. With --dtype float16/bfloat16 it also loads rms and
+flash in that dtype (a quantized checkpoint stays quantized) and prints, side by side, their max
+relative logit error against the float32 rms reference and how long their greedy tokens agree:
+rms with float32's, flash with rms's in the same dtype."""
 import argparse
 import sys
 
@@ -80,8 +83,31 @@ def arg_parser():
     p.add_argument("--prompt", default="The quick brown fox jumps over the lazy dog. Once upon a time",
                    help="text fed to both models")
     p.add_argument("--steps", type=int, default=32, help="greedy tokens to compare")
+    p.add_argument("--dtype", action="append", choices=("float16", "bfloat16"), default=[],
+                   help="also compare rms and flash in this half precision (repeatable)")
     p.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
     return p
+
+
+def agree(a, b):
+    """How many leading tokens two greedy sequences share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def half_rows(args, ref, tokens, ref_tokens):
+    """Per dtype: (dtype, rms rel error, flash rel error, rms-vs-float32 agreement, flash-vs-rms)."""
+    want = ref(tokens[None]).astype(mx.float32)
+    top = mx.abs(want).max()
+    rows = []
+    for dtype in args.dtype:
+        out = {}
+        for norm in ("rms", "flash"):
+            m, _ = load(args.model, norm=norm, dtype=dtype, tokenizer=args.tokenizer, progress=False)
+            err = (mx.abs(m(tokens[None]).astype(mx.float32) - want).max() / top).item()
+            out[norm] = err, greedy(m, tokens, args.steps)
+        rows.append((dtype, out["rms"][0], out["flash"][0], agree(out["rms"][1], ref_tokens),
+                     agree(out["flash"][1], out["rms"][1])))
+    return rows
 
 
 def main(argv=None):
@@ -99,12 +125,17 @@ def main(argv=None):
     print(f"{'':10} {'max abs diff':>14} {'max rel diff':>14}")
     for name, d_abs, d_rel in rows:
         print(f"{name:10} {d_abs:14.3e} {d_rel:14.3e}")
-    same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-    if same is None:
+    same = agree(a, b)
+    if same == args.steps:
         print(f"greedy tokens agree over {args.steps} steps")
-        return 0
-    print(f"greedy tokens differ from step {same} of {args.steps}: rms {a[same]}, flash {b[same]}")
-    return 1
+    else:
+        print(f"greedy tokens differ from step {same} of {args.steps}: rms {a[same]}, flash {b[same]}")
+    if args.dtype:
+        print(f"{'dtype':10} {'rms rel err':>12} {'flash rel err':>14} {'rms = f32 tokens':>17} "
+              f"{'flash = rms tokens':>19}  (logits vs float32 rms; greedy steps agreeing)")
+        for dtype, e_rms, e_flash, n_rms, n_flash in half_rows(args, ref, tokens, a):
+            print(f"{dtype:10} {e_rms:12.3e} {e_flash:14.3e} {n_rms:17d} {n_flash:19d}")
+    return 0 if same == args.steps else 1
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from ..cache import StaticKVCache, make_cache
 from ..errors import HelpFormatter, UserError, run_cli
-from ..loader import DTYPES, NORMS, QUANT_BITS, QUANT_GROUP_SIZES, load
+from ..loader import DTYPE_CHOICES, DTYPES, NORMS, QUANT_BITS, QUANT_GROUP_SIZES, load
 
 
 MAX_SEED = 2**64 - 1  # mx.random.seed takes an unsigned 64-bit integer
@@ -202,7 +202,8 @@ def add_model_args(p):
                         "(a k-quant GGUF: 4)")
     p.add_argument("--group-size", type=int, default=64,
                    help=f"weights per scale/bias with --bits: {', '.join(map(str, QUANT_GROUP_SIZES))}")
-    p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="activation dtype")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="activation dtype; auto: float32 on the CPU, the checkpoint's half precision on a GPU")
     p.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
 
 
