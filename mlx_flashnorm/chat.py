@@ -9,10 +9,9 @@ import mlx.core as mx
 
 from .cache import make_cache
 from .errors import UserError, run_cli
-from .generate import (add_model_args, add_sampling_args, context_length, load_from_args, make_sampler_for,
-                       stream_generate)
+from .generate import (add_model_args, add_sampling_args, cache_capacity, context_length,
+                       load_from_args, make_sampler_for, stream_generate)
 
-CACHE_STEP = 1024  # the cache grows by this many positions when a turn needs more room
 
 
 class Chat:
@@ -52,7 +51,7 @@ class Chat:
     def _make_room(self, keep, needed):
         """Trim the cache to its first `keep` positions, with room for `needed` in all."""
         if self.cache is None or self.cache[0].capacity < needed:
-            old, self.cache = self.cache, make_cache(self.model, -(-needed // CACHE_STEP) * CACHE_STEP)
+            old, self.cache = self.cache, make_cache(self.model, cache_capacity(self.model, needed))
             if old and keep:
                 for c, o in zip(self.cache, old):
                     c.update_and_fetch(o.keys[..., :keep, :], o.values[..., :keep, :])

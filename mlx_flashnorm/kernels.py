@@ -119,9 +119,20 @@ _HEADER = CUDA_DTYPES + """__device__ inline float fn_warp_sum(float v) {
 """
 
 
+# (kernel name, template arguments) of every launch so far: MLX compiles each distinct pair once, so
+# the set's size is the number of kernel compilations (tests check that requests add none).
+VARIANTS = set()
+
+
 def _kernel(name, inputs, outputs, source):
-    return mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs,
-                               source=source, header=_HEADER)
+    kernel = mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs,
+                                 source=source, header=_HEADER)
+
+    def launch(**kwargs):
+        VARIANTS.add((name, tuple((k, str(v)) for k, v in kwargs["template"])))
+        return kernel(**kwargs)
+
+    return launch
 
 
 # ---------------------------------------------------------------- attention over a static cache
@@ -132,7 +143,7 @@ _ATTENTION = """
   const int head = blockIdx.x;
   const int b = head / HQ, hkv = (head % HQ) / GQA;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int len = n[0];
+  const int len = n[0], C = k_shape[2];  // cache capacity: read at run time, one compile for all
   const float scale = __int_as_float(SCALE_BITS) * 1.4426950408889634f;  // exp2 domain
   float qv[VPT], acc[VPT];
   const long qbase = long(head) * D;
@@ -188,7 +199,7 @@ def decode_attention(q, k, v, n, scale):
         return _attention_kernel()(
             inputs=[q, k, v, n.astype(mx.int32).reshape(1)],
             template=[("T", q.dtype), ("D", D), ("HQ", Hq), ("HKV", Hkv), ("GQA", Hq // Hkv),
-                      ("C", C), ("NW", threads // 32), ("SCALE_BITS", float_bits(scale))],
+                      ("NW", threads // 32), ("SCALE_BITS", float_bits(scale))],
             grid=(B * Hq * threads, 1, 1), threadgroup=(threads, 1, 1),
             output_shapes=[q.shape], output_dtypes=[q.dtype])[0]
     mask = mx.arange(C)[None] < (n.reshape(-1)[0] - L + 1 + mx.arange(L))[:, None]
@@ -305,6 +316,7 @@ _ROPE_QKV = """
   // row strides QS, KS, VS and column offsets QO, KO, VO (one fused qkv array may be all three).
   // rotate-half RoPE: lane holds elements lane + 32 t, whose partners i +- D/2 are in the same lane.
   constexpr int VPT = D / 32, HALF = VPT / 2, H = HQ + 2 * HKV;
+  const int L = q_shape[1], ROWS = q_shape[0] * L;  // read at run time: one compile for all lengths
   const int gw = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (gw >= ROWS * H) return;
@@ -382,8 +394,7 @@ def rope_qkv(q, k, v, s, offset, theta, n_heads, n_kv_heads, gains=None, eps=0.0
     qg, kg = gains if gains is not None else (theta, theta)  # unused without QK-norm
     return _rope_qkv_kernel()(
         inputs=[q, k, v, s.astype(mx.float32), off.astype(mx.int32).reshape(1), theta, qg, kg],
-        template=[("T", q.dtype), ("D", D), ("HQ", n_heads), ("HKV", n_kv_heads), ("L", L),
-                  ("ROWS", rows), ("QS", strides[0]), ("KS", strides[1]), ("VS", strides[2]),
+        template=[("T", q.dtype), ("D", D), ("HQ", n_heads), ("HKV", n_kv_heads), ("QS", strides[0]), ("KS", strides[1]), ("VS", strides[2]),
                   ("QO", offsets[0]), ("KO", offsets[1]), ("VO", offsets[2]),
                   ("QK_NORM", gains is not None), ("EPS_BITS", float_bits(eps)),
                   ("FACTOR_BITS", float_bits(factor))],

@@ -84,4 +84,4 @@ def test_chat_command(tiny_llama_dir):
     r = cli("mlx_flashnorm.chat", "--model", str(tiny_llama_dir), "--max-tokens", "0", stdin="hi\n")
     assert r.returncode == 2 and r.stderr.startswith("error: max-tokens") and "Traceback" not in r.stderr
     r = cli("mlx_flashnorm.chat", "--model", str(tiny_llama_dir), "--temp", "-1", stdin="hi\n")
-    assert r.returncode == 2 and r.stderr.startswith("error: sampling needs") and "Traceback" not in r.stderr
+    assert r.returncode == 2 and r.stderr.startswith("error: temp must be at least 0") and "Traceback" not in r.stderr

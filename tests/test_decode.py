@@ -76,3 +76,39 @@ def test_kept_cache_continues_like_one_prompt(model):
     assert third == whole
     assert [t for t, _ in generate_step(mx.concatenate([a, mx.array(first[:4]), b]), model,
                                         max_tokens=2)] == second
+
+
+def test_requests_reuse_one_compiled_step(model, monkeypatch):
+    """Issue 15: the compiled step is traced once per model and cache bucket, not per request.
+    A trace is the one time the model runs a decode step (an array offset) in Python; requests of
+    other prompt lengths and max_tokens then add none, and give the eager path's tokens."""
+    traces = []
+    call = type(model).__call__
+
+    def counting(self, tokens, cache=None):
+        if cache is not None and not isinstance(cache[0].offset, int):
+            traces.append(tokens.shape)
+        return call(self, tokens, cache)
+
+    monkeypatch.setattr(type(model), "__call__", counting)
+    model._compiled_decode = None  # as loaded: no step yet
+    for n, (length, steps) in enumerate([(5, 7), (37, 3), (120, 12), (9, 30)]):
+        prompt = mx.random.randint(0, model.args.vocab_size, (length,), key=mx.random.key(n))
+        tokens = [t for t, _ in generate_step(prompt, model, max_tokens=steps)]
+        assert tokens == [t for t, _ in generate_step(prompt, model, max_tokens=steps, compiled=False)]
+        assert len(traces) == 1, (length, steps, traces)
+
+
+@pytest.mark.skipif(not (mx.cuda.is_available() and mx.default_device() == mx.gpu),
+                    reason="the custom kernels run on CUDA only")
+def test_requests_compile_no_new_kernels(model):
+    """Sizes (prompt length, cache capacity) reach the kernels at run time, not as template
+    constants: after a first request, others of new lengths launch no new kernel variant."""
+    from mlx_flashnorm import kernels
+
+    for n, (length, steps) in enumerate([(6, 4), (41, 9), (300, 5)]):
+        prompt = mx.random.randint(0, model.args.vocab_size, (length,), key=mx.random.key(n))
+        list(generate_step(prompt, model, max_tokens=steps))
+        if n == 0:
+            first = set(kernels.VARIANTS)
+        assert kernels.VARIANTS == first

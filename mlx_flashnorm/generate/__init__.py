@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.sample_utils import make_sampler
 
 from ..cache import StaticKVCache, make_cache
@@ -33,17 +34,33 @@ def context_length(model):
     return model.args.context_length
 
 
-def _compiled_decode(model):
-    """The 1-token forward pass as one compiled function of (token, offset, kv buffers)."""
-    def step(y, offset, kv):
-        cache = [StaticKVCache(k.shape[2]) for k, _ in kv]
-        for c, (k, v) in zip(cache, kv):
-            c.keys, c.values, c.offset = k, v, offset
-        logits = model(y[None], cache=cache)[:, -1, :]
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return logprobs, offset + 1, [c.state for c in cache]
+CAPACITY_STEP = 1024  # static caches come in multiples of this many positions (few step shapes)
 
-    return mx.compile(step)
+
+def cache_capacity(model, needed):
+    """Positions a static cache gets for `needed`: the next multiple of CAPACITY_STEP, at most the
+    model's context. The compiled step (and MLX's kernels) are specialized to the cache's shape, so
+    requests of any length inside one bucket reuse them."""
+    return min(context_length(model), -(-needed // CAPACITY_STEP) * CAPACITY_STEP)
+
+
+def compiled_decode(model):
+    """The 1-token forward pass as one compiled function of (token, offset, kv buffers), made once
+    per model and kept on it: every request reuses it (MLX traces it again only for a new cache
+    shape or dtype)."""
+    weights = tuple(id(v) for _, v in tree_flatten(model.parameters()))  # a changed model retraces
+    kept = getattr(model, "_compiled_decode", None)
+    if kept is None or kept[0] != weights:
+        def step(y, offset, kv):
+            cache = [StaticKVCache(k.shape[2]) for k, _ in kv]
+            for c, (k, v) in zip(cache, kv):
+                c.keys, c.values, c.offset = k, v, offset
+            logits = model(y[None], cache=cache)[:, -1, :]
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            return logprobs, offset + 1, [c.state for c in cache]
+
+        model._compiled_decode = weights, mx.compile(step)
+    return model._compiled_decode[1]
 
 
 def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=512, compiled=True,
@@ -51,15 +68,16 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=512,
     """Yield (token, logprobs) one at a time. The next step is queued on the device
     (async_eval) before the current token is handed to the caller.
 
-    compiled: decode with a StaticKVCache sized for prompt + max_tokens and a compiled 1-token
-    step (fast); False: mlx-lm's growing KVCache and the plain forward pass (the reference).
+    compiled: decode with a StaticKVCache of cache_capacity(prompt + max_tokens) positions and the
+    model's compiled 1-token step (fast); False: mlx-lm's growing KVCache and the plain forward
+    pass (the reference).
     cache: a cache from make_cache that already holds earlier tokens (a chat's previous turns):
     only `prompt` is prefilled after them. Compiled, it must be a StaticKVCache with room for
     prompt + max_tokens more positions. Once the generator ends or is closed the cache holds
     every token fed to the model (its offset counts them: the last token yielded may be missing)."""
     sampler = sampler or make_sampler(0.0)
     if cache is None:
-        cache = make_cache(model, prompt.size + max_tokens if compiled else None)
+        cache = make_cache(model, cache_capacity(model, prompt.size + max_tokens) if compiled else None)
     elif compiled and cache[0].offset + prompt.size + max_tokens > cache[0].capacity:
         raise ValueError(f"the cache holds {cache[0].capacity} positions, "
                          f"{cache[0].offset + prompt.size + max_tokens} are needed")
@@ -80,7 +98,7 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=512,
     step = eager_step
 
     if compiled:
-        decode = _compiled_decode(model)
+        decode = compiled_decode(model)
         offset, kv = mx.array(cache[0].offset), [c.state for c in cache]
         for c in cache:  # the buffers now live in kv alone, so each step can update them in place
             c.keys = c.values = None
