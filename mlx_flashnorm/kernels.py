@@ -23,6 +23,7 @@ Set MLX_FLASHNORM_KERNELS=0 (or ``kernels.ENABLED = False``) to force the fallba
 import math
 import os
 import struct
+import sys
 import threading
 from functools import lru_cache
 
@@ -32,9 +33,13 @@ import mlx.nn as nn
 ENABLED = os.environ.get("MLX_FLASHNORM_KERNELS", "1") != "0"
 
 
-def use_cuda():
-    """True when the fused CUDA kernels run: enabled, CUDA present and the default device a GPU."""
-    return ENABLED and mx.default_device() == mx.gpu and mx.cuda.is_available()
+DISABLED = set()  # kernels that failed their self-check in this process (they fall back)
+
+
+def use_cuda(name=None):
+    """True when the fused CUDA kernels (or the one named) run: enabled, CUDA present, the default
+    device a GPU, and the kernel not disabled by its self-check."""
+    return ENABLED and mx.default_device() == mx.gpu and mx.cuda.is_available() and name not in DISABLED
 
 
 # ---------------------------------------------------------------- CPU: row-parallel matmul
@@ -194,7 +199,7 @@ def decode_attention(q, k, v, n, scale):
     sees positions up to n - L + i. The CUDA kernel takes L = 1 (a decode step)."""
     B, Hq, L, D = q.shape
     Hkv, C = k.shape[1], k.shape[2]
-    if use_cuda() and L == 1 and D % 32 == 0 and D <= 256 and q.dtype == k.dtype == v.dtype:
+    if use_cuda("decode_attention") and L == 1 and D % 32 == 0 and D <= 256 and q.dtype == k.dtype == v.dtype:
         threads = 256
         return _attention_kernel()(
             inputs=[q, k, v, n.astype(mx.int32).reshape(1)],
@@ -277,7 +282,7 @@ def add_rss(x, eps, xs=None, r=None, g=None):
     [1, 2): pg is then on the scale of a normalized row and pg * s is unchanged, since a power-of-two
     factor adds no rounding. x * xs + r is computed in float32 and rounded once."""
     half = x.dtype != mx.float32
-    if use_cuda() and x.dtype in (mx.float32, mx.float16, mx.bfloat16):
+    if use_cuda("add_rss") and x.dtype in (mx.float32, mx.float16, mx.bfloat16):
         d, rows = x.shape[-1], x.size // x.shape[-1]
         threads = min(1024, max(32, 32 * math.ceil(d / 4 / 32)))
         has_p, has_pg = r is not None or xs is not None, g is not None or half
@@ -372,7 +377,7 @@ def _rope_qkv_kernel():
 
 
 def rope_qkv_supported(head_dim, traditional):
-    return use_cuda() and not traditional and head_dim % 64 == 0 and head_dim <= 256
+    return use_cuda("rope_qkv") and not traditional and head_dim % 64 == 0 and head_dim <= 256
 
 
 def rope_qkv(q, k, v, s, offset, theta, n_heads, n_kv_heads, gains=None, eps=0.0, factor=1.0):
@@ -382,6 +387,8 @@ def rope_qkv(q, k, v, s, offset, theta, n_heads, n_kv_heads, gains=None, eps=0.0
     the block input; theta (D/2,) angles per position. v is returned times s. q and k get RoPE and:
     with gains ((2, D) tables for q and k, Sec. 4) their own per-head 1/RSSe and the gain tables on
     cos/sin; without (Sec. 3) s * factor. Returns q, k, v as (B, H, L, D)."""
+    if not use_cuda("rope_qkv"):
+        return _rope_qkv_mlx(q, k, v, s, offset, theta, n_heads, n_kv_heads, gains, eps, factor)
     B, L, _ = q.shape
     D = theta.shape[0] * 2
     fused = q is k
@@ -401,3 +408,91 @@ def rope_qkv(q, k, v, s, offset, theta, n_heads, n_kv_heads, gains=None, eps=0.0
         grid=(math.ceil(warps * 32 / threads) * threads, 1, 1), threadgroup=(threads, 1, 1),
         output_shapes=[(B, n_heads, L, D), (B, n_kv_heads, L, D), (B, n_kv_heads, L, D)],
         output_dtypes=[q.dtype] * 3)
+
+
+def _rope_qkv_mlx(q, k, v, s, offset, theta, n_heads, n_kv_heads, gains, eps, factor):
+    """rope_qkv in plain MLX ops (its self-check reference): rotate-half RoPE in float32."""
+    B, L, _ = q.shape
+    D = theta.shape[0] * 2
+    heads = lambda a, start, n: a[..., start:start + n * D].reshape(B, L, n, D).transpose(0, 2, 1, 3)
+    if q is k:
+        q, k, v = heads(q, 0, n_heads), heads(q, n_heads * D, n_kv_heads), heads(q, (n_heads + n_kv_heads) * D, n_kv_heads)
+    else:
+        q, k, v = heads(q, 0, n_heads), heads(k, 0, n_kv_heads), heads(v, 0, n_kv_heads)
+    sf = s.astype(mx.float32)[:, None]
+    angles = (offset + mx.arange(L)).astype(mx.float32)[:, None] * theta.astype(mx.float32)
+    cos, sin = (mx.concatenate([t, t], axis=-1) for t in (mx.cos(angles), mx.sin(angles)))
+
+    def rope(x, gain):
+        xf = x.astype(mx.float32)
+        a, b = mx.split(xf, 2, axis=-1)
+        if gain is None:
+            inv, gc, gs = factor * sf, 1.0, 1.0
+        else:
+            inv = mx.rsqrt(mx.sum(xf * xf, axis=-1, keepdims=True) + D * eps)
+            gc, gs = gain[0].astype(mx.float32), gain[1].astype(mx.float32)
+        return ((xf * gc * cos + mx.concatenate([-b, a], axis=-1) * gs * sin) * inv).astype(x.dtype)
+
+    qg, kg = gains if gains is not None else (None, None)
+    return rope(q, qg), rope(k, kg), (v.astype(mx.float32) * sf).astype(v.dtype)
+
+
+# ---------------------------------------------------------------- self-check at first use
+
+def _random(shape, seed, dtype=mx.float16, scale=1.0):
+    return (scale * mx.random.normal(shape, key=mx.random.key(seed))).astype(dtype)
+
+
+def _check_add_rss():
+    x, r = _random((3, 320), 1, scale=300.0), _random((3, 320), 2, scale=300.0)
+    g = 1 + 0.3 * _random((320,), 3, mx.float32)
+    return add_rss(x, 1e-6, xs=mx.full((3, 1), 0.7), r=r, g=g)
+
+
+def _check_decode_attention():
+    q, k, v = _random((2, 6, 1, 64), 4), _random((2, 2, 40, 64), 5), _random((2, 2, 40, 64), 6)
+    return decode_attention(q, k, v, mx.array(29), 0.125)
+
+
+def _check_rope_qkv():
+    qkv = _random((2, 3, 8 * 64), 7, scale=3.0)
+    s = mx.abs(_random((2, 3, 1), 8, mx.float32))
+    theta = mx.exp(-mx.arange(32, dtype=mx.float32) * (2 * math.log(10000.0) / 64))
+    gains = (1 + 0.3 * _random((2, 64), 9, mx.float32), 1 + 0.3 * _random((2, 64), 10, mx.float32))
+    return rope_qkv(qkv, qkv, qkv, s, 5, theta, 4, 2, gains, 1e-6, 0.35)
+
+
+# name: (a call on small float16 inputs, the largest max |kernel - fallback| / max |fallback|)
+CHECKS = {"add_rss": (_check_add_rss, 1e-2), "decode_attention": (_check_decode_attention, 1e-2),
+          "rope_qkv": (_check_rope_qkv, 1e-2)}
+
+
+def self_check(names=None):
+    """Run each kernel (or those named) once on small inputs against its plain-MLX fallback on the
+    device in use; a kernel that fails to compile or to match prints one warning line and falls
+    back for the rest of the process. Runs once per process (the loader calls it on a GPU)."""
+    for name in names or CHECKS:
+        if name in _CHECKED:
+            continue
+        _CHECKED.add(name)
+        call, tol = CHECKS[name]
+        outputs = lambda: [a for a in (lambda o: o if isinstance(o, (tuple, list)) else [o])(call())
+                           if a is not None]
+        try:
+            got = outputs()
+            DISABLED.add(name)  # the same call through the fallback
+            want = outputs()
+            DISABLED.discard(name)
+            err = max((mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max()
+                       / mx.abs(b.astype(mx.float32)).max()).item() for a, b in zip(got, want))
+            why = None if err <= tol else f"differs from its fallback by {err:.2e} (> {tol:g})"
+        except Exception as e:  # a compile or launch error
+            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else 'no detail'}"
+        if why:
+            DISABLED.add(name)
+            print(f"warning: kernel {name} failed its self-check on {mx.default_device()} ({why}); "
+                  "using the plain MLX fallback", file=sys.stderr)
+    return not DISABLED
+
+
+_CHECKED = set()

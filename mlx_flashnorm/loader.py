@@ -12,6 +12,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .errors import UserError
+from . import kernels
 from .kernels import row_parallel
 from .models import ARCHITECTURES
 
@@ -389,6 +390,8 @@ def prepare(model, norm="rms", bits=None, group_size=64, head_bits=None):
     if bits:
         quantize(model, bits, group_size,
                  None if head_bits is None else {head: {"group_size": group_size, "bits": head_bits}})
+    if kernels.use_cuda():
+        kernels.self_check()  # once per process: a kernel that fails falls back, with a warning
     return row_parallel(model)  # quantized matmuls over two CPU threads (bit-identical)
 
 

@@ -169,3 +169,36 @@ def test_loaded_quantized_models_use_it(tiny_llama_dir):
         kinds = {type(m) for _, m in model.named_modules()}
         assert kernels.QuantizedLinear in kinds and kernels.QuantizedEmbedding in kinds
         assert mlx_nn.QuantizedLinear not in kinds  # every plain one was swapped
+
+
+def test_self_check_disables_a_wrong_kernel(monkeypatch, capsys):
+    """The self-check path with a deliberately wrong kernel (here on any device: the kernel
+    dispatch is forced on and the add_rss launcher replaced by one that writes zeros): one warning
+    line naming the kernel, and add_rss falls back to the MLX composition for the process."""
+    monkeypatch.setattr(kernels, "DISABLED", set())
+    monkeypatch.setattr(kernels, "_CHECKED", set())
+    monkeypatch.setattr(kernels, "use_cuda", lambda name=None: name not in kernels.DISABLED)
+
+    def zeros(*flags):
+        return lambda inputs, output_shapes, output_dtypes, **kw: [
+            mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+
+    monkeypatch.setattr(kernels, "_add_rss_kernel", zeros)
+    assert kernels.self_check(["add_rss"]) is False
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: kernel add_rss failed its self-check"), err
+    assert kernels.DISABLED == {"add_rss"}
+    x = rand((2, 64), 1)
+    p, pg, s = kernels.add_rss(x, 1e-6, g=mx.full((64,), 8.0))  # sqrt(64): pg * s = RMSNorm(x)
+    assert mx.allclose(pg * s, x / mx.sqrt(mx.mean(x * x, axis=-1, keepdims=True) + 1e-6), atol=1e-5).item()
+    monkeypatch.setattr(kernels, "_add_rss_kernel", lambda *flags: 1 / 0)  # a compile error
+    monkeypatch.setattr(kernels, "_CHECKED", set())
+    kernels.DISABLED.clear()
+    assert kernels.self_check(["add_rss"]) is False
+    assert "ZeroDivisionError" in capsys.readouterr().err and kernels.DISABLED == {"add_rss"}
+
+
+def test_self_check_passes_on_this_device():
+    """Every kernel (on CUDA) or its fallback (elsewhere) passes its own check."""
+    kernels._CHECKED.clear()
+    assert kernels.self_check() and not kernels.DISABLED
