@@ -1,8 +1,11 @@
 """Fused kernels for the decode step, each with a plain-MLX fallback.
 
-On a CUDA device the functions below run one ``mx.fast.cuda_kernel`` each; everywhere else
-(CPU, Metal) they run the plain MLX composition, which is also the reference the tests compare
-against. Inside ``mx.compile`` a custom kernel is one node of the graph like any built-in op, so
+On a GPU the functions below run one custom kernel each: ``mx.fast.cuda_kernel`` on CUDA, and on
+Metal ``mx.fast.metal_kernel`` with the same body respelled (METAL_SPELLING; never run here: no
+Apple hardware). On the CPU they run the plain MLX composition, which is also the reference of
+the tests and of each kernel's self-check: once per process (the loader calls self_check on a
+GPU) every kernel is compared with its fallback on small inputs, and one that fails to compile or
+to match prints a warning line and falls back for the rest of the process. Inside ``mx.compile`` a custom kernel is one node of the graph like any built-in op, so
 each kernel here removes the graph nodes (and GPU launches) of the ops it replaces: that is the
 per-token cost that bounds decoding on a fast GPU.
 
@@ -36,10 +39,10 @@ ENABLED = os.environ.get("MLX_FLASHNORM_KERNELS", "1") != "0"
 DISABLED = set()  # kernels that failed their self-check in this process (they fall back)
 
 
-def use_cuda(name=None):
-    """True when the fused CUDA kernels (or the one named) run: enabled, CUDA present, the default
-    device a GPU, and the kernel not disabled by its self-check."""
-    return ENABLED and mx.default_device() == mx.gpu and mx.cuda.is_available() and name not in DISABLED
+def use_gpu(name=None):
+    """True when the fused kernels (or the one named) run: enabled, the default device a GPU with
+    MLX's CUDA or Metal backend, and the kernel not disabled by its self-check."""
+    return ENABLED and mx.default_device() == mx.gpu and gpu_backend() is not None and name not in DISABLED
 
 
 # ---------------------------------------------------------------- CPU: row-parallel matmul
@@ -105,7 +108,9 @@ def float_bits(value):
     return struct.unpack("<i", struct.pack("<f", float(value)))[0]
 
 
-# float <-> T conversions for T = float, __half, __nv_bfloat16 (also used by nn.py's kernel)
+# One body per kernel, written in CUDA; the Metal form is the same body respelled by this table
+# (identifiers CUDA and Metal name differently) with its own header. Each kernel checks itself
+# against its fallback once per process (self_check), on whichever backend it runs.
 CUDA_DTYPES = """
 __device__ inline float fn_f(float v) { return v; }
 __device__ inline float fn_f(__half v) { return __half2float(v); }
@@ -115,13 +120,41 @@ template <> __device__ inline __half fn_cast<__half>(float v) { return __float2h
 template <> __device__ inline __nv_bfloat16 fn_cast<__nv_bfloat16>(float v) {
   return __float2bfloat16(v);
 }
-"""
+"""  # float <-> T for T = float, __half, __nv_bfloat16 (also nn.py's kernel)
 
-_HEADER = CUDA_DTYPES + """__device__ inline float fn_warp_sum(float v) {
+_HEADERS = {
+    "cuda": CUDA_DTYPES + """__device__ inline float fn_warp_sum(float v) {
   for (int k = 16; k > 0; k >>= 1) v += __shfl_xor_sync(0xffffffff, v, k);
   return v;
 }
-"""
+""",
+    "metal": """
+template <typename U> inline float fn_f(U v) { return static_cast<float>(v); }
+template <typename U> inline U fn_cast(float v) { return static_cast<U>(v); }
+inline float fn_warp_sum(float v) { return simd_sum(v); }  // Apple GPUs: 32-wide SIMD groups
+""",
+}
+
+METAL_SPELLING = {
+    "blockIdx.x": "threadgroup_position_in_grid.x", "threadIdx.x": "thread_position_in_threadgroup.x",
+    "blockDim.x": "threads_per_threadgroup.x", "__shared__": "threadgroup",
+    "__syncthreads()": "threadgroup_barrier(mem_flags::mem_threadgroup)",
+    "__int_as_float": "as_type<float>", "__float_as_int": "as_type<int>", "rsqrtf(": "metal::rsqrt(",
+    "exp2f(": "metal::exp2(", "fmaxf(": "metal::fmax(", "sinf(": "metal::sin(", "cosf(": "metal::cos(",
+}
+
+
+def spell(source, backend):
+    """A CUDA kernel body in the backend's spelling."""
+    if backend == "metal":
+        for cuda, metal in METAL_SPELLING.items():
+            source = source.replace(cuda, metal)
+    return source
+
+
+def gpu_backend():
+    """"cuda" or "metal" where MLX has that GPU backend, else None."""
+    return "metal" if mx.metal.is_available() else ("cuda" if mx.cuda.is_available() else None)
 
 
 # (kernel name, template arguments) of every launch so far: MLX compiles each distinct pair once, so
@@ -130,8 +163,10 @@ VARIANTS = set()
 
 
 def _kernel(name, inputs, outputs, source):
-    kernel = mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs,
-                                 source=source, header=_HEADER)
+    backend = gpu_backend()
+    make = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
+    kernel = make(name=name, input_names=inputs, output_names=outputs, source=spell(source, backend),
+                  header=_HEADERS[backend])
 
     def launch(**kwargs):
         VARIANTS.add((name, tuple((k, str(v)) for k, v in kwargs["template"])))
@@ -199,7 +234,7 @@ def decode_attention(q, k, v, n, scale):
     sees positions up to n - L + i. The CUDA kernel takes L = 1 (a decode step)."""
     B, Hq, L, D = q.shape
     Hkv, C = k.shape[1], k.shape[2]
-    if use_cuda("decode_attention") and L == 1 and D % 32 == 0 and D <= 256 and q.dtype == k.dtype == v.dtype:
+    if use_gpu("decode_attention") and L == 1 and D % 32 == 0 and D <= 256 and q.dtype == k.dtype == v.dtype:
         threads = 256
         return _attention_kernel()(
             inputs=[q, k, v, n.astype(mx.int32).reshape(1)],
@@ -282,7 +317,7 @@ def add_rss(x, eps, xs=None, r=None, g=None):
     [1, 2): pg is then on the scale of a normalized row and pg * s is unchanged, since a power-of-two
     factor adds no rounding. x * xs + r is computed in float32 and rounded once."""
     half = x.dtype != mx.float32
-    if use_cuda("add_rss") and x.dtype in (mx.float32, mx.float16, mx.bfloat16):
+    if use_gpu("add_rss") and x.dtype in (mx.float32, mx.float16, mx.bfloat16):
         d, rows = x.shape[-1], x.size // x.shape[-1]
         threads = min(1024, max(32, 32 * math.ceil(d / 4 / 32)))
         has_p, has_pg = r is not None or xs is not None, g is not None or half
@@ -328,13 +363,12 @@ _ROPE_QKV = """
   const int row = gw / H, head = gw % H;      // row = b * L + l
   const int b = row / L, l = row % L;
   const bool is_q = head < HQ, is_k = !is_q && head < HQ + HKV;
-  const T* src = is_q ? q : (is_k ? k : v);
   const long in = is_q ? long(row) * QS + QO + long(head) * D
       : is_k ? long(row) * KS + KO + long(head - HQ) * D
              : long(row) * VS + VO + long(head - HQ - HKV) * D;
   float x[VPT];
   #pragma unroll
-  for (int t = 0; t < VPT; ++t) x[t] = fn_f(src[in + lane + 32 * t]);
+  for (int t = 0; t < VPT; ++t) x[t] = fn_f((is_q ? q : (is_k ? k : v))[in + lane + 32 * t]);
   if (!is_q && !is_k) {
     const float sv = fn_f(s[row]);
     const long out = (long(b * HKV + head - HQ - HKV) * L + l) * D;
@@ -344,7 +378,6 @@ _ROPE_QKV = """
   }
   // QK_NORM (Sec. 4): 1/RSSe of the head, gains g and permute(g) (sqrt(D), D^-1/4 folded in) on
   // cos and sin. Else (Sec. 3): the token's deferred s times D^-1/4 (FACTOR) on cos and sin.
-  const auto* gain = is_q ? qg : kg;
   float ss = 0.0f;
   #pragma unroll
   for (int t = 0; t < VPT; ++t) ss += x[t] * x[t];
@@ -357,16 +390,16 @@ _ROPE_QKV = """
   for (int t = 0; t < HALF; ++t) {
     const int i = lane + 32 * t, j = i + D / 2;   // a rotation pair
     float sn, cs;
-    sincosf(pos * fn_f(theta[i]), &sn, &cs);
-    const float gi = QK_NORM ? fn_f(gain[i]) : 1.0f, gj = QK_NORM ? fn_f(gain[j]) : 1.0f;
-    const float pi = QK_NORM ? fn_f(gain[D + i]) : 1.0f, pj = QK_NORM ? fn_f(gain[D + j]) : 1.0f;
+    sn = sinf(pos * theta[i]);
+    cs = cosf(pos * theta[i]);
+    const float gi = QK_NORM ? (is_q ? qg : kg)[i] : 1.0f, gj = QK_NORM ? (is_q ? qg : kg)[j] : 1.0f;
+    const float pi = QK_NORM ? (is_q ? qg : kg)[D + i] : 1.0f, pj = QK_NORM ? (is_q ? qg : kg)[D + j] : 1.0f;
     y[t] = inv * (x[t] * gi * cs - x[t + HALF] * pi * sn);
     y[t + HALF] = inv * (x[t + HALF] * gj * cs + x[t] * pj * sn);
   }
   const long out = is_q ? (long(b * HQ + head) * L + l) * D : (long(b * HKV + head - HQ) * L + l) * D;
-  T* dst = is_q ? qo : ko;
   #pragma unroll
-  for (int t = 0; t < VPT; ++t) dst[out + lane + 32 * t] = fn_cast<T>(y[t]);
+  for (int t = 0; t < VPT; ++t) (is_q ? qo : ko)[out + lane + 32 * t] = fn_cast<T>(y[t]);
 """
 
 
@@ -377,7 +410,7 @@ def _rope_qkv_kernel():
 
 
 def rope_qkv_supported(head_dim, traditional):
-    return use_cuda("rope_qkv") and not traditional and head_dim % 64 == 0 and head_dim <= 256
+    return use_gpu("rope_qkv") and not traditional and head_dim % 64 == 0 and head_dim <= 256
 
 
 def rope_qkv(q, k, v, s, offset, theta, n_heads, n_kv_heads, gains=None, eps=0.0, factor=1.0):
@@ -387,7 +420,7 @@ def rope_qkv(q, k, v, s, offset, theta, n_heads, n_kv_heads, gains=None, eps=0.0
     the block input; theta (D/2,) angles per position. v is returned times s. q and k get RoPE and:
     with gains ((2, D) tables for q and k, Sec. 4) their own per-head 1/RSSe and the gain tables on
     cos/sin; without (Sec. 3) s * factor. Returns q, k, v as (B, H, L, D)."""
-    if not use_cuda("rope_qkv"):
+    if not use_gpu("rope_qkv"):
         return _rope_qkv_mlx(q, k, v, s, offset, theta, n_heads, n_kv_heads, gains, eps, factor)
     B, L, _ = q.shape
     D = theta.shape[0] * 2
@@ -462,9 +495,17 @@ def _check_rope_qkv():
     return rope_qkv(qkv, qkv, qkv, s, 5, theta, 4, 2, gains, 1e-6, 0.35)
 
 
+def _check_normalize():
+    from .nn import normalize  # nn.py's fused add + RMSNorm kernel (nn.py imports this module)
+
+    x, r, w = _random((3, 320), 11), _random((3, 320), 12), 1 + 0.3 * _random((320,), 13)
+    backend = (gpu_backend() if use_gpu("normalize") else None) or "fallback"
+    return normalize(x, r, w, eps=1e-6, backend=backend, vjp=False)
+
+
 # name: (a call on small float16 inputs, the largest max |kernel - fallback| / max |fallback|)
 CHECKS = {"add_rss": (_check_add_rss, 1e-2), "decode_attention": (_check_decode_attention, 1e-2),
-          "rope_qkv": (_check_rope_qkv, 1e-2)}
+          "rope_qkv": (_check_rope_qkv, 1e-2), "normalize": (_check_normalize, 1e-2)}
 
 
 def self_check(names=None):

@@ -390,7 +390,7 @@ def prepare(model, norm="rms", bits=None, group_size=64, head_bits=None):
     if bits:
         quantize(model, bits, group_size,
                  None if head_bits is None else {head: {"group_size": group_size, "bits": head_bits}})
-    if kernels.use_cuda():
+    if kernels.use_gpu():
         kernels.self_check()  # once per process: a kernel that fails falls back, with a warning
     return row_parallel(model)  # quantized matmuls over two CPU threads (bit-identical)
 

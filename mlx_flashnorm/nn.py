@@ -24,6 +24,7 @@ from functools import lru_cache
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import kernels
 from .kernels import CUDA_DTYPES, float_bits
 
 __all__ = ["normalize", "RMSNorm", "LayerNorm", "DyT", "BACKEND", "select_backend",
@@ -55,6 +56,8 @@ def available_backends():
 def select_backend(backend=None):
     """Resolve ``backend`` (None means the module flag BACKEND) to the path that runs."""
     backend = BACKEND if backend is None else backend
+    if backend == "auto" and "normalize" in kernels.DISABLED:  # it failed its self-check
+        return "fallback"
     if backend == "auto":
         on_gpu = mx.default_device().type == mx.DeviceType.gpu
         return (_gpu_backend() if on_gpu else None) or "fallback"

@@ -12,7 +12,7 @@ import pytest
 
 from mlx_flashnorm import kernels
 
-CUDA = kernels.use_cuda()
+CUDA = kernels.use_gpu()
 RTOL = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}  # max |a - b| / max |b|
 
 
@@ -177,7 +177,7 @@ def test_self_check_disables_a_wrong_kernel(monkeypatch, capsys):
     line naming the kernel, and add_rss falls back to the MLX composition for the process."""
     monkeypatch.setattr(kernels, "DISABLED", set())
     monkeypatch.setattr(kernels, "_CHECKED", set())
-    monkeypatch.setattr(kernels, "use_cuda", lambda name=None: name not in kernels.DISABLED)
+    monkeypatch.setattr(kernels, "use_gpu", lambda name=None: name not in kernels.DISABLED)
 
     def zeros(*flags):
         return lambda inputs, output_shapes, output_dtypes, **kw: [
@@ -202,3 +202,20 @@ def test_self_check_passes_on_this_device():
     """Every kernel (on CUDA) or its fallback (elsewhere) passes its own check."""
     kernels._CHECKED.clear()
     assert kernels.self_check() and not kernels.DISABLED
+
+
+def test_metal_spelling_leaves_no_cuda():
+    """The Metal form of every kernel body is the CUDA body respelled: no CUDA-only identifier
+    survives (the Metal kernels themselves never ran here; they check themselves at first use)."""
+    import re
+
+    bodies = [kernels._ATTENTION, kernels._ROPE_QKV,
+              kernels._ADD_RSS.format(scale_x="t *= xs[row];", add_r="t += fn_f(r[base + i]);",
+                                      write_p="p[base + i] = tp;",
+                                      write_pg=kernels._WRITE_PG.format(p="p", g=" * g[i]"))]
+    for body in bodies:
+        metal = kernels.spell(body, "metal")
+        assert "threadgroup_position_in_grid" in metal or "thread_position_in_threadgroup" in metal
+        left = re.findall(r"\b(?:__\w+|blockIdx|threadIdx|blockDim|rsqrtf|exp2f|expf|fmaxf|sinf|cosf|sincosf)\b",
+                          metal)
+        assert not left, left
