@@ -12,6 +12,7 @@ cache MLX keeps on disk between processes helps every mode alike after the first
 """
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -58,7 +59,7 @@ def worker(mode, plan_file):
     for prompt, max_tokens in plan["requests"]:
         first, rest = timed(run, mx.array(prompt), max_tokens)
         requests.append({"prompt": len(prompt), "max_tokens": max_tokens, "ttft_s": first, "total_s": first + rest})
-    result = {"mode": mode, "device": device_name(), "load_s": load_s, "requests": requests}
+    result = {"mode": mode, "pid": os.getpid(), "device": device_name(), "load_s": load_s, "requests": requests}
     write_atomic(Path(plan_file).with_name(f"result-{mode}.json"), json.dumps(result))
 
 
