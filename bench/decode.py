@@ -54,7 +54,17 @@ SMOLLM2_135M = {
     "rms_norm_eps": 1e-5, "rope_theta": 100000, "max_position_embeddings": 8192,
     "tie_word_embeddings": True,
 }
-SHAPES = {"openelm-270m": ("OpenELM-270M", OPENELM_270M), "smollm2-135m": ("SmolLM2-135M", SMOLLM2_135M)}
+# meta-llama/Llama-3.2-1B's config.json: GQA 32/8, llama3 RoPE scaling, 128k vocabulary
+LLAMA_3_2_1B = {
+    "model_type": "llama", "hidden_size": 2048, "num_hidden_layers": 16, "intermediate_size": 8192,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072,
+    "rope_scaling": {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "tie_word_embeddings": True,
+}
+SHAPES = {"openelm-270m": ("OpenELM-270M", OPENELM_270M), "smollm2-135m": ("SmolLM2-135M", SMOLLM2_135M),
+          "llama-3.2-1b": ("Llama-3.2-1B", LLAMA_3_2_1B)}
 
 # The same architecture shrunk so that every mode runs end to end in seconds (tests use it).
 TINY = dict(OPENELM_270M, model_dim=128, num_transformer_layers=2, num_query_heads=[4, 4],
@@ -113,20 +123,26 @@ def mlx_lm_runner(model):
     return run
 
 
-def measure(run, prompt, tg):
-    """One generation: (pp tok/s, tg tok/s, peak memory GB). pp counts up to the first token;
-    tg counts the tg - 1 tokens after it (as mlx-lm and stream_generate report them)."""
+def timed(run, prompt, max_tokens):
+    """One generation: (seconds to the first token, seconds for the max_tokens - 1 after it)."""
     mx.synchronize()
-    mx.reset_peak_memory()
-    tokens = run(prompt, tg)
     t0 = time.perf_counter()
+    tokens = run(prompt, max_tokens)
     next(tokens)
     t1 = time.perf_counter()
     n = sum(1 for _ in tokens)
     t2 = time.perf_counter()
-    if n != tg - 1:
-        raise RuntimeError(f"expected {tg} tokens, got {n + 1}")
-    return prompt.size / (t1 - t0), n / (t2 - t1), mx.get_peak_memory() / 1e9
+    if n != max_tokens - 1:
+        raise RuntimeError(f"expected {max_tokens} tokens, got {n + 1}")
+    return t1 - t0, t2 - t1
+
+
+def measure(run, prompt, tg):
+    """One generation: (pp tok/s, tg tok/s, peak memory GB). pp counts up to the first token;
+    tg counts the tg - 1 tokens after it (as mlx-lm and stream_generate report them)."""
+    mx.reset_peak_memory()
+    first, rest = timed(run, prompt, tg)
+    return prompt.size / first, (tg - 1) / rest, mx.get_peak_memory() / 1e9
 
 
 def summary(xs):
@@ -169,11 +185,11 @@ def bench(modes, folder, label, bits, dtype, pp, tg, reps, group_size=64, seed=0
                 results[mode]["peak_memory_gb"] = max(results[mode]["peak_memory_gb"], mem)
     for r in results.values():
         r["pp_summary"], r["tg_summary"] = summary(r["pp"]), summary(r["tg"])
-    base = results.get("rms")
-    for r in results.values():
-        for test in ("pp", "tg"):
-            r[f"{test}_vs_rms"] = r[f"{test}_summary"]["median"] / base[f"{test}_summary"]["median"] \
-                if base else None
+    for key, base in (("rms", results.get("rms")), ("mlx_lm", results.get(PEER))):
+        for r in results.values():
+            for test in ("pp", "tg"):
+                r[f"{test}_vs_{key}"] = r[f"{test}_summary"]["median"] / base[f"{test}_summary"]["median"] \
+                    if base else None
     import mlx_lm
 
     return {
@@ -188,9 +204,7 @@ def table(report):
     """Markdown in the style of llama-bench: one row per mode and test."""
     bits = f"Q{report['bits']}" if report["bits"] else "full"
     params = f"{report['params'] / 1e6:.1f} M" if report["params"] else "?"
-    lines = [f"device: {report['device']} | MLX {report['mlx']} | mlx-lm {report['mlx_lm']} | "
-             f"activations {report['dtype']} | weights {bits} | {report['reps']} reps, interleaved, "
-             "after warm-up", "",
+    lines = [settings(report), "",
              "| model | size | params | mode | test | t/s (median) | spread (min - max) | vs rms | peak mem |",
              "| --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: |"]
     for mode, r in report["results"].items():
@@ -204,26 +218,42 @@ def table(report):
     return "\n".join(lines) + "\n"
 
 
-def plot(report, path):
-    """Bar chart of median pp and tg tok/s per mode, whiskers from min to max."""
+COLORS = ["#4c72b0", "#dd8452", "#55a868", "#8172b3", "#937860", "#da8bc3", "#8c8c8c"]
+
+
+def settings(report):
+    """What every point of a run shares, in one line."""
+    bits = f"Q{report['bits']}" if report["bits"] else "full"
+    return (f"device: {report['device']} | MLX {report['mlx']} | mlx-lm {report['mlx_lm']} | "
+            f"activations {report['dtype']} | weights {bits} | {report['reps']} reps, interleaved, after warm-up")
+
+
+def plot(reports, path):
+    """Bar chart of median prefill (pp) and decode (tg) tok/s: a group of bars per report (one
+    benchmark point), a bar per mode, whiskers from min to max."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    modes = list(report["results"])
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, test in zip(axes, ("pp", "tg")):
-        s = [report["results"][m][f"{test}_summary"] for m in modes]
-        med = [x["median"] for x in s]
-        err = [[x["median"] - x["min"] for x in s], [x["max"] - x["median"] for x in s]]
-        ax.bar(modes, med, yerr=err, capsize=4, color=["#4c72b0", "#dd8452", "#55a868", "#8172b3",
-                                                     "#937860", "#da8bc3", "#8c8c8c"][:len(modes)])
-        ax.set_title(f"{test}{report[test]} (tokens/s, higher is better)")
-        for i, m in enumerate(med):
-            ax.annotate(f"{m:.1f}", (i, m), ha="center", va="bottom", fontsize=8)
-    fig.suptitle(f"{report['model']}, {'Q' + str(report['bits']) if report['bits'] else 'full'} weights, "
-                 f"{report['dtype']} activations, {report['device']}, MLX {report['mlx']}", fontsize=9)
+    modes = list(dict.fromkeys(m for r in reports for m in r["results"]))
+    width = 0.8 / len(modes)
+    fig, axes = plt.subplots(1, 2, figsize=(max(10, 2.2 * len(reports)), 4.5))
+    for ax, test, name in zip(axes, ("pp", "tg"), ("prefill", "decode")):
+        for j, mode in enumerate(modes):
+            points = [(i, r["results"][mode][f"{test}_summary"]) for i, r in enumerate(reports)
+                      if mode in r["results"]]
+            xs = [i + (j - (len(modes) - 1) / 2) * width for i, _ in points]
+            med = [s["median"] for _, s in points]
+            err = [[s["median"] - s["min"] for _, s in points], [s["max"] - s["median"] for _, s in points]]
+            ax.bar(xs, med, width, yerr=err, capsize=3, label=mode, color=COLORS[j % len(COLORS)])
+            for x, m in zip(xs, med):
+                ax.annotate(f"{m:.0f}" if m >= 100 else f"{m:.1f}", (x, m), ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(reports)), [f"{r['model'].removesuffix(' (random weights)')}\n"
+                                            f"pp{r['pp']} tg{r['tg']}" for r in reports], fontsize=8)
+        ax.set_title(f"{name} ({test}) tokens/s, higher is better", fontsize=10)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(settings(reports[0]), fontsize=8)
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=110)
@@ -244,7 +274,9 @@ def arg_parser():
                     "weights, interleaved in one process: the paper's OpenELM-270M table.",
         epilog="Without --model: OpenELM-270M's architecture with random weights (labelled as such). "
                "Modes: rms, flash, none, mlx-lm; add -eager to a norm mode (e.g. rms-eager) for our "
-               "runner without the compiled decode step.",
+               "runner without the compiled decode step. --matrix runs every shape (--shape, --config) "
+               "at every prompt length (--pp) and writes matrix.md, matrix.json and matrix.png; "
+               "time to first token over a series of requests: python -m mlx_flashnorm.bench.latency.",
         formatter_class=HelpFormatter)
     p.add_argument("--model", help="HF model folder or repo id (default: random OpenELM-270M-shaped weights)")
     p.add_argument("--modes", default="rms,flash,none,mlx-lm", help="comma-separated")
@@ -252,13 +284,18 @@ def arg_parser():
     p.add_argument("--group-size", type=int, default=64, help="weights per scale/bias")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="activation dtype; auto: float32 on the CPU, the checkpoint's half precision on a GPU")
-    p.add_argument("--pp", type=int, default=512, help="prompt tokens")
+    p.add_argument("--pp", help="prompt tokens (default 512); with --matrix a comma-separated list, where "
+                                "'long' is 4096, or 1792 when the model's context is too short "
+                                "(default 128,long)")
     p.add_argument("--tg", type=int, default=128, help="generated tokens")
     p.add_argument("--reps", type=int, default=5, help="measured repetitions after one warm-up")
     p.add_argument("--out", default="out/bench", help="folder for bench.md, bench.json, bench.png")
-    p.add_argument("--shape", choices=list(SHAPES), default="openelm-270m",
-                   help="architecture of the random weights without --model")
+    p.add_argument("--shape", help=f"architecture of the random weights: {', '.join(SHAPES)} (default "
+                                   "openelm-270m; with --matrix a comma-separated list, default all)")
+    p.add_argument("--config", action="append", metavar="FILE",
+                   help="random weights of the architecture of a Hugging Face config.json (repeat it with --matrix)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer OpenELM-shaped random model: a smoke test in seconds")
+    p.add_argument("--matrix", action="store_true", help="every shape at every prompt length, one table and one chart")
     p.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
     return p
 
@@ -275,13 +312,85 @@ def parse_modes(text):
     return modes
 
 
+def config_file(path):
+    """(name, config) from a Hugging Face config.json, for random weights of its architecture."""
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"{path}: no such file; --config takes a Hugging Face config.json")
+    try:
+        config = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{file}: invalid JSON ({e})")
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise UserError(f"{file}: not a model's config.json (no model_type)")
+    # the random weights are full precision; --bits quantizes them
+    config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
+    try:
+        model_args(config)
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"{file}: cannot build a model from it ({type(e).__name__}: {e})")
+    name = str(config.get("_name_or_path", "")).rstrip("/").split("/")[-1] or \
+        (file.resolve().parent.name if file.name == "config.json" else file.stem)
+    return name, config
+
+
+def shape(name):
+    if name not in SHAPES:
+        raise UserError(f"unknown shape '{name}'; --shape takes {', '.join(SHAPES)}")
+    return SHAPES[name]
+
+
+def random_shape(args):
+    """(name, config) of the random-weight model that --shape, --config or --tiny choose."""
+    if args.config and len(args.config) > 1:
+        raise UserError("--config is given twice; only --matrix takes several")
+    if args.tiny:
+        return "tiny OpenELM", TINY
+    return config_file(args.config[0]) if args.config else shape(args.shape or "openelm-270m")
+
+
+def context_length(config):
+    return model_args(config)[1].context_length
+
+
+def check_context(name, config, pp, tg):
+    ctx = context_length(config)
+    if pp + tg > ctx:
+        raise UserError(f"{name}: --pp + --tg is {pp + tg}, the model's context is {ctx}: lower them")
+
+
+def positive(text, what):
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise UserError(f"{what} takes whole numbers of at least 1, not '{text}'")
+    return n
+
+
+def log(text):
+    print(text, file=sys.stderr, flush=True)
+
+
 def main(argv=None):
     args = arg_parser().parse_args(argv)
     modes = parse_modes(args.modes)
-    if args.pp < 1 or args.tg < 2 or args.reps < 1:
-        raise UserError("need --pp >= 1, --tg >= 2 and --reps >= 1")
-    if args.tiny and args.model:
-        raise UserError("--tiny builds its own model: drop --model or --tiny")
+    if args.tg < 2 or args.reps < 1:
+        raise UserError("need --tg >= 2 and --reps >= 1")
+    chosen = [o for o, v in (("--model", args.model), ("--tiny", args.tiny), ("--config", args.config),
+                             ("--shape", args.shape)) if v]
+    if args.matrix:
+        from .matrix import run_matrix
+
+        if args.model or args.tiny:
+            raise UserError(f"--matrix runs random weights of --shape and --config models: drop {chosen[0]}")
+        return run_matrix(args, modes)
+    if len(chosen) > 1:
+        raise UserError(f"{chosen[0]} and {chosen[1]} both choose the model: keep one")
+    if "," in (args.shape or "") + (args.pp or ""):
+        raise UserError("lists of shapes or prompt lengths need --matrix")
+    pp = positive(args.pp or "512", "--pp")
     bits = args.bits or None
     out = Path(args.out)
     with tempfile.TemporaryDirectory() as tmp:
@@ -294,21 +403,19 @@ def main(argv=None):
             if "quantization" in config:
                 print(f"note: {folder.name} is already quantized; --bits is ignored", file=sys.stderr)
                 bits = None
+            check_context(label, config, pp, args.tg)
         else:
-            name, config = ("tiny OpenELM", TINY) if args.tiny else SHAPES[args.shape]
+            name, config = random_shape(args)
             label = f"{name} (random weights)"
-            print(f"building {label}...", file=sys.stderr)
+            check_context(name, config, pp, args.tg)
+            log(f"building {label}...")
             folder = random_checkpoint(Path(tmp) / "model", config)
-        arch, margs = model_args(config)
-        if args.pp + args.tg > margs.context_length:
-            raise UserError(f"--pp + --tg is {args.pp + args.tg}, the model's context is "
-                            f"{margs.context_length}: lower them")
-        report = bench(modes, folder, label, bits, resolve_dtype(args.dtype, config), args.pp, args.tg, args.reps,
-                       args.group_size, log=lambda s: print(s, file=sys.stderr, flush=True))
+        report = bench(modes, folder, label, bits, resolve_dtype(args.dtype, config), pp, args.tg, args.reps,
+                       args.group_size, log=log)
     out.mkdir(parents=True, exist_ok=True)
     md = table(report)
     write_atomic(out / "bench.md", f"Command: `{report['command']}`\n\n{md}")
     write_atomic(out / "bench.json", json.dumps(report, indent=1))
     print(md)
-    plot(report, out / "bench.png")
+    plot([report], out / "bench.png")
     print(f"wrote {out}/bench.md, bench.json, bench.png")

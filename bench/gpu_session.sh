@@ -2,7 +2,8 @@
 # One call on the CUDA device machine (see bench/RESULTS.md): unpack the MLX CUDA build carried in
 # .mlxcuda2 (part 1 was copied to /root/mlxp by the call before, as ../shared/device/mlx-cuda-parts.sh
 # prints), run the kernel and decode tests there, count the decode step's graph, and bench.
-# Usage: bash bench/gpu_session.sh [bench args...]; logs go to $OUT.
+# Usage: bash bench/gpu_session.sh [bench args...] (e.g. "--matrix --dtype float16", "latency --dtype float16");
+# logs go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -18,10 +19,14 @@ python3 -c "import mlx.core as mx; print(mx.__version__, mx.default_device(), mx
 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_nn.py tests/test_kernels.py tests/test_decode.py > "$OUT/tests.log" 2>&1
 tail -25 "$OUT/tests.log"
 python3 -m mlx_flashnorm.bench.step_graph 2>&1 | tee "$OUT/graph.log" | cut -c1-400
+# an argument starting with "latency " runs python -m mlx_flashnorm.bench.latency with the rest;
+# BENCH_TIMEOUT (seconds, default 300) bounds each bench
 i=0
 for args in "$@"; do
   i=$((i + 1))
   echo "== bench $args"
-  eval "timeout 300 python3 -m mlx_flashnorm.bench $args --out $OUT/bench$i" > "$OUT/bench$i.log" 2>&1
-  grep -E "^\||^device|rror" "$OUT/bench$i.log" | tail -20
+  module=mlx_flashnorm.bench
+  case "$args" in latency\ *) module=mlx_flashnorm.bench.latency; args=${args#latency } ;; esac
+  eval "timeout ${BENCH_TIMEOUT:-300} python3 -m $module $args --out $OUT/bench$i" > "$OUT/bench$i.log" 2>&1
+  grep -E "^\||device|rror" "$OUT/bench$i.log" | tail -40
 done

@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from mlx_flashnorm.bench.decode import main
+from mlx_flashnorm.bench.decode import LLAMA_3_2_1B, SHAPES, TINY, main
+from mlx_flashnorm.loader import model_args
 
 from conftest import cli
 
@@ -52,6 +53,92 @@ def test_chart(report):
                                          (["--pp", "1000", "--tg", "30"], "context is 1024")])
 def test_bad_arguments(args, words, tmp_path):
     r = cli("mlx_flashnorm.bench", "--tiny", "--out", str(tmp_path), *args)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].startswith("error:") and words in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+# --matrix and --config: random weights of config.json files, shrunk from the bench's shapes
+TINY_LLAMA3 = dict(LLAMA_3_2_1B, hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+                   max_position_embeddings=2000)  # llama3 RoPE scaling kept; 'long' is 1792 here
+MATRIX_MODES = ["rms", "flash", "mlx-lm"]
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("configs")
+    (folder / "tiny-openelm.json").write_text(json.dumps(TINY))
+    (folder / "tiny-llama3").mkdir()
+    (folder / "tiny-llama3" / "config.json").write_text(json.dumps(TINY_LLAMA3))
+    return folder / "tiny-openelm.json", folder / "tiny-llama3" / "config.json"
+
+
+@pytest.fixture(scope="module")
+def matrix(configs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("matrix")
+    r = cli("mlx_flashnorm.bench", "--matrix", "--config", str(configs[0]), "--config", str(configs[1]),
+            "--pp", "12,long", "--tg", "4", "--reps", "1", "--modes", ",".join(MATRIX_MODES), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    return out, json.loads((out / "matrix.json").read_text()), r.stderr
+
+
+def test_llama_3_2_1b_shape():
+    _, args = model_args(SHAPES["llama-3.2-1b"][1])
+    assert (args.hidden_size, args.num_hidden_layers, args.intermediate_size, args.vocab_size) == (2048, 16, 8192, 128256)
+    assert (args.num_attention_heads, args.num_key_value_heads, args.head_dim) == (32, 8, 64)
+    assert args.rope_scaling["rope_type"] == "llama3" and args.rope_scaling["factor"] == 32
+    assert args.context_length == 131072 and args.tie_word_embeddings
+
+
+def test_matrix_points(matrix):
+    _, reports, stderr = matrix
+    # tiny OpenELM's context (1024) holds no long prompt: skipped with a note; tiny Llama's holds 1792
+    assert [(r["model"], r["pp"]) for r in reports] == [
+        ("tiny-openelm (random weights)", 12), ("tiny-llama3 (random weights)", 12),
+        ("tiny-llama3 (random weights)", 1792)]
+    assert "tiny-openelm: no long prompt" in stderr
+    for r in reports:
+        assert list(r["results"]) == MATRIX_MODES and r["tg"] == 4
+        assert r["results"]["mlx-lm"]["tg_vs_mlx_lm"] == r["results"]["rms"]["pp_vs_rms"] == 1.0
+
+
+def test_matrix_table_and_chart(matrix):
+    out, reports, _ = matrix
+    md = (out / "matrix.md").read_text()
+    assert md.startswith("Command: `python -m mlx_flashnorm.bench --matrix") and reports[0]["device"] in md
+    rows = [line.strip(" |").split(" | ") for line in md.splitlines() if line.startswith("| tiny-")]
+    assert [row[:3] for row in rows] == [[r["model"], str(r["pp"]), m] for r in reports for m in MATRIX_MODES]
+    for (model, pp, mode, tg, tg_spread, tg_rms, tg_peer, pp_tps, *_), r in zip(rows, [r for r in reports for _ in MATRIX_MODES]):
+        s = r["results"][mode]["tg_summary"]
+        assert (tg, tg_spread) == (f"{s['median']:.1f}", f"{s['min']:.1f} - {s['max']:.1f}")
+        assert tg_rms == f"{r['results'][mode]['tg_vs_rms']:.2f}" and tg_peer == f"{r['results'][mode]['tg_vs_mlx_lm']:.2f}"
+        assert pp_tps == f"{r['results'][mode]['pp_summary']['median']:.1f}"
+    assert (out / "matrix.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_config_names_the_model(configs, tmp_path):
+    main(["--config", str(configs[1]), "--pp", "8", "--tg", "3", "--reps", "1", "--modes", "flash,mlx-lm",
+          "--out", str(tmp_path)])
+    r = json.loads((tmp_path / "bench.json").read_text())
+    assert r["model"] == "tiny-llama3 (random weights)" and list(r["results"]) == ["flash", "mlx-lm"]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--matrix", "--tiny"], "--matrix runs random weights of --shape and --config models: drop --tiny"),
+    (["--matrix", "--shape", "openelm-270m,gpt-5"], "unknown shape 'gpt-5'"),
+    (["--matrix", "--config", "{llama}", "--pp", "12,x"], "--pp takes whole numbers of at least 1, not 'x'"),
+    (["--matrix", "--config", "{llama}", "--pp", "1990", "--tg", "30"], "tiny-llama3: --pp + --tg is 2020"),
+    (["--shape", "openelm-270m,smollm2-135m"], "need --matrix"),
+    (["--shape", "llama-3.2-1b", "--tiny"], "--tiny and --shape both choose the model"),
+    (["--config", "{missing}"], "no such file"),
+    (["--config", "{bad}"], "not a model's config.json (no model_type)"),
+    (["--config", "{llama}", "--config", "{llama}"], "only --matrix takes several")])
+def test_bad_matrix_and_config_arguments(args, words, configs, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"hidden_size": 4}))
+    files = {"{llama}": str(configs[1]), "{missing}": str(tmp_path / "nope.json"), "{bad}": str(bad)}
+    r = cli("mlx_flashnorm.bench", "--out", str(tmp_path / "out"), *[files.get(a, a) for a in args])
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith("error:") and words in r.stderr
     assert "Traceback" not in r.stderr

@@ -1,0 +1,84 @@
+"""`python -m mlx_flashnorm.bench --matrix`: the throughput bench at every shape x prompt length.
+
+Each point is one run of decode.bench (every mode in one process, a warm-up round, then
+interleaved rounds); the points go into one table (matrix.md, matrix.json) and one chart
+(matrix.png): decode and prefill tok/s per mode, median and spread, ratio to rms and to mlx-lm.
+"""
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from ..errors import UserError
+from ..loader import resolve_dtype
+from .decode import (SHAPES, bench, check_context, config_file, context_length, log, plot, positive,
+                     random_checkpoint, settings, shape, write_atomic)
+
+LONG = (4096, 1792)  # the long prompt: the first that fits the model's context with --tg
+
+
+def prompt_lengths(text, name, config, tg):
+    """The prompt lengths of --pp (a comma-separated list of numbers and 'long') for one model."""
+    lengths = []
+    for item in (t.strip() for t in text.split(",")):
+        if item == "long":
+            fits = [n for n in LONG if n + tg <= context_length(config)]
+            if not fits:
+                log(f"note: {name}: no long prompt ({' or '.join(map(str, LONG))} tokens) fits its context "
+                    f"of {context_length(config)} with --tg {tg}; skipped")
+                continue
+            lengths.append(fits[0])
+        else:
+            lengths.append(positive(item, "--pp"))
+            check_context(name, config, lengths[-1], tg)
+    return list(dict.fromkeys(lengths))
+
+
+def table(reports):
+    """One row per point and mode: decode (tg) then prefill (pp), median, spread, ratios."""
+    def ratio(x):
+        return "-" if x is None else f"{x:.2f}"
+
+    lines = [f"{settings(reports[0])} | tg{reports[0]['tg']}", "",
+             "| model | prompt | mode | decode t/s | decode spread | decode vs rms | decode vs mlx-lm "
+             "| prefill t/s | prefill spread | prefill vs rms | prefill vs mlx-lm |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in reports:
+        for mode, res in r["results"].items():
+            cells = []
+            for test in ("tg", "pp"):
+                s = res[f"{test}_summary"]
+                cells += [f"{s['median']:.1f}", f"{s['min']:.1f} - {s['max']:.1f}",
+                          ratio(res[f"{test}_vs_rms"]), ratio(res[f"{test}_vs_mlx_lm"])]
+            lines.append(f"| {r['model']} | {r['pp']} | {mode} | {' | '.join(cells)} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_matrix(args, modes):
+    models = [shape(s.strip()) for s in args.shape.split(",")] if args.shape else []
+    models += [config_file(f) for f in args.config or []]
+    models = models or list(SHAPES.values())
+    points = [(name, config, prompt_lengths(args.pp or "128,long", name, config, args.tg))
+              for name, config in models]  # every argument is checked before the first build
+    points = [p for p in points if p[2]]
+    if not points:
+        raise UserError("nothing to run: every prompt length was skipped")
+    reports = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (name, config, lengths) in enumerate(points):
+            label = f"{name} (random weights)"
+            log(f"building {label}...")
+            folder = random_checkpoint(Path(tmp) / f"model{i}", config)
+            for pp in lengths:
+                log(f"{label}: pp{pp} tg{args.tg}")
+                reports.append(bench(modes, folder, label, args.bits or None, resolve_dtype(args.dtype, config),
+                                     pp, args.tg, args.reps, args.group_size, log=log))
+            shutil.rmtree(folder)  # Llama-3.2-1B's random weights take 5 GB
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    md = table(reports)
+    write_atomic(out / "matrix.md", f"Command: `{reports[0]['command']}`\n\n{md}")
+    write_atomic(out / "matrix.json", json.dumps(reports, indent=1))
+    print(md)
+    plot(reports, out / "matrix.png")
+    print(f"wrote {out}/matrix.md, matrix.json, matrix.png")

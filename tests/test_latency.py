@@ -1,0 +1,77 @@
+"""The latency bench plays one seeded conversation per mode, each in a fresh process, and writes its table."""
+import json
+
+import pytest
+
+from mlx_flashnorm.bench.latency import main, series
+
+from conftest import TINY_LLAMA, cli
+
+MODES = ["rms", "flash", "mlx-lm"]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("latency")
+    main(["--tiny", "--requests", "3", "--rounds", "2", "--modes", ",".join(MODES), "--out", str(out)])
+    return out, json.loads((out / "latency.json").read_text())
+
+
+def test_series_is_a_seeded_growing_conversation():
+    requests = series(6, 0, 100, 10_000)
+    assert requests == series(6, 0, 100, 10_000) and requests != series(6, 1, 100, 10_000)
+    for (prompt, max_tokens), (following, _) in zip(requests, requests[1:]):
+        # the next prompt resends this one, then the reply and a new user message
+        assert following[:len(prompt)] == prompt and len(following) > len(prompt) + max_tokens
+    assert len({n for _, n in requests}) > 1 and all(1 <= n <= 128 for _, n in requests)
+    assert all(0 <= t < 100 for prompt, _ in requests for t in prompt)
+
+
+def test_series_fits_the_context():
+    requests = series(20, 0, 100, 600)
+    assert all(len(prompt) + n <= 600 for prompt, n in requests)
+    assert max(len(prompt) + n for prompt, n in requests) == 600  # cut from the front, not dropped
+
+
+def test_every_mode_in_its_own_process(report):
+    _, r = report
+    assert list(r["results"]) == MODES and r["rounds"] == 2
+    pids = [run["pid"] for m in MODES for run in r["runs"][m]]
+    assert len(set(pids)) == len(pids) == 2 * len(MODES)
+    for m in MODES:
+        for run in r["runs"][m]:  # every mode and round played the same series
+            assert [[q["prompt"], q["max_tokens"]] for q in run["requests"]] == r["requests"]
+            assert all(0 < q["ttft_s"] <= q["total_s"] for q in run["requests"])
+        s = r["results"][m]
+        assert len(s["first_ttft_s"]) == len(s["load_s"]) == len(s["e2e_tps"]) == 2
+        assert 0 < s["ttft_median_s"] <= s["ttft_max_s"] and s["e2e_tps_median"] > 0
+    assert r["model"] == "tiny OpenELM (random weights)" and r["dtype"] == "float32" and r["device"]
+
+
+def test_table(report):
+    out, r = report
+    md = (out / "latency.md").read_text()
+    assert md.startswith("Command: `python -m mlx_flashnorm.bench.latency --tiny") and r["device"] in md
+    rows = {line.split(" | ")[0][2:]: line.strip(" |").split(" | ") for line in md.splitlines()
+            if line.startswith(("| rms | ", "| flash | ", "| mlx-lm | "))}
+    assert list(rows) == MODES and all(len(cells) == 8 for cells in rows.values())
+    assert rows["rms"][-2] == "1.00" and rows["mlx-lm"][-1] == "1.00"  # end-to-end vs rms, vs mlx-lm
+    assert rows["flash"][2] == " / ".join(f"{x:.2f}" for x in r["results"]["flash"]["first_ttft_s"])
+    requests = [line for line in md.splitlines() if line[:4] in ("| 1 ", "| 2 ", "| 3 ")]
+    assert [line.split(" | ")[1:3] for line in requests] == [[str(p), str(n)] for p, n in r["requests"]]
+
+
+@pytest.mark.parametrize("args, words", [(["--tiny", "--requests", "0"], "--requests >= 1"),
+                                         (["--tiny", "--modes", "rms,fast"], "unknown mode 'fast'"),
+                                         (["--tiny", "--shape", "openelm-270m"], "both choose the model"),
+                                         (["--shape", "gpt-5"], "unknown shape 'gpt-5'"),
+                                         (["--bits", "4"], "already quantized"),
+                                         (["--config", "{tiny_llama}"], "the series needs 300")])
+def test_bad_arguments(args, words, tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_LLAMA))
+    r = cli("mlx_flashnorm.bench.latency", "--out", str(tmp_path / "out"),
+            *[str(config) if a == "{tiny_llama}" else a for a in args])
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].startswith("error:") and words in r.stderr
+    assert "Traceback" not in r.stderr
