@@ -14,6 +14,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .. import flashnorm as fn
+from . import llama
 from .. import nn as fnn
 from ..cache import scaled_dot_product_attention
 
@@ -196,29 +197,13 @@ class Gemma3Model(nn.Module):
         return self.norm(h, residual)[0]
 
 
-class Model(nn.Module):
+class Model(llama.Model):
+    """Llama's head and properties (models/llama.py) over the Gemma 3 trunk."""
+
     FLASHNORM = FLASHNORM
 
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model = Gemma3Model(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def __call__(self, tokens, cache=None):
-        h = self.model(tokens, cache)
-        if "lm_head" in self:
-            return self.lm_head(h)
-        return self.model.embed_tokens.as_linear(h)
-
-    @property
-    def layers(self):
-        return self.model.layers
-
-    @property
-    def embed_tokens(self):
-        return self.model.embed_tokens
+    def trunk(self, args):
+        return Gemma3Model(args)
 
     def sanitize(self, weights):
         weights = {k: v for k, v in weights.items() if "rotary_emb" not in k}

@@ -94,10 +94,10 @@ class MLP(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, attention=Attention):
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.self_attn = Attention(args)
+        self.self_attn = attention(args)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.mlp = MLP(args)
 
@@ -108,10 +108,10 @@ class TransformerBlock(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, attention=Attention):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
+        self.layers = [TransformerBlock(args, attention) for _ in range(args.num_hidden_layers)]
         self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, tokens, cache=None):
@@ -125,12 +125,16 @@ class LlamaModel(nn.Module):
 
 
 class Model(nn.Module):
+    """The Llama model; Llama-like architectures (Qwen 2/3, Gemma 3) subclass it with their own
+    attention or trunk."""
+
     FLASHNORM = FLASHNORM
+    attention = Attention
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.model = LlamaModel(args)
+        self.model = self.trunk(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
@@ -139,6 +143,9 @@ class Model(nn.Module):
         if "lm_head" in self:
             return self.lm_head(h)
         return self.model.embed_tokens.as_linear(h)
+
+    def trunk(self, args):
+        return LlamaModel(args, self.attention)
 
     @property
     def layers(self):

@@ -3,14 +3,12 @@ on the q, k and v projections (none on o_proj or the MLP), and tied or untied em
 from dataclasses import dataclass
 from typing import Dict, Optional, Union
 
-import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .. import flashnorm as fn
+from . import llama
 from ..cache import scaled_dot_product_attention
-from ..nn import RMSNorm
 
 MODEL_TYPES = ("qwen2",)
 
@@ -39,8 +37,8 @@ class ModelArgs:
     rope_traditional: bool = False
     use_sliding_window: bool = False
     rope_scaling: Optional[Dict[str, Union[float, str]]] = None
-    rope_parameters: Optional[dict] = None  # transformers >= 5: rope_theta and scaling in here
     tie_word_embeddings: bool = True
+    mlp_bias: bool = False  # llama.MLP's; Qwen's MLP has no biases
 
     @property
     def context_length(self):
@@ -48,10 +46,6 @@ class ModelArgs:
 
     def __post_init__(self):
         self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
-        if self.rope_parameters:
-            self.rope_theta = self.rope_theta or self.rope_parameters.get("rope_theta")
-            if self.rope_scaling is None and self.rope_parameters.get("rope_type", "default") != "default":
-                self.rope_scaling = self.rope_parameters
         self.rope_theta = self.rope_theta or 1000000.0
         if self.use_sliding_window:
             raise ValueError("config.json: use_sliding_window=true Qwen 2 variants are not supported")
@@ -86,75 +80,8 @@ class Attention(nn.Module):
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        dim, hidden = args.hidden_size, args.intermediate_size
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
+class Model(llama.Model):
+    """Llama's blocks, trunk and head (models/llama.py) with this file's attention."""
 
-    def __call__(self, x):
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.input_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.self_attn = Attention(args)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.mlp = MLP(args)
-
-    def __call__(self, x, residual, mask=None, cache=None):
-        h, residual = self.input_layernorm(x, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(h, mask, cache), residual)
-        return self.mlp(h), residual
-
-
-class Qwen2Model(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
-        self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-
-    def __call__(self, tokens, cache=None):
-        h = self.embed_tokens(tokens)
-        cache = cache or [None] * len(self.layers)
-        mask = create_attention_mask(h, cache[0])
-        residual = None
-        for layer, c in zip(self.layers, cache):
-            h, residual = layer(h, residual, mask, c)
-        return self.norm(h, residual)[0]
-
-
-class Model(nn.Module):
     FLASHNORM = FLASHNORM
-
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model = Qwen2Model(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def __call__(self, tokens, cache=None):
-        h = self.model(tokens, cache)
-        if "lm_head" in self:
-            return self.lm_head(h)
-        return self.model.embed_tokens.as_linear(h)
-
-    @property
-    def layers(self):
-        return self.model.layers
-
-    @property
-    def embed_tokens(self):
-        return self.model.embed_tokens
-
-    def sanitize(self, weights):
-        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
-        if self.args.tie_word_embeddings:
-            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
-        return weights
+    attention = Attention
