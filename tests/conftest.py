@@ -123,3 +123,16 @@ def spm_model(tmp_path_factory):
     path = tmp_path_factory.mktemp("spm") / "tokenizer.model"
     path.write_bytes(out.getvalue())
     return path
+
+
+def rel(a, b):
+    """max |a - b| / max |b| in float32: b is the reference."""
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    return (mx.abs(a - b).max() / mx.abs(b).max()).item()
+
+
+def load_folder(folder):
+    """Our model from a checkpoint folder (config.json + safetensors)."""
+    from mlx_flashnorm import loader
+
+    return loader.build_model(loader.read_config(folder), loader.read_safetensors(folder), progress=False)

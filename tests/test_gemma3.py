@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.utils import load_model
 
-from conftest import random_weights, write_checkpoint
+from conftest import load_folder as ours, random_weights, rel, write_checkpoint
 from mlx_flashnorm import flashnorm, loader
 from mlx_flashnorm.convert import export
 from mlx_flashnorm.errors import UserError
@@ -24,15 +24,6 @@ GEMMA3 = {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 7
           "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 24, "sliding_window": 8,
           "sliding_window_pattern": 6, "hidden_activation": "gelu_pytorch_tanh",
           "final_logit_softcapping": None, "attn_logit_softcapping": None, "rope_scaling": None}
-
-
-def rel(a, b):
-    return (mx.abs(a - b).max() / mx.abs(b).max()).item()
-
-
-def ours(folder):
-    config = loader.read_config(folder)
-    return loader.build_model(config, loader.read_safetensors(folder), progress=False)
 
 
 @pytest.fixture(scope="module")

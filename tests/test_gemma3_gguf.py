@@ -5,6 +5,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import gemma3_text
 
+from conftest import rel
+
 from mlx_flashnorm import flashnorm, loader
 from mlx_flashnorm.generate import generate
 from mlx_flashnorm.gguf import read_gguf
@@ -12,10 +14,6 @@ from mlx_flashnorm.models import gemma3
 
 TOL = 1e-4
 PROMPT = "The capital of France is Paris. The capital of Germany is"
-
-
-def rel(a, b):
-    return (mx.abs(a.astype(mx.float32) - b).max() / mx.abs(b).max()).item()
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.utils import load_model
 
-from conftest import random_weights, write_checkpoint
+from conftest import load_folder as ours, random_weights, rel, write_checkpoint
 from mlx_flashnorm import flashnorm, loader
 from mlx_flashnorm.convert import export
 from mlx_flashnorm.generate import generate_step
@@ -24,15 +24,6 @@ QWEN2 = {"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2, "inte
          "max_position_embeddings": 256, "rope_theta": 1000000.0, "tie_word_embeddings": False}
 CONFIGS = {"qwen3": QWEN3, "qwen3-untied": {**QWEN3, "tie_word_embeddings": False},
            "qwen2": QWEN2, "qwen2-tied": {**QWEN2, "tie_word_embeddings": True}}
-
-
-def rel(a, b):
-    return (mx.abs(a - b).max() / mx.abs(b).max()).item()
-
-
-def ours(folder):
-    config = loader.read_config(folder)
-    return loader.build_model(config, loader.read_safetensors(folder), progress=False)
 
 
 @pytest.fixture(scope="module")
