@@ -444,7 +444,9 @@ def rope_qkv(q, k, v, s, offset, theta, n_heads, n_kv_heads, gains=None, eps=0.0
 
 
 def _rope_qkv_mlx(q, k, v, s, offset, theta, n_heads, n_kv_heads, gains, eps, factor):
-    """rope_qkv in plain MLX ops (its self-check reference): rotate-half RoPE in float32."""
+    """rope_qkv in plain MLX ops (its self-check reference), through flashnorm's RoPE pieces."""
+    from .flashnorm import apply_rope, rope_tables  # flashnorm imports this module
+
     B, L, _ = q.shape
     D = theta.shape[0] * 2
     heads = lambda a, start, n: a[..., start:start + n * D].reshape(B, L, n, D).transpose(0, 2, 1, 3)
@@ -453,18 +455,14 @@ def _rope_qkv_mlx(q, k, v, s, offset, theta, n_heads, n_kv_heads, gains, eps, fa
     else:
         q, k, v = heads(q, 0, n_heads), heads(k, 0, n_kv_heads), heads(v, 0, n_kv_heads)
     sf = s.astype(mx.float32)[:, None]
-    angles = (offset + mx.arange(L)).astype(mx.float32)[:, None] * theta.astype(mx.float32)
-    cos, sin = (mx.concatenate([t, t], axis=-1) for t in (mx.cos(angles), mx.sin(angles)))
+    cos, sin = rope_tables((1.0, theta.astype(mx.float32)), offset, L, traditional=False)
 
     def rope(x, gain):
-        xf = x.astype(mx.float32)
-        a, b = mx.split(xf, 2, axis=-1)
         if gain is None:
-            inv, gc, gs = factor * sf, 1.0, 1.0
-        else:
-            inv = mx.rsqrt(mx.sum(xf * xf, axis=-1, keepdims=True) + D * eps)
-            gc, gs = gain[0].astype(mx.float32), gain[1].astype(mx.float32)
-        return ((xf * gc * cos + mx.concatenate([-b, a], axis=-1) * gs * sin) * inv).astype(x.dtype)
+            return apply_rope(x, cos, sin, False, factor * sf)
+        xf = x.astype(mx.float32)
+        inv = mx.rsqrt(mx.sum(xf * xf, axis=-1, keepdims=True) + D * eps)
+        return apply_rope(x, cos * gain[0].astype(mx.float32), sin * gain[1].astype(mx.float32), False, inv)
 
     qg, kg = gains if gains is not None else (None, None)
     return rope(q, qg), rope(k, kg), (v.astype(mx.float32) * sf).astype(v.dtype)

@@ -219,3 +219,27 @@ def test_metal_spelling_leaves_no_cuda():
         left = re.findall(r"\b(?:__\w+|blockIdx|threadIdx|blockDim|rsqrtf|exp2f|expf|fmaxf|sinf|cosf|sincosf)\b",
                           metal)
         assert not left, left
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_rope_qkv_mlx_form(qk_norm):
+    """rope_qkv's plain-MLX form (the self-check's reference) against mx.fast.rms_norm/rope."""
+    D, Hq, Hkv, B, L, off, eps = 64, 4, 2, 2, 3, 5, 1e-6
+    qkv = rand((B, L, (Hq + 2 * Hkv) * D), 1, 3.0)
+    s = mx.abs(rand((B, L, 1), 2))
+    theta = mx.exp(-mx.arange(D // 2, dtype=mx.float32) * (2 * math.log(10000.0) / D))
+    gq, gk = 1 + 0.3 * rand((D,), 3), 1 + 0.3 * rand((D,), 4)
+    c = D**-0.25
+    table = lambda g: mx.stack([c * math.sqrt(D) * g, mx.concatenate([c * math.sqrt(D) * g[D // 2:],
+                                                                       c * math.sqrt(D) * g[:D // 2]])])
+    q, k, v = kernels._rope_qkv_mlx(qkv, qkv, qkv, s, off, theta, Hq, Hkv,
+                                    (table(gq), table(gk)) if qk_norm else None, eps, c)
+    x = qkv.reshape(B, L, -1, D).transpose(0, 2, 1, 3)
+    rope = lambda a: mx.fast.rope(a, D, traditional=False, base=10000.0, scale=1.0, offset=off)
+    if qk_norm:
+        want_q = rope(mx.fast.rms_norm(x[:, :Hq], gq, eps)) * c
+        want_k = rope(mx.fast.rms_norm(x[:, Hq:Hq + Hkv], gk, eps)) * c
+    else:
+        want_q, want_k = rope(x[:, :Hq] * (c * s[:, None])), rope(x[:, Hq:Hq + Hkv] * (c * s[:, None]))
+    assert rel(q, want_q) < 1e-5 and rel(k, want_k) < 1e-5
+    assert rel(v, x[:, Hq + Hkv:] * s[:, None]) < 1e-6
