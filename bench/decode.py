@@ -166,7 +166,7 @@ def bench(modes, folder, label, bits, dtype, pp, tg, reps, group_size=64, seed=0
         else:
             norm = mode.removesuffix(EAGER)
             model = load_ours(folder, norm, bits, dtype, group_size)
-            runners[mode] = our_runner(model, compiled=not mode.endswith(EAGER))
+            runners[mode] = our_runner(model, compiled=False if mode.endswith(EAGER) else None)
         sizes[mode] = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     n_params = sum(v.size for v in mx.load(str(next(folder.glob("*.safetensors")))).values()) \
         if len(list(folder.glob("*.safetensors"))) == 1 else None

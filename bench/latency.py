@@ -52,7 +52,7 @@ def worker(mode, plan_file):
         run = mlx_lm_runner(model)
     else:
         model = load_ours(folder, mode.removesuffix(EAGER), bits, dtype, group_size)
-        run = our_runner(model, compiled=not mode.endswith(EAGER))
+        run = our_runner(model, compiled=False if mode.endswith(EAGER) else None)
     mx.eval(model.parameters())
     load_s = time.perf_counter() - t0
     requests = []

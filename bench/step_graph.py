@@ -14,6 +14,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from .. import kernels
 from ..cache import StaticKVCache
 from ..errors import HelpFormatter
 from .decode import NORM_MODES, OPENELM_270M, load_ours, random_checkpoint
@@ -23,12 +24,13 @@ VIEWS = {"Reshape", "Transpose", "Slice", "Split", "ExpandDims", "Squeeze", "Bro
 
 
 def step_ops(model, prompt=8):
-    """Operation names in the graph of one 1-token step after a prefill of `prompt` tokens."""
+    """Operation names in the graph of one 1-token step after a prefill of `prompt` tokens: the
+    compiled step's (offset an array), or on the portable path the eager one's (generate_step)."""
     cache = [StaticKVCache(prompt + 8) for _ in model.layers]
     model(mx.arange(prompt)[None], cache=cache)
     mx.eval([c.state for c in cache])
     for c in cache:
-        c.offset = mx.array(prompt)
+        c.offset = c.offset if kernels.portable() else mx.array(prompt)
     logits = model(mx.array([[3]]), cache=cache)
     f = io.StringIO()
     mx.export_to_dot(f, logits, *[a for c in cache for a in c.state])

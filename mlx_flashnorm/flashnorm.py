@@ -646,7 +646,7 @@ def _check_full_precision(model):
                         "(flashnorm.apply(model, fold=False))")
 
 
-def apply(model, head=DEFAULT_HEAD, fold=True):
+def apply(model, head=DEFAULT_HEAD, fold=True, deferred=None):
     """Rewrite a loaded model (in place), as its model file's FLASHNORM Mapping says, to compute the same function with FlashNorm;
     returns it. Every pre-norm becomes a DeferredNorm (residual add, 1/RSSe and any kept gain in one
     pass) and its consumer a flash module reading that Deferred value; the final norm's weights go
@@ -663,7 +663,13 @@ def apply(model, head=DEFAULT_HEAD, fold=True):
     into an untied vocab x dim copy (FlashHead): +156 MiB in float32 for OpenELM-270M (+15%), and
     no faster: CPU decode 3.26 vs 3.33 tokens/s for "scale" (bench/flash_head.py, interleaved, in
     bench/RESULTS.md), since decode is bound by reading weights. An untied model always folds
-    into its own lm_head. "untie" exists to fold, so it needs fold=True."""
+    into its own lm_head. "untie" exists to fold, so it needs fold=True.
+
+    deferred: False gives Sec. 1's weightless form alone (Fig. 1(b)): with fold, every norm's
+    weights folded into the linears it feeds (the final norm's into an untied lm_head), the norms
+    kept without effective weights; without fold the model is left as it is. None (default): False
+    where our fused kernels do not run on a GPU (kernels.portable: a deferred scale would only add
+    element-wise launches beside mx.fast.rms_norm there), else True."""
     if head not in HEADS:
         raise UserError(f"head must be one of {', '.join(HEADS)}, not '{head}'")
     if head == "untie" and not fold:
@@ -671,6 +677,15 @@ def apply(model, head=DEFAULT_HEAD, fold=True):
     spec = mapping(model)
     if fold:
         _check_full_precision(model)
+    if deferred is None:
+        deferred = not kernels.portable()
+    if not deferred:
+        if fold:
+            _fold_blocks(model, spec)
+            if "lm_head" in model:
+                weightless(getattr(model, spec.trunk).norm, [model.lm_head])
+        mx.eval(model.parameters())
+        return model
     for layer in model.layers:
         for pair in spec.pairs:
             module = pair.flash(getattr(layer, pair.norm), getattr(layer, pair.consumer), fold)
@@ -707,6 +722,14 @@ def remove_norms(model):
     return model
 
 
+def _fold_blocks(model, spec):
+    """weightless() on every Pair of every block: the pre-norms' weights into their linears."""
+    for layer in model.layers:
+        for pair in spec.pairs:
+            consumer = getattr(layer, pair.consumer)
+            weightless(getattr(layer, pair.norm), [getattr(consumer, name) for name in pair.linears])
+
+
 def make_weightless(model):
     """Sec. 1, Fig. 1(b) on a whole model, in place, keeping its reference structure (for export):
     every pre-norm's weights folded into the linears it feeds and set to 1; the final norm folded
@@ -717,10 +740,7 @@ def make_weightless(model):
     on the activations, so an export has no other choice."""
     spec = mapping(model)
     _check_full_precision(model)
-    for layer in model.layers:
-        for pair in spec.pairs:
-            consumer = getattr(layer, pair.consumer)
-            weightless(getattr(layer, pair.norm), [getattr(consumer, name) for name in pair.linears])
+    _fold_blocks(model, spec)
     trunk = getattr(model, spec.trunk)
     if "lm_head" not in model:
         w = model.embed_tokens.weight

@@ -21,7 +21,8 @@ On the CPU, where decoding is bound by MLX's (single-threaded) 4-bit matrix-vect
 quantized_matmul splits the weight rows over two CPU streams, which MLX runs on two threads; the
 result is bit-identical.
 
-Set MLX_FLASHNORM_KERNELS=0 (or ``kernels.ENABLED = False``) to force the fallbacks.
+Set MLX_FLASHNORM_KERNELS=0 (or ``kernels.ENABLED = False``) to force the fallbacks, nn.py's
+fused add + RMSNorm kernel included: on a GPU that is the portable path (``portable``).
 """
 import math
 import os
@@ -43,6 +44,17 @@ def use_gpu(name=None):
     """True when the fused kernels (or the one named) run: enabled, the default device a GPU with
     MLX's CUDA or Metal backend, and the kernel not disabled by its self-check."""
     return ENABLED and mx.default_device() == mx.gpu and gpu_backend() is not None and name not in DISABLED
+
+
+def portable():
+    """True on a GPU where our kernels do not run (MLX_FLASHNORM_KERNELS=0, or add_rss failed its
+    self-check): models then run on MLX's own primitives alone, as mlx-lm's do. There a deferred
+    1/RMS has no fused kernel to live in and would cost extra element-wise launches beside
+    mx.fast.rms_norm, so FlashNorm takes its weightless form (flashnorm.apply) and decoding runs
+    eagerly over exactly the filled cache (generate_step), as mlx-lm does: a compiled step over a
+    fixed-size cache needs a masked attention, which MLX's CUDA backend does not fuse (measured in
+    bench/RESULTS.md, "Portable path"). The CPU keeps the deferred form (the tests' reference)."""
+    return mx.default_device() == mx.gpu and not use_gpu("add_rss")
 
 
 # ---------------------------------------------------------------- CPU: row-parallel matmul

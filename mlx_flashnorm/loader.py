@@ -383,6 +383,8 @@ def prepare(model, norm="rms", bits=None, group_size=64, head_bits=None):
             dequantize(model, _float_dtype(model))
     quantized = bool(bits) or "quantization" in model.config
     head = head_path(model)  # before FlashNorm replaces the head: the tied embedding or lm_head
+    if kernels.use_gpu():  # before FlashNorm chooses its form (kernels.portable)
+        kernels.self_check()  # once per process: a kernel that fails falls back, with a warning
     if norm != "rms":
         from . import flashnorm
 
@@ -390,8 +392,6 @@ def prepare(model, norm="rms", bits=None, group_size=64, head_bits=None):
     if bits:
         quantize(model, bits, group_size,
                  None if head_bits is None else {head: {"group_size": group_size, "bits": head_bits}})
-    if kernels.use_gpu():
-        kernels.self_check()  # once per process: a kernel that fails falls back, with a warning
     return row_parallel(model)  # quantized matmuls over two CPU threads (bit-identical)
 
 

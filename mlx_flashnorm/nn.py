@@ -39,28 +39,17 @@ _KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 _MAX_KERNEL_DIM = 65536
 
 
-def _gpu_backend():
-    if mx.metal.is_available():
-        return "metal"
-    if mx.cuda.is_available():
-        return "cuda"
-    return None
-
-
 def available_backends():
     """Backends that can run here: "fallback" always, plus the GPU kernel if any."""
-    gpu = _gpu_backend()
+    gpu = kernels.gpu_backend()
     return ["fallback"] + ([gpu] if gpu else [])
 
 
 def select_backend(backend=None):
     """Resolve ``backend`` (None means the module flag BACKEND) to the path that runs."""
     backend = BACKEND if backend is None else backend
-    if backend == "auto" and "normalize" in kernels.DISABLED:  # it failed its self-check
-        return "fallback"
-    if backend == "auto":
-        on_gpu = mx.default_device().type == mx.DeviceType.gpu
-        return (_gpu_backend() if on_gpu else None) or "fallback"
+    if backend == "auto":  # the GPU's kernel, unless kernels are off or it failed its self-check
+        return kernels.gpu_backend() if kernels.use_gpu("normalize") else "fallback"
     if backend not in ("fallback", "metal", "cuda"):
         raise ValueError(f"unknown backend {backend!r}")
     return backend

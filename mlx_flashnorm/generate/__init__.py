@@ -10,6 +10,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.sample_utils import make_sampler
 
+from .. import kernels
 from ..cache import StaticKVCache, make_cache
 from ..errors import HelpFormatter, UserError, run_cli
 from ..loader import DTYPE_CHOICES, DTYPES, NORMS, QUANT_BITS, QUANT_GROUP_SIZES, load
@@ -63,19 +64,23 @@ def compiled_decode(model):
     return model._compiled_decode[1]
 
 
-def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=512, compiled=True,
+def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048, compiled=None,
                   cache=None):
     """Yield (token, logprobs) one at a time. The next step is queued on the device
     (async_eval) before the current token is handed to the caller.
 
     compiled: decode with a StaticKVCache of cache_capacity(prompt + max_tokens) positions and the
-    model's compiled 1-token step (fast); False: mlx-lm's growing KVCache and the plain forward
-    pass (the reference).
+    model's compiled 1-token step (fast where our kernels run); False: the plain forward pass over
+    mlx-lm's growing KVCache (the reference), or over `cache` as given; None (default): False on
+    the portable path (kernels.portable), else True.
+    prefill_step: prompt tokens per prefill chunk (mlx-lm's default), bounding attention scratch.
     cache: a cache from make_cache that already holds earlier tokens (a chat's previous turns):
     only `prompt` is prefilled after them. Compiled, it must be a StaticKVCache with room for
     prompt + max_tokens more positions. Once the generator ends or is closed the cache holds
     every token fed to the model (its offset counts them: the last token yielded may be missing)."""
     sampler = sampler or make_sampler(0.0)
+    if compiled is None:
+        compiled = not kernels.portable()
     if cache is None:
         cache = make_cache(model, cache_capacity(model, prompt.size + max_tokens) if compiled else None)
     elif compiled and cache[0].offset + prompt.size + max_tokens > cache[0].capacity:
