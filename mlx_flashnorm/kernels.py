@@ -190,27 +190,36 @@ def _kernel(name, inputs, outputs, source):
 # ---------------------------------------------------------------- attention over a static cache
 
 _ATTENTION = """
-  // one block per (batch, query head); warps take key positions in turn, lanes head dims
-  constexpr int VPT = D / 32;
-  const int head = blockIdx.x;
-  const int b = head / HQ, hkv = (head % HQ) / GQA;
+  // one block per (batch * query head, split of the cache); warps take key positions in turn,
+  // lanes head dims. Every size is read at run time: one compile per dtype and head dim.
+  // A long cache (C > SPLIT_ABOVE) is split in chunks of CHUNK positions over S blocks per head
+  // (flash-decoding): each writes its partial softmax state (max, sum; weighted values) and
+  // fn_decode_combine merges them. A short one is one block per head, which writes o itself.
+  constexpr int VPT = D / 32, NW = 8, SPLIT_ABOVE = 1024, CHUNK = 256;
+  const int HQ = q_shape[1], HKV = k_shape[1], C = k_shape[2];
+  const int S = C > SPLIT_ABOVE ? (C + CHUNK - 1) / CHUNK : 1;
+  const int head = blockIdx.x / S, split = blockIdx.x % S;
+  const int b = head / HQ, hkv = (head % HQ) / (HQ / HKV);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int len = n[0], C = k_shape[2];  // cache capacity: read at run time, one compile for all
-  const float scale = __int_as_float(SCALE_BITS) * 1.4426950408889634f;  // exp2 domain
+  const int len = n[0];
+  const int lo = split * (S > 1 ? CHUNK : C);
+  const int end = S > 1 ? lo + CHUNK : C;
+  const int hi = end < len ? end : len;
+  const float sc = scale[0] * 1.4426950408889634f;  // exp2 domain
   float qv[VPT], acc[VPT];
   const long qbase = long(head) * D;
   #pragma unroll
-  for (int i = 0; i < VPT; ++i) { qv[i] = fn_f(q[qbase + lane * VPT + i]) * scale; acc[i] = 0.0f; }
+  for (int i = 0; i < VPT; ++i) { qv[i] = fn_f(q[qbase + lane * VPT + i]) * sc; acc[i] = 0.0f; }
   const long kvbase = long(b * HKV + hkv) * C * D;
   float m = -1e30f, l = 0.0f;
-  for (int j = warp; j < len; j += NW) {
+  for (int j = lo + warp; j < hi; j += NW) {
     const long row = kvbase + long(j) * D + lane * VPT;
-    float sc = 0.0f;
+    float dot = 0.0f;
     #pragma unroll
-    for (int i = 0; i < VPT; ++i) sc += qv[i] * fn_f(k[row + i]);
-    sc = fn_warp_sum(sc);
-    const float mn = fmaxf(m, sc);
-    const float corr = exp2f(m - mn), p = exp2f(sc - mn);
+    for (int i = 0; i < VPT; ++i) dot += qv[i] * fn_f(k[row + i]);
+    dot = fn_warp_sum(dot);
+    const float mn = fmaxf(m, dot);
+    const float corr = exp2f(m - mn), p = exp2f(dot - mn);
     l = l * corr + p;
     #pragma unroll
     for (int i = 0; i < VPT; ++i) acc[i] = acc[i] * corr + p * fn_f(v[row + i]);
@@ -221,39 +230,67 @@ _ATTENTION = """
   #pragma unroll
   for (int i = 0; i < VPT; ++i) sacc[warp][lane * VPT + i] = acc[i];
   __syncthreads();
+  float M = -1e30f;
+  for (int w = 0; w < NW; ++w) M = fmaxf(M, sm[w]);
+  float L = 0.0f;
+  for (int w = 0; w < NW; ++w) L += sl[w] * exp2f(sm[w] - M);
+  const long part = long(blockIdx.x);
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float M = -1e30f;
-    for (int w = 0; w < NW; ++w) M = fmaxf(M, sm[w]);
-    float L = 0.0f, O = 0.0f;
-    for (int w = 0; w < NW; ++w) {
-      const float f = exp2f(sm[w] - M);
-      L += sl[w] * f;
-      O += sacc[w][d] * f;
-    }
-    o[qbase + d] = fn_cast<T>(O / L);
+    float O = 0.0f;
+    for (int w = 0; w < NW; ++w) O += sacc[w][d] * exp2f(sm[w] - M);
+    if (S == 1) o[qbase + d] = fn_cast<T>(O / L);
+    else part_o[part * D + d] = O;
+  }
+  if (S > 1 && threadIdx.x == 0) { part_ml[part * 2] = M; part_ml[part * 2 + 1] = L; }
+"""
+
+_COMBINE = """
+  // one block per (batch * query head): merge the S partial states fn_decode_attention wrote
+  const int S = part_ml_shape[1], D = part_o_shape[2];
+  const long head = blockIdx.x;
+  float M = -1e30f;
+  for (int s = 0; s < S; ++s) M = fmaxf(M, part_ml[(head * S + s) * 2]);
+  float L = 0.0f;
+  for (int s = 0; s < S; ++s) L += part_ml[(head * S + s) * 2 + 1] * exp2f(part_ml[(head * S + s) * 2] - M);
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float O = 0.0f;
+    for (int s = 0; s < S; ++s) O += part_o[(head * S + s) * D + d] * exp2f(part_ml[(head * S + s) * 2] - M);
+    o[head * D + d] = fn_cast<T>(O / L);
   }
 """
 
+SPLIT_ABOVE, CHUNK = 1024, 256  # as in _ATTENTION: caches longer than SPLIT_ABOVE are split
+
 
 @lru_cache(maxsize=None)
-def _attention_kernel():
-    return _kernel("fn_decode_attention", ["q", "k", "v", "n"], ["o"], _ATTENTION)
+def _attention_kernels():
+    return (_kernel("fn_decode_attention", ["q", "k", "v", "n", "scale"], ["o", "part_o", "part_ml"], _ATTENTION),
+            _kernel("fn_decode_combine", ["part_o", "part_ml"], ["o"], _COMBINE))
 
 
 def decode_attention(q, k, v, n, scale):
     """Attention of queries q (B, Hq, L, D) over the first n positions of k, v (B, Hkv, C, D),
     n an int32 array of one element (the positions filled, the queries' own included): query i
-    sees positions up to n - L + i. The CUDA kernel takes L = 1 (a decode step)."""
+    sees positions up to n - L + i. The CUDA kernel takes L = 1 (a decode step); a cache longer
+    than SPLIT_ABOVE positions is split over blocks of CHUNK positions and merged by a second
+    kernel (flash-decoding), so that a long context keeps the GPU busy."""
     B, Hq, L, D = q.shape
     Hkv, C = k.shape[1], k.shape[2]
     if use_gpu("decode_attention") and L == 1 and D % 32 == 0 and D <= 256 and q.dtype == k.dtype == v.dtype:
-        threads = 256
-        return _attention_kernel()(
-            inputs=[q, k, v, n.astype(mx.int32).reshape(1)],
-            template=[("T", q.dtype), ("D", D), ("HQ", Hq), ("HKV", Hkv), ("GQA", Hq // Hkv),
-                      ("NW", threads // 32), ("SCALE_BITS", float_bits(scale))],
-            grid=(B * Hq * threads, 1, 1), threadgroup=(threads, 1, 1),
-            output_shapes=[q.shape], output_dtypes=[q.dtype])[0]
+        threads, heads = 256, B * Hq
+        S = -(-C // CHUNK) if C > SPLIT_ABOVE else 1
+        attend, combine = _attention_kernels()
+        o, part_o, part_ml = attend(
+            inputs=[q, k, v, n.astype(mx.int32).reshape(1), mx.array([scale], mx.float32)],
+            template=[("T", q.dtype), ("D", D)],
+            grid=(heads * S * threads, 1, 1), threadgroup=(threads, 1, 1),
+            output_shapes=[q.shape, (heads, S, D), (heads, S, 2)],
+            output_dtypes=[q.dtype, mx.float32, mx.float32])
+        if S == 1:
+            return o
+        return combine(inputs=[part_o, part_ml], template=[("T", q.dtype)],
+                       grid=(heads * 64, 1, 1), threadgroup=(64, 1, 1),
+                       output_shapes=[q.shape], output_dtypes=[q.dtype])[0]
     mask = mx.arange(C)[None] < (n.reshape(-1)[0] - L + 1 + mx.arange(L))[:, None]
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
@@ -262,54 +299,44 @@ def decode_attention(q, k, v, n, scale):
 
 _ADD_RSS = """
   // one block per row: p = x * xs + r (in float32, rounded once to T), s = rsqrt(sum(p^2) + d*eps)
-  // and pg = p * g * P, s / P. PRESCALE (half precision): P = 2^floor(log2(s)), an exact power of
-  // two that brings pg to the scale of a normalized row (in range) and leaves s / P in [1, 2).
+  // and pg = p * g * P, s / P. The flags (HAS_XS, HAS_R, HAS_G, PRESCALE) and eps are read at
+  // run time: one compile per dtype. PRESCALE (half precision): P = 2^floor(log2(s)), an exact
+  // power of two that brings pg to the scale of a normalized row (in range), s / P in [1, 2).
   const int row = blockIdx.x;
   const int D = x_shape[x_ndim - 1];
+  const bool has_xs = flags[0] != 0, has_r = flags[1] != 0, has_g = flags[2] != 0, prescale = flags[3] != 0;
   const long base = long(row) * D;
+  const float xsv = has_xs ? xs[row] : 1.0f;
   float ss = 0.0f;
-  for (int i = threadIdx.x; i < D; i += blockDim.x) {{
-    float t = fn_f(x[base + i]);
-    {scale_x}
-    {add_r}
+  for (int i = threadIdx.x; i < D; i += blockDim.x) {
+    float t = fn_f(x[base + i]) * xsv;
+    if (has_r) t += fn_f(r[base + i]);
     const T tp = fn_cast<T>(t);
-    {write_p}
+    p[base + i] = tp;
     ss += fn_f(tp) * fn_f(tp);
-  }}
+  }
   __shared__ float buf[32];
   __shared__ float total;
   ss = fn_warp_sum(ss);
   if (threadIdx.x % 32 == 0) buf[threadIdx.x / 32] = ss;
   __syncthreads();
-  if (threadIdx.x == 0) {{
+  if (threadIdx.x == 0) {
     float t = 0.0f;
     for (int w = 0; w < int(blockDim.x / 32); ++w) t += buf[w];
     total = t;
-  }}
+  }
   __syncthreads();
-  const float sc = rsqrtf(total + D * __int_as_float(EPS_BITS));
-  const float P = PRESCALE ? __int_as_float(__float_as_int(sc) & 0x7f800000) : 1.0f;
+  const float sc = rsqrtf(total + D * eps[0]);
+  const float P = prescale ? __int_as_float(__float_as_int(sc) & 0x7f800000) : 1.0f;
   if (threadIdx.x == 0) s[row] = sc / P;
-  {write_pg}
+  for (int i = threadIdx.x; i < D; i += blockDim.x)
+    pg[base + i] = fn_cast<T>(fn_f(p[base + i]) * (has_g ? g[i] : 1.0f) * P);
 """
-
-_WRITE_PG = """for (int i = threadIdx.x; i < D; i += blockDim.x)
-    pg[base + i] = fn_cast<T>(fn_f({p}[base + i]){g} * P);"""
 
 
 @lru_cache(maxsize=None)
-def _add_rss_kernel(has_xs, has_r, has_g, prescale):
-    has_p = has_r or has_xs
-    source = _ADD_RSS.format(
-        scale_x="t *= xs[row];" if has_xs else "",
-        add_r="t += fn_f(r[base + i]);" if has_r else "",
-        write_p="p[base + i] = tp;" if has_p else "",
-        write_pg=_WRITE_PG.format(p="p" if has_p else "x", g=" * g[i]" if has_g else "")
-        if (has_g or prescale) else "")
-    inputs = ["x"] + ["xs"] * has_xs + ["r"] * has_r + ["g"] * has_g
-    outputs = ["p"] * has_p + ["pg"] * (has_g or prescale) + ["s"]
-    flags = "".join(str(int(f)) for f in (has_xs, has_r, has_g, prescale))
-    return _kernel(f"fn_add_rss_{flags}", inputs, outputs, source)
+def _add_rss_kernel():
+    return _kernel("fn_add_rss", ["x", "xs", "r", "g", "flags", "eps"], ["p", "pg", "s"], _ADD_RSS)
 
 
 def power_of_two_below(s):
@@ -332,18 +359,16 @@ def add_rss(x, eps, xs=None, r=None, g=None):
     if use_gpu("add_rss") and x.dtype in (mx.float32, mx.float16, mx.bfloat16):
         d, rows = x.shape[-1], x.size // x.shape[-1]
         threads = min(1024, max(32, 32 * math.ceil(d / 4 / 32)))
-        has_p, has_pg = r is not None or xs is not None, g is not None or half
-        arrays = [x] + [a.astype(t) for a, t in ((xs, mx.float32), (r, x.dtype), (g, mx.float32))
-                        if a is not None]
-        outs = list(_add_rss_kernel(xs is not None, r is not None, g is not None, half)(
-            inputs=arrays,
-            template=[("T", x.dtype), ("EPS_BITS", float_bits(eps)), ("PRESCALE", half)],
+        none = mx.zeros((1,), mx.float32)  # stands in for an absent input (its flag is 0)
+        flags = mx.array([xs is not None, r is not None, g is not None, half], mx.int32)
+        p, pg, s = _add_rss_kernel()(
+            inputs=[x, none if xs is None else xs.astype(mx.float32), x if r is None else r.astype(x.dtype),
+                    none if g is None else g.astype(mx.float32), flags, mx.array([eps], mx.float32)],
+            template=[("T", x.dtype)],
             grid=(rows * threads, 1, 1), threadgroup=(threads, 1, 1),
-            output_shapes=[x.shape] * (has_p + has_pg) + [x.shape[:-1] + (1,)],
-            output_dtypes=[x.dtype] * (has_p + has_pg) + [mx.float32]))
-        p = outs.pop(0) if has_p else x
-        pg = outs.pop(0) if has_pg else None
-        return p, pg, outs[0]
+            output_shapes=[x.shape, x.shape, x.shape[:-1] + (1,)],
+            output_dtypes=[x.dtype, x.dtype, mx.float32])
+        return (p if (r is not None or xs is not None) else x), (pg if (g is not None or half) else None), s
     if not half:
         p = x if xs is None else x * xs
         p = p if r is None else p + r
@@ -367,8 +392,14 @@ _ROPE_QKV = """
   // one warp per (token, head); heads: HQ queries, HKV keys, HKV values, read from q, k, v at
   // row strides QS, KS, VS and column offsets QO, KO, VO (one fused qkv array may be all three).
   // rotate-half RoPE: lane holds elements lane + 32 t, whose partners i +- D/2 are in the same lane.
-  constexpr int VPT = D / 32, HALF = VPT / 2, H = HQ + 2 * HKV;
-  const int L = q_shape[1], ROWS = q_shape[0] * L;  // read at run time: one compile for all lengths
+  // Every size and flag is read at run time (dims, consts): one compile per dtype and head dim.
+  constexpr int VPT = D / 32, HALF = VPT / 2;
+  const int HQ = dims[0], HKV = dims[1], QS = dims[2], KS = dims[3], VS = dims[4];
+  const int QO = dims[5], KO = dims[6], VO = dims[7];
+  const bool QK_NORM = dims[8] != 0;
+  const float EPS = consts[0], FACTOR = consts[1];
+  const int H = HQ + 2 * HKV;
+  const int L = q_shape[1], ROWS = q_shape[0] * L;
   const int gw = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (gw >= ROWS * H) return;
@@ -394,8 +425,7 @@ _ROPE_QKV = """
   #pragma unroll
   for (int t = 0; t < VPT; ++t) ss += x[t] * x[t];
   ss = fn_warp_sum(ss);
-  const float inv = QK_NORM ? rsqrtf(ss + D * __int_as_float(EPS_BITS))
-                            : __int_as_float(FACTOR_BITS) * fn_f(s[row]);
+  const float inv = QK_NORM ? rsqrtf(ss + D * EPS) : FACTOR * fn_f(s[row]);
   const float pos = float(off[0] + l);
   float y[VPT];
   #pragma unroll
@@ -417,8 +447,8 @@ _ROPE_QKV = """
 
 @lru_cache(maxsize=None)
 def _rope_qkv_kernel():
-    return _kernel("fn_rope_qkv", ["q", "k", "v", "s", "off", "theta", "qg", "kg"], ["qo", "ko", "vo"],
-                   _ROPE_QKV)
+    return _kernel("fn_rope_qkv", ["q", "k", "v", "s", "off", "theta", "qg", "kg", "dims", "consts"],
+                   ["qo", "ko", "vo"], _ROPE_QKV)
 
 
 def rope_qkv_supported(head_dim, traditional):
@@ -444,12 +474,11 @@ def rope_qkv(q, k, v, s, offset, theta, n_heads, n_kv_heads, gains=None, eps=0.0
     warps = rows * (n_heads + 2 * n_kv_heads)
     off = offset if isinstance(offset, mx.array) else mx.array(offset)
     qg, kg = gains if gains is not None else (theta, theta)  # unused without QK-norm
+    dims = mx.array([n_heads, n_kv_heads, *strides, *offsets, gains is not None], mx.int32)
     return _rope_qkv_kernel()(
-        inputs=[q, k, v, s.astype(mx.float32), off.astype(mx.int32).reshape(1), theta, qg, kg],
-        template=[("T", q.dtype), ("D", D), ("HQ", n_heads), ("HKV", n_kv_heads), ("QS", strides[0]), ("KS", strides[1]), ("VS", strides[2]),
-                  ("QO", offsets[0]), ("KO", offsets[1]), ("VO", offsets[2]),
-                  ("QK_NORM", gains is not None), ("EPS_BITS", float_bits(eps)),
-                  ("FACTOR_BITS", float_bits(factor))],
+        inputs=[q, k, v, s.astype(mx.float32), off.astype(mx.int32).reshape(1), theta, qg, kg, dims,
+                mx.array([eps, factor], mx.float32)],
+        template=[("T", q.dtype), ("D", D)],
         grid=(math.ceil(warps * 32 / threads) * threads, 1, 1), threadgroup=(threads, 1, 1),
         output_shapes=[(B, n_heads, L, D), (B, n_kv_heads, L, D), (B, n_kv_heads, L, D)],
         output_dtypes=[q.dtype] * 3)
@@ -492,9 +521,11 @@ def _check_add_rss():
     return add_rss(x, 1e-6, xs=mx.full((3, 1), 0.7), r=r, g=g)
 
 
-def _check_decode_attention():
+def _check_decode_attention():  # a short cache (one block per head) and a split long one
     q, k, v = _random((2, 6, 1, 64), 4), _random((2, 2, 40, 64), 5), _random((2, 2, 40, 64), 6)
-    return decode_attention(q, k, v, mx.array(29), 0.125)
+    long_k, long_v = _random((1, 2, SPLIT_ABOVE + 76, 64), 14), _random((1, 2, SPLIT_ABOVE + 76, 64), 15)
+    return (decode_attention(q, k, v, mx.array(29), 0.125),
+            decode_attention(q[:1], long_k, long_v, mx.array(SPLIT_ABOVE + 50), 0.125))
 
 
 def _check_rope_qkv():

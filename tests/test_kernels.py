@@ -38,7 +38,8 @@ def reference_attention(q, k, v, n, scale):
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
 @pytest.mark.parametrize("D,Hq,Hkv,C,n,L", [(64, 12, 3, 640, 513, 1), (64, 20, 5, 64, 1, 1),
-                                           (128, 8, 8, 300, 300, 1), (64, 4, 2, 32, 20, 3)])
+                                           (128, 8, 8, 300, 300, 1), (64, 4, 2, 32, 20, 3),
+                                           (64, 9, 3, 2100, 1999, 1), (128, 4, 1, 2048, 5, 1)])
 def test_decode_attention(dtype, D, Hq, Hkv, C, n, L):
     q, k, v = rand((2, Hq, L, D), 1, dtype=dtype), rand((2, Hkv, C, D), 2, dtype=dtype), rand((2, Hkv, C, D), 3, dtype=dtype)
     k = mx.where(mx.arange(C)[:, None] < n, k, mx.array(1e4, dtype))  # unfilled slots hold junk
@@ -209,10 +210,7 @@ def test_metal_spelling_leaves_no_cuda():
     survives (the Metal kernels themselves never ran here; they check themselves at first use)."""
     import re
 
-    bodies = [kernels._ATTENTION, kernels._ROPE_QKV,
-              kernels._ADD_RSS.format(scale_x="t *= xs[row];", add_r="t += fn_f(r[base + i]);",
-                                      write_p="p[base + i] = tp;",
-                                      write_pg=kernels._WRITE_PG.format(p="p", g=" * g[i]"))]
+    bodies = [kernels._ATTENTION, kernels._COMBINE, kernels._ROPE_QKV, kernels._ADD_RSS]
     for body in bodies:
         metal = kernels.spell(body, "metal")
         assert "threadgroup_position_in_grid" in metal or "thread_position_in_threadgroup" in metal
