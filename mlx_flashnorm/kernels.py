@@ -24,12 +24,15 @@ result is bit-identical.
 Set MLX_FLASHNORM_KERNELS=0 (or ``kernels.ENABLED = False``) to force the fallbacks, nn.py's
 fused add + RMSNorm kernel included: on a GPU that is the portable path (``portable``).
 """
+import hashlib
+import json
 import math
 import os
 import struct
 import sys
 import threading
 from functools import lru_cache
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -549,14 +552,52 @@ CHECKS = {"add_rss": (_check_add_rss, 1e-2), "decode_attention": (_check_decode_
           "rope_qkv": (_check_rope_qkv, 1e-2), "normalize": (_check_normalize, 1e-2)}
 
 
+# Where the checks that passed are kept, one file per (kernel code, MLX version, device): a check
+# costs 1.5-4 s per kernel on an H100 even with MLX's kernel cache warm (bench/RESULTS.md), in every
+# process. A changed kernel file, MLX or GPU is checked again; a failed check is never kept.
+CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mlx_flashnorm"
+
+
+def _passed_file():
+    from . import nn  # its add + RMSNorm kernel is checked here too (nn.py imports this module)
+
+    key = hashlib.sha256(Path(__file__).read_bytes() + Path(nn.__file__).read_bytes())
+    key.update(f"{mx.__version__} {gpu_backend()} {mx.default_device()} "
+               f"{mx.device_info().get('device_name', '')}".encode())
+    return CACHE_DIR / f"self-check-{key.hexdigest()[:20]}.json"
+
+
+def _read_passed(file):
+    try:
+        return set(json.loads(file.read_text()))
+    except (OSError, ValueError):
+        return set()
+
+
+def _write_passed(file, passed):
+    try:  # a temporary file renamed into place; a read-only cache only costs the next process time
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(sorted(passed)))
+        tmp.replace(file)
+    except OSError:
+        pass
+
+
 def self_check(names=None):
     """Run each kernel (or those named) once on small inputs against its plain-MLX fallback on the
     device in use; a kernel that fails to compile or to match prints one warning line and falls
-    back for the rest of the process. Runs once per process (the loader calls it on a GPU)."""
+    back for the rest of the process. Runs once per process (the loader calls it on a GPU); a
+    kernel that passed with the same code, MLX and device before (CACHE_DIR) is not run again."""
+    file = _passed_file()
+    passed = _read_passed(file)
+    known = set(passed)
     for name in names or CHECKS:
         if name in _CHECKED:
             continue
         _CHECKED.add(name)
+        if name in passed:
+            continue
         call, tol = CHECKS[name]
         outputs = lambda: [a for a in (lambda o: o if isinstance(o, (tuple, list)) else [o])(call())
                            if a is not None]
@@ -574,6 +615,10 @@ def self_check(names=None):
             DISABLED.add(name)
             print(f"warning: kernel {name} failed its self-check on {mx.default_device()} ({why}); "
                   "using the plain MLX fallback", file=sys.stderr)
+        else:
+            passed.add(name)
+    if passed != known:
+        _write_passed(file, passed)
     return not DISABLED
 
 

@@ -172,10 +172,11 @@ def test_loaded_quantized_models_use_it(tiny_llama_dir):
         assert mlx_nn.QuantizedLinear not in kinds  # every plain one was swapped
 
 
-def test_self_check_disables_a_wrong_kernel(monkeypatch, capsys):
+def test_self_check_disables_a_wrong_kernel(monkeypatch, capsys, tmp_path):
     """The self-check path with a deliberately wrong kernel (here on any device: the kernel
     dispatch is forced on and the add_rss launcher replaced by one that writes zeros): one warning
     line naming the kernel, and add_rss falls back to the MLX composition for the process."""
+    monkeypatch.setattr(kernels, "CACHE_DIR", tmp_path)
     monkeypatch.setattr(kernels, "DISABLED", set())
     monkeypatch.setattr(kernels, "_CHECKED", set())
     monkeypatch.setattr(kernels, "use_gpu", lambda name=None: name not in kernels.DISABLED)
@@ -197,10 +198,29 @@ def test_self_check_disables_a_wrong_kernel(monkeypatch, capsys):
     kernels.DISABLED.clear()
     assert kernels.self_check(["add_rss"]) is False
     assert "ZeroDivisionError" in capsys.readouterr().err and kernels.DISABLED == {"add_rss"}
+    assert not list(tmp_path.glob("*.json"))  # a failure is never kept
 
 
-def test_self_check_passes_on_this_device():
+def test_self_check_keeps_what_passed(monkeypatch, tmp_path):
+    """A kernel that passed is not checked again in a later process (same code, MLX, device); a
+    different MLX version or device (another cache key) checks it again."""
+    monkeypatch.setattr(kernels, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr(kernels, "DISABLED", set())
+    runs = []
+    check, tol = kernels.CHECKS["add_rss"]
+    monkeypatch.setitem(kernels.CHECKS, "add_rss", (lambda: runs.append(1) or check(), tol))
+    for process in range(2):
+        monkeypatch.setattr(kernels, "_CHECKED", set())  # a new process
+        assert kernels.self_check(["add_rss"])
+    assert len(runs) == 2 and len(list(tmp_path.glob("self-check-*.json"))) == 1  # kernel, fallback
+    monkeypatch.setattr(kernels.mx, "__version__", "0.0.0-other")
+    monkeypatch.setattr(kernels, "_CHECKED", set())
+    assert kernels.self_check(["add_rss"]) and len(runs) == 4
+
+
+def test_self_check_passes_on_this_device(monkeypatch, tmp_path):
     """Every kernel (on CUDA) or its fallback (elsewhere) passes its own check."""
+    monkeypatch.setattr(kernels, "CACHE_DIR", tmp_path)
     kernels._CHECKED.clear()
     assert kernels.self_check() and not kernels.DISABLED
 

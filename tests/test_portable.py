@@ -22,6 +22,9 @@ CONFIGS = {"llama": dict(TINY_LLAMA, vocab_size=512, max_position_embeddings=256
            "openelm": TINY_OPENELM, "gemma3": GEMMA3}
 
 
+TOL = 1e-5 if mx.default_device() == mx.cpu else 3e-3  # a GPU's float32 matmuls run in TF32
+
+
 @pytest.fixture
 def portable(monkeypatch):
     monkeypatch.setattr(kernels, "portable", lambda: True)
@@ -42,7 +45,7 @@ def test_weightless_form_equals_rms(name, portable):
     kinds = {type(m).__name__ for _, m in flash.named_modules()}
     assert not kinds & {"DeferredNorm", "DeferredLinear", "FlashAttention", "FlashQKNormAttention",
                         "FlashSwiGLU", "FlashFusedSwiGLU", "FlashGeGLU", "TiedFlashHead"}
-    assert rel(flash(tokens), rms(tokens)) < 1e-5
+    assert rel(flash(tokens), rms(tokens)) < TOL
     # pre-norm weights moved into the linears: their effective gain is now 1
     norm = flash.layers[0][flashnorm.mapping(flash).pairs[0].norm]
     assert mx.allclose(flashnorm.norm_weight(norm), mx.ones(norm.weight.shape)).item()
