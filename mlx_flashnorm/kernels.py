@@ -172,6 +172,15 @@ def gpu_backend():
     return "metal" if mx.metal.is_available() else ("cuda" if mx.cuda.is_available() else None)
 
 
+@lru_cache(maxsize=None)
+def constant(dtype, *values):
+    """A small array of run-time sizes or flags for a kernel, made once per distinct value: no
+    new array per call, and inside mx.compile one constant of the graph."""
+    a = mx.array(values, dtype)
+    mx.eval(a)
+    return a
+
+
 # (kernel name, template arguments) of every launch so far: MLX compiles each distinct pair once, so
 # the set's size is the number of kernel compilations (tests check that requests add none).
 VARIANTS = set()
@@ -284,7 +293,7 @@ def decode_attention(q, k, v, n, scale):
         S = -(-C // CHUNK) if C > SPLIT_ABOVE else 1
         attend, combine = _attention_kernels()
         o, part_o, part_ml = attend(
-            inputs=[q, k, v, n.astype(mx.int32).reshape(1), mx.array([scale], mx.float32)],
+            inputs=[q, k, v, n.astype(mx.int32).reshape(1), constant(mx.float32, scale)],
             template=[("T", q.dtype), ("D", D)],
             grid=(heads * S * threads, 1, 1), threadgroup=(threads, 1, 1),
             output_shapes=[q.shape, (heads, S, D), (heads, S, 2)],
@@ -362,11 +371,11 @@ def add_rss(x, eps, xs=None, r=None, g=None):
     if use_gpu("add_rss") and x.dtype in (mx.float32, mx.float16, mx.bfloat16):
         d, rows = x.shape[-1], x.size // x.shape[-1]
         threads = min(1024, max(32, 32 * math.ceil(d / 4 / 32)))
-        none = mx.zeros((1,), mx.float32)  # stands in for an absent input (its flag is 0)
-        flags = mx.array([xs is not None, r is not None, g is not None, half], mx.int32)
+        none = constant(mx.float32, 0.0)  # stands in for an absent input (its flag is 0)
+        flags = constant(mx.int32, xs is not None, r is not None, g is not None, half)
         p, pg, s = _add_rss_kernel()(
             inputs=[x, none if xs is None else xs.astype(mx.float32), x if r is None else r.astype(x.dtype),
-                    none if g is None else g.astype(mx.float32), flags, mx.array([eps], mx.float32)],
+                    none if g is None else g.astype(mx.float32), flags, constant(mx.float32, eps)],
             template=[("T", x.dtype)],
             grid=(rows * threads, 1, 1), threadgroup=(threads, 1, 1),
             output_shapes=[x.shape, x.shape, x.shape[:-1] + (1,)],
@@ -477,10 +486,10 @@ def rope_qkv(q, k, v, s, offset, theta, n_heads, n_kv_heads, gains=None, eps=0.0
     warps = rows * (n_heads + 2 * n_kv_heads)
     off = offset if isinstance(offset, mx.array) else mx.array(offset)
     qg, kg = gains if gains is not None else (theta, theta)  # unused without QK-norm
-    dims = mx.array([n_heads, n_kv_heads, *strides, *offsets, gains is not None], mx.int32)
+    dims = constant(mx.int32, n_heads, n_kv_heads, *strides, *offsets, gains is not None)
     return _rope_qkv_kernel()(
         inputs=[q, k, v, s.astype(mx.float32), off.astype(mx.int32).reshape(1), theta, qg, kg, dims,
-                mx.array([eps, factor], mx.float32)],
+                constant(mx.float32, eps, factor)],
         template=[("T", q.dtype), ("D", D)],
         grid=(math.ceil(warps * 32 / threads) * threads, 1, 1), threadgroup=(threads, 1, 1),
         output_shapes=[(B, n_heads, L, D), (B, n_kv_heads, L, D), (B, n_kv_heads, L, D)],
