@@ -152,7 +152,8 @@ def prepare_model(args, folder):
     from ..convert import export
 
     # the embedded model as load() gives it (--bits 0: dequantized), written for every mode's loader
-    model, tokenizer = load(None, bits=args.bits, group_size=args.group_size, dtype="float32", progress=False)
+    model, tokenizer = load(None, bits=args.bits, group_size=args.group_size, dtype="float32", progress=False,
+                            concat=False)
     export(model, tokenizer, folder)
     q = model.config.get("quantization")
     return "embedded SmolLM2-135M-Instruct", f"Q{q['bits']} group {q['group_size']}" if q else "full", None, \

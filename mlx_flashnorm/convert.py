@@ -87,7 +87,7 @@ def main(argv=None):
     if args.quantize:
         check_quantization(args.q_bits, args.q_group_size)
     dtype = args.dtype or source_dtype(args.model)
-    model, tokenizer = load(args.model, norm="rms", dtype="float32", tokenizer=args.tokenizer)
+    model, tokenizer = load(args.model, norm="rms", dtype="float32", tokenizer=args.tokenizer, concat=False)
     if "quantization" in model.config:
         dequantize(model)
     flashnorm.make_weightless(model)  # in float32, then stored as dtype

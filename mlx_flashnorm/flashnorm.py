@@ -38,6 +38,7 @@ import mlx.nn as nn
 
 from . import kernels
 from .cache import scaled_dot_product_attention
+from .concat import GATE_UP, QKV, held, project
 from .errors import UserError
 from .nn import RMSNorm
 
@@ -211,12 +212,13 @@ def deferred(linear, gain=None, eps=None):
 # ---------------------------------------------------------------- Sec. 2: FFNs
 
 class FlashSwiGLU(nn.Module):
-    """Sec. 2.2, SwiGLU after RMSNorm (Llama's mlp: gate_proj, up_proj, down_proj).
+    """Sec. 2.2, SwiGLU after RMSNorm (Llama's mlp: gate_proj, up_proj, down_proj; or one
+    concatenated gate_up_proj, concat.py: bias-free, the same computation as FlashFusedSwiGLU's).
 
     The norm weights are folded into gate and up (or, fold=False, multiplied onto x once for
     both); the gate branch is scaled by s = 1/RMS before SiLU (SiLU is not scale invariant); the up
-    branch's scale is deferred past down_proj (all of it is linear). With an up bias the up scale
-    comes before that bias (down_proj is not scaled)."""
+    branch's scale is deferred past down_proj (all of it is linear). With gate or up biases both
+    take s before their bias (down_proj is not scaled)."""
 
     activation = staticmethod(nn.silu)
 
@@ -224,15 +226,16 @@ class FlashSwiGLU(nn.Module):
         super().__init__()
         folded, self.gain = split_gain(norm, fold)
         self.eps = norm.eps
-        self.gate_proj = deferred(mlp.gate_proj, folded)
-        self.up_proj = deferred(mlp.up_proj, folded)
+        for p in held(mlp, GATE_UP):
+            setattr(self, p, deferred(mlp[p], folded))
         self.down_proj = deferred(mlp.down_proj)
 
     def __call__(self, x):
         a, s = deferred_input(self, x)
-        late = "bias" not in self.up_proj
-        gate = self.gate_proj(a, s) if "bias" in self.gate_proj else self.gate_proj(a) * s
-        up = self.up_proj(a, None if late else s)
+        late = not any("bias" in self[p] for p in held(self, GATE_UP))  # else s before the biases
+        gate, up = project(self, a, GATE_UP, None if late else s)
+        if late:
+            gate = gate * s
         h = (self.activation(gate) * up).astype(up.dtype)  # float32 in half precision, rounded once
         if late and "bias" not in self.down_proj:
             return deferred_output(self, self.down_proj(h), s)
@@ -370,6 +373,12 @@ def attend(q, k, v, mask, cache, out_proj):
     return out_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
+def rope_qkv_inputs(module, x):
+    """The q, k, v projections of x as kernels.rope_qkv takes them: the output of one qkv_proj
+    (OpenELM's, or concat.py's) passed as all three, or three outputs."""
+    return (module.qkv_proj(x),) * 3 if "qkv_proj" in module else project(module, x, QKV)
+
+
 class FlashAttention(nn.Module):
     """Sec. 3, attention with RoPE after RMSNorm (Llama's self_attn).
 
@@ -377,7 +386,8 @@ class FlashAttention(nn.Module):
     three). s = 1/RMS(x) is one scalar per token; RoPE is
     linear, so s is multiplied into the cos/sin tables (shared by all heads) together with
     h^-1/4 for each of q and k, which makes the softmax scale 1/sqrt(h) fused too (sdpa runs with
-    scale 1). V keeps its deferred scale. q/k with a bias get s before the bias instead.
+    scale 1). V keeps its deferred scale. With biases (Qwen 2) q, k and v all get s before them
+    instead, and RoPE runs without s. q/k/v_proj may be one concatenated qkv_proj (concat.py).
     Same call signature, KV cache and mask as the reference; the cache holds the scaled k."""
 
     def __init__(self, norm, attn, fold=True):
@@ -387,7 +397,8 @@ class FlashAttention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
         if attn.scale != self.head_dim**-0.5:
             raise ValueError("FlashAttention fuses a 1/sqrt(head_dim) softmax scale only")
-        self.q_proj, self.k_proj, self.v_proj = (deferred(p, folded) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+        for p in held(attn, QKV):
+            setattr(self, p, deferred(attn[p], folded))
         self.o_proj = attn.o_proj
         self.traditional = attn.rope.traditional
         self._rope = rope_frequencies(attn.rope)
@@ -397,16 +408,17 @@ class FlashAttention(nn.Module):
         a, s = deferred_input(self, x)
         B, L, _ = a.shape
         offset = cache.offset if cache is not None else 0
-        biases = any("bias" in p for p in (self.q_proj, self.k_proj, self.v_proj))
+        biases = any("bias" in self[p] for p in held(self, QKV))
         if not biases and kernels.rope_qkv_supported(self.head_dim, self.traditional):
-            q, k, v = kernels.rope_qkv(self.q_proj(a), self.k_proj(a), self.v_proj(a), s, offset,
+            q, k, v = kernels.rope_qkv(*rope_qkv_inputs(self, a), s, offset,
                                        self._theta, self.n_heads, self.n_kv_heads,
                                        factor=self.head_dim**-0.25)
             return attend(q, k, v, mask, cache, self.o_proj)
-        fuse_q, fuse_k = "bias" not in self.q_proj, "bias" not in self.k_proj
-        q = self.q_proj(a, None if fuse_q else s).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = self.k_proj(a, None if fuse_k else s).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = self.v_proj(a, s).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        fuse_q = fuse_k = not biases  # s into cos/sin; with biases all three get it before them
+        q, k, v = project(self, a, QKV, None if fuse_q else s)
+        q = q.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = k.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = (times(v, s) if fuse_q else v).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         cos, sin = rope_tables(self._rope, offset, L, self.traditional)
         c = self.head_dim**-0.25
         cs = (c * s)[:, None].astype(mx.float32)  # (B, 1, L, 1): one factor per token, all heads
@@ -418,7 +430,8 @@ class FlashAttention(nn.Module):
 
 class FlashQKNormAttention(nn.Module):
     """Sec. 4, QK-normalization with RoPE: q_norm, k_norm shared by all heads, after either one
-    fused qkv_proj (OpenELM's attn, out_proj) or separate q/k/v_proj (Qwen 3, Gemma 3: o_proj).
+    fused qkv_proj (OpenELM's attn, out_proj) or separate q/k/v_proj (Qwen 3, Gemma 3: o_proj;
+    or their concatenated qkv_proj, concat.py, which runs as OpenELM's).
 
     The norm weights are folded into the q/k/v projections (or, fold=False, multiplied onto x).
     4.1: q and k are RMS-normalized again per head, and RMS(s*a) = s*RMS(a), so the input's 1/RMS
@@ -436,14 +449,13 @@ class FlashQKNormAttention(nn.Module):
         super().__init__()
         self.eps = norm.eps
         self.n_heads, self.n_kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
-        self.fused = "qkv_proj" in attn  # OpenELM: one qkv_proj, out_proj; else q/k/v_proj, o_proj
-        projections = ("qkv_proj",) if self.fused else ("q_proj", "k_proj", "v_proj")
+        projections = held(attn, QKV)  # one qkv_proj or q/k/v_proj
         if any("bias" in attn[p] for p in projections):
             raise ValueError("FlashQKNormAttention needs bias-free q/k/v projections")
         folded, self.gain = split_gain(norm, fold)
         for p in projections:
             setattr(self, p, deferred(attn[p], folded))
-        self.out_name = "out_proj" if self.fused else "o_proj"
+        self.out_name = "out_proj" if "out_proj" in attn else "o_proj"  # OpenELM's, or o_proj
         setattr(self, self.out_name, attn[self.out_name])
         self.traditional = attn.rope.traditional
         self._rope = rope_frequencies(attn.rope)
@@ -467,18 +479,12 @@ class FlashQKNormAttention(nn.Module):
         offset = cache.offset if cache is not None else 0
         out_proj = self[self.out_name]
         if kernels.rope_qkv_supported(self.head_dim, self.traditional):
-            qkv = (self.qkv_proj(a),) * 3 if self.fused else (self.q_proj(a), self.k_proj(a), self.v_proj(a))
             qk_norm = "q_gain" in self  # Sec. 4; else Sec. 3 with s in cos/sin
-            q, k, v = kernels.rope_qkv(*qkv, s, offset, self._theta, self.n_heads,
+            q, k, v = kernels.rope_qkv(*rope_qkv_inputs(self, a), s, offset, self._theta, self.n_heads,
                                        self.n_kv_heads, (self.q_gain, self.k_gain) if qk_norm else None,
                                        self.qk_eps if qk_norm else 0.0, factor=self.factor)
             return attend(q, k, v, mask, cache, out_proj)
-        if self.fused:
-            qkv = self.qkv_proj(a).reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3)
-            q, k, v = mx.split(qkv, [self.n_heads, self.n_heads + self.n_kv_heads], axis=1)
-        else:
-            q, k, v = (self[p](a).reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3)
-                       for p in ("q_proj", "k_proj", "v_proj"))
+        q, k, v = (t.reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3) for t in project(self, a, QKV))
         v = times(v, s[:, None])
         cos, sin = rope_tables(self._rope, offset, L, self.traditional)
         if "q_gain" in self:
@@ -727,7 +733,7 @@ def _fold_blocks(model, spec):
     for layer in model.layers:
         for pair in spec.pairs:
             consumer = getattr(layer, pair.consumer)
-            weightless(getattr(layer, pair.norm), [getattr(consumer, name) for name in pair.linears])
+            weightless(getattr(layer, pair.norm), [consumer[name] for name in held(consumer, pair.linears)])
 
 
 def make_weightless(model):

@@ -13,6 +13,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .errors import UserError
 from . import kernels
+from .concat import concatenate
 from .kernels import row_parallel
 from .models import ARCHITECTURES
 
@@ -255,14 +256,15 @@ def _sentencepiece_tokenizer(file):
 
 
 def load(path_or_repo=None, norm="rms", bits=None, dtype="auto", tokenizer=None,
-         group_size=64, progress=True):
+         group_size=64, progress=True, concat=True):
     """Load a model and its tokenizer.
 
     path_or_repo: a HF checkpoint folder, a HF repo id, or a llama .gguf file (None: the embedded
     SmolLM2-135M-Instruct). norm: "rms" (reference), "flash" (FlashNorm, same function) or "none"
     (every norm removed: a speed ceiling, meaningless text). bits: quantize at load time; norm and
     quantization compose as prepare() says. dtype: "auto" (float32 on the CPU, the checkpoint's
-    half precision on a GPU: resolve_dtype), "float32", "float16" or "bfloat16".
+    half precision on a GPU: resolve_dtype), "float32", "float16" or "bfloat16". concat: one matmul
+    for q/k/v and one for gate/up (prepare); False keeps the checkpoint's layout, for an export.
     """
     if norm not in NORMS:
         raise UserError(f"norm must be one of {', '.join(NORMS)}, not '{norm}'")
@@ -291,7 +293,7 @@ def load(path_or_repo=None, norm="rms", bits=None, dtype="auto", tokenizer=None,
         model = build_model(config, read_safetensors(path), progress)
         tok = load_tokenizer(path, tokenizer)
     model.set_dtype(DTYPES[resolve_dtype(dtype, config)])
-    model = prepare(model, norm=norm, bits=bits, group_size=group_size)
+    model = prepare(model, norm=norm, bits=bits, group_size=group_size, concat=concat)
     _add_config_eos(tok, config)
     return model, tok
 
@@ -352,8 +354,11 @@ def _float_dtype(model):
     return next(v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating))
 
 
-def prepare(model, norm="rms", bits=None, group_size=64, head_bits=None):
-    """Apply the norm mode, then quantization.
+def prepare(model, norm="rms", bits=None, group_size=64, head_bits=None, concat=True):
+    """Apply the norm mode, then quantization, then (concat) concatenate the projections that read
+    one input: q/k/v_proj into qkv_proj, gate/up_proj into gate_up_proj (concat.py), last, so that
+    quantization settings per module apply first; exact, full precision or quantized. concat=False
+    keeps the checkpoint's layout: what an export must write.
 
     bits None keeps the weights as they are (a quantized checkpoint stays quantized); bits 0 gives
     full precision (dequantizing a quantized checkpoint); bits 2..8 quantizes a full-precision
@@ -392,6 +397,8 @@ def prepare(model, norm="rms", bits=None, group_size=64, head_bits=None):
     if bits:
         quantize(model, bits, group_size,
                  None if head_bits is None else {head: {"group_size": group_size, "bits": head_bits}})
+    if concat:
+        concatenate(model)
     return row_parallel(model)  # quantized matmuls over two CPU threads (bit-identical)
 
 

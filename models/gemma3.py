@@ -17,6 +17,7 @@ from .. import flashnorm as fn
 from . import llama
 from .. import nn as fnn
 from ..cache import scaled_dot_product_attention
+from ..concat import project
 
 MODEL_TYPES = ("gemma3_text",)
 GGUF_ARCHITECTURE = "gemma3"  # llama.cpp's name (from_gguf below)
@@ -122,9 +123,10 @@ class Attention(nn.Module):
 
     def __call__(self, x, mask=None, cache=None):
         B, L, _ = x.shape
-        q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k, v = project(self, x, ("q_proj", "k_proj", "v_proj"))
+        q = q.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = k.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         q, k = self.q_norm(q), self.k_norm(k)
         offset = cache.offset if cache is not None else 0
         q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
@@ -143,7 +145,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def __call__(self, x):
-        return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(self, x, ("gate_proj", "up_proj"))
+        return self.down_proj(nn.gelu_approx(gate) * up)
 
 
 class TransformerBlock(nn.Module):

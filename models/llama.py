@@ -11,6 +11,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from .. import flashnorm as fn
 from ..cache import scaled_dot_product_attention
+from ..concat import project
 from ..nn import RMSNorm
 
 MODEL_TYPES = ("llama", "mistral")  # config.json model_type values this file serves
@@ -70,9 +71,10 @@ class Attention(nn.Module):
 
     def __call__(self, x, mask=None, cache=None):
         B, L, _ = x.shape
-        q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k, v = project(self, x, ("q_proj", "k_proj", "v_proj"))
+        q = q.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = k.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         offset = cache.offset if cache is not None else 0
         q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
         if cache is not None:
@@ -90,7 +92,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
 
     def __call__(self, x):
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(self, x, ("gate_proj", "up_proj"))
+        return self.down_proj(nn.silu(gate) * up)
 
 
 class TransformerBlock(nn.Module):

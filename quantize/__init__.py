@@ -56,7 +56,7 @@ def quantize_checkpoint(model_path, out, bits=4, group_size=64, norm="rms", head
         raise UserError(f"{out} already exists: pass a new --out folder (nothing was overwritten)")
     if bits:
         check_quantization(bits, group_size)
-    model, tok = load(model_path, tokenizer=tokenizer, progress=progress)
+    model, tok = load(model_path, tokenizer=tokenizer, progress=progress, concat=False)  # as saved
     if "quantization" in model.config:
         if not dequantize_first and bits != 0:
             q = model.config["quantization"]
@@ -70,5 +70,5 @@ def quantize_checkpoint(model_path, out, bits=4, group_size=64, norm="rms", head
         flashnorm.make_weightless(model)
     elif norm != "rms":
         raise UserError(f"norm must be rms or flash for a saved checkpoint, not '{norm}'")
-    prepare(model, bits=bits, group_size=group_size, head_bits=head_bits)
+    prepare(model, bits=bits, group_size=group_size, head_bits=head_bits, concat=False)
     return save(model, tok, out)

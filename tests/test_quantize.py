@@ -35,7 +35,7 @@ def test_config_records_quantization_like_mlx_lm(exported):
 def test_export_loads_in_ours_and_stock_mlx_lm_with_identical_logits(exported):
     from mlx_lm.utils import load_model
 
-    ours, tok = load(exported, progress=False)
+    ours, tok = load(exported, progress=False, concat=False)  # the checkpoint's layout
     stock, _ = load_model(exported)
     saved = mx.load(str(exported / "model.safetensors"))
     for name, v in tree_flatten(ours.parameters()):  # read as stored, not quantized again
@@ -50,7 +50,7 @@ def test_load_time_quantization_equals_the_export(tiny_llama_dir, exported):
     from_disk, _ = load(exported, progress=False)
     # load-time quantization keeps the head at 4 bits too; compare a 4-bit layer's output
     x = mx.random.normal((3, TINY_LLAMA["hidden_size"]), key=mx.random.key(0))
-    a, b = at_load.model.layers[1].self_attn.q_proj, from_disk.model.layers[1].self_attn.q_proj
+    a, b = at_load.model.layers[1].self_attn.qkv_proj, from_disk.model.layers[1].self_attn.qkv_proj
     assert mx.array_equal(a(x), b(x)).item()
     assert at_load.config["quantization"]["bits"] == 4
 
@@ -61,7 +61,7 @@ def test_quantization_error_shrinks_with_bits(tiny_llama_dir):
     errors = []
     for bits in (2, 3, 4, 5, 6, 8):
         quant, _ = load(tiny_llama_dir, bits=bits, progress=False)
-        assert quant.model.layers[0].mlp.up_proj.bits == bits  # (down_proj: 160 wide, kept float)
+        assert quant.model.layers[0].mlp.gate_up_proj.bits == bits  # (down_proj: 160 wide, kept float)
         errors.append((mx.abs(logits(quant) - ref).max() / mx.abs(ref).max()).item())
     assert all(a > b > 0 for a, b in zip(errors, errors[1:])), errors
     assert errors[-1] < 0.01, errors  # 8 bits: within 1% of the float32 logits
@@ -71,8 +71,8 @@ def test_quantization_error_shrinks_with_bits(tiny_llama_dir):
 def test_norm_modes_keep_a_quantized_checkpoint_as_it_is(exported, norm):
     """norm flash (gain kept on the activations) and none touch no linear weight: a quantized
     checkpoint keeps its layout and its very arrays, nothing dequantized or requantized."""
-    ref, _ = load(exported, progress=False)
-    model, _ = load(exported, norm=norm, progress=False)
+    ref, _ = load(exported, progress=False, concat=False)
+    model, _ = load(exported, norm=norm, progress=False, concat=False)
     assert model.config["quantization"] == ref.config["quantization"]
     assert model.model.embed_tokens.bits == 8 and model.model.layers[1].mlp.up_proj.bits == 4
     ref_w, got = dict(tree_flatten(ref.parameters())), dict(tree_flatten(model.parameters()))
