@@ -1,0 +1,95 @@
+"""What each custom kernel costs on the GPU, against the MLX primitive it stands beside.
+
+    python -m mlx_flashnorm.bench.kernel_cost            # microseconds per call
+    python -m mlx_flashnorm.bench.kernel_cost --check    # seconds each self-check takes in this process
+
+Per call: a chain of 60 calls (each feeding the next) inside mx.compile, as a decode step runs
+them, median of 7; SmolLM2-135M's attention heads (9 queries, 3 keys/values, head dim 64) over
+caches of 1024, 2048 and 4096 positions, and a 576-wide row for the norms. --check times
+kernels.self_check per kernel with its verdict cache off (run it twice: the second process shows
+what a warm MLX kernel cache leaves).
+"""
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from .. import kernels
+from .. import nn as fnn
+from ..errors import HelpFormatter
+
+
+def per_call(f, x, n=60, compiled=True):
+    """Median microseconds per call of f in a chain of n calls."""
+    def chain(x):
+        for _ in range(n):
+            x = f(x)
+        return x
+
+    g = mx.compile(chain) if compiled else chain
+    mx.eval(g(x))
+    times = []
+    for _ in range(7):
+        t = time.perf_counter()
+        mx.eval(g(x))
+        times.append((time.perf_counter() - t) / n * 1e6)
+    return statistics.median(times)
+
+
+def check_times():
+    with tempfile.TemporaryDirectory() as tmp:
+        kernels.CACHE_DIR = Path(tmp)
+        t = time.perf_counter()
+        mx.eval(mx.ones(4) + 1)
+        print(f"first MLX op: {time.perf_counter() - t:.3f} s")
+        for name in kernels.CHECKS:
+            t = time.perf_counter()
+            kernels.self_check([name])
+            mx.synchronize()
+            print(f"self-check {name}: {time.perf_counter() - t:.3f} s")
+
+
+def call_costs(dtype=mx.float16):
+    print("| kernel | cache | compiled us/call | eager us/call | MLX primitive | compiled us/call | eager us/call |")
+    print("| --- | ---: | ---: | ---: | --- | ---: | ---: |")
+    B, Hq, Hkv, D = 1, 9, 3, 64
+    q = mx.random.normal((B, Hq, 1, D)).astype(dtype)
+    for C, n in ((1024, 100), (2048, 1900), (4096, 4000)):
+        k, v = (mx.random.normal((B, Hkv, C, D)).astype(dtype) for _ in range(2))
+        filled = mx.array([n], mx.int32)
+        ks, vs = k[:, :, :n], v[:, :, :n]
+        mx.eval(k, v, ks, vs)
+        ours = [per_call(lambda x: kernels.decode_attention(x, k, v, filled, 0.125), q, compiled=c) for c in (True, False)]
+        theirs = [per_call(lambda x: mx.fast.scaled_dot_product_attention(x, ks, vs, scale=0.125), q, compiled=c)
+                  for c in (True, False)]
+        print(f"| decode_attention, {n} filled | {C} | {ours[0]:.1f} | {ours[1]:.1f} | "
+              f"sdpa over the {n} filled, no mask | {theirs[0]:.1f} | {theirs[1]:.1f} |")
+    x, r = (mx.random.normal((1, 1, 576)).astype(dtype) for _ in range(2))
+    w, g = mx.ones((576,), dtype), mx.ones((576,), mx.float32)
+    rows = [("add_rss (residual, gain)", lambda x: kernels.add_rss(x, 1e-5, r=r, g=g)[1],
+             "add + rms_norm", lambda x: mx.fast.rms_norm(x + r, w, 1e-5)),
+            ("nn.py add + RMSNorm", lambda x: fnn.normalize(x, r, w, eps=1e-5, backend=kernels.gpu_backend(), vjp=False)[0],
+             "rms_norm alone", lambda x: mx.fast.rms_norm(x, w, 1e-5))]
+    for name, ours, peer, theirs in rows:
+        a, b = (per_call(ours, x, compiled=c) for c in (True, False))
+        c_, d = (per_call(theirs, x, compiled=c) for c in (True, False))
+        print(f"| {name} | - | {a:.1f} | {b:.1f} | {peer} | {c_:.1f} | {d:.1f} |")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.bench.kernel_cost", description=__doc__,
+                                formatter_class=HelpFormatter)
+    p.add_argument("--check", action="store_true", help="time each kernel's self-check instead")
+    args = p.parse_args(argv)
+    if not kernels.use_gpu():
+        sys.exit("error: the kernels run on a GPU (Metal or CUDA) only; here they fall back to MLX ops")
+    print(f"device: {mx.device_info().get('device_name', mx.default_device())} | MLX {mx.__version__}")
+    check_times() if args.check else call_costs()
+
+
+if __name__ == "__main__":
+    main()
