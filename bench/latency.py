@@ -4,9 +4,12 @@ Every mode plays the same seeded series of requests in a process of its own, sta
 first request pays its own cold start (MLX's kernel compilation, our kernels, the decode step's
 trace). The series is a conversation resent in full each turn, as an OpenAI-style client does:
 each prompt is the previous one plus the reply plus a new user message (cut from the front to fit
-the context), and max_tokens varies from request to request. Reported per mode: time to first
-token (TTFT) of the first request, median and max TTFT over the others, and end-to-end tokens/s
-(generated tokens / wall time of the whole series, first request included). With --rounds > 1
+the context), and max_tokens varies from request to request. Our modes warm up after loading, as
+the generate, chat and server commands do (generate.warmup; --no-warmup: not), mlx-lm has no
+warm-up. Reported per mode: load time, warm-up time, time to first token (TTFT) of the first
+request, the cold start (their sum: what the first user of a fresh process waits), median and max
+TTFT over the other requests, and end-to-end tokens/s (generated tokens / wall time of the whole
+series, first request included, load and warm-up not). With --rounds > 1
 the modes take turns (rms flash mlx-lm rms flash ...), each time in a new process, so that a
 cache MLX keeps on disk between processes helps every mode alike after the first round.
 """
@@ -24,18 +27,20 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..errors import HelpFormatter, UserError, run_cli
+from ..generate import warmup
 from ..loader import DTYPE_CHOICES, load, resolve_dtype
 from .decode import (EAGER, PEER, context_length, device_name, load_mlx_lm, load_ours, log, mlx_lm_runner,
                      our_runner, parse_modes, random_checkpoint, random_shape, timed, write_atomic)
 
 
-def series(n, seed, vocab_size, context):
-    """n requests [prompt token ids, max_tokens] of a conversation resent in full each turn."""
+def series(n, seed, vocab_size, context, most_tokens=128):
+    """n requests [prompt token ids, max_tokens] of a conversation resent in full each turn;
+    max_tokens is drawn from most_tokens // 16 (at least 1) to most_tokens."""
     rng = random.Random(seed)
     stream, requests = [], []
     for _ in range(n):
         stream += [rng.randrange(vocab_size) for _ in range(rng.randint(16, 160))]  # the user's message
-        max_tokens = rng.randint(8, 128)
+        max_tokens = rng.randint(max(1, most_tokens // 16), most_tokens)
         prompt = stream[-(context - max_tokens):]
         requests.append([prompt, max_tokens])
         stream += [rng.randrange(vocab_size) for _ in range(max_tokens)]  # the reply, resent next turn
@@ -55,11 +60,17 @@ def worker(mode, plan_file):
         run = our_runner(model, compiled=False if mode.endswith(EAGER) else None)
     mx.eval(model.parameters())
     load_s = time.perf_counter() - t0
+    warmup_s = None
+    if plan["warmup"] and mode != PEER:
+        t0 = time.perf_counter()
+        warmup(model, compiled=not mode.endswith(EAGER))
+        warmup_s = time.perf_counter() - t0
     requests = []
     for prompt, max_tokens in plan["requests"]:
         first, rest = timed(run, mx.array(prompt), max_tokens)
         requests.append({"prompt": len(prompt), "max_tokens": max_tokens, "ttft_s": first, "total_s": first + rest})
-    result = {"mode": mode, "pid": os.getpid(), "device": device_name(), "load_s": load_s, "requests": requests}
+    result = {"mode": mode, "pid": os.getpid(), "device": device_name(), "load_s": load_s, "warmup_s": warmup_s,
+              "requests": requests}
     write_atomic(Path(plan_file).with_name(f"result-{mode}.json"), json.dumps(result))
 
 
@@ -79,7 +90,9 @@ def summarize(runs):
     e2e = [sum(q["max_tokens"] for q in run["requests"]) / sum(q["total_s"] for q in run["requests"])
            for run in runs]
     return {"load_s": [run["load_s"] for run in runs],
+            "warmup_s": [run["warmup_s"] for run in runs],
             "first_ttft_s": [run["requests"][0]["ttft_s"] for run in runs],
+            "cold_start_s": [run["load_s"] + (run["warmup_s"] or 0) + run["requests"][0]["ttft_s"] for run in runs],
             "ttft_median_s": statistics.median(rest) if rest else None,
             "ttft_max_s": max(rest) if rest else None,
             "e2e_tps": e2e, "e2e_tps_median": statistics.median(e2e)}
@@ -87,7 +100,7 @@ def summarize(runs):
 
 def table(report):
     def secs(xs):
-        return " / ".join(f"{x:.2f}" for x in xs)
+        return " / ".join("-" if x is None else f"{x:.2f}" for x in xs)
 
     def opt(x):
         return "-" if x is None else f"{x:.3f}"
@@ -95,18 +108,19 @@ def table(report):
     lines = [f"{report['model']} | weights {report['weights']} | activations {report['dtype']} | "
              f"device: {report['device']} | MLX {report['mlx']} | mlx-lm {report['mlx_lm']} | "
              f"{len(report['requests'])} requests (seed {report['seed']}), {report['rounds']} round(s), "
-             "each mode in a fresh process per round", "",
-             "| mode | load s | TTFT first request s | TTFT median s (rest) | TTFT max s (rest) "
-             "| end-to-end tok/s | vs rms | vs mlx-lm |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             f"each mode in a fresh process per round, {'with' if report['warmup'] else 'no'} warm-up", "",
+             "| mode | load s | warm-up s | TTFT first request s | cold start s | TTFT median s (rest) "
+             "| TTFT max s (rest) | end-to-end tok/s | vs rms | vs mlx-lm |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     res = report["results"]
     for mode, s in res.items():
         ratios = [f"{s['e2e_tps_median'] / res[b]['e2e_tps_median']:.2f}" if b in res else "-"
                   for b in ("rms", PEER)]
-        lines.append(f"| {mode} | {secs(s['load_s'])} | {secs(s['first_ttft_s'])} | {opt(s['ttft_median_s'])} | "
+        lines.append(f"| {mode} | {secs(s['load_s'])} | {secs(s['warmup_s'])} | {secs(s['first_ttft_s'])} | "
+                     f"{secs(s['cold_start_s'])} | {opt(s['ttft_median_s'])} | "
                      f"{opt(s['ttft_max_s'])} | {statistics.median(s['e2e_tps']):.1f} | {' | '.join(ratios)} |")
-    lines += ["", "Per round: values separated by /; end-to-end tok/s is the median over rounds. "
-              "TTFT per request (s, median over rounds):", "",
+    lines += ["", "Per round: values separated by /; cold start = load + warm-up + TTFT of the first request; "
+              "end-to-end tok/s is the median over rounds. TTFT per request (s, median over rounds):", "",
               f"| request | prompt | max_tokens | {' | '.join(res)} |", "| ---: | ---: | ---: |" + " ---: |" * len(res)]
     for i, (prompt, max_tokens) in enumerate(report["requests"]):
         cells = [f"{statistics.median(run['requests'][i]['ttft_s'] for run in report['runs'][m]):.3f}" for m in res]
@@ -129,6 +143,9 @@ def arg_parser():
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="activation dtype; auto: float32 on the CPU, the checkpoint's half precision on a GPU")
     p.add_argument("--requests", type=int, default=8, help="requests in the series")
+    p.add_argument("--max-tokens", type=int, default=128,
+                   help="the most tokens a request asks for (each draws from a 16th of it to it)")
+    p.add_argument("--no-warmup", action="store_true", help="our modes skip the warm-up after loading")
     p.add_argument("--rounds", type=int, default=1, help="fresh processes per mode, interleaved")
     p.add_argument("--seed", type=int, default=0, help="seed of the series")
     p.add_argument("--out", default="out/latency", help="folder for latency.md, latency.json")
@@ -165,8 +182,8 @@ def main(argv=None):
     if args.worker:
         return worker(args.worker, args.plan)
     modes = parse_modes(args.modes)
-    if args.requests < 1 or args.rounds < 1:
-        raise UserError("need --requests >= 1 and --rounds >= 1")
+    if args.requests < 1 or args.rounds < 1 or args.max_tokens < 1:
+        raise UserError("need --requests >= 1, --rounds >= 1 and --max-tokens >= 1")
     out = Path(args.out)
     with tempfile.TemporaryDirectory() as tmp:
         label, weights, bits, config = prepare_model(args, Path(tmp) / "model")
@@ -174,10 +191,11 @@ def main(argv=None):
         dtype = resolve_dtype(args.dtype, config)
         if context_length(config) < 300:
             raise UserError(f"the model's context is {context_length(config)} tokens; the series needs 300")
-        requests = series(args.requests, args.seed, config["vocab_size"], context_length(config))
+        requests = series(args.requests, args.seed, config["vocab_size"], context_length(config), args.max_tokens)
         plan = Path(tmp) / "plan.json"
         plan.write_text(json.dumps({"folder": str(Path(tmp) / "model"), "bits": bits, "dtype": dtype,
-                                    "group_size": args.group_size, "requests": requests}))
+                                    "group_size": args.group_size, "requests": requests,
+                                    "warmup": not args.no_warmup}))
         runs = {m: [] for m in modes}
         for r in range(args.rounds):
             for mode in modes:
@@ -187,6 +205,7 @@ def main(argv=None):
 
     report = {"model": label, "weights": weights, "dtype": dtype, "device": runs[modes[0]][0]["device"],
               "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "seed": args.seed, "rounds": args.rounds,
+              "warmup": not args.no_warmup,
               "command": "python -m mlx_flashnorm.bench.latency " + " ".join(sys.argv[1:] if argv is None else argv),
               "requests": [[len(p), n] for p, n in requests],
               "results": {m: summarize(runs[m]) for m in modes}, "runs": runs}

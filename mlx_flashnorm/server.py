@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from .errors import UserError, run_cli
 from .generate import (add_model_args, add_sampling_args, context_length, load_from_args, make_sampler_for,
-                       stream_generate)
+                       stream_generate, warmup)
 
 
 class BadRequest(Exception):
@@ -38,9 +38,17 @@ class Job:
         self.cancelled = threading.Event()
 
 
-def worker(model, tokenizer, jobs):
+def worker(model, tokenizer, jobs, warm, started):
     """The one thread that runs the model: MLX streams belong to their thread, so the model runs on
-    the streams of this one (its arrays must be evaluated before: mx.eval(model.parameters()))."""
+    the streams of this one (its arrays must be evaluated before: mx.eval(model.parameters())).
+    warm: first play generate.warmup here (MLX keeps compiled functions per thread, so a warm-up
+    on another thread would not serve this one); `started` then gets None, or the exception."""
+    try:
+        if warm:
+            warmup(model)
+    except Exception as e:
+        return started.put(e)
+    started.put(None)
     while True:
         job = jobs.get()
         if job.cancelled.is_set():
@@ -87,15 +95,20 @@ class Server(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, model, tokenizer, model_id, host="127.0.0.1", port=8080, max_tokens=256,
-                 temp=0.0, top_p=1.0, top_k=0):
-        """max_tokens, temp, top_p: the defaults of requests that leave them out; top_k: for all."""
+                 temp=0.0, top_p=1.0, top_k=0, warm=False):
+        """max_tokens, temp, top_p: the defaults of requests that leave them out; top_k: for all.
+        warm: warm the model up (generate.warmup) on the worker thread before serving."""
         super().__init__((host, port), Handler)
         self.model, self.tokenizer, self.model_id = model, tokenizer, model_id
         self.defaults = dict(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k)
         self.created = int(time.time())
         self.jobs = queue.Queue()
         mx.eval(model.parameters())  # lazy arrays evaluate on the thread that made them: this one
-        threading.Thread(target=worker, args=(model, tokenizer, self.jobs), daemon=True).start()
+        started = queue.Queue()
+        threading.Thread(target=worker, args=(model, tokenizer, self.jobs, warm, started), daemon=True).start()
+        if (error := started.get()) is not None:
+            self.server_close()
+            raise error
 
     def job(self, body, chat):
         """Check a request body and turn it into a Job; BadRequest if anything is wrong."""
@@ -274,11 +287,11 @@ def arg_parser():
 def main(argv=None):
     args = arg_parser().parse_args(argv)
     make_sampler_for(args.temp, args.top_p, args.top_k)  # checks the sampling flags
-    model, tokenizer = load_from_args(args)
+    model, tokenizer = load_from_args(args, warm=False)  # the worker thread warms up
     model_id = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
     try:
         server = Server(model, tokenizer, model_id, args.host, args.port, args.max_tokens, args.temp,
-                        args.top_p, args.top_k)
+                        args.top_p, args.top_k, warm=not args.no_warmup)
     except OSError as e:
         raise UserError(f"cannot listen on {args.host}:{args.port}: {e.strerror}")
     host, port = server.server_address[:2]

@@ -27,6 +27,11 @@ def test_series_is_a_seeded_growing_conversation():
     assert all(0 <= t < 100 for prompt, _ in requests for t in prompt)
 
 
+def test_series_max_tokens():
+    assert series(6, 0, 100, 10_000, 128) == series(6, 0, 100, 10_000)  # the default series
+    assert {n for _, n in series(20, 0, 100, 10_000, 4)} <= {1, 2, 3, 4}
+
+
 def test_series_fits_the_context():
     requests = series(20, 0, 100, 600)
     assert all(len(prompt) + n <= 600 for prompt, n in requests)
@@ -43,7 +48,10 @@ def test_every_mode_in_its_own_process(report):
             assert [[q["prompt"], q["max_tokens"]] for q in run["requests"]] == r["requests"]
             assert all(0 < q["ttft_s"] <= q["total_s"] for q in run["requests"])
         s = r["results"][m]
-        assert len(s["first_ttft_s"]) == len(s["load_s"]) == len(s["e2e_tps"]) == 2
+        assert len(s["first_ttft_s"]) == len(s["load_s"]) == len(s["warmup_s"]) == len(s["e2e_tps"]) == 2
+        assert all((w is None) == (m == "mlx-lm") for w in s["warmup_s"])  # mlx-lm has no warm-up
+        assert s["cold_start_s"] == [run["load_s"] + (run["warmup_s"] or 0) + run["requests"][0]["ttft_s"]
+                                     for run in r["runs"][m]]
         assert 0 < s["ttft_median_s"] <= s["ttft_max_s"] and s["e2e_tps_median"] > 0
     assert r["model"] == "tiny OpenELM (random weights)" and r["dtype"] == "float32" and r["device"]
 
@@ -54,14 +62,23 @@ def test_table(report):
     assert md.startswith("Command: `python -m mlx_flashnorm.bench.latency --tiny") and r["device"] in md
     rows = {line.split(" | ")[0][2:]: line.strip(" |").split(" | ") for line in md.splitlines()
             if line.startswith(("| rms | ", "| flash | ", "| mlx-lm | "))}
-    assert list(rows) == MODES and all(len(cells) == 8 for cells in rows.values())
+    assert list(rows) == MODES and all(len(cells) == 10 for cells in rows.values())
     assert rows["rms"][-2] == "1.00" and rows["mlx-lm"][-1] == "1.00"  # end-to-end vs rms, vs mlx-lm
-    assert rows["flash"][2] == " / ".join(f"{x:.2f}" for x in r["results"]["flash"]["first_ttft_s"])
+    assert rows["flash"][3] == " / ".join(f"{x:.2f}" for x in r["results"]["flash"]["first_ttft_s"])
+    assert rows["mlx-lm"][2] == "- / -" and "with warm-up" in md
     requests = [line for line in md.splitlines() if line[:4] in ("| 1 ", "| 2 ", "| 3 ")]
     assert [line.split(" | ")[1:3] for line in requests] == [[str(p), str(n)] for p, n in r["requests"]]
 
 
+def test_no_warmup(tmp_path):
+    main(["--tiny", "--requests", "1", "--modes", "rms", "--no-warmup", "--out", str(tmp_path)])
+    r = json.loads((tmp_path / "latency.json").read_text())
+    assert r["warmup"] is False and r["results"]["rms"]["warmup_s"] == [None]
+    assert "no warm-up" in (tmp_path / "latency.md").read_text()
+
+
 @pytest.mark.parametrize("args, words", [(["--tiny", "--requests", "0"], "--requests >= 1"),
+                                         (["--tiny", "--max-tokens", "0"], "--max-tokens >= 1"),
                                          (["--tiny", "--modes", "rms,fast"], "unknown mode 'fast'"),
                                          (["--tiny", "--shape", "openelm-270m"], "both choose the model"),
                                          (["--shape", "gpt-5"], "unknown shape 'gpt-5'"),

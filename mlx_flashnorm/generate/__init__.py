@@ -128,6 +128,21 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
                 c.keys, c.values, c.offset = k, v, offset.item()
 
 
+WARMUP_PROMPT = 16  # tokens: prefill runs MLX's multi-token kernels, not only its 1-token ones
+WARMUP_STEPS = 3  # tokens generated: the eager first one, then the compiled step twice
+
+
+def warmup(model, compiled=None):
+    """Play one short throwaway request (a prompt of WARMUP_PROMPT tokens, WARMUP_STEPS greedy
+    tokens, a cache of the first bucket, dropped after), so that the first real request finds the
+    decode step traced and MLX's kernels and ours compiled. Greedy sampling draws no random
+    numbers, so later results are those of a fresh model. MLX keeps compiled functions per thread:
+    call it on the thread that will generate. compiled: as generate_step takes it."""
+    prompt = mx.arange(min(WARMUP_PROMPT, context_length(model) - WARMUP_STEPS)) % model.args.vocab_size
+    for _ in generate_step(prompt, model, max_tokens=WARMUP_STEPS, compiled=compiled):
+        pass
+
+
 def make_sampler_for(temp=0.0, top_p=1.0, top_k=0):
     """Greedy when temp == 0; else temperature sampling restricted by top-p (1.0: off) and top-k (0: off)."""
     if temp < 0:
@@ -227,6 +242,9 @@ def add_model_args(p):
                    help=f"weights per scale/bias with --bits: {', '.join(map(str, QUANT_GROUP_SIZES))}")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="activation dtype; auto: float32 on the CPU, the checkpoint's half precision on a GPU")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the throwaway request at load that compiles the decode step and the "
+                        "kernels, so that the first request pays for it instead")
     p.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
 
 
@@ -238,14 +256,18 @@ def add_sampling_args(p):
     p.add_argument("--seed", type=int, default=None, help=f"random seed, 0 to {MAX_SEED} (default: random)")
 
 
-def load_from_args(args):
-    """Check the shared flags, then load the model they name."""
+def load_from_args(args, warm=True):
+    """Check the shared flags, then load the model they name and, with warm and no --no-warmup,
+    warm it up on this thread (warmup)."""
     check_limits(getattr(args, "max_tokens", 1), getattr(args, "seed", None))
     if args.norm == "none":
         print("warning: --norm none removes every normalization; the text is meaningless "
               "(it only measures a speed ceiling)", file=sys.stderr)
-    return load(args.model, norm=args.norm, bits=args.bits, dtype=args.dtype, tokenizer=args.tokenizer,
-                group_size=args.group_size)
+    model, tokenizer = load(args.model, norm=args.norm, bits=args.bits, dtype=args.dtype,
+                            tokenizer=args.tokenizer, group_size=args.group_size)
+    if warm and not args.no_warmup:
+        warmup(model)
+    return model, tokenizer
 
 
 def arg_parser():
