@@ -4,14 +4,15 @@ Every mode plays the same seeded series of requests in a process of its own, sta
 first request pays its own cold start (MLX's kernel compilation, our kernels, the decode step's
 trace). The series is a conversation resent in full each turn, as an OpenAI-style client does:
 each prompt is the previous one plus the reply plus a new user message (cut from the front to fit
-the context), and max_tokens varies from request to request. Our modes warm up after loading, as
-the generate, chat and server commands do (generate.warmup; --no-warmup: not), mlx-lm has no
-warm-up. Reported per mode: load time, warm-up time, time to first token (TTFT) of the first
-request, the cold start (their sum: what the first user of a fresh process waits), median and max
-TTFT over the other requests, and end-to-end tokens/s (generated tokens / wall time of the whole
-series, first request included, load and warm-up not). With --rounds > 1
-the modes take turns (rms flash mlx-lm rms flash ...), each time in a new process, so that a
-cache MLX keeps on disk between processes helps every mode alike after the first round.
+the context), and max_tokens varies from request to request. Our modes warm up after loading as
+the generate, chat and server commands do by default on this device (generate.wants_warmup), or
+as --warmup/--no-warmup say; mlx-lm has no warm-up. Reported per mode: load time, warm-up time,
+time to first token (TTFT) of the first request, the cold start (their sum: what the first user
+of a fresh process waits), median and max TTFT over the other requests, and end-to-end tokens/s
+(generated tokens / wall time of the whole series, first request included, load and warm-up
+not). With --rounds > 1 the modes take turns (rms flash mlx-lm rms flash ...), each time in a new
+process, so that a cache MLX keeps on disk between processes helps every mode alike after the
+first round.
 """
 import argparse
 import json
@@ -27,7 +28,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..errors import HelpFormatter, UserError, run_cli
-from ..generate import warmup
+from ..generate import wants_warmup, warmup
 from ..loader import DTYPE_CHOICES, load, resolve_dtype
 from .decode import (EAGER, PEER, context_length, device_name, load_mlx_lm, load_ours, log, mlx_lm_runner,
                      our_runner, parse_modes, random_checkpoint, random_shape, timed, write_atomic)
@@ -145,7 +146,8 @@ def arg_parser():
     p.add_argument("--requests", type=int, default=8, help="requests in the series")
     p.add_argument("--max-tokens", type=int, default=128,
                    help="the most tokens a request asks for (each draws from a 16th of it to it)")
-    p.add_argument("--no-warmup", action="store_true", help="our modes skip the warm-up after loading")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction,
+                   help="our modes warm up after loading (default: as the commands do on this device)")
     p.add_argument("--rounds", type=int, default=1, help="fresh processes per mode, interleaved")
     p.add_argument("--seed", type=int, default=0, help="seed of the series")
     p.add_argument("--out", default="out/latency", help="folder for latency.md, latency.json")
@@ -195,7 +197,7 @@ def main(argv=None):
         plan = Path(tmp) / "plan.json"
         plan.write_text(json.dumps({"folder": str(Path(tmp) / "model"), "bits": bits, "dtype": dtype,
                                     "group_size": args.group_size, "requests": requests,
-                                    "warmup": not args.no_warmup}))
+                                    "warmup": wants_warmup(args)}))
         runs = {m: [] for m in modes}
         for r in range(args.rounds):
             for mode in modes:
@@ -205,7 +207,7 @@ def main(argv=None):
 
     report = {"model": label, "weights": weights, "dtype": dtype, "device": runs[modes[0]][0]["device"],
               "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "seed": args.seed, "rounds": args.rounds,
-              "warmup": not args.no_warmup,
+              "warmup": wants_warmup(args),
               "command": "python -m mlx_flashnorm.bench.latency " + " ".join(sys.argv[1:] if argv is None else argv),
               "requests": [[len(p), n] for p, n in requests],
               "results": {m: summarize(runs[m]) for m in modes}, "runs": runs}

@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from .errors import UserError, run_cli
 from .generate import (add_model_args, add_sampling_args, context_length, load_from_args, make_sampler_for,
-                       stream_generate, warmup)
+                       stream_generate, wants_warmup, warmup)
 
 
 class BadRequest(Exception):
@@ -291,7 +291,7 @@ def main(argv=None):
     model_id = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
     try:
         server = Server(model, tokenizer, model_id, args.host, args.port, args.max_tokens, args.temp,
-                        args.top_p, args.top_k, warm=not args.no_warmup)
+                        args.top_p, args.top_k, warm=wants_warmup(args))
     except OSError as e:
         raise UserError(f"cannot listen on {args.host}:{args.port}: {e.strerror}")
     host, port = server.server_address[:2]

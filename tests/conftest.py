@@ -50,6 +50,26 @@ TINY_LLAMA = {
     "tie_word_embeddings": True,
 }
 
+TINY_OPENELM = dict(OPENELM_270M, model_dim=128, num_transformer_layers=2, num_query_heads=[4, 4],
+                    num_kv_heads=[2, 1], ffn_multipliers=[0.5, 1.0], vocab_size=512)
+
+QWEN3 = {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 160,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "rms_norm_eps": 1e-6,
+         "vocab_size": 512, "max_position_embeddings": 256, "rope_theta": 1000000.0,
+         "attention_bias": False, "tie_word_embeddings": True}
+QWEN2 = {"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 160,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "vocab_size": 512,
+         "max_position_embeddings": 256, "rope_theta": 1000000.0, "tie_word_embeddings": False}
+
+# google/gemma-3-270m's config.json, shrunk: 7 layers so that both a global layer (the 6th) and
+# sliding ones occur; a window of 8 positions so that 12-token prompts exercise it.
+GEMMA3 = {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 7, "intermediate_size": 128,
+          "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32, "rms_norm_eps": 1e-6,
+          "vocab_size": 512, "max_position_embeddings": 256, "rope_theta": 1000000.0,
+          "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 24, "sliding_window": 8,
+          "sliding_window_pattern": 6, "hidden_activation": "gelu_pytorch_tanh",
+          "final_logit_softcapping": None, "attn_logit_softcapping": None, "rope_scaling": None}
+
 
 def random_weights(model, seed=0, scale=0.02):
     """Random float32 values for every parameter of model, keyed by checkpoint name. Norm weights
@@ -63,6 +83,21 @@ def random_weights(model, seed=0, scale=0.02):
             weights[name] = scale * mx.random.normal(p.shape)
     mx.eval(weights)
     return weights
+
+
+def count_traces(model, monkeypatch):
+    """A list that grows by one each time the decode step is traced: the one time the model runs
+    a step with an array offset (compiled_decode) in Python, on any thread."""
+    traces = []
+    call = type(model).__call__
+
+    def counting(self, tokens, cache=None):
+        if cache is not None and not isinstance(cache[0].offset, int):
+            traces.append(tokens.shape)
+        return call(self, tokens, cache)
+
+    monkeypatch.setattr(type(model), "__call__", counting)
+    return traces
 
 
 def write_checkpoint(folder, config, weights, tokenizer=None):

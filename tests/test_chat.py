@@ -77,7 +77,7 @@ def test_ctrl_c_stops_cleanly(run_chat, monkeypatch):
 
 
 def test_chat_command(tiny_llama_dir):
-    r = cli("mlx_flashnorm.chat", "--model", str(tiny_llama_dir), "--max-tokens", "3",
+    r = cli("mlx_flashnorm.chat", "--model", str(tiny_llama_dir), "--max-tokens", "3", "--warmup",
             stdin="hello\n/reset\nhi again\n")
     assert r.returncode == 0, r.stderr
     assert "[new conversation]" in r.stdout.splitlines()  # (a random model: its answers may hold newlines)

@@ -6,6 +6,7 @@ import sys
 from importlib.metadata import requires, version
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 from conftest import cli
 from test_cli_errors import assert_user_error
@@ -118,6 +119,17 @@ def test_help_shows_every_default():
             if a.default not in (None, False, "==SUPPRESS==") and a.help is not None:
                 assert f"(default: {a.default})" in text, (name, a.dest)
         assert "(default: None)" not in text and "(default: False)" not in text
+
+
+def test_warmup_flags_and_default():
+    """--warmup/--no-warmup decide; without either, the commands warm up on a GPU, not on the CPU."""
+    from mlx_flashnorm.generate import arg_parser, wants_warmup
+
+    def wants(*flags):
+        return wants_warmup(arg_parser().parse_args(["-p", "hi", *flags]))
+
+    assert wants("--warmup") is True and wants("--no-warmup") is False
+    assert wants() == (mx.default_device() == mx.gpu)
 
 
 def test_generate_help_names_bits_0_and_group_size():

@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.utils import load_model
 
-from conftest import load_folder as ours, random_weights, rel, write_checkpoint
+from conftest import GEMMA3, load_folder as ours, random_weights, rel, write_checkpoint
 from mlx_flashnorm import flashnorm, loader
 from mlx_flashnorm.convert import export
 from mlx_flashnorm.errors import UserError
@@ -15,16 +15,6 @@ from mlx_flashnorm.generate import generate_step
 from mlx_flashnorm.models import gemma3
 
 TOL = 1e-4
-
-# google/gemma-3-270m's config.json, shrunk: 7 layers so that both a global layer (the 6th) and
-# sliding ones occur; a window of 8 positions so that 12-token prompts exercise it.
-GEMMA3 = {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 7, "intermediate_size": 128,
-          "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32, "rms_norm_eps": 1e-6,
-          "vocab_size": 512, "max_position_embeddings": 256, "rope_theta": 1000000.0,
-          "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 24, "sliding_window": 8,
-          "sliding_window_pattern": 6, "hidden_activation": "gelu_pytorch_tanh",
-          "final_logit_softcapping": None, "attn_logit_softcapping": None, "rope_scaling": None}
-
 
 @pytest.fixture(scope="module")
 def tokens():

@@ -13,7 +13,7 @@ MODES = ["rms", "flash", "mlx-lm"]
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("latency")
-    main(["--tiny", "--requests", "3", "--rounds", "2", "--modes", ",".join(MODES), "--out", str(out)])
+    main(["--tiny", "--requests", "3", "--rounds", "2", "--modes", ",".join(MODES), "--warmup", "--out", str(out)])
     return out, json.loads((out / "latency.json").read_text())
 
 

@@ -8,20 +8,13 @@ import mlx.core as mx
 import pytest
 from mlx_lm.utils import load_model
 
-from conftest import load_folder as ours, random_weights, rel, write_checkpoint
+from conftest import QWEN2, QWEN3, load_folder as ours, random_weights, rel, write_checkpoint
 from mlx_flashnorm import flashnorm, loader
 from mlx_flashnorm.convert import export
 from mlx_flashnorm.generate import generate_step
 
 TOL = 1e-4
 
-QWEN3 = {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 160,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "rms_norm_eps": 1e-6,
-         "vocab_size": 512, "max_position_embeddings": 256, "rope_theta": 1000000.0,
-         "attention_bias": False, "tie_word_embeddings": True}
-QWEN2 = {"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 160,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "vocab_size": 512,
-         "max_position_embeddings": 256, "rope_theta": 1000000.0, "tie_word_embeddings": False}
 CONFIGS = {"qwen3": QWEN3, "qwen3-untied": {**QWEN3, "tie_word_embeddings": False},
            "qwen2": QWEN2, "qwen2-tied": {**QWEN2, "tie_word_embeddings": True}}
 

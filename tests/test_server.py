@@ -12,8 +12,11 @@ import urllib.request
 import openai
 import pytest
 
+from mlx_flashnorm import load
 from mlx_flashnorm.generate import generate
 from mlx_flashnorm.server import Server
+
+from conftest import count_traces
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 GERMANY = [{"role": "user", "content": "What is the capital of Germany?"}]
@@ -138,6 +141,20 @@ def test_disconnected_stream_stops_its_generation(client):
     r = client.chat.completions.create(model="smol", messages=FRANCE, max_tokens=8, timeout=60)
     assert "Paris" in r.choices[0].message.content
     assert time.perf_counter() - tic < 60  # a few seconds: the worker dropped the first request
+
+
+def test_warm_server_warms_its_worker_thread(tiny_llama_dir, monkeypatch):
+    """Server(warm=True) warms up on the worker thread (MLX keeps compiled functions per thread):
+    its first request traces no decode step."""
+    model, tokenizer = load(str(tiny_llama_dir), progress=False)
+    traces = count_traces(model, monkeypatch)
+    warm = Server(model, tokenizer, "tiny", port=0, warm=True)
+    try:
+        assert len(traces) == 1
+        pieces = list(warm.run(warm.job({"prompt": "hello", "max_tokens": 5}, chat=False)))
+        assert pieces[-1][1:] == ("length", 5) and len(traces) == 1
+    finally:
+        warm.server_close()
 
 
 def test_server_command(tiny_llama_dir, server):

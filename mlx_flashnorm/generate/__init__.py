@@ -242,9 +242,10 @@ def add_model_args(p):
                    help=f"weights per scale/bias with --bits: {', '.join(map(str, QUANT_GROUP_SIZES))}")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="activation dtype; auto: float32 on the CPU, the checkpoint's half precision on a GPU")
-    p.add_argument("--no-warmup", action="store_true",
-                   help="skip the throwaway request at load that compiles the decode step and the "
-                        "kernels, so that the first request pays for it instead")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction,
+                   help="play a short throwaway request after loading, so that the first request finds "
+                        "the decode step and the kernels compiled (default: on a GPU; not on the CPU, "
+                        "where it costs more than it saves once MLX's kernel cache on disk is filled)")
     p.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
 
 
@@ -256,8 +257,16 @@ def add_sampling_args(p):
     p.add_argument("--seed", type=int, default=None, help=f"random seed, 0 to {MAX_SEED} (default: random)")
 
 
+def wants_warmup(args):
+    """--warmup or --no-warmup as given, else on a GPU (where a first request compiles kernels for
+    seconds and the warm-up runs in milliseconds) and not on the CPU: there MLX keeps the kernels it
+    compiles on disk, so that a first request pays only the step's trace (~0.2 s) after the
+    machine's first run, while the warm-up's CPU prefill and steps take ~1.7 s (bench/RESULTS.md)."""
+    return mx.default_device() == mx.gpu if args.warmup is None else args.warmup
+
+
 def load_from_args(args, warm=True):
-    """Check the shared flags, then load the model they name and, with warm and no --no-warmup,
+    """Check the shared flags, then load the model they name and, if warm and wants_warmup(args),
     warm it up on this thread (warmup)."""
     check_limits(getattr(args, "max_tokens", 1), getattr(args, "seed", None))
     if args.norm == "none":
@@ -265,7 +274,7 @@ def load_from_args(args, warm=True):
               "(it only measures a speed ceiling)", file=sys.stderr)
     model, tokenizer = load(args.model, norm=args.norm, bits=args.bits, dtype=args.dtype,
                             tokenizer=args.tokenizer, group_size=args.group_size)
-    if warm and not args.no_warmup:
+    if warm and wants_warmup(args):
         warmup(model)
     return model, tokenizer
 
