@@ -53,18 +53,19 @@ def worker(mode, plan_file):
     plan = json.loads(Path(plan_file).read_text())
     folder, bits, dtype, group_size = Path(plan["folder"]), plan["bits"], plan["dtype"], plan["group_size"]
     t0 = time.perf_counter()
+    compiled = False if mode.endswith(EAGER) else None
     if mode == PEER:
         model = load_mlx_lm(folder, bits, dtype, group_size)
         run = mlx_lm_runner(model)
     else:
         model = load_ours(folder, mode.removesuffix(EAGER), bits, dtype, group_size)
-        run = our_runner(model, compiled=False if mode.endswith(EAGER) else None)
+        run = our_runner(model, compiled=compiled)
     mx.eval(model.parameters())
     load_s = time.perf_counter() - t0
     warmup_s = None
     if plan["warmup"] and mode != PEER:
         t0 = time.perf_counter()
-        warmup(model, compiled=not mode.endswith(EAGER))
+        warmup(model, compiled=compiled)  # the path the requests take
         warmup_s = time.perf_counter() - t0
     requests = []
     for prompt, max_tokens in plan["requests"]:

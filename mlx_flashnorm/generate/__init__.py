@@ -129,7 +129,7 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
 
 
 WARMUP_PROMPT = 16  # tokens: prefill runs MLX's multi-token kernels, not only its 1-token ones
-WARMUP_STEPS = 3  # tokens generated: the eager first one, then the compiled step twice
+WARMUP_STEPS = 3  # tokens generated: the one after prefill, then two decode steps
 
 
 def warmup(model, compiled=None):
