@@ -260,8 +260,9 @@ def add_sampling_args(p):
 def wants_warmup(args):
     """--warmup or --no-warmup as given, else on a GPU (where a first request compiles kernels for
     seconds and the warm-up runs in milliseconds) and not on the CPU: there MLX keeps the kernels it
-    compiles on disk, so that a first request pays only the step's trace (~0.2 s) after the
-    machine's first run, while the warm-up's CPU prefill and steps take ~1.7 s (bench/RESULTS.md)."""
+    compiles on disk, so that after a machine's first run a first request pays ~0.2 s more than
+    later ones (the step's trace, loading the kernels), while the warm-up's CPU prefill and steps
+    take 1.4-1.9 s (bench/RESULTS.md, issue 15)."""
     return mx.default_device() == mx.gpu if args.warmup is None else args.warmup
 
 
