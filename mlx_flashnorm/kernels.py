@@ -3,9 +3,10 @@
 On a GPU the functions below run one custom kernel each: ``mx.fast.cuda_kernel`` on CUDA, and on
 Metal ``mx.fast.metal_kernel`` with the same body respelled (METAL_SPELLING; never run here: no
 Apple hardware). On the CPU they run the plain MLX composition, which is also the reference of
-the tests and of each kernel's self-check: once per process (the loader calls self_check on a
-GPU) every kernel is compared with its fallback on small inputs, and one that fails to compile or
-to match prints a warning line and falls back for the rest of the process. Inside ``mx.compile`` a custom kernel is one node of the graph like any built-in op, so
+the tests and of each kernel's self-check: at load on a GPU (self_check) every kernel is compared
+with its fallback on small inputs, and one that fails to compile or to match prints a warning
+line and falls back for the rest of the process; a pass is remembered per kernel code, MLX
+version and device (CACHE_DIR), so later processes skip it. Inside ``mx.compile`` a custom kernel is one node of the graph like any built-in op, so
 each kernel here removes the graph nodes (and GPU launches) of the ops it replaces: that is the
 per-token cost that bounds decoding on a fast GPU.
 
@@ -56,7 +57,7 @@ def portable():
     mx.fast.rms_norm, so FlashNorm takes its weightless form (flashnorm.apply) and decoding runs
     eagerly over exactly the filled cache (generate_step), as mlx-lm does: a compiled step over a
     fixed-size cache needs a masked attention, which MLX's CUDA backend does not fuse (measured in
-    bench/RESULTS.md, "Portable path"). The CPU keeps the deferred form (the tests' reference)."""
+    bench/RESULTS.md, "Second pass on speed"). The CPU keeps the deferred form (the tests' reference)."""
     return mx.default_device() == mx.gpu and not use_gpu("add_rss")
 
 
@@ -125,7 +126,7 @@ def float_bits(value):
 
 # One body per kernel, written in CUDA; the Metal form is the same body respelled by this table
 # (identifiers CUDA and Metal name differently) with its own header. Each kernel checks itself
-# against its fallback once per process (self_check), on whichever backend it runs.
+# against its fallback (self_check), on whichever backend it runs.
 CUDA_DTYPES = """
 __device__ inline float fn_f(float v) { return v; }
 __device__ inline float fn_f(__half v) { return __half2float(v); }
@@ -207,7 +208,7 @@ _ATTENTION = """
   // A long cache (C > SPLIT_ABOVE) is split in chunks of CHUNK positions over S blocks per head
   // (flash-decoding): each writes its partial softmax state (max, sum; weighted values) and
   // fn_decode_combine merges them. A short one is one block per head, which writes o itself.
-  constexpr int VPT = D / 32, NW = 8, SPLIT_ABOVE = 1024, CHUNK = 256;
+  constexpr int VPT = D / 32, NW = 8;  // SPLIT_ABOVE, CHUNK: template constants (Python's)
   const int HQ = q_shape[1], HKV = k_shape[1], C = k_shape[2];
   const int S = C > SPLIT_ABOVE ? (C + CHUNK - 1) / CHUNK : 1;
   const int head = blockIdx.x / S, split = blockIdx.x % S;
@@ -271,7 +272,7 @@ _COMBINE = """
   }
 """
 
-SPLIT_ABOVE, CHUNK = 1024, 256  # as in _ATTENTION: caches longer than SPLIT_ABOVE are split
+SPLIT_ABOVE, CHUNK = 1024, 256  # caches longer than SPLIT_ABOVE are split in CHUNKs (_ATTENTION)
 
 
 @lru_cache(maxsize=None)
@@ -294,7 +295,7 @@ def decode_attention(q, k, v, n, scale):
         attend, combine = _attention_kernels()
         o, part_o, part_ml = attend(
             inputs=[q, k, v, n.astype(mx.int32).reshape(1), constant(mx.float32, scale)],
-            template=[("T", q.dtype), ("D", D)],
+            template=[("T", q.dtype), ("D", D), ("SPLIT_ABOVE", SPLIT_ABOVE), ("CHUNK", CHUNK)],
             grid=(heads * S * threads, 1, 1), threadgroup=(threads, 1, 1),
             output_shapes=[q.shape, (heads, S, D), (heads, S, 2)],
             output_dtypes=[q.dtype, mx.float32, mx.float32])
