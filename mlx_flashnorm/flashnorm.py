@@ -105,11 +105,42 @@ class Deferred(NamedTuple):
     s: mx.array
 
 
+class Pending:
+    """A DeferredNorm's work left to its consumer (Sec. 5, decode): the inputs of the residual add
+    and 1/RSSe. The consumer's first projection computes them beside its matmul in one kernel
+    (kernels.qkv_rope, kernels.gate_up), which also returns p and records it here; any other
+    reader settles it through kernels.add_rss, the same operations as without it. A DeferredNorm
+    hands it out twice, for its consumer and as the residual stream (residual())."""
+
+    def __init__(self, norm, x, xs, r):
+        self.norm, self.x, self.xs, self.r = norm, x, xs, r
+        self.p = None  # the residual stream x * xs + r, once computed
+        self._settled = None
+
+    @property
+    def args(self):
+        """kernels.qkv_rope / gate_up's first arguments: x, eps, xs, r, g."""
+        return self.x, self.norm.eps, self.xs, self.r, self.norm.get("gain")
+
+    def settle(self):
+        if self._settled is None:
+            p, pg, s = kernels.add_rss(self.x, self.norm.eps, xs=self.xs, r=self.r, g=self.norm.get("gain"))
+            self._settled, self.p = Deferred(p, p if pg is None else pg, s), p
+        return self._settled
+
+    def residual(self):
+        return self.p if self.p is not None else self.settle().x
+
+
 class DeferredNorm(nn.Module):
     """What FlashNorm leaves of a pre-norm inside a model: the fused residual add, 1/RSSe and, when
     not folded, the gain, in one pass (kernels.add_rss: one kernel on CUDA). m(x) -> Deferred;
     m(x, residual) -> (Deferred, p) with p = x + residual (the models' fused-residual form). The
-    flash module after it reads the Deferred instead of a normalized array."""
+    flash module after it reads the Deferred instead of a normalized array. With `fuse` set
+    (apply(): a block's pre-norm whose residual only DeferredNorms read) a one-row input gives a
+    Pending for both, its work left to the consumer's fused kernel."""
+
+    fuse = False
 
     def __init__(self, eps, gain=None):
         super().__init__()
@@ -122,14 +153,30 @@ class DeferredNorm(nn.Module):
         if isinstance(x, Deferred):
             x, xs = x.xg, x.s
         r = residual[0] if residual else None
+        if isinstance(r, Pending):
+            r = r.residual()
+        if self.fuse and residual and x.size == x.shape[-1]:
+            pending = Pending(self, x, xs, r)
+            return pending, pending
         p, pg, s = kernels.add_rss(x, self.eps, xs=xs, r=r, g=self.get("gain"))
         d = Deferred(p, p if pg is None else pg, s)
         return (d, p) if residual else d
 
 
+def fused(x, kernel, module, name):
+    """The Pending x when the consumer can hand it to the fused kernel `kernel` with its linear
+    `name`, else None."""
+    if isinstance(x, Pending) and name in module and kernels.fused_supported(kernel, x.x, module[name]):
+        return x
+    return None
+
+
 def deferred_input(module, x):
     """(x * gain, 1/RSSe(x)) for a flash module: read from a Deferred (its DeferredNorm did the
-    work), or computed here in one pass (standalone use: the module holds eps and gain)."""
+    work, or settles it now), or computed here in one pass (standalone use: the module holds eps
+    and gain)."""
+    if isinstance(x, Pending):
+        x = x.settle()
     if isinstance(x, Deferred):
         return x.xg, x.s
     _, xg, s = kernels.add_rss(x, module.eps, g=module.get("gain"))
@@ -160,7 +207,7 @@ class _Deferred:
     eps = None
 
     def __call__(self, x, s=None):
-        if isinstance(x, Deferred) or (s is None and self.eps is not None):
+        if isinstance(x, (Deferred, Pending)) or (s is None and self.eps is not None):
             x, s = deferred_input(self, x)
         else:
             x = gained(self, x)
@@ -231,6 +278,9 @@ class FlashSwiGLU(nn.Module):
         self.down_proj = deferred(mlp.down_proj)
 
     def __call__(self, x):
+        if self.activation is nn.silu and (pending := fused(x, "gate_up", self, "gate_up_proj")):
+            pending.p, h, s = kernels.gate_up(*pending.args, self.gate_up_proj)
+            return deferred_output(self, self.down_proj(h), s)
         a, s = deferred_input(self, x)
         late = not any("bias" in self[p] for p in held(self, GATE_UP))  # else s before the biases
         gate, up = project(self, a, GATE_UP, None if late else s)
@@ -263,6 +313,9 @@ class FlashFusedSwiGLU(nn.Module):
         self.proj_2 = deferred(ffn.proj_2)
 
     def __call__(self, x):
+        if pending := fused(x, "gate_up", self, "proj_1"):
+            pending.p, h, s = kernels.gate_up(*pending.args, self.proj_1)
+            return deferred_output(self, self.proj_2(h), s)
         a, s = deferred_input(self, x)
         gate, up = mx.split(self.proj_1(a), 2, axis=-1)
         h = (nn.silu(gate * s) * up).astype(up.dtype)  # float32 in half precision, rounded once
@@ -405,9 +458,13 @@ class FlashAttention(nn.Module):
         self._theta = self._rope[0] * self._rope[1]  # angle per position (kernels.rope_qkv)
 
     def __call__(self, x, mask=None, cache=None):
+        offset = cache.offset if cache is not None else 0
+        if kernels.rope_qkv_supported(self.head_dim, self.traditional) and (pending := fused(x, "qkv_rope", self, "qkv_proj")):
+            pending.p, q, k, v = kernels.qkv_rope(*pending.args, self.qkv_proj, offset, self._theta, self.n_heads,
+                                                  self.n_kv_heads, factor=self.head_dim**-0.25)
+            return attend(q, k, v, mask, cache, self.o_proj)
         a, s = deferred_input(self, x)
         B, L, _ = a.shape
-        offset = cache.offset if cache is not None else 0
         biases = any("bias" in self[p] for p in held(self, QKV))
         if not biases and kernels.rope_qkv_supported(self.head_dim, self.traditional):
             q, k, v = kernels.rope_qkv(*rope_qkv_inputs(self, a), s, offset,
@@ -474,12 +531,17 @@ class FlashQKNormAttention(nn.Module):
         return apply_rope(x, cos * gain[0], sin * gain[1], self.traditional, inv)
 
     def __call__(self, x, mask=None, cache=None):
-        a, s = deferred_input(self, x)
-        B, L, _ = a.shape
         offset = cache.offset if cache is not None else 0
         out_proj = self[self.out_name]
+        qk_norm = "q_gain" in self  # Sec. 4; else Sec. 3 with s in cos/sin
+        if kernels.rope_qkv_supported(self.head_dim, self.traditional) and (pending := fused(x, "qkv_rope", self, "qkv_proj")):
+            pending.p, q, k, v = kernels.qkv_rope(*pending.args, self.qkv_proj, offset, self._theta, self.n_heads,
+                                                  self.n_kv_heads, (self.q_gain, self.k_gain) if qk_norm else None,
+                                                  self.qk_eps if qk_norm else 0.0, self.factor)
+            return attend(q, k, v, mask, cache, out_proj)
+        a, s = deferred_input(self, x)
+        B, L, _ = a.shape
         if kernels.rope_qkv_supported(self.head_dim, self.traditional):
-            qk_norm = "q_gain" in self  # Sec. 4; else Sec. 3 with s in cos/sin
             q, k, v = kernels.rope_qkv(*rope_qkv_inputs(self, a), s, offset, self._theta, self.n_heads,
                                        self.n_kv_heads, (self.q_gain, self.k_gain) if qk_norm else None,
                                        self.qk_eps if qk_norm else 0.0, factor=self.factor)
@@ -523,6 +585,8 @@ class TiedFlashHead(nn.Module):
         self._model = lambda: model  # a plain attribute: keeps the embedding out of this subtree
 
     def __call__(self, x):
+        if isinstance(x, Pending):
+            x = x.settle()
         if isinstance(x, Deferred):
             xg, s = x.xg, x.s
         else:
@@ -697,7 +761,9 @@ def apply(model, head=DEFAULT_HEAD, fold=True, deferred=None):
             module = pair.flash(getattr(layer, pair.norm), getattr(layer, pair.consumer), fold)
             module.defer_output = pair.defer_output  # an FFN's last scale into the next residual add
             setattr(layer, pair.consumer, module)
-            setattr(layer, pair.norm, DeferredNorm(module.eps, module.pop("gain", None)))
+            norm = DeferredNorm(module.eps, module.pop("gain", None))
+            norm.fuse = not spec.kept  # a kept norm (Gemma's post-norms) reads the residual itself
+            setattr(layer, pair.norm, norm)
     trunk = getattr(model, spec.trunk)
     norm = trunk.norm
     if "lm_head" in model:

@@ -12,6 +12,8 @@ import pytest
 
 from mlx_flashnorm import kernels
 
+from conftest import f32_tol
+
 CUDA = kernels.use_gpu()
 RTOL = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}  # max |a - b| / max |b|
 
@@ -230,7 +232,8 @@ def test_metal_spelling_leaves_no_cuda():
     survives (the Metal kernels themselves never ran here; they check themselves at first use)."""
     import re
 
-    bodies = [kernels._ATTENTION, kernels._COMBINE, kernels._ROPE_QKV, kernels._ADD_RSS]
+    bodies = [kernels._ATTENTION, kernels._COMBINE, kernels._ROPE_QKV, kernels._ADD_RSS, kernels._QKV_ROPE,
+              kernels._GATE_UP]
     for body in bodies:
         metal = kernels.spell(body, "metal")
         assert "threadgroup_position_in_grid" in metal or "thread_position_in_threadgroup" in metal
@@ -261,3 +264,92 @@ def test_rope_qkv_mlx_form(qk_norm):
         want_q, want_k = rope(x[:, :Hq] * (c * s[:, None])), rope(x[:, Hq:Hq + Hkv] * (c * s[:, None]))
     assert rel(q, want_q) < 1e-5 and rel(k, want_k) < 1e-5
     assert rel(v, x[:, Hq + Hkv:] * s[:, None]) < 1e-6
+
+
+def quantized(out_dims, in_dims, seed, bits, group_size, dtype):
+    linear = mlx_nn.Linear(in_dims, out_dims, bias=False)
+    linear.weight = rand((out_dims, in_dims), seed, 0.05, dtype)
+    return mlx_nn.QuantizedLinear.from_linear(linear, group_size, bits)
+
+
+def normalized_product(linear, x, xs, r, g, eps, dtype):
+    """The reference of the fused projections: p = x * xs + r rounded to dtype, RMSNorm(p) * g
+    and the dequantized weight's product, in float32."""
+    p = (x.astype(mx.float32) * xs + r.astype(mx.float32)).astype(dtype)
+    w = mx.dequantize(linear.weight, linear.scales, linear.biases, linear.group_size, linear.bits)
+    n = mx.fast.rms_norm(p.astype(mx.float32), g, eps)
+    return p, n @ w.astype(mx.float32).T
+
+
+# Half precision: the composition (the CPU's) rounds the norm's output, each product and the q/k
+# heads before QK-norm to the dtype; the CUDA kernel keeps float32 from input to output.
+FUSED_TOL = {mx.float32: f32_tol(1e-4), mx.float16: 2e-2, mx.bfloat16: 1.2e-1}
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("bits,group_size,K", [(4, 64, 320), (8, 32, 576)])
+@pytest.mark.parametrize("qk_norm,D,Hq,Hkv", [(True, 64, 4, 2), (False, 128, 3, 1)])
+@pytest.mark.parametrize("scale", [1.0, 5e3])  # 5e3: |p| up to 3e4, a trained model's residual stream
+def test_qkv_rope(dtype, bits, group_size, K, qk_norm, D, Hq, Hkv, scale):
+    """kernels.qkv_rope (one CUDA kernel; its composition elsewhere): residual add, RMSNorm, the
+    q/k/v product, RoPE (Sec. 3: the softmax scale's root; Sec. 4: QK-norm with its gains)."""
+    eps, qk_eps, off, c = 1e-5, 1e-6, 37, D**-0.25
+    linear = quantized((Hq + 2 * Hkv) * D, K, 1, bits, group_size, dtype)
+    x, r = rand((1, 1, K), 2, scale, dtype), rand((1, 1, K), 3, scale, dtype)
+    xs, gw = mx.full((1, 1, 1), 0.5), 1 + 0.3 * rand((K,), 4)
+    theta = mx.exp(-mx.arange(D // 2, dtype=mx.float32) * (2 * math.log(10000.0) / D))
+    gq, gk = 1 + 0.3 * rand((D,), 5), 1 + 0.3 * rand((D,), 6)
+    table = lambda g: mx.stack([c * math.sqrt(D) * g, mx.concatenate([c * math.sqrt(D) * g[D // 2:],
+                                                                       c * math.sqrt(D) * g[:D // 2]])])
+    p, q, k, v = kernels.qkv_rope(x, eps, xs, r, math.sqrt(K) * gw, linear, off, theta, Hq, Hkv,
+                                  (table(gq), table(gk)) if qk_norm else None, qk_eps, c)
+    want_p, y = normalized_product(linear, x, xs, r, gw, eps, dtype)
+    y = y.reshape(1, 1, -1, D).transpose(0, 2, 1, 3)
+    yq, yk, yv = y[:, :Hq], y[:, Hq:Hq + Hkv], y[:, Hq + Hkv:]
+    rope = lambda a: mx.fast.rope(a, D, traditional=False, base=10000.0, scale=1.0, offset=off)
+    if qk_norm:
+        yq, yk = mx.fast.rms_norm(yq, gq, qk_eps), mx.fast.rms_norm(yk, gk, qk_eps)
+    assert mx.array_equal(p, want_p).item() and p.dtype == dtype
+    for got, want in ((q, c * rope(yq)), (k, c * rope(yk)), (v, yv)):
+        assert got.shape == want.shape and got.dtype == dtype
+        assert rel(got, want) < FUSED_TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("bits,group_size,K,I", [(4, 64, 320, 200), (8, 32, 576, 1536)])
+@pytest.mark.parametrize("scale", [1.0, 5e3])
+def test_gate_up(dtype, bits, group_size, K, I, scale):
+    """kernels.gate_up: residual add, RMSNorm, the gate/up product and SwiGLU, the up branch's
+    scale returned apart (a * s = silu(gate) * up)."""
+    eps = 1e-5
+    linear = quantized(2 * I, K, 7, bits, group_size, dtype)
+    x, r = rand((1, 1, K), 8, scale, dtype), rand((1, 1, K), 9, scale, dtype)
+    xs, gw = mx.full((1, 1, 1), 0.5), 1 + 0.3 * rand((K,), 10)
+    p, a, s = kernels.gate_up(x, eps, xs, r, math.sqrt(K) * gw, linear)
+    want_p, y = normalized_product(linear, x, xs, r, gw, eps, dtype)
+    gate, up = mx.split(y, 2, axis=-1)
+    assert mx.array_equal(p, want_p).item()
+    assert a.dtype == dtype and s.dtype == mx.float32 and bool(mx.isfinite(a).all())
+    assert rel(a.astype(mx.float32) * s, mlx_nn.silu(gate) * up) < FUSED_TOL[dtype]
+
+
+@pytest.mark.parametrize("arch", ["llama", "openelm"])
+def test_quantized_flash_decode_uses_fused_kernels(arch):
+    """A quantized flash model's decode step (one row: each pre-norm's work left to its consumer's
+    fused kernel on a GPU) gives rms's logits; on a GPU through fn_qkv_rope and fn_gate_up."""
+    from conftest import TINY_LLAMA, TINY_OPENELM, random_weights
+    from mlx_flashnorm.cache import make_cache
+    from mlx_flashnorm.loader import build_model, model_args, prepare
+
+    config = {"llama": TINY_LLAMA, "openelm": TINY_OPENELM}[arch]
+    arch_module, args = model_args(config)
+    weights = random_weights(arch_module.Model(args), seed=3, scale=0.1)
+    logits = []
+    for norm in ("rms", "flash"):
+        model = prepare(build_model(config, dict(weights), progress=False), norm=norm, bits=4, group_size=32)
+        cache = make_cache(model)
+        model(mx.arange(5)[None], cache=cache)
+        logits.append(model(mx.array([[7]]), cache=cache))
+    assert rel(logits[1], logits[0]) < f32_tol(1e-4)
+    if CUDA:
+        assert {name for name, _ in kernels.VARIANTS} >= {"fn_qkv_rope", "fn_gate_up"}
