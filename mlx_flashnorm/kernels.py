@@ -17,6 +17,9 @@ per-token cost that bounds decoding on a fast GPU.
     rope_qkv           FlashNorm Sec. 3/4 after the q, k, v projections: RoPE with the deferred
                        1/RSS (Sec. 3) or, with QK-norm (Sec. 4), each head's own 1/RSSe and the
                        q/k norm weights fused into cos/sin (rotate-half layout); v * s
+    qkv_rope, gate_up  Sec. 5, one decode row: a pre-norm's residual add, 1/RSSe and gain computed
+                       inside its consumer's first 4/8-bit matmul kernel, with rope_qkv's work
+                       (q/k/v) or SwiGLU with the up scale deferred (gate/up) as the epilogue
 
 On the CPU, where decoding is bound by MLX's (single-threaded) 4-bit matrix-vector product,
 quantized_matmul splits the weight rows over two CPU streams, which MLX runs on two threads; the
@@ -200,6 +203,11 @@ def _kernel(name, inputs, outputs, source):
     return launch
 
 
+# Each kernel's self-check (CHECKS, self_check) is a call on small float16 inputs, written beside it.
+def _random(shape, seed, dtype=mx.float16, scale=1.0):
+    return (scale * mx.random.normal(shape, key=mx.random.key(seed))).astype(dtype)
+
+
 # ---------------------------------------------------------------- attention over a static cache
 
 _ATTENTION = """
@@ -308,6 +316,13 @@ def decode_attention(q, k, v, n, scale):
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
+def _check_decode_attention():  # a short cache (one block per head) and a split long one
+    q, k, v = _random((2, 6, 1, 64), 4), _random((2, 2, 40, 64), 5), _random((2, 2, 40, 64), 6)
+    long_k, long_v = _random((1, 2, SPLIT_ABOVE + 76, 64), 14), _random((1, 2, SPLIT_ABOVE + 76, 64), 15)
+    return (decode_attention(q, k, v, mx.array(29), 0.125),
+            decode_attention(q[:1], long_k, long_v, mx.array(SPLIT_ABOVE + 50), 0.125))
+
+
 # ---------------------------------------------------------------- residual add + deferred scale
 
 _ADD_RSS = """
@@ -397,6 +412,12 @@ def add_rss(x, eps, xs=None, r=None, g=None):
     P = power_of_two_below(s)
     pg = (pf * P if g is None else pf * (g.astype(mx.float32) * P)).astype(x.dtype)
     return p, pg, s / P
+
+
+def _check_add_rss():
+    x, r = _random((3, 320), 1, scale=300.0), _random((3, 320), 2, scale=300.0)
+    g = 1 + 0.3 * _random((320,), 3, mx.float32)
+    return add_rss(x, 1e-6, xs=mx.full((3, 1), 0.7), r=r, g=g)
 
 
 # ---------------------------------------------------------------- QK-norm + RoPE (Sec. 4)
@@ -520,6 +541,14 @@ def _rope_qkv_mlx(q, k, v, s, offset, theta, n_heads, n_kv_heads, gains, eps, fa
 
     qg, kg = gains if gains is not None else (None, None)
     return rope(q, qg), rope(k, kg), (v.astype(mx.float32) * sf).astype(v.dtype)
+
+
+def _check_rope_qkv():
+    qkv = _random((2, 3, 8 * 64), 7, scale=3.0)
+    s = mx.abs(_random((2, 3, 1), 8, mx.float32))
+    theta = mx.exp(-mx.arange(32, dtype=mx.float32) * (2 * math.log(10000.0) / 64))
+    gains = (1 + 0.3 * _random((2, 64), 9, mx.float32), 1 + 0.3 * _random((2, 64), 10, mx.float32))
+    return rope_qkv(qkv, qkv, qkv, s, 5, theta, 4, 2, gains, 1e-6, 0.35)
 
 
 # ---------------------------------------------------------------- Sec. 5: norm beside the matmul
@@ -710,33 +739,6 @@ def gate_up(x, eps, xs, r, g, linear):
         output_dtypes=[x.dtype, x.dtype, mx.float32])
 
 
-# ---------------------------------------------------------------- self-check at first use
-
-def _random(shape, seed, dtype=mx.float16, scale=1.0):
-    return (scale * mx.random.normal(shape, key=mx.random.key(seed))).astype(dtype)
-
-
-def _check_add_rss():
-    x, r = _random((3, 320), 1, scale=300.0), _random((3, 320), 2, scale=300.0)
-    g = 1 + 0.3 * _random((320,), 3, mx.float32)
-    return add_rss(x, 1e-6, xs=mx.full((3, 1), 0.7), r=r, g=g)
-
-
-def _check_decode_attention():  # a short cache (one block per head) and a split long one
-    q, k, v = _random((2, 6, 1, 64), 4), _random((2, 2, 40, 64), 5), _random((2, 2, 40, 64), 6)
-    long_k, long_v = _random((1, 2, SPLIT_ABOVE + 76, 64), 14), _random((1, 2, SPLIT_ABOVE + 76, 64), 15)
-    return (decode_attention(q, k, v, mx.array(29), 0.125),
-            decode_attention(q[:1], long_k, long_v, mx.array(SPLIT_ABOVE + 50), 0.125))
-
-
-def _check_rope_qkv():
-    qkv = _random((2, 3, 8 * 64), 7, scale=3.0)
-    s = mx.abs(_random((2, 3, 1), 8, mx.float32))
-    theta = mx.exp(-mx.arange(32, dtype=mx.float32) * (2 * math.log(10000.0) / 64))
-    gains = (1 + 0.3 * _random((2, 64), 9, mx.float32), 1 + 0.3 * _random((2, 64), 10, mx.float32))
-    return rope_qkv(qkv, qkv, qkv, s, 5, theta, 4, 2, gains, 1e-6, 0.35)
-
-
 def _quantized(out_dims, in_dims, seed):
     linear = nn.Linear(in_dims, out_dims, bias=False)
     linear.weight = _random((out_dims, in_dims), seed, scale=0.05)
@@ -757,6 +759,8 @@ def _check_gate_up():
     x, r = _random((1, 1, 320), 23, scale=300.0), _random((1, 1, 320), 24, scale=300.0)
     return gate_up(x, 1e-6, mx.full((1, 1, 1), 0.01), r, 1 + 0.3 * _random((320,), 25, mx.float32), linear)
 
+
+# ---------------------------------------------------------------- self-check at first use
 
 def _check_normalize():
     from .nn import normalize  # nn.py's fused add + RMSNorm kernel (nn.py imports this module)

@@ -4,6 +4,8 @@ On this CPU the functions run their fallbacks; on a CUDA machine (the device run
 too) the same tests check the CUDA kernels, and the `cuda` tests compare kernel and fallback."""
 import importlib.util
 import math
+import shutil
+import subprocess
 import threading
 
 import mlx.core as mx
@@ -232,9 +234,7 @@ def test_metal_spelling_leaves_no_cuda():
     survives (the Metal kernels themselves never ran here; they check themselves at first use)."""
     import re
 
-    bodies = [kernels._ATTENTION, kernels._COMBINE, kernels._ROPE_QKV, kernels._ADD_RSS, kernels._QKV_ROPE,
-              kernels._GATE_UP]
-    for body in bodies:
+    for body in (getattr(kernels, name) for name in SIGNATURES):
         metal = kernels.spell(body, "metal")
         assert "threadgroup_position_in_grid" in metal or "thread_position_in_threadgroup" in metal
         left = re.findall(r"\b(?:__\w+|blockIdx|threadIdx|blockDim|rsqrtf|exp2f|expf|fmaxf|sinf|cosf|sincosf)\b",
@@ -353,3 +353,52 @@ def test_quantized_flash_decode_uses_fused_kernels(arch):
     assert rel(logits[1], logits[0]) < f32_tol(1e-4)
     if CUDA:
         assert {name for name, _ in kernels.VARIANTS} >= {"fn_qkv_rope", "fn_gate_up"}
+
+
+# Every kernel body of kernels.py with its inputs and template arguments (the CUDA spelling).
+F16, F32, I32, U32 = "__half", "float", "int32_t", "uint32_t"
+SIGNATURES = {
+    "_ATTENTION": ([("q", F16), ("k", F16), ("v", F16), ("n", I32), ("scale", F32)],
+                   [("o", F16), ("part_o", F32), ("part_ml", F32)],
+                   [("T", F16), ("D", 64), ("SPLIT_ABOVE", kernels.SPLIT_ABOVE), ("CHUNK", kernels.CHUNK)]),
+    "_COMBINE": ([("part_o", F32), ("part_ml", F32)], [("o", F16)], [("T", F16)]),
+    "_ADD_RSS": ([("x", F16), ("xs", F32), ("r", F16), ("g", F32), ("flags", I32), ("eps", F32)],
+                 [("p", F16), ("pg", F16), ("s", F32)], [("T", F16)]),
+    "_ROPE_QKV": ([("q", F16), ("k", F16), ("v", F16), ("s", F32), ("off", I32), ("theta", F32), ("qg", F32),
+                   ("kg", F32), ("dims", I32), ("consts", F32)], [("qo", F16), ("ko", F16), ("vo", F16)],
+                  [("T", F16), ("D", 64)]),
+    "_QKV_ROPE": ([("x", F16), ("xs", F32), ("r", F16), ("g", F32), ("wq", U32), ("scales", F16), ("biases", F16),
+                   ("theta", F32), ("qg", F32), ("kg", F32), ("off", I32), ("dims", I32), ("consts", F32)],
+                  [("h", F16), ("qo", F16), ("ko", F16), ("vo", F16)],
+                  [("T", F16), ("BITS", 4), ("KMAX", kernels.KMAX["cuda"])]),
+    "_GATE_UP": ([("x", F16), ("xs", F32), ("r", F16), ("g", F32), ("wq", U32), ("scales", F16), ("biases", F16),
+                  ("dims", I32), ("consts", F32)], [("h", F16), ("a", F16), ("so", F32)],
+                 [("T", F16), ("BITS", 8), ("KMAX", kernels.KMAX["cuda"])]),
+}
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs the CUDA compiler (this CPU machine has one)")
+def test_cuda_bodies_compile(tmp_path):
+    """Every CUDA kernel body compiles, wrapped as mx.fast.cuda_kernel wraps it (a __global__
+    function of the inputs, their shapes where the body reads them, and the outputs): a syntax
+    error shows here, without a GPU."""
+    header = tmp_path / "mlx/backend/cuda/device/utils.cuh"  # what MLX's wrapper includes, in brief
+    header.parent.mkdir(parents=True)
+    header.write_text("#pragma once\n#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n"
+                      "#include <cuda/std/array>\nusing Shape = cuda::std::array<int32_t, 10>;\n")
+    source = ['#include "mlx/backend/cuda/device/utils.cuh"', kernels._HEADERS["cuda"], "namespace mlx::core::cu {"]
+    for name, (inputs, outputs, template) in SIGNATURES.items():
+        body = getattr(kernels, name)
+        args = []
+        for arg, ctype in inputs:
+            args.append(f"const {ctype}* {arg}")
+            args += [f"const __grid_constant__ Shape {arg}_shape"] if f"{arg}_shape" in body else []
+            args += [f"const __grid_constant__ int {arg}_ndim"] if f"{arg}_ndim" in body else []
+        args += [f"{ctype}* {arg}" for arg, ctype in outputs]
+        consts = "".join(f"  using {k} = {v};\n" if isinstance(v, str) else f"  constexpr int {k} = {v};\n"
+                         for k, v in template)
+        source.append(f"__global__ void k{name}({', '.join(args)}) {{\n{consts}{body}\n}}")
+    (tmp_path / "kernels.cu").write_text("\n".join(source) + "\n}\n")
+    done = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "--ptx", "-I", str(tmp_path), "-o",
+                           str(tmp_path / "kernels.ptx"), str(tmp_path / "kernels.cu")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
