@@ -80,9 +80,9 @@ def test_flash_matches_rms(gguf, tokens, reference):
     assert err_flash <= BF16_SLACK * err_rms, (err_flash, err_rms)
 
 
-# Measured (max rel. to float32, 3 prompts): rms 0.0154 / 0.024 / 0.0175, flash 0.0179 / 0.0228 /
-# 0.0200: the same size, either side. Flash rounds the deferred 1/RMS to bfloat16 before it
-# multiplies it in, one rounding more than rms's float32 norm, so no strict bound holds.
+# Measured (max rel. to float32, 3 prompts, 2026-11-23): rms 0.0154 / 0.024 / 0.0163, flash 0.0158 /
+# 0.0266 / 0.0216: the same size. Flash rounds at other places than rms (its unnormalized
+# projections, the deferred products), so no strict bound holds; the allowance is stated here.
 BF16_SLACK = 1.5
 
 

@@ -14,11 +14,16 @@ from test_flashnorm import tiny_llama, tiny_openelm
 PROMPT = "The capital of France is Paris. The capital of Germany is"
 
 
+CHAT = "Explain why the sky is blue in two sentences."
+
+
 @pytest.fixture(scope="module")
 def reference():
+    """(tokens, float32 rms logits) for a plain and a chat-templated prompt."""
     model, tok = load(None, norm="rms", dtype="float32", progress=False)
-    tokens = mx.array(tok.encode(PROMPT))[None]
-    return tokens, model(tokens)
+    prompts = [tok.encode(PROMPT), tok.apply_chat_template([{"role": "user", "content": CHAT}],
+                                                           add_generation_prompt=True)]
+    return [(mx.array(t)[None], model(mx.array(t)[None])) for t in prompts]
 
 
 def errors(logits, want):
@@ -30,29 +35,19 @@ def errors(logits, want):
             mx.mean(mx.argmax(got, -1) == mx.argmax(want, -1)).item())
 
 
-def test_real_weights_float16(reference):
-    """SmolLM2 (the shipped Q4_1 GGUF; flash keeps the gain on the activations): finite logits,
-    flash's max relative error against float32 rms at most 1.5x rms's own float16 error + 5e-3,
-    and top-1 agreement with float32 at least rms's. Measured: rms 0.018, flash 0.023."""
-    tokens, want = reference
-    e = {n: errors(load(None, norm=n, dtype="float16", progress=False)[0](tokens), want)
-         for n in ("rms", "flash")}
-    assert e["flash"][0] <= 1.5 * e["rms"][0] + 5e-3, e
-    assert e["flash"][2] >= e["rms"][2], e
-
-
-def test_real_weights_bfloat16(reference):
-    """bfloat16 has float32's range, so nothing overflows; its 8-bit mantissa makes SmolLM2 itself
-    chaotic: the first token's massive activation (born in layers 9-11) is 7-13% off in bfloat16
-    and every later position attends to it. An rms-equivalent computation that only rounds at other
-    places (flash with the scale applied before the matmuls) is as far from rms (Frobenius 0.174
-    vs 0.126, top-1 0.76 vs 0.84 on a chat prompt) as flash is, so this checks what holds for any
-    such rounding: finite, the Frobenius error within 1.5x of rms's + 0.02, and most top-1 tokens."""
-    tokens, want = reference
-    e = {n: errors(load(None, norm=n, dtype="bfloat16", progress=False)[0](tokens), want)
-         for n in ("rms", "flash")}
-    assert e["flash"][1] <= 1.5 * e["rms"][1] + 0.02, e
-    assert e["flash"][2] >= e["rms"][2] - 0.25, e
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_real_weights(reference, dtype):
+    """SmolLM2 (the shipped Q4_1 GGUF; flash keeps the gain on the activations), a plain and a
+    chat prompt: finite logits (a NaN fails every comparison), flash's max relative logit error
+    against float32 rms at most 1.5x rms's own error in the same dtype + 5e-3, and top-1 agreement
+    with float32 at least rms's. Measured on the CPU (its quantized products accumulate in float32,
+    kernels.quantized_matmul): float16 rms 0.0027-0.0054, flash 0.0043-0.0056; bfloat16 rms
+    0.047-0.049, flash 0.033-0.039."""
+    models = {n: load(None, norm=n, dtype=dtype, progress=False)[0] for n in ("rms", "flash")}
+    for tokens, want in reference:
+        e = {n: errors(m(tokens), want) for n, m in models.items()}
+        assert e["flash"][0] <= 1.5 * e["rms"][0] + 5e-3, e
+        assert e["flash"][2] >= e["rms"][2], e
 
 
 def stressed(build, dtype, seed):
