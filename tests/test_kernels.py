@@ -269,7 +269,9 @@ def test_rope_qkv_mlx_form(qk_norm):
 def quantized(out_dims, in_dims, seed, bits, group_size, dtype):
     linear = mlx_nn.Linear(in_dims, out_dims, bias=False)
     linear.weight = rand((out_dims, in_dims), seed, 0.05, dtype)
-    return mlx_nn.QuantizedLinear.from_linear(linear, group_size, bits)
+    quantized = mlx_nn.QuantizedLinear.from_linear(linear, group_size, bits)
+    quantized.__class__ = kernels.QuantizedLinear  # as the loader makes it (row_parallel)
+    return quantized
 
 
 def normalized_product(linear, x, xs, r, g, eps, dtype):
@@ -281,9 +283,10 @@ def normalized_product(linear, x, xs, r, g, eps, dtype):
     return p, n @ w.astype(mx.float32).T
 
 
-# Half precision: the composition (the CPU's) rounds the norm's output, each product and the q/k
-# heads before QK-norm to the dtype; the CUDA kernel keeps float32 from input to output.
-FUSED_TOL = {mx.float32: f32_tol(1e-4), mx.float16: 2e-2, mx.bfloat16: 1.2e-1}
+# Half precision: the composition rounds the norm's output, each product and the q/k heads before
+# QK-norm to the dtype (measured up to 1.2e-3 in float16, 8.5e-3 in bfloat16); the CUDA kernel keeps
+# float32 from input to output.
+FUSED_TOL = {mx.float32: f32_tol(1e-4), mx.float16: 3e-3, mx.bfloat16: 2e-2}
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
