@@ -171,6 +171,28 @@ def fused(x, kernel, module, name):
     return None
 
 
+def fused_gate_up(module, x, gate_up, down):
+    """Sec. 5 for a SwiGLU FFN: its output (deferred_output) from kernels.gate_up on the Pending x
+    and the down projection, or None where the fused kernel does not take x (or down has a bias,
+    which must come after the deferred scale)."""
+    pending = fused(x, "gate_up", module, gate_up)
+    if pending is None or "bias" in module[down]:
+        return None
+    pending.p, h, s = kernels.gate_up(*pending.args, module[gate_up])
+    return deferred_output(module, module[down](h), s)
+
+
+def fused_qkv(module, x, offset, gains=None, qk_eps=0.0, factor=1.0):
+    """Sec. 5 for an attention: (q, k, v) from kernels.qkv_rope on the Pending x (arguments as
+    kernels.rope_qkv takes them), or None where the fused kernel does not take x."""
+    pending = fused(x, "qkv_rope", module, "qkv_proj")
+    if pending is None or not kernels.rope_qkv_supported(module.head_dim, module.traditional):
+        return None
+    pending.p, q, k, v = kernels.qkv_rope(*pending.args, module.qkv_proj, offset, module._theta,
+                                          module.n_heads, module.n_kv_heads, gains, qk_eps, factor)
+    return q, k, v
+
+
 def deferred_input(module, x):
     """(x * gain, 1/RSSe(x)) for a flash module: read from a Deferred (its DeferredNorm did the
     work, or settles it now), or computed here in one pass (standalone use: the module holds eps
@@ -278,9 +300,8 @@ class FlashSwiGLU(nn.Module):
         self.down_proj = deferred(mlp.down_proj)
 
     def __call__(self, x):
-        if self.activation is nn.silu and (pending := fused(x, "gate_up", self, "gate_up_proj")):
-            pending.p, h, s = kernels.gate_up(*pending.args, self.gate_up_proj)
-            return deferred_output(self, self.down_proj(h), s)
+        if self.activation is nn.silu and (y := fused_gate_up(self, x, "gate_up_proj", "down_proj")) is not None:
+            return y
         a, s = deferred_input(self, x)
         late = not any("bias" in self[p] for p in held(self, GATE_UP))  # else s before the biases
         gate, up = project(self, a, GATE_UP, None if late else s)
@@ -313,9 +334,8 @@ class FlashFusedSwiGLU(nn.Module):
         self.proj_2 = deferred(ffn.proj_2)
 
     def __call__(self, x):
-        if pending := fused(x, "gate_up", self, "proj_1"):
-            pending.p, h, s = kernels.gate_up(*pending.args, self.proj_1)
-            return deferred_output(self, self.proj_2(h), s)
+        if (y := fused_gate_up(self, x, "proj_1", "proj_2")) is not None:
+            return y
         a, s = deferred_input(self, x)
         gate, up = mx.split(self.proj_1(a), 2, axis=-1)
         h = (nn.silu(gate * s) * up).astype(up.dtype)  # float32 in half precision, rounded once
@@ -459,10 +479,8 @@ class FlashAttention(nn.Module):
 
     def __call__(self, x, mask=None, cache=None):
         offset = cache.offset if cache is not None else 0
-        if kernels.rope_qkv_supported(self.head_dim, self.traditional) and (pending := fused(x, "qkv_rope", self, "qkv_proj")):
-            pending.p, q, k, v = kernels.qkv_rope(*pending.args, self.qkv_proj, offset, self._theta, self.n_heads,
-                                                  self.n_kv_heads, factor=self.head_dim**-0.25)
-            return attend(q, k, v, mask, cache, self.o_proj)
+        if (qkv := fused_qkv(self, x, offset, factor=self.head_dim**-0.25)) is not None:
+            return attend(*qkv, mask, cache, self.o_proj)
         a, s = deferred_input(self, x)
         B, L, _ = a.shape
         biases = any("bias" in self[p] for p in held(self, QKV))
@@ -534,17 +552,14 @@ class FlashQKNormAttention(nn.Module):
         offset = cache.offset if cache is not None else 0
         out_proj = self[self.out_name]
         qk_norm = "q_gain" in self  # Sec. 4; else Sec. 3 with s in cos/sin
-        if kernels.rope_qkv_supported(self.head_dim, self.traditional) and (pending := fused(x, "qkv_rope", self, "qkv_proj")):
-            pending.p, q, k, v = kernels.qkv_rope(*pending.args, self.qkv_proj, offset, self._theta, self.n_heads,
-                                                  self.n_kv_heads, (self.q_gain, self.k_gain) if qk_norm else None,
-                                                  self.qk_eps if qk_norm else 0.0, self.factor)
-            return attend(q, k, v, mask, cache, out_proj)
+        gains, qk_eps = ((self.q_gain, self.k_gain), self.qk_eps) if qk_norm else (None, 0.0)
+        if (qkv := fused_qkv(self, x, offset, gains, qk_eps, self.factor)) is not None:
+            return attend(*qkv, mask, cache, out_proj)
         a, s = deferred_input(self, x)
         B, L, _ = a.shape
         if kernels.rope_qkv_supported(self.head_dim, self.traditional):
             q, k, v = kernels.rope_qkv(*rope_qkv_inputs(self, a), s, offset, self._theta, self.n_heads,
-                                       self.n_kv_heads, (self.q_gain, self.k_gain) if qk_norm else None,
-                                       self.qk_eps if qk_norm else 0.0, factor=self.factor)
+                                       self.n_kv_heads, gains, qk_eps, factor=self.factor)
             return attend(q, k, v, mask, cache, out_proj)
         q, k, v = (t.reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3) for t in project(self, a, QKV))
         v = times(v, s[:, None])
