@@ -1,6 +1,7 @@
 """The OpenAI-compatible server, talked to with the official openai client, on the embedded
 SmolLM2 (greedy, a few tokens a request). The server listens on a free port of 127.0.0.1."""
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -165,7 +166,8 @@ def test_server_command(tiny_llama_dir, server):
                            text=True, timeout=120)
     assert taken.returncode == 2 and taken.stderr.startswith("error: cannot listen on 127.0.0.1:")
     assert "Traceback" not in taken.stderr
-    p = subprocess.Popen(cmd + ["--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(cmd + ["--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, PYTHONFAULTHANDLER="1"))  # SIGABRT prints every thread's stack
     deadline = threading.Timer(120, p.kill)  # so that no read below can wait forever
     deadline.start()
     try:
@@ -175,7 +177,12 @@ def test_server_command(tiny_llama_dir, server):
         with urllib.request.urlopen(f"{url}/models", timeout=60) as r:
             assert json.load(r)["data"][0]["id"] == "tiny-llama"
         p.send_signal(signal.SIGINT)
-        assert p.wait(timeout=60) == 0
+        try:
+            code = p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.send_signal(signal.SIGABRT)
+            code = f"none after 60 s; its threads: {p.communicate(timeout=30)[1][-4000:]}"
+        assert code == 0
     finally:
         deadline.cancel()
         p.kill()
