@@ -9,6 +9,7 @@ A client that goes away mid-stream cancels its request: the worker stops at the 
 import argparse
 import json
 import queue
+import signal
 import threading
 import time
 import uuid
@@ -295,6 +296,9 @@ def main(argv=None):
     except OSError as e:
         raise UserError(f"cannot listen on {args.host}:{args.port}: {e.strerror}")
     host, port = server.server_address[:2]
+    # Ctrl-C stops the server even where the process started with SIGINT ignored (as a shell's
+    # background job does), when Python installs no handler of its own
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     print(f"serving {model_id} on http://{host}:{port}/v1", flush=True)
     try:
         server.serve_forever()

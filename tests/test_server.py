@@ -159,15 +159,16 @@ def test_warm_server_warms_its_worker_thread(tiny_llama_dir, monkeypatch):
 
 
 def test_server_command(tiny_llama_dir, server):
-    """python -m mlx_flashnorm.server: says where it listens, serves, stops on Ctrl-C; a taken port
-    is a one-line error."""
+    """python -m mlx_flashnorm.server: says where it listens, serves, stops on Ctrl-C (also when
+    started with SIGINT ignored, as a shell's background job is); a taken port is a one-line error."""
     cmd = [sys.executable, "-m", "mlx_flashnorm.server", "--model", str(tiny_llama_dir)]
     taken = subprocess.run(cmd + ["--port", str(server.server_address[1])], capture_output=True,
                            text=True, timeout=120)
     assert taken.returncode == 2 and taken.stderr.startswith("error: cannot listen on 127.0.0.1:")
     assert "Traceback" not in taken.stderr
-    p = subprocess.Popen(cmd + ["--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=dict(os.environ, PYTHONFAULTHANDLER="1"))  # SIGABRT prints every thread's stack
+    ignoring = ["sh", "-c", 'trap "" INT; exec "$@"', "sh"]  # starts the command with SIGINT ignored
+    p = subprocess.Popen(ignoring + cmd + ["--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=dict(os.environ, PYTHONFAULTHANDLER="1"))  # SIGABRT: every thread's stack
     deadline = threading.Timer(120, p.kill)  # so that no read below can wait forever
     deadline.start()
     try:
