@@ -7,8 +7,9 @@ MLX emulates half precision on the CPU: one forward pass over a short prompt per
 import mlx.core as mx
 import pytest
 
-from mlx_flashnorm import flashnorm, load
+from mlx_flashnorm import flashnorm, load, loader
 
+from conftest import QWEN2, QWEN3, random_weights
 from test_flashnorm import tiny_llama, tiny_openelm
 
 PROMPT = "The capital of France is Paris. The capital of Germany is"
@@ -64,15 +65,28 @@ def stressed(build, dtype, seed):
     return model, tokens
 
 
+def from_config(config):
+    def build(seed):
+        arch, args = loader.model_args(config)
+        model = arch.Model(args)
+        model.load_weights(list(random_weights(model, seed, scale=0.1).items()))
+        model.config = config
+        return model
+    return build
+
+
 @pytest.mark.parametrize("dtype,tol", [(mx.float16, 2e-2), (mx.bfloat16, 8e-2)])
 @pytest.mark.parametrize("fold", [True, False])
 @pytest.mark.parametrize("build", [lambda s: tiny_llama(s, tie_word_embeddings=True),
-                                   lambda s: tiny_llama(s, tie_word_embeddings=False), tiny_openelm],
-                         ids=["llama-tied", "llama", "openelm"])
+                                   lambda s: tiny_llama(s, tie_word_embeddings=False), tiny_openelm,
+                                   from_config(QWEN3), from_config(QWEN2)],
+                         ids=["llama-tied", "llama", "openelm", "qwen3", "qwen2"])
 def test_stressed_residual_stream(build, fold, dtype, tol):
-    """Every flash module behind DeferredNorm (Sec. 2.2 SwiGLU, Sec. 3 attention, Sec. 4 QK-norm,
-    both heads) with a residual stream of 1e4..3e4, folded and with the gain kept: finite and within
-    tol of the rms model in the same dtype (relative to its largest logit)."""
+    """Every flash module behind DeferredNorm (Sec. 2.2 SwiGLU, Sec. 3 attention with and without
+    biases, Sec. 4 QK-norm, both heads) with a residual stream of 1e4..3e4, folded and with the gain
+    kept: finite and within tol of the rms model in the same dtype (relative to its largest logit).
+    Gemma 3 is checked on its real weights (test_gemma3_gguf.py): its post-norms keep down_proj's
+    output from growing the residual stream this way."""
     ref, tokens = stressed(build, dtype, 1)
     flash, _ = stressed(build, dtype, 1)
     flashnorm.apply(flash, fold=fold)
