@@ -374,6 +374,15 @@ def _add_rss_kernel():
     return _kernel("fn_add_rss", ["x", "xs", "r", "g", "flags", "eps"], ["p", "pg", "s"], _ADD_RSS)
 
 
+def _residual_inputs(x, xs, r, g):
+    """The kernel inputs x, xs, r, g of a residual add with an optional scale and gain (add_rss and
+    the Sec. 5 kernels), absent ones stood in for, and their flags: has xs, r, g; half precision."""
+    none = constant(mx.float32, 0.0)  # stands in for an absent input (its flag is 0)
+    return ([x, none if xs is None else xs.astype(mx.float32), x if r is None else r.astype(x.dtype),
+             none if g is None else g.astype(mx.float32)],
+            (xs is not None, r is not None, g is not None, x.dtype != mx.float32))
+
+
 def power_of_two_below(s):
     """2^floor(log2(s)) of a positive float32 array, exactly (the exponent bits of s)."""
     return mx.view(mx.bitwise_and(mx.view(s, mx.int32), 0x7F800000), mx.float32)
@@ -394,11 +403,9 @@ def add_rss(x, eps, xs=None, r=None, g=None):
     if use_gpu("add_rss") and x.dtype in (mx.float32, mx.float16, mx.bfloat16):
         d, rows = x.shape[-1], x.size // x.shape[-1]
         threads = min(1024, max(32, 32 * math.ceil(d / 4 / 32)))
-        none = constant(mx.float32, 0.0)  # stands in for an absent input (its flag is 0)
-        flags = constant(mx.int32, xs is not None, r is not None, g is not None, half)
+        arrays, flags = _residual_inputs(x, xs, r, g)
         p, pg, s = _add_rss_kernel()(
-            inputs=[x, none if xs is None else xs.astype(mx.float32), x if r is None else r.astype(x.dtype),
-                    none if g is None else g.astype(mx.float32), flags, constant(mx.float32, eps)],
+            inputs=arrays + [constant(mx.int32, *flags), constant(mx.float32, eps)],
             template=[("T", x.dtype)],
             grid=(rows * threads, 1, 1), threadgroup=(threads, 1, 1),
             output_shapes=[x.shape, x.shape, x.shape[:-1] + (1,)],
@@ -697,12 +704,11 @@ def fused_supported(name, x, linear):
             and x.shape[-1] % linear.group_size == 0)
 
 
-def _fused_inputs(x, eps, xs, r, g, linear):
-    none = constant(mx.float32, 0.0)  # stands in for an absent input (its flag is 0)
-    flags = (x.shape[-1], linear.group_size, xs is not None, r is not None, g is not None, x.dtype != mx.float32)
-    return ([x, none if xs is None else xs.astype(mx.float32), x if r is None else r.astype(x.dtype),
-             none if g is None else g.astype(mx.float32), linear["weight"], linear["scales"], linear["biases"]],
-            flags, [("T", x.dtype), ("BITS", linear.bits), ("KMAX", KMAX[gpu_backend()])])
+def _fused_inputs(x, xs, r, g, linear):
+    arrays, flags = _residual_inputs(x, xs, r, g)
+    return (arrays + [linear["weight"], linear["scales"], linear["biases"]],
+            (x.shape[-1], linear.group_size, *flags),
+            [("T", x.dtype), ("BITS", linear.bits), ("KMAX", KMAX[gpu_backend()])])
 
 
 def qkv_rope(x, eps, xs, r, g, linear, offset, theta, n_heads, n_kv_heads, gains=None, qk_eps=0.0, factor=1.0):
@@ -714,7 +720,7 @@ def qkv_rope(x, eps, xs, r, g, linear, offset, theta, n_heads, n_kv_heads, gains
         p, pg, s = add_rss(x, eps, xs=xs, r=r, g=g)
         y = linear(p if pg is None else pg)
         return (p, *rope_qkv(y, y, y, s, offset, theta, n_heads, n_kv_heads, gains, qk_eps, factor))
-    inputs, flags, template = _fused_inputs(x, eps, xs, r, g, linear)
+    inputs, flags, template = _fused_inputs(x, xs, r, g, linear)
     D = theta.shape[0] * 2
     off = offset if isinstance(offset, mx.array) else mx.array(offset)
     qg, kg = gains if gains is not None else (theta, theta)  # unused without QK-norm
@@ -736,7 +742,7 @@ def gate_up(x, eps, xs, r, g, linear):
         p, pg, s = add_rss(x, eps, xs=xs, r=r, g=g)
         gate, up = mx.split(linear(p if pg is None else pg), 2, axis=-1)
         return p, (nn.silu(gate * s) * up).astype(up.dtype), s
-    inputs, flags, template = _fused_inputs(x, eps, xs, r, g, linear)
+    inputs, flags, template = _fused_inputs(x, xs, r, g, linear)
     I = linear["weight"].shape[0] // 2
     blocks = min(FUSED_BLOCKS, -(-I // 8))
     return _fused_kernels()[1](
