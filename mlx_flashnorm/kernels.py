@@ -1,8 +1,9 @@
 """Fused kernels for the decode step, each with a plain-MLX fallback.
 
-On a GPU the functions below run one custom kernel each: ``mx.fast.cuda_kernel`` on CUDA, and on
-Metal ``mx.fast.metal_kernel`` with the same body respelled (METAL_SPELLING; never run here: no
-Apple hardware). On the CPU they run the plain MLX composition, which is also the reference of
+On a GPU the functions below run one custom kernel each (make_kernel): on CUDA compiled here with
+NVRTC and kept on disk (cuda_binary), run by ``mx.fast.precompiled_cuda_kernel``; on Metal
+``mx.fast.metal_kernel`` with the same body respelled (METAL_SPELLING; never run here: no Apple
+hardware). On the CPU they run the plain MLX composition, which is also the reference of
 the tests and of each kernel's self-check: at load on a GPU (self_check) every kernel is compared
 with its fallback on small inputs, and one that fails to compile or to match prints a warning
 line and falls back for the rest of the process; a pass is remembered per kernel code, MLX
@@ -192,22 +193,157 @@ def constant(dtype, *values):
     return a
 
 
-# (kernel name, template arguments) of every launch so far: MLX compiles each distinct pair once, so
-# the set's size is the number of kernel compilations (tests check that requests add none).
+# (kernel name, template arguments) of every launch so far: each distinct pair is one compiled
+# variant (tests check that requests add none).
 VARIANTS = set()
 
 
-def _kernel(name, inputs, outputs, source):
+def make_kernel(name, input_names, output_names, source, header):
+    """A kernel of body `source` (CUDA spelling) as a function of mx.fast.cuda_kernel's keyword
+    arguments (inputs, template, grid, threadgroup, output_shapes, output_dtypes); header: the
+    backend's own. On Metal
+    mx.fast.metal_kernel runs the respelled body. On CUDA the body is compiled here (cuda_binary)
+    and run with mx.fast.precompiled_cuda_kernel: MLX compiles a cuda_kernel with NVRTC in every
+    process (1.5-2 s each on an H100, bench/RESULTS.md), a binary kept on disk loads in
+    milliseconds."""
     backend = gpu_backend()
-    make = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
-    kernel = make(name=name, input_names=inputs, output_names=outputs, source=spell(source, backend),
-                  header=_HEADERS[backend])
+    if backend == "metal":
+        kernel = mx.fast.metal_kernel(name=name, input_names=input_names, output_names=output_names,
+                                      source=spell(source, backend), header=header)
 
-    def launch(**kwargs):
-        VARIANTS.add((name, tuple((k, str(v)) for k, v in kwargs["template"])))
-        return kernel(**kwargs)
+    def launch(*, inputs: list, template, grid, threadgroup, output_shapes, output_dtypes):
+        VARIANTS.add((name, tuple((k, str(v)) for k, v in template)))
+        if backend == "metal":
+            return kernel(inputs=inputs, template=template, grid=grid, threadgroup=threadgroup,
+                          output_shapes=output_shapes, output_dtypes=output_dtypes)
+        code, shapes = cuda_source(name, input_names, output_names, source, header, inputs, output_dtypes, template)
+        return mx.fast.precompiled_cuda_kernel(
+            name=name, compiled_source=cuda_binary(name, code), inputs=inputs, output_shapes=output_shapes,
+            output_dtypes=output_dtypes, scalars=shapes, grid=grid, threadgroup=threadgroup,
+            ensure_row_contiguous=True)
 
     return launch
+
+
+def _kernel(name, inputs, outputs, source):
+    return make_kernel(name, inputs, outputs, source, _HEADERS[gpu_backend()])
+
+
+# ---------------------------------------------------------------- CUDA: compiled once per machine
+
+CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.int32: "int",
+              mx.uint32: "unsigned int", mx.uint8: "unsigned char", mx.bool_: "bool"}
+CUDA_PRELUDE = """#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+typedef int int32_t;
+typedef unsigned int uint32_t;
+"""
+
+
+def cuda_source(name, input_names, output_names, body, header, inputs, output_dtypes, template):
+    """(the whole CUDA file of one kernel variant, its shape arguments): an extern "C" __global__
+    function of the inputs, the outputs and then, for each input whose shape the body reads
+    (NAME_shape[i], NAME_ndim), its sizes as int arguments; the template arguments as constants."""
+    params = [f"const {CUDA_TYPES[a.dtype]}* {n}" for n, a in zip(input_names, inputs)]
+    params += [f"{CUDA_TYPES[d]}* {n}" for n, d in zip(output_names, output_dtypes)]
+    lines, shapes = [], []
+    for n, a in zip(input_names, inputs):
+        if f"{n}_shape" in body or f"{n}_ndim" in body:
+            params += [f"int {n}_shape{i}" for i in range(a.ndim)]
+            shapes += list(a.shape)
+            lines.append(f"  const int {n}_shape[{max(a.ndim, 1)}] = {{{', '.join(f'{n}_shape{i}' for i in range(a.ndim)) or '1'}}};")
+            lines.append(f"  constexpr int {n}_ndim = {a.ndim};")
+    for k, v in template:
+        if isinstance(v, mx.Dtype):
+            lines.append(f"  using {k} = {CUDA_TYPES[v]};")
+        else:
+            lines.append(f"  constexpr {'bool' if isinstance(v, bool) else 'int'} {k} = {str(v).lower()};")
+    code = (f"{CUDA_PRELUDE}{header}\nextern \"C\" __global__ void {name}({', '.join(params)}) {{\n"
+            + "\n".join(lines) + f"\n{body}\n}}\n")
+    return code, shapes
+
+
+@lru_cache(maxsize=None)
+def _nvrtc():
+    """MLX's NVRTC (already loaded into this process by its CUDA backend), through ctypes."""
+    import ctypes
+    import ctypes.util
+
+    with open("/proc/self/maps") as maps:
+        loaded = [line.split()[-1] for line in maps if "/libnvrtc.so" in line]
+    lib = ctypes.CDLL(loaded[0] if loaded else ctypes.util.find_library("nvrtc") or "libnvrtc.so")
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    return lib, f"{major.value}.{minor.value}"
+
+
+@lru_cache(maxsize=None)
+def _cuda_include():
+    """A folder holding cuda_fp16.h (the CUDA headers MLX's own JIT compiles against)."""
+    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    roots += sorted(str(p.parent) for p in (Path(mx.__file__).parents[2] / "nvidia").glob("*/include"))
+    for root in filter(None, roots):
+        for folder in (Path(root) / "include", Path(root)):
+            if (folder / "cuda_fp16.h").is_file():
+                return str(folder)
+    raise RuntimeError("no CUDA headers (cuda_fp16.h) found: set CUDA_HOME")
+
+
+def _cuda_arch():
+    return mx.device_info()["architecture"]  # "sm_90" on an H100
+
+
+@lru_cache(maxsize=None)
+def cuda_binary(name, code):
+    """The cubin of CUDA file `code` for this GPU: read from CACHE_DIR, or compiled with NVRTC and
+    kept there (a temporary file renamed into place) under a hash of the code, the GPU
+    architecture and NVRTC's version."""
+    import ctypes
+
+    lib, version = _nvrtc()
+    arch = _cuda_arch()
+    key = hashlib.sha256(f"{code}\n{arch}\n{version}".encode()).hexdigest()[:24]
+    file = CACHE_DIR / "cuda" / f"{name}-{key}.cubin"
+    try:
+        return file.read_bytes()
+    except OSError:
+        pass
+    prog = ctypes.c_void_p()
+    check = lambda rc, what: None if rc == 0 else _nvrtc_error(lib, prog, rc, what)
+    check(lib.nvrtcCreateProgram(ctypes.byref(prog), code.encode(), f"{name}.cu".encode(), 0, None, None), "create")
+    try:
+        opts = [f"--gpu-architecture={arch}", "--std=c++17", f"--include-path={_cuda_include()}"]
+        check(lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])),
+              "compile")
+        size = ctypes.c_size_t()
+        check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "cubin size")
+        cubin = ctypes.create_string_buffer(size.value)
+        check(lib.nvrtcGetCUBIN(prog, cubin), "cubin")
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    binary = cubin.raw
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(binary)
+        tmp.replace(file)
+    except OSError:  # a read-only cache only costs the next process a compile
+        pass
+    return binary
+
+
+def _nvrtc_error(lib, prog, rc, what):
+    import ctypes
+
+    log = ""
+    if what == "compile":
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        buf = ctypes.create_string_buffer(size.value + 1)
+        lib.nvrtcGetProgramLog(prog, buf)
+        log = buf.value.decode(errors="replace").strip()
+    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+    raise RuntimeError(f"NVRTC {what} failed ({lib.nvrtcGetErrorString(rc).decode()}): {log[:2000]}")
 
 
 # Each kernel's self-check (CHECKS, self_check) is a call on small float16 inputs, written beside it.

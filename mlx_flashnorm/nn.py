@@ -13,8 +13,8 @@ pre-norm layers needs one fused add+norm per layer (see ``normalize``'s docstrin
 With ``c = sqrt(d)`` (the default, ``c=None``) this is RMSNorm (center off) or
 LayerNorm (center on): ``normalize(x, weight=w, eps=e)[0] == mx.fast.rms_norm(x, w, e)``.
 
-Forward runs a fused add+norm kernel (``mx.fast.metal_kernel`` on Metal,
-``mx.fast.cuda_kernel`` on CUDA) when the default device is a GPU, and otherwise the
+Forward runs a fused add+norm kernel (``kernels.make_kernel``: Metal or CUDA) when the
+default device is a GPU, and otherwise the
 plain MLX composition on ``mx.fast.rms_norm`` / ``mx.fast.layer_norm``.  Backward is
 the closed form through ``mx.custom_function``'s vjp, whatever ran forward.
 """
@@ -175,9 +175,7 @@ def _kernel(backend, has_res, has_w, has_b, center):
     outputs = ["o"] + ["p"] * has_res
     flags = "".join(f for f, on in zip("rwbc", (has_res, has_w, has_b, center)) if on)
     name = "flashnorm_" + flags
-    make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
-    return make(name=name, input_names=inputs, output_names=outputs,
-                source=source, header=lang["header"])
+    return kernels.make_kernel(name, inputs, outputs, source, lang["header"])
 
 
 def _pow2_at_least(n):

@@ -13,6 +13,7 @@ import mlx.nn as mlx_nn
 import pytest
 
 from mlx_flashnorm import kernels
+from mlx_flashnorm import nn as fnn
 
 from conftest import f32_tol
 
@@ -358,50 +359,69 @@ def test_quantized_flash_decode_uses_fused_kernels(arch):
         assert {name for name, _ in kernels.VARIANTS} >= {"fn_qkv_rope", "fn_gate_up"}
 
 
-# Every kernel body of kernels.py with its inputs and template arguments (the CUDA spelling).
-F16, F32, I32, U32 = "__half", "float", "int32_t", "uint32_t"
+# Every kernel body of kernels.py: its inputs (dtype, ndim), outputs and template arguments.
+F16, F32, I32, U32 = mx.float16, mx.float32, mx.int32, mx.uint32
 SIGNATURES = {
-    "_ATTENTION": ([("q", F16), ("k", F16), ("v", F16), ("n", I32), ("scale", F32)],
+    "_ATTENTION": ([("q", F16, 4), ("k", F16, 4), ("v", F16, 4), ("n", I32, 1), ("scale", F32, 1)],
                    [("o", F16), ("part_o", F32), ("part_ml", F32)],
                    [("T", F16), ("D", 64), ("SPLIT_ABOVE", kernels.SPLIT_ABOVE), ("CHUNK", kernels.CHUNK)]),
-    "_COMBINE": ([("part_o", F32), ("part_ml", F32)], [("o", F16)], [("T", F16)]),
-    "_ADD_RSS": ([("x", F16), ("xs", F32), ("r", F16), ("g", F32), ("flags", I32), ("eps", F32)],
+    "_COMBINE": ([("part_o", F32, 3), ("part_ml", F32, 3)], [("o", F16)], [("T", F16)]),
+    "_ADD_RSS": ([("x", F16, 3), ("xs", F32, 3), ("r", F16, 3), ("g", F32, 1), ("flags", I32, 1), ("eps", F32, 1)],
                  [("p", F16), ("pg", F16), ("s", F32)], [("T", F16)]),
-    "_ROPE_QKV": ([("q", F16), ("k", F16), ("v", F16), ("s", F32), ("off", I32), ("theta", F32), ("qg", F32),
-                   ("kg", F32), ("dims", I32), ("consts", F32)], [("qo", F16), ("ko", F16), ("vo", F16)],
-                  [("T", F16), ("D", 64)]),
-    "_QKV_ROPE": ([("x", F16), ("xs", F32), ("r", F16), ("g", F32), ("wq", U32), ("scales", F16), ("biases", F16),
-                   ("theta", F32), ("qg", F32), ("kg", F32), ("off", I32), ("dims", I32), ("consts", F32)],
+    "_ROPE_QKV": ([("q", F16, 3), ("k", F16, 3), ("v", F16, 3), ("s", F32, 3), ("off", I32, 1), ("theta", F32, 1),
+                   ("qg", F32, 2), ("kg", F32, 2), ("dims", I32, 1), ("consts", F32, 1)],
+                  [("qo", F16), ("ko", F16), ("vo", F16)], [("T", F16), ("D", 64)]),
+    "_QKV_ROPE": ([("x", F16, 3), ("xs", F32, 3), ("r", F16, 3), ("g", F32, 1), ("wq", U32, 2), ("scales", F16, 2),
+                   ("biases", F16, 2), ("theta", F32, 1), ("qg", F32, 2), ("kg", F32, 2), ("off", I32, 1),
+                   ("dims", I32, 1), ("consts", F32, 1)],
                   [("h", F16), ("qo", F16), ("ko", F16), ("vo", F16)],
                   [("T", F16), ("BITS", 4), ("KMAX", kernels.KMAX["cuda"])]),
-    "_GATE_UP": ([("x", F16), ("xs", F32), ("r", F16), ("g", F32), ("wq", U32), ("scales", F16), ("biases", F16),
-                  ("dims", I32), ("consts", F32)], [("h", F16), ("a", F16), ("so", F32)],
-                 [("T", F16), ("BITS", 8), ("KMAX", kernels.KMAX["cuda"])]),
+    "_GATE_UP": ([("x", mx.bfloat16, 3), ("xs", F32, 3), ("r", mx.bfloat16, 3), ("g", F32, 1), ("wq", U32, 2),
+                  ("scales", mx.bfloat16, 2), ("biases", mx.bfloat16, 2), ("dims", I32, 1), ("consts", F32, 1)],
+                 [("h", mx.bfloat16), ("a", mx.bfloat16), ("so", F32)],
+                 [("T", mx.bfloat16), ("BITS", 8), ("KMAX", kernels.KMAX["cuda"])]),
 }
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs the CUDA compiler (this CPU machine has one)")
-def test_cuda_bodies_compile(tmp_path):
-    """Every CUDA kernel body compiles, wrapped as mx.fast.cuda_kernel wraps it (a __global__
-    function of the inputs, their shapes where the body reads them, and the outputs): a syntax
-    error shows here, without a GPU."""
-    header = tmp_path / "mlx/backend/cuda/device/utils.cuh"  # what MLX's wrapper includes, in brief
-    header.parent.mkdir(parents=True)
-    header.write_text("#pragma once\n#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n"
-                      "#include <cuda/std/array>\nusing Shape = cuda::std::array<int32_t, 10>;\n")
-    source = ['#include "mlx/backend/cuda/device/utils.cuh"', kernels._HEADERS["cuda"], "namespace mlx::core::cu {"]
+def test_cuda_sources_compile(tmp_path):
+    """Every CUDA kernel, as kernels.cuda_source writes the file that NVRTC compiles on a GPU
+    (kernels.py's bodies, and nn.py's add + norm kernel in each of its forms), compiles to a
+    cubin: a syntax error shows here, without a GPU."""
+    files = []
     for name, (inputs, outputs, template) in SIGNATURES.items():
-        body = getattr(kernels, name)
-        args = []
-        for arg, ctype in inputs:
-            args.append(f"const {ctype}* {arg}")
-            args += [f"const __grid_constant__ Shape {arg}_shape"] if f"{arg}_shape" in body else []
-            args += [f"const __grid_constant__ int {arg}_ndim"] if f"{arg}_ndim" in body else []
-        args += [f"{ctype}* {arg}" for arg, ctype in outputs]
-        consts = "".join(f"  using {k} = {v};\n" if isinstance(v, str) else f"  constexpr int {k} = {v};\n"
-                         for k, v in template)
-        source.append(f"__global__ void k{name}({', '.join(args)}) {{\n{consts}{body}\n}}")
-    (tmp_path / "kernels.cu").write_text("\n".join(source) + "\n}\n")
-    done = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "--ptx", "-I", str(tmp_path), "-o",
-                           str(tmp_path / "kernels.ptx"), str(tmp_path / "kernels.cu")], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
+        arrays = [mx.zeros((2,) * nd, dtype) for _, dtype, nd in inputs]
+        files.append(kernels.cuda_source(f"k{name}", [n for n, _, _ in inputs], [n for n, _ in outputs],
+                                         getattr(kernels, name), kernels._HEADERS["cuda"], arrays,
+                                         [d for _, d in outputs], template)[0])
+    for has_res, has_w, has_b, center in ((True, True, False, False), (False, False, True, True)):
+        captured = {}
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(kernels, "make_kernel", lambda *a: captured.setdefault("args", a))
+            fnn._kernel.__wrapped__("cuda", has_res, has_w, has_b, center)
+        name, inputs, outputs, body, header = captured["args"]
+        arrays = [mx.zeros((2, 3), mx.float16) if n in ("x", "res") else mx.zeros((3,), mx.float16) for n in inputs]
+        files.append(kernels.cuda_source(name, inputs, outputs, body, header, arrays, [mx.float16] * len(outputs),
+                                         [("T", mx.float16), ("PER", 8), ("EPS_BITS", 1), ("SCALE_BITS", 2)])[0])
+    for i, code in enumerate(files):
+        (tmp_path / f"k{i}.cu").write_text(code)
+        done = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-o", str(tmp_path / f"k{i}.cubin"),
+                               str(tmp_path / f"k{i}.cu")], capture_output=True, text=True)
+        assert done.returncode == 0, code + done.stderr[-3000:]
+
+
+@pytest.mark.skipif(not CUDA, reason="compiles with MLX's NVRTC on a CUDA GPU")
+def test_cuda_binaries_are_kept_on_disk(monkeypatch, tmp_path):
+    """A kernel compiled once is read back from CACHE_DIR by a later process, without NVRTC."""
+    monkeypatch.setattr(kernels, "CACHE_DIR", tmp_path)
+    inputs, outputs, template = SIGNATURES["_COMBINE"]
+    code, _ = kernels.cuda_source("k_combine", [n for n, _, _ in inputs], [n for n, _ in outputs], kernels._COMBINE,
+                                  kernels._HEADERS["cuda"], [mx.zeros((2,) * nd, d) for _, d, nd in inputs],
+                                  [d for _, d in outputs], template)
+    kernels.cuda_binary.cache_clear()
+    binary = kernels.cuda_binary("k_combine", code)
+    assert len(list((tmp_path / "cuda").glob("k_combine-*.cubin"))) == 1
+    kernels.cuda_binary.cache_clear()  # a new process, whose NVRTC would fail
+    monkeypatch.setattr(kernels, "_nvrtc", lambda version=kernels._nvrtc()[1]: (None, version))
+    assert kernels.cuda_binary("k_combine", code) == binary
+    kernels.cuda_binary.cache_clear()
