@@ -359,7 +359,7 @@ _ATTENTION = """
   // A long cache (C > SPLIT_ABOVE) is split in chunks of CHUNK positions over S blocks per head
   // (flash-decoding): each writes its partial softmax state (max, sum; weighted values) and
   // fn_decode_combine merges them. A short one is one block per head, which writes o itself.
-  constexpr int VPT = D / 32, NW = 8;  // SPLIT_ABOVE, CHUNK: template constants (Python's)
+  constexpr int VPT = D / 32, NW = 16;  // SPLIT_ABOVE, CHUNK: template constants (Python's)
   const int HQ = q_shape[1], HKV = k_shape[1], C = k_shape[2];
   const int S = C > SPLIT_ABOVE ? (C + CHUNK - 1) / CHUNK : 1;
   const int head = blockIdx.x / S, split = blockIdx.x % S;
@@ -376,17 +376,20 @@ _ATTENTION = """
   for (int i = 0; i < VPT; ++i) { qv[i] = fn_f(q[qbase + lane * VPT + i]) * sc; acc[i] = 0.0f; }
   const long kvbase = long(b * HKV + hkv) * C * D;
   float m = -1e30f, l = 0.0f;
-  for (int j = lo + warp; j < hi; j += NW) {
-    const long row = kvbase + long(j) * D + lane * VPT;
-    float dot = 0.0f;
+  // two positions per iteration (j and j + NW, the second masked past hi): their loads overlap
+  for (int j = lo + warp; j < hi; j += 2 * NW) {
+    const bool two = j + NW < hi;
+    const long r0 = kvbase + long(j) * D + lane * VPT, r1 = two ? r0 + long(NW) * D : r0;
+    float d0 = 0.0f, d1 = 0.0f;
     #pragma unroll
-    for (int i = 0; i < VPT; ++i) dot += qv[i] * fn_f(k[row + i]);
-    dot = fn_warp_sum(dot);
-    const float mn = fmaxf(m, dot);
-    const float corr = exp2f(m - mn), p = exp2f(dot - mn);
-    l = l * corr + p;
+    for (int i = 0; i < VPT; ++i) { d0 += qv[i] * fn_f(k[r0 + i]); d1 += qv[i] * fn_f(k[r1 + i]); }
+    d0 = fn_warp_sum(d0);
+    d1 = two ? fn_warp_sum(d1) : -1e30f;
+    const float mn = fmaxf(m, fmaxf(d0, d1));
+    const float corr = exp2f(m - mn), p0 = exp2f(d0 - mn), p1 = two ? exp2f(d1 - mn) : 0.0f;
+    l = l * corr + p0 + p1;
     #pragma unroll
-    for (int i = 0; i < VPT; ++i) acc[i] = acc[i] * corr + p * fn_f(v[row + i]);
+    for (int i = 0; i < VPT; ++i) acc[i] = acc[i] * corr + p0 * fn_f(v[r0 + i]) + p1 * fn_f(v[r1 + i]);
     m = mn;
   }
   __shared__ float sm[NW], sl[NW], sacc[NW][D];
@@ -423,7 +426,7 @@ _COMBINE = """
   }
 """
 
-SPLIT_ABOVE, CHUNK = 1024, 256  # caches longer than SPLIT_ABOVE are split in CHUNKs (_ATTENTION)
+SPLIT_ABOVE, CHUNK = 1024, 128  # caches longer than SPLIT_ABOVE are split in CHUNKs (_ATTENTION)
 
 
 @lru_cache(maxsize=None)
@@ -441,7 +444,7 @@ def decode_attention(q, k, v, n, scale):
     B, Hq, L, D = q.shape
     Hkv, C = k.shape[1], k.shape[2]
     if use_gpu("decode_attention") and L == 1 and D % 32 == 0 and D <= 256 and q.dtype == k.dtype == v.dtype:
-        threads, heads = 256, B * Hq
+        threads, heads = 512, B * Hq  # NW = 16 warps (_ATTENTION)
         S = -(-C // CHUNK) if C > SPLIT_ABOVE else 1
         attend, combine = _attention_kernels()
         o, part_o, part_ml = attend(

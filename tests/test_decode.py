@@ -120,12 +120,14 @@ def test_warmup_traces_the_step_and_changes_no_token(model, monkeypatch):
                     reason="the custom kernels run on CUDA only")
 def test_requests_compile_no_new_kernels(model):
     """Sizes (prompt length, cache capacity) reach the kernels at run time, not as template
-    constants: after a first request, others of new lengths launch no new kernel variant."""
+    constants: after a first request, others of new lengths launch no new kernel variant and
+    compile no new binary (kernels.cuda_binary: one per distinct CUDA file)."""
     from mlx_flashnorm import kernels
 
     for n, (length, steps) in enumerate([(6, 4), (41, 9), (300, 5)]):
         prompt = mx.random.randint(0, model.args.vocab_size, (length,), key=mx.random.key(n))
         list(generate_step(prompt, model, max_tokens=steps))
         if n == 0:
-            first = set(kernels.VARIANTS)
+            first, binaries = set(kernels.VARIANTS), kernels.cuda_binary.cache_info().currsize
         assert kernels.VARIANTS == first
+        assert kernels.cuda_binary.cache_info().currsize == binaries
