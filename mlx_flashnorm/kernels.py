@@ -210,17 +210,23 @@ def make_kernel(name, input_names, output_names, source, header):
     if backend == "metal":
         kernel = mx.fast.metal_kernel(name=name, input_names=input_names, output_names=output_names,
                                       source=spell(source, backend), header=header)
+    shaped = [reads_shape(n, source) for n in input_names]
+    codes = {}  # (input dtypes and ranks, output dtypes, template) -> CUDA file
 
     def launch(*, inputs: list, template, grid, threadgroup, output_shapes, output_dtypes):
         VARIANTS.add((name, tuple((k, str(v)) for k, v in template)))
         if backend == "metal":
             return kernel(inputs=inputs, template=template, grid=grid, threadgroup=threadgroup,
                           output_shapes=output_shapes, output_dtypes=output_dtypes)
-        code, shapes = cuda_source(name, input_names, output_names, source, header, inputs, output_dtypes, template)
+        key = (tuple((a.dtype, a.ndim) for a in inputs), tuple(output_dtypes), tuple(template))
+        if key not in codes:
+            codes[key] = cuda_source(name, input_names, output_names, source, header, key[0], output_dtypes,
+                                     template)
         return mx.fast.precompiled_cuda_kernel(
-            name=name, compiled_source=cuda_binary(name, code), inputs=inputs, output_shapes=output_shapes,
-            output_dtypes=output_dtypes, scalars=shapes, grid=grid, threadgroup=threadgroup,
-            ensure_row_contiguous=True)
+            name=name, compiled_source=cuda_binary(name, codes[key]), inputs=inputs,
+            output_shapes=output_shapes, output_dtypes=output_dtypes,
+            scalars=[d for a, on in zip(inputs, shaped) if on for d in a.shape],
+            grid=grid, threadgroup=threadgroup, ensure_row_contiguous=True)
 
     return launch
 
@@ -240,27 +246,31 @@ typedef unsigned int uint32_t;
 """
 
 
-def cuda_source(name, input_names, output_names, body, header, inputs, output_dtypes, template):
-    """(the whole CUDA file of one kernel variant, its shape arguments): an extern "C" __global__
-    function of the inputs, the outputs and then, for each input whose shape the body reads
-    (NAME_shape[i], NAME_ndim), its sizes as int arguments; the template arguments as constants."""
-    params = [f"const {CUDA_TYPES[a.dtype]}* {n}" for n, a in zip(input_names, inputs)]
+def reads_shape(name, body):
+    """Whether a kernel body reads input `name`'s shape (NAME_shape[i] or NAME_ndim)."""
+    return f"{name}_shape" in body or f"{name}_ndim" in body
+
+
+def cuda_source(name, input_names, output_names, body, header, input_types, output_dtypes, template):
+    """The whole CUDA file of one kernel variant: an extern "C" __global__ function of the inputs
+    (input_types: (dtype, ndim) each), the outputs and then, for each input whose shape the body
+    reads, its sizes as int arguments (the launch passes them); template arguments as constants."""
+    params = [f"const {CUDA_TYPES[d]}* {n}" for n, (d, _) in zip(input_names, input_types)]
     params += [f"{CUDA_TYPES[d]}* {n}" for n, d in zip(output_names, output_dtypes)]
-    lines, shapes = [], []
-    for n, a in zip(input_names, inputs):
-        if f"{n}_shape" in body or f"{n}_ndim" in body:
-            params += [f"int {n}_shape{i}" for i in range(a.ndim)]
-            shapes += list(a.shape)
-            lines.append(f"  const int {n}_shape[{max(a.ndim, 1)}] = {{{', '.join(f'{n}_shape{i}' for i in range(a.ndim)) or '1'}}};")
-            lines.append(f"  constexpr int {n}_ndim = {a.ndim};")
+    lines = []
+    for n, (_, ndim) in zip(input_names, input_types):
+        if reads_shape(n, body):
+            sizes = [f"{n}_shape{i}" for i in range(ndim)]
+            params += [f"int {s}" for s in sizes]
+            lines.append(f"  const int {n}_shape[{max(ndim, 1)}] = {{{', '.join(sizes) or '1'}}};")
+            lines.append(f"  constexpr int {n}_ndim = {ndim};")
     for k, v in template:
         if isinstance(v, mx.Dtype):
             lines.append(f"  using {k} = {CUDA_TYPES[v]};")
         else:
             lines.append(f"  constexpr {'bool' if isinstance(v, bool) else 'int'} {k} = {str(v).lower()};")
-    code = (f"{CUDA_PRELUDE}{header}\nextern \"C\" __global__ void {name}({', '.join(params)}) {{\n"
+    return (f"{CUDA_PRELUDE}{header}\nextern \"C\" __global__ void {name}({', '.join(params)}) {{\n"
             + "\n".join(lines) + f"\n{body}\n}}\n")
-    return code, shapes
 
 
 @lru_cache(maxsize=None)

@@ -390,19 +390,18 @@ def test_cuda_sources_compile(tmp_path):
     cubin: a syntax error shows here, without a GPU."""
     files = []
     for name, (inputs, outputs, template) in SIGNATURES.items():
-        arrays = [mx.zeros((2,) * nd, dtype) for _, dtype, nd in inputs]
         files.append(kernels.cuda_source(f"k{name}", [n for n, _, _ in inputs], [n for n, _ in outputs],
-                                         getattr(kernels, name), kernels._HEADERS["cuda"], arrays,
-                                         [d for _, d in outputs], template)[0])
+                                         getattr(kernels, name), kernels._HEADERS["cuda"],
+                                         [(d, nd) for _, d, nd in inputs], [d for _, d in outputs], template))
     for has_res, has_w, has_b, center in ((True, True, False, False), (False, False, True, True)):
         captured = {}
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(kernels, "make_kernel", lambda *a: captured.setdefault("args", a))
             fnn._kernel.__wrapped__("cuda", has_res, has_w, has_b, center)
         name, inputs, outputs, body, header = captured["args"]
-        arrays = [mx.zeros((2, 3), mx.float16) if n in ("x", "res") else mx.zeros((3,), mx.float16) for n in inputs]
-        files.append(kernels.cuda_source(name, inputs, outputs, body, header, arrays, [mx.float16] * len(outputs),
-                                         [("T", mx.float16), ("PER", 8), ("EPS_BITS", 1), ("SCALE_BITS", 2)])[0])
+        types = [(mx.float16, 2 if n in ("x", "res") else 1) for n in inputs]
+        files.append(kernels.cuda_source(name, inputs, outputs, body, header, types, [mx.float16] * len(outputs),
+                                         [("T", mx.float16), ("PER", 8), ("EPS_BITS", 1), ("SCALE_BITS", 2)]))
     for i, code in enumerate(files):
         (tmp_path / f"k{i}.cu").write_text(code)
         done = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-o", str(tmp_path / f"k{i}.cubin"),
@@ -415,9 +414,9 @@ def test_cuda_binaries_are_kept_on_disk(monkeypatch, tmp_path):
     """A kernel compiled once is read back from CACHE_DIR by a later process, without NVRTC."""
     monkeypatch.setattr(kernels, "CACHE_DIR", tmp_path)
     inputs, outputs, template = SIGNATURES["_COMBINE"]
-    code, _ = kernels.cuda_source("k_combine", [n for n, _, _ in inputs], [n for n, _ in outputs], kernels._COMBINE,
-                                  kernels._HEADERS["cuda"], [mx.zeros((2,) * nd, d) for _, d, nd in inputs],
-                                  [d for _, d in outputs], template)
+    code = kernels.cuda_source("k_combine", [n for n, _, _ in inputs], [n for n, _ in outputs], kernels._COMBINE,
+                               kernels._HEADERS["cuda"], [(d, nd) for _, d, nd in inputs], [d for _, d in outputs],
+                               template)
     kernels.cuda_binary.cache_clear()
     binary = kernels.cuda_binary("k_combine", code)
     assert len(list((tmp_path / "cuda").glob("k_combine-*.cubin"))) == 1
@@ -425,3 +424,22 @@ def test_cuda_binaries_are_kept_on_disk(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "_nvrtc", lambda version=kernels._nvrtc()[1]: (None, version))
     assert kernels.cuda_binary("k_combine", code) == binary
     kernels.cuda_binary.cache_clear()
+
+
+def test_cuda_launch_passes_sizes_and_keeps_its_file(monkeypatch):
+    """A CUDA launch (here with MLX's precompiled launcher and the compiler stubbed, so on any
+    device): the sizes of the inputs the body reads go as int arguments after the outputs; a new
+    size reuses the same CUDA file (one compile), a new dtype makes another."""
+    calls, files = [], []
+    monkeypatch.setattr(kernels, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(kernels, "cuda_binary", lambda name, code: files.append(code) or b"cubin")
+    monkeypatch.setattr(kernels.mx.fast, "precompiled_cuda_kernel", lambda **kw: calls.append(kw) or ["o"])
+    launch = kernels._kernel("fn_combine_test", ["part_o", "part_ml"], ["o"], kernels._COMBINE)
+    for heads, splits, dtype in ((4, 3, mx.float16), (6, 5, mx.float16), (6, 5, mx.bfloat16)):
+        launch(inputs=[mx.zeros((heads, splits, 64)), mx.zeros((heads, splits, 2))], template=[("T", dtype)],
+               grid=(heads * 64, 1, 1), threadgroup=(64, 1, 1), output_shapes=[(1, heads, 1, 64)],
+               output_dtypes=[dtype])
+    assert [c["scalars"] for c in calls] == [[4, 3, 64, 4, 3, 2], [6, 5, 64, 6, 5, 2], [6, 5, 64, 6, 5, 2]]
+    assert all(c["name"] == "fn_combine_test" and c["compiled_source"] == b"cubin" for c in calls)
+    assert files[0] == files[1] != files[2] and "using T = __nv_bfloat16;" in files[2]
+    assert "const int part_o_shape[3] = {part_o_shape0, part_o_shape1, part_o_shape2};" in files[0]
