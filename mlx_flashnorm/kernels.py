@@ -179,8 +179,9 @@ def spell(source, backend):
     return source
 
 
+@lru_cache(maxsize=None)
 def gpu_backend():
-    """"cuda" or "metal" where MLX has that GPU backend, else None."""
+    """"cuda" or "metal" where MLX has that GPU backend, else None (asked once per process)."""
     return "metal" if mx.metal.is_available() else ("cuda" if mx.cuda.is_available() else None)
 
 

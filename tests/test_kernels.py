@@ -399,7 +399,7 @@ def test_cuda_sources_compile(tmp_path):
             mp.setattr(kernels, "make_kernel", lambda *a: captured.setdefault("args", a))
             fnn._kernel.__wrapped__("cuda", has_res, has_w, has_b, center)
         name, inputs, outputs, body, header = captured["args"]
-        types = [(mx.float16, 2 if n in ("x", "res") else 1) for n in inputs]
+        types = [(mx.float16, 3 if n in ("x", "res") else 1) for n in inputs]  # (batch, length, dim)
         files.append(kernels.cuda_source(name, inputs, outputs, body, header, types, [mx.float16] * len(outputs),
                                          [("T", mx.float16), ("PER", 8), ("EPS_BITS", 1), ("SCALE_BITS", 2)]))
     for i, code in enumerate(files):
