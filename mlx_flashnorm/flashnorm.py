@@ -31,7 +31,6 @@ per-module quantization settings carry over, and DeferredLinear quantizes to Qua
 (a QuantizedLinear becomes one as it is, with apply(fold=False)).
 """
 import math
-from functools import lru_cache
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -89,14 +88,6 @@ def times(y, s):
     """y * s in y's dtype: the deferred scale s (float32 in half precision, kernels.add_rss)
     applied with one rounding."""
     return y * s if s.dtype == y.dtype else (y * s).astype(y.dtype)
-
-
-@lru_cache(maxsize=None)
-def gated(activation):
-    """h = activation(gate * s) * up, rounded once to up's dtype (s is float32 in half precision,
-    so all of it runs in float32), as one compiled element-wise kernel: run eagerly (prefill) it
-    was four launches over float32 intermediates. shapeless: one trace serves every length."""
-    return mx.compile(lambda gate, s, up: (activation(gate * s) * up).astype(up.dtype), shapeless=True)
 
 
 def gained(module, x):
@@ -314,7 +305,7 @@ class FlashSwiGLU(nn.Module):
         a, s = deferred_input(self, x)
         late = not any("bias" in self[p] for p in held(self, GATE_UP))  # else s before the biases
         gate, up = project(self, a, GATE_UP, None if late else s)
-        h = gated(self.activation)(gate, s, up) if late else (self.activation(gate) * up).astype(up.dtype)
+        h = kernels.gated(self.activation)(gate, s, up) if late else (self.activation(gate) * up).astype(up.dtype)
         if late and "bias" not in self.down_proj:
             return deferred_output(self, self.down_proj(h), s)
         return self.down_proj(h, s if late else None)
@@ -345,7 +336,7 @@ class FlashFusedSwiGLU(nn.Module):
             return y
         a, s = deferred_input(self, x)
         gate, up = mx.split(self.proj_1(a), 2, axis=-1)
-        h = gated(nn.silu)(gate, s, up)
+        h = kernels.gated(nn.silu)(gate, s, up)
         return deferred_output(self, self.proj_2(h), s)
 
 

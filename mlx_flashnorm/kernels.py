@@ -202,27 +202,26 @@ VARIANTS = set()
 def make_kernel(name, input_names, output_names, source, header):
     """A kernel of body `source` (CUDA spelling) as a function of mx.fast.cuda_kernel's keyword
     arguments (inputs, template, grid, threadgroup, output_shapes, output_dtypes); header: the
-    backend's own. On Metal
-    mx.fast.metal_kernel runs the respelled body. On CUDA the body is compiled here (cuda_binary)
-    and run with mx.fast.precompiled_cuda_kernel: MLX compiles a cuda_kernel with NVRTC in every
-    process (1.5-2 s each on an H100, bench/RESULTS.md), a binary kept on disk loads in
-    milliseconds."""
+    backend's own. On Metal mx.fast.metal_kernel runs the respelled body. On CUDA the body is
+    compiled here (cuda_binary) and run with mx.fast.precompiled_cuda_kernel: MLX compiles a
+    cuda_kernel with NVRTC in every process (1.5-2 s each on an H100, bench/RESULTS.md), a binary
+    kept on disk loads in milliseconds."""
     backend = gpu_backend()
     if backend == "metal":
         kernel = mx.fast.metal_kernel(name=name, input_names=input_names, output_names=output_names,
                                       source=spell(source, backend), header=header)
     shaped = [reads_shape(n, source) for n in input_names]
-    codes = {}  # (input dtypes and ranks, output dtypes, template) -> CUDA file
+    codes = {}  # (input dtypes and ranks, output dtypes, template) -> CUDA file (None on Metal)
 
     def launch(*, inputs: list, template, grid, threadgroup, output_shapes, output_dtypes):
-        VARIANTS.add((name, tuple((k, str(v)) for k, v in template)))
+        key = (tuple((a.dtype, a.ndim) for a in inputs), tuple(output_dtypes), tuple(template))
+        if key not in codes:  # a variant not launched before
+            VARIANTS.add((name, tuple((k, str(v)) for k, v in template)))
+            codes[key] = None if backend == "metal" else cuda_source(
+                name, input_names, output_names, source, header, key[0], output_dtypes, template)
         if backend == "metal":
             return kernel(inputs=inputs, template=template, grid=grid, threadgroup=threadgroup,
                           output_shapes=output_shapes, output_dtypes=output_dtypes)
-        key = (tuple((a.dtype, a.ndim) for a in inputs), tuple(output_dtypes), tuple(template))
-        if key not in codes:
-            codes[key] = cuda_source(name, input_names, output_names, source, header, key[0], output_dtypes,
-                                     template)
         return mx.fast.precompiled_cuda_kernel(
             name=name, compiled_source=cuda_binary(name, codes[key]), inputs=inputs,
             output_shapes=output_shapes, output_dtypes=output_dtypes,
@@ -861,6 +860,15 @@ def _fused_inputs(x, xs, r, g, linear):
             [("T", x.dtype), ("BITS", linear.bits), ("KMAX", KMAX[gpu_backend()])])
 
 
+@lru_cache(maxsize=None)
+def gated(activation):
+    """h = activation(gate * s) * up, rounded once to up's dtype (s is float32 in half precision,
+    so all of it runs in float32), as one compiled element-wise kernel: run eagerly (prefill) it
+    was four launches over float32 intermediates. shapeless: one trace serves every length. The
+    gate_up kernel's fallback, and FlashNorm's FFNs where that kernel does not run."""
+    return mx.compile(lambda gate, s, up: (activation(gate * s) * up).astype(up.dtype), shapeless=True)
+
+
 def qkv_rope(x, eps, xs, r, g, linear, offset, theta, n_heads, n_kv_heads, gains=None, qk_eps=0.0, factor=1.0):
     """(p, q, k, v) of one decode row: p, pg, s = add_rss(x, eps, xs, r, g), then linear (the
     concatenated q/k/v projection) on pg, and rope_qkv's RoPE (Sec. 3 with factor, or Sec. 4 with
@@ -891,7 +899,7 @@ def gate_up(x, eps, xs, r, g, linear):
     if not fused_supported("gate_up", x, linear):
         p, pg, s = add_rss(x, eps, xs=xs, r=r, g=g)
         gate, up = mx.split(linear(p if pg is None else pg), 2, axis=-1)
-        return p, (nn.silu(gate * s) * up).astype(up.dtype), s
+        return p, gated(nn.silu)(gate, s, up), s
     inputs, flags, template = _fused_inputs(x, xs, r, g, linear)
     I = linear["weight"].shape[0] // 2
     blocks = min(FUSED_BLOCKS, -(-I // 8))

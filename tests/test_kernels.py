@@ -383,16 +383,20 @@ SIGNATURES = {
 }
 
 
+def signature_source(body, name):
+    """kernels.cuda_source of the kernel body `body` (a SIGNATURES key) as kernel `name`."""
+    inputs, outputs, template = SIGNATURES[body]
+    return kernels.cuda_source(name, [n for n, _, _ in inputs], [n for n, _ in outputs], getattr(kernels, body),
+                               kernels._HEADERS["cuda"], [(d, nd) for _, d, nd in inputs], [d for _, d in outputs],
+                               template)
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs the CUDA compiler (this CPU machine has one)")
 def test_cuda_sources_compile(tmp_path):
     """Every CUDA kernel, as kernels.cuda_source writes the file that NVRTC compiles on a GPU
     (kernels.py's bodies, and nn.py's add + norm kernel in each of its forms), compiles to a
     cubin: a syntax error shows here, without a GPU."""
-    files = []
-    for name, (inputs, outputs, template) in SIGNATURES.items():
-        files.append(kernels.cuda_source(f"k{name}", [n for n, _, _ in inputs], [n for n, _ in outputs],
-                                         getattr(kernels, name), kernels._HEADERS["cuda"],
-                                         [(d, nd) for _, d, nd in inputs], [d for _, d in outputs], template))
+    files = [signature_source(body, f"k{body}") for body in SIGNATURES]
     for has_res, has_w, has_b, center in ((True, True, False, False), (False, False, True, True)):
         captured = {}
         with pytest.MonkeyPatch.context() as mp:
@@ -413,10 +417,7 @@ def test_cuda_sources_compile(tmp_path):
 def test_cuda_binaries_are_kept_on_disk(monkeypatch, tmp_path):
     """A kernel compiled once is read back from CACHE_DIR by a later process, without NVRTC."""
     monkeypatch.setattr(kernels, "CACHE_DIR", tmp_path)
-    inputs, outputs, template = SIGNATURES["_COMBINE"]
-    code = kernels.cuda_source("k_combine", [n for n, _, _ in inputs], [n for n, _ in outputs], kernels._COMBINE,
-                               kernels._HEADERS["cuda"], [(d, nd) for _, d, nd in inputs], [d for _, d in outputs],
-                               template)
+    code = signature_source("_COMBINE", "k_combine")
     kernels.cuda_binary.cache_clear()
     binary = kernels.cuda_binary("k_combine", code)
     assert len(list((tmp_path / "cuda").glob("k_combine-*.cubin"))) == 1
