@@ -142,3 +142,22 @@ def test_bad_matrix_and_config_arguments(args, words, configs, tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith("error:") and words in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_anatomy_tables_and_cold_parts(capsys):
+    from mlx_flashnorm.bench.anatomy import main as anatomy
+
+    anatomy(["--tiny", "--pp", "16", "--reps", "1", "--modes", "flash,mlx-lm", "--dtype", "float32"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| flash") or line.startswith("| mlx-lm")]
+    assert len(rows) == 4  # prefill and decode, each mode (no kernels to switch off on the CPU)
+    assert all(float(cell) >= 0 for row in rows for cell in row.strip("|").split("|")[2:])
+    anatomy(["--tiny", "--pp", "16", "--cold", "flash", "--dtype", "float32"])
+    parts = [line for line in capsys.readouterr().out.splitlines() if "request" in line]
+    assert len(parts) == 12 and sum("step 1 trace" in line for line in parts) == 2  # two requests
+
+
+@pytest.mark.parametrize("args, mode", [(["--modes", "rms,fast"], "fast"), (["--cold", "rms-eager"], "rms-eager")])
+def test_anatomy_bad_mode(args, mode):
+    r = cli("mlx_flashnorm.bench.anatomy", "--tiny", *args)
+    assert r.returncode == 2 and f"'{mode}'" in r.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in r.stderr
