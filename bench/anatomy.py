@@ -26,7 +26,7 @@ import mlx.core as mx
 from .. import kernels
 from ..cache import make_cache
 from ..errors import HelpFormatter, run_cli
-from ..generate import cache_capacity, compiled_decode
+from ..generate import cache_capacity, compiled_decode, decode_offset
 from .decode import (NORM_MODES, PEER, device_name, load_mlx_lm, load_ours, random_checkpoint, random_shape)
 
 KERNELS = ("add_rss", "normalize", "rope_qkv", "qkv_rope", "gate_up", "decode_attention")
@@ -72,7 +72,7 @@ def decode_loop(model, mode, prompt):
     model(prompt[None, :-1], cache=cache)
     mx.eval([c.state for c in cache])
     decode = compiled_decode(model)
-    state = {"offset": mx.array(cache[0].offset), "kv": [c.state for c in cache]}
+    state = {"offset": decode_offset(cache[0].offset), "kv": [c.state for c in cache]}
 
     def step(y):
         logprobs, state["offset"], state["kv"] = decode(y, state["offset"], state["kv"])
@@ -143,7 +143,7 @@ def cold(mode, folder, args):
                 mx.eval(y)
                 parts.append((f"{round_}: step {i + 1}", now() - t))
             continue
-        offset, kv = mx.array(cache[0].offset), [c.state for c in cache]
+        offset, kv = decode_offset(cache[0].offset), [c.state for c in cache]
         t = now()
         decode = compiled_decode(model)
         logprobs, offset, kv = decode(y, offset, kv)

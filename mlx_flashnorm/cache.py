@@ -43,8 +43,12 @@ class StaticKVCache:
             self.values[..., self.offset:end, :] = values
             self.offset = end
             return self.keys[..., :end, :], self.values[..., :end, :]
-        self.keys = mx.slice_update(self.keys, keys, self.offset, axes=(2,))
-        self.values = mx.slice_update(self.values, values, self.offset, axes=(2,))
+        # one scatter along the positions (put_along_axis), not mx.slice_update: MLX 0.32's CUDA
+        # backend runs a dynamic slice update over the whole buffer (its copy kernel is sized by
+        # the destination), 37% of a decode step's GPU time (bench/RESULTS.md, "Fifth pass")
+        at = (self.offset + mx.arange(N) if N > 1 else self.offset).reshape(1, 1, N, 1)
+        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(at, keys.shape), keys, axis=2)
+        self.values = mx.put_along_axis(self.values, mx.broadcast_to(at, values.shape), values, axis=2)
         self.offset = self.offset + N
         return self.keys, self.values
 

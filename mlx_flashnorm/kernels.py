@@ -154,11 +154,26 @@ _HEADERS = {
   for (int k = 16; k > 0; k >>= 1) v += __shfl_xor_sync(0xffffffff, v, k);
   return v;
 }
+__device__ inline float fn_warp_max(float v) {
+  for (int k = 16; k > 0; k >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, k));
+  return v;
+}
+__device__ inline float fn_shfl_xor(float v, int k) { return __shfl_xor_sync(0xffffffff, v, k); }
+template <typename U, int N> __device__ inline void fn_load(const U* p, float* out) {
+  const uint4 w = *reinterpret_cast<const uint4*>(p);  // N values of U, 16 bytes, in one load
+  const U* e = reinterpret_cast<const U*>(&w);
+  for (int i = 0; i < N; ++i) out[i] = fn_f(e[i]);
+}
 """,
     "metal": """
 template <typename U> inline float fn_f(U v) { return static_cast<float>(v); }
 template <typename U> inline U fn_cast(float v) { return static_cast<U>(v); }
 inline float fn_warp_sum(float v) { return simd_sum(v); }  // Apple GPUs: 32-wide SIMD groups
+inline float fn_warp_max(float v) { return simd_max(v); }
+inline float fn_shfl_xor(float v, int k) { return simd_shuffle_xor(v, ushort(k)); }
+template <typename U, int N> inline void fn_load(const device U* p, thread float* out) {
+  for (int i = 0; i < N; ++i) out[i] = static_cast<float>(p[i]);
+}
 """,
 }
 
@@ -188,8 +203,11 @@ def gpu_backend():
 @lru_cache(maxsize=None)
 def constant(dtype, *values):
     """A small array of run-time sizes or flags for a kernel, made once per distinct value: no
-    new array per call, and inside mx.compile one constant of the graph."""
-    a = mx.array(values, dtype)
+    new array per call, and inside mx.compile one constant of the graph. Padded to 16 bytes: MLX's
+    CUDA backend keeps arrays of 8 bytes or less in one managed-memory page that the host touches
+    every decode step, and a kernel reading from it waited up to 20 us (bench/RESULTS.md, "Fifth
+    pass")."""
+    a = mx.array(values + (0,) * (4 - len(values)), dtype)
     mx.eval(a)
     return a
 
@@ -364,79 +382,152 @@ def _random(shape, seed, dtype=mx.float16, scale=1.0):
 # ---------------------------------------------------------------- attention over a static cache
 
 _ATTENTION = """
-  // one block per (batch * query head, split of the cache); warps take key positions in turn,
-  // lanes head dims. Every size is read at run time: one compile per dtype and head dim.
-  // A long cache (C > SPLIT_ABOVE) is split in chunks of CHUNK positions over S blocks per head
-  // (flash-decoding): each writes its partial softmax state (max, sum; weighted values) and
-  // fn_decode_combine merges them. A short one is one block per head, which writes o itself.
-  constexpr int VPT = D / 32, NW = 16;  // SPLIT_ABOVE, CHUNK: template constants (Python's)
+  // one block per (batch * kv head, split of the cache): the GQ query heads of a kv head share
+  // each K/V row it loads. A row (D values) is loaded by LPR lanes, EPL values (16 bytes) each, so
+  // a warp holds G rows at a time and takes U of them per row group (all loads in flight before a
+  // sum waits); the block's NW warps take ROWS = NW * G * U consecutive positions per step.
+  // A long cache (C > SPLIT_ABOVE) is split in chunks of CHUNK positions over S blocks
+  // per kv head (flash-decoding): each writes its partial softmax state (max, sum; weighted values)
+  // per query head and fn_decode_combine merges them. A short one is one block per kv head, which
+  // writes o itself. GQ, D, SPLIT_ABOVE, CHUNK: template constants; the other sizes run-time.
+  constexpr int EPL = 16 / sizeof(T), LPR = D / EPL, G = 32 / LPR, U = G >= 4 ? 8 / G : 2;
+  constexpr int NW = 8, ROWS = NW * G * U;
   const int HQ = q_shape[1], HKV = k_shape[1], C = k_shape[2];
   const int S = C > SPLIT_ABOVE ? (C + CHUNK - 1) / CHUNK : 1;
-  const int head = blockIdx.x / S, split = blockIdx.x % S;
-  const int b = head / HQ, hkv = (head % HQ) / (HQ / HKV);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int kvh = blockIdx.x / S, split = blockIdx.x % S;  // kvh = b * HKV + kv head
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / LPR, sub = lane % LPR;
   const int len = n[0];
   const int lo = split * (S > 1 ? CHUNK : C);
   const int end = S > 1 ? lo + CHUNK : C;
   const int hi = end < len ? end : len;
   const float sc = scale[0] * 1.4426950408889634f;  // exp2 domain
-  float qv[VPT], acc[VPT];
-  const long qbase = long(head) * D;
+  const long head0 = long(kvh / HKV) * HQ + (kvh % HKV) * GQ;  // the first of its query heads
+  float qv[GQ][EPL], acc[GQ][EPL], m[GQ], l[GQ];
   #pragma unroll
-  for (int i = 0; i < VPT; ++i) { qv[i] = fn_f(q[qbase + lane * VPT + i]) * sc; acc[i] = 0.0f; }
-  const long kvbase = long(b * HKV + hkv) * C * D;
-  float m = -1e30f, l = 0.0f;
-  // two positions per iteration (j and j + NW, the second masked past hi): their loads overlap
-  for (int j = lo + warp; j < hi; j += 2 * NW) {
-    const bool two = j + NW < hi;
-    const long r0 = kvbase + long(j) * D + lane * VPT, r1 = two ? r0 + long(NW) * D : r0;
-    float d0 = 0.0f, d1 = 0.0f;
+  for (int h = 0; h < GQ; ++h) {
+    fn_load<T, EPL>(q + (head0 + h) * D + sub * EPL, qv[h]);
     #pragma unroll
-    for (int i = 0; i < VPT; ++i) { d0 += qv[i] * fn_f(k[r0 + i]); d1 += qv[i] * fn_f(k[r1 + i]); }
-    d0 = fn_warp_sum(d0);
-    d1 = two ? fn_warp_sum(d1) : -1e30f;
-    const float mn = fmaxf(m, fmaxf(d0, d1));
-    const float corr = exp2f(m - mn), p0 = exp2f(d0 - mn), p1 = two ? exp2f(d1 - mn) : 0.0f;
-    l = l * corr + p0 + p1;
-    #pragma unroll
-    for (int i = 0; i < VPT; ++i) acc[i] = acc[i] * corr + p0 * fn_f(v[r0 + i]) + p1 * fn_f(v[r1 + i]);
-    m = mn;
+    for (int e = 0; e < EPL; ++e) { qv[h][e] *= sc; acc[h][e] = 0.0f; }
+    m[h] = -1e30f;
+    l[h] = 0.0f;
   }
-  __shared__ float sm[NW], sl[NW], sacc[NW][D];
-  if (lane == 0) { sm[warp] = m; sl[warp] = l; }
+  const long base = long(kvh) * C * D + sub * EPL;
+  for (int w0 = lo + warp * G * U; w0 < hi; w0 += ROWS) {  // the same trip count for a whole warp
+    const int j0 = w0 + grp * U;
+    float kf[U][EPL], vf[U][EPL], d[U][GQ];
+    long r[U];
+    #pragma unroll
+    for (int u = 0; u < U; ++u) {  // a position past hi reads row w0 again and gets no weight
+      r[u] = base + long(j0 + u < hi ? j0 + u : w0) * D;
+      fn_load<T, EPL>(k + r[u], kf[u]);
+    }
+    #pragma unroll
+    for (int u = 0; u < U; ++u) fn_load<T, EPL>(v + r[u], vf[u]);
+    #pragma unroll
+    for (int u = 0; u < U; ++u) {
+      #pragma unroll
+      for (int h = 0; h < GQ; ++h) {
+        float t = 0.0f;
+        #pragma unroll
+        for (int e = 0; e < EPL; ++e) t += qv[h][e] * kf[u][e];
+        #pragma unroll
+        for (int x = LPR / 2; x > 0; x >>= 1) t += fn_shfl_xor(t, x);  // over the row's lanes
+        d[u][h] = t;
+      }
+    }
+    #pragma unroll
+    for (int h = 0; h < GQ; ++h) {
+      float mn = m[h];
+      #pragma unroll
+      for (int u = 0; u < U; ++u) if (j0 + u < hi) mn = fmaxf(mn, d[u][h]);
+      const float corr = exp2f(m[h] - mn);
+      l[h] *= corr;
+      #pragma unroll
+      for (int e = 0; e < EPL; ++e) acc[h][e] *= corr;
+      #pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const float w = j0 + u < hi ? exp2f(d[u][h] - mn) : 0.0f;
+        l[h] += w;
+        #pragma unroll
+        for (int e = 0; e < EPL; ++e) acc[h][e] += w * vf[u][e];
+      }
+      m[h] = mn;
+    }
+  }
+  // merge the row groups of a warp (lanes LPR apart hold the same dims), then the warps
   #pragma unroll
-  for (int i = 0; i < VPT; ++i) sacc[warp][lane * VPT + i] = acc[i];
+  for (int x = LPR; x < 32; x <<= 1) {
+    #pragma unroll
+    for (int h = 0; h < GQ; ++h) {
+      const float m2 = fn_shfl_xor(m[h], x), mn = fmaxf(m[h], m2);
+      const float c1 = exp2f(m[h] - mn), c2 = exp2f(m2 - mn);
+      l[h] = l[h] * c1 + fn_shfl_xor(l[h], x) * c2;
+      #pragma unroll
+      for (int e = 0; e < EPL; ++e) acc[h][e] = acc[h][e] * c1 + fn_shfl_xor(acc[h][e], x) * c2;
+      m[h] = mn;
+    }
+  }
+  __shared__ float sm[NW][GQ], sl[NW][GQ], sacc[NW][GQ][D];
+  if (grp == 0) {
+    #pragma unroll
+    for (int h = 0; h < GQ; ++h) {
+      if (sub == 0) { sm[warp][h] = m[h]; sl[warp][h] = l[h]; }
+      #pragma unroll
+      for (int e = 0; e < EPL; ++e) sacc[warp][h][sub * EPL + e] = acc[h][e];
+    }
+  }
   __syncthreads();
-  float M = -1e30f;
-  for (int w = 0; w < NW; ++w) M = fmaxf(M, sm[w]);
-  float L = 0.0f;
-  for (int w = 0; w < NW; ++w) L += sl[w] * exp2f(sm[w] - M);
-  const long part = long(blockIdx.x);
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float O = 0.0f;
-    for (int w = 0; w < NW; ++w) O += sacc[w][d] * exp2f(sm[w] - M);
-    if (S == 1) o[qbase + d] = fn_cast<T>(O / L);
-    else part_o[part * D + d] = O;
+  for (int i = threadIdx.x; i < GQ * D; i += blockDim.x) {
+    const int h = i / D, dd = i % D;
+    float M = -1e30f;
+    for (int w = 0; w < NW; ++w) M = fmaxf(M, sm[w][h]);
+    float L = 0.0f, O = 0.0f;
+    for (int w = 0; w < NW; ++w) {
+      const float c = exp2f(sm[w][h] - M);
+      L += sl[w][h] * c;
+      O += sacc[w][h][dd] * c;
+    }
+    const long head = head0 + h;
+    if (S == 1) o[head * D + dd] = fn_cast<T>(O / L);
+    else {
+      part_o[(head * S + split) * D + dd] = O;
+      if (dd == 0) { part_ml[(head * S + split) * 2] = M; part_ml[(head * S + split) * 2 + 1] = L; }
+    }
   }
-  if (S > 1 && threadIdx.x == 0) { part_ml[part * 2] = M; part_ml[part * 2 + 1] = L; }
 """
 
 _COMBINE = """
-  // one block per (batch * query head): merge the S partial states fn_decode_attention wrote
-  const int S = part_ml_shape[1], D = part_o_shape[2];
+  // one block of NW warps per (batch * query head): merge the S partial states fn_decode_attention
+  // wrote. Lanes take splits in turn for the max and the sum, then warps take splits and lanes
+  // dims for the values: no load waits on another.
+  constexpr int NW = 8;
+  const int S = part_ml_shape[1];
   const long head = blockIdx.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const long ml = head * S * 2;
   float M = -1e30f;
-  for (int s = 0; s < S; ++s) M = fmaxf(M, part_ml[(head * S + s) * 2]);
+  for (int s = lane; s < S; s += 32) M = fmaxf(M, part_ml[ml + 2 * s]);
+  M = fn_warp_max(M);
   float L = 0.0f;
-  for (int s = 0; s < S; ++s) L += part_ml[(head * S + s) * 2 + 1] * exp2f(part_ml[(head * S + s) * 2] - M);
+  for (int s = lane; s < S; s += 32) L += part_ml[ml + 2 * s + 1] * exp2f(part_ml[ml + 2 * s] - M);
+  L = fn_warp_sum(L);
+  __shared__ float so[NW][D];
+  for (int d = lane; d < D; d += 32) {
+    float O = 0.0f;
+    #pragma unroll 4
+    for (int s = warp; s < S; s += NW) O += part_o[(head * S + s) * D + d] * exp2f(part_ml[ml + 2 * s] - M);
+    so[warp][d] = O;
+  }
+  __syncthreads();
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
     float O = 0.0f;
-    for (int s = 0; s < S; ++s) O += part_o[(head * S + s) * D + d] * exp2f(part_ml[(head * S + s) * 2] - M);
+    for (int w = 0; w < NW; ++w) O += so[w][d];
     o[head * D + d] = fn_cast<T>(O / L);
   }
 """
 
-SPLIT_ABOVE, CHUNK = 1024, 128  # caches longer than SPLIT_ABOVE are split in CHUNKs (_ATTENTION)
+SPLIT_ABOVE, CHUNK = 1024, 64  # caches longer than SPLIT_ABOVE are split in CHUNKs (_ATTENTION)
+GROUP_MAX = {"cuda": 1024, "metal": 512}  # query heads per kv head x head dim its shared memory holds
 
 
 @lru_cache(maxsize=None)
@@ -448,25 +539,28 @@ def _attention_kernels():
 def decode_attention(q, k, v, n, scale):
     """Attention of queries q (B, Hq, L, D) over the first n positions of k, v (B, Hkv, C, D),
     n an int32 array of one element (the positions filled, the queries' own included): query i
-    sees positions up to n - L + i. The CUDA kernel takes L = 1 (a decode step); a cache longer
-    than SPLIT_ABOVE positions is split over blocks of CHUNK positions and merged by a second
-    kernel (flash-decoding), so that a long context keeps the GPU busy."""
+    sees positions up to n - L + i. The CUDA kernel takes L = 1 (a decode step), one block per kv
+    head and its query heads; a cache longer than SPLIT_ABOVE positions is split over blocks of
+    CHUNK positions and merged by a second kernel (flash-decoding), so that a long context keeps
+    the GPU busy."""
     B, Hq, L, D = q.shape
     Hkv, C = k.shape[1], k.shape[2]
-    if use_gpu("decode_attention") and L == 1 and D % 32 == 0 and D <= 256 and q.dtype == k.dtype == v.dtype:
-        threads, heads = 512, B * Hq  # NW = 16 warps (_ATTENTION)
+    lanes = D * q.dtype.size // 16  # per row: 16-byte loads, a power of two <= 32 lanes
+    if (use_gpu("decode_attention") and L == 1 and D * q.dtype.size % 16 == 0 and lanes & (lanes - 1) == 0
+            and lanes <= 32 and Hq % Hkv == 0 and Hq // Hkv * D <= GROUP_MAX[gpu_backend()]
+            and q.dtype == k.dtype == v.dtype):
         S = -(-C // CHUNK) if C > SPLIT_ABOVE else 1
         attend, combine = _attention_kernels()
         o, part_o, part_ml = attend(
-            inputs=[q, k, v, n.astype(mx.int32).reshape(1), constant(mx.float32, scale)],
-            template=[("T", q.dtype), ("D", D), ("SPLIT_ABOVE", SPLIT_ABOVE), ("CHUNK", CHUNK)],
-            grid=(heads * S * threads, 1, 1), threadgroup=(threads, 1, 1),
-            output_shapes=[q.shape, (heads, S, D), (heads, S, 2)],
+            inputs=[q, k, v, n if n.dtype == mx.int32 else n.astype(mx.int32), constant(mx.float32, scale)],
+            template=[("T", q.dtype), ("D", D), ("GQ", Hq // Hkv), ("SPLIT_ABOVE", SPLIT_ABOVE), ("CHUNK", CHUNK)],
+            grid=(B * Hkv * S * 256, 1, 1), threadgroup=(256, 1, 1),  # NW = 8 warps (_ATTENTION)
+            output_shapes=[q.shape, (B * Hq, S, D), (B * Hq, S, 2)],
             output_dtypes=[q.dtype, mx.float32, mx.float32])
         if S == 1:
             return o
-        return combine(inputs=[part_o, part_ml], template=[("T", q.dtype)],
-                       grid=(heads * 64, 1, 1), threadgroup=(64, 1, 1),
+        return combine(inputs=[part_o, part_ml], template=[("T", q.dtype), ("D", D)],
+                       grid=(B * Hq * 256, 1, 1), threadgroup=(256, 1, 1),  # NW = 8 (_COMBINE)
                        output_shapes=[q.shape], output_dtypes=[q.dtype])[0]
     mask = mx.arange(C)[None] < (n.reshape(-1)[0] - L + 1 + mx.arange(L))[:, None]
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)

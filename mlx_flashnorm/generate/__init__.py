@@ -45,17 +45,26 @@ def cache_capacity(model, needed):
     return min(context_length(model), -(-needed // CAPACITY_STEP) * CAPACITY_STEP)
 
 
+def decode_offset(n):
+    """The offset argument of compiled_decode's step for position n: an int32 array of 4 elements,
+    the position first. MLX's CUDA backend keeps every array of 8 bytes or less in one managed-
+    memory page, which the host also touches every step (the sampled token), so a kernel's read
+    of a 1-element offset waits on it; 16 bytes live in device memory (bench/RESULTS.md, "Fifth
+    pass")."""
+    return mx.array([n] * 4, mx.int32)
+
+
 def compiled_decode(model):
     """The 1-token forward pass as one compiled function of (token, offset, kv buffers), made once
     per model and kept on it: every request reuses it (MLX traces it again only for a new cache
-    shape or dtype)."""
+    shape or dtype). offset: decode_offset(position); the step returns the next one."""
     weights = tuple(id(v) for _, v in tree_flatten(model.parameters()))  # a changed model retraces
     kept = getattr(model, "_compiled_decode", None)
     if kept is None or kept[0] != weights:
         def step(y, offset, kv):
             cache = [StaticKVCache(k.shape[2]) for k, _ in kv]
             for c, (k, v) in zip(cache, kv):
-                c.keys, c.values, c.offset = k, v, offset
+                c.keys, c.values, c.offset = k, v, offset[:1].reshape(())  # a view, not a copy
             logits = model(y[None], cache=cache)[:, -1, :]
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             return logprobs, offset + 1, [c.state for c in cache]
@@ -104,7 +113,7 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
 
     if compiled:
         decode = compiled_decode(model)
-        offset, kv = mx.array(cache[0].offset), [c.state for c in cache]
+        offset, kv = decode_offset(cache[0].offset), [c.state for c in cache]
         for c in cache:  # the buffers now live in kv alone, so each step can update them in place
             c.keys = c.values = None
 
@@ -125,7 +134,7 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
     finally:
         if compiled:  # hand the buffers back, for a caller that keeps the cache
             for c, (k, v) in zip(cache, kv):
-                c.keys, c.values, c.offset = k, v, offset.item()
+                c.keys, c.values, c.offset = k, v, offset[:1].item()
 
 
 WARMUP_PROMPT = 16  # tokens: prefill runs MLX's multi-token kernels, not only its 1-token ones
