@@ -21,6 +21,7 @@ import mlx.core as mx
 from .. import kernels
 from .. import nn as fnn
 from ..errors import HelpFormatter
+from ..generate import decode_offset, position
 
 
 def per_call(f, x, n=60, compiled=True):
@@ -60,7 +61,7 @@ def call_costs(dtype=mx.float16):
     q = mx.random.normal((B, Hq, 1, D)).astype(dtype)
     for C, n in ((1024, 100), (2048, 1900), (4096, 4000)):
         k, v = (mx.random.normal((B, Hkv, C, D)).astype(dtype) for _ in range(2))
-        filled = mx.array([n], mx.int32)
+        filled = position(decode_offset(n))  # as the decode step passes it (a 16-byte buffer)
         ks, vs = k[:, :, :n], v[:, :, :n]
         mx.eval(k, v, ks, vs)
         ours = [per_call(lambda x: kernels.decode_attention(x, k, v, filled, 0.125), q, compiled=c) for c in (True, False)]

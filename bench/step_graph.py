@@ -17,6 +17,7 @@ import mlx.core as mx
 from .. import kernels
 from ..cache import StaticKVCache
 from ..errors import HelpFormatter
+from ..generate import decode_offset, position
 from .decode import NORM_MODES, OPENELM_270M, load_ours, random_checkpoint
 
 VIEWS = {"Reshape", "Transpose", "Slice", "Split", "ExpandDims", "Squeeze", "Broadcast", "AsStrided",
@@ -30,7 +31,7 @@ def step_ops(model, prompt=8):
     model(mx.arange(prompt)[None], cache=cache)
     mx.eval([c.state for c in cache])
     for c in cache:
-        c.offset = c.offset if kernels.portable() else mx.array(prompt)
+        c.offset = c.offset if kernels.portable() else position(decode_offset(prompt))  # as generate's
     logits = model(mx.array([[3]]), cache=cache)
     f = io.StringIO()
     mx.export_to_dot(f, logits, *[a for c in cache for a in c.state])

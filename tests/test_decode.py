@@ -1,10 +1,15 @@
 """The compiled decode step (StaticKVCache, mx.compile) against the plain forward pass, for every
 architecture in models/ with norm rms and flash."""
+import collections
+
 import mlx.core as mx
 import pytest
 
+from mlx_flashnorm import kernels
+from mlx_flashnorm.bench.step_graph import step_ops
 from mlx_flashnorm.cache import make_cache
-from mlx_flashnorm.generate import StaticKVCache, generate_step, make_sampler_for, warmup
+from mlx_flashnorm.generate import (StaticKVCache, decode_offset, generate_step, make_sampler_for, position,
+                                    warmup)
 from mlx_flashnorm.loader import build_model, model_args, prepare
 
 from conftest import GEMMA3, QWEN2, QWEN3, TINY_LLAMA, TINY_OPENELM, count_traces, f32_tol, random_weights
@@ -45,6 +50,30 @@ def test_compiled_decode_matches_eager(model):
     assert tokens == eager_tokens
     assert len(set(tokens)) > STEPS // 2  # a real sequence, not one token repeated
     assert mx.allclose(lp, eager_lp, rtol=f32_tol(RTOL), atol=f32_tol(RTOL)).item()
+
+
+def test_step_writes_its_cache_by_scatter(model):
+    """One scatter along the positions per buffer and layer: MLX 0.32's CUDA dynamic slice
+    update copies the whole buffer (bench/RESULTS.md, "Fifth pass")."""
+    ops = collections.Counter(step_ops(model))
+    assert ops["DynamicSliceUpdate"] == 0 and ops["ScatterAxis"] == 2 * len(model.layers)
+
+
+def test_step_reads_sixteen_byte_arrays():
+    """The decode offset and the kernels' constants are 16 bytes, and the position is a view of
+    the offset's buffer: MLX's CUDA backend keeps arrays of 8 bytes or less in a managed page."""
+    offset = decode_offset(1234)
+    assert offset.nbytes == 16 and position(offset).item() == 1234 and position(offset).shape == ()
+    assert "Gather" not in step_graph_of(position(offset) + 0)
+    assert kernels.constant(mx.float32, 0.125).nbytes == kernels.constant(mx.int32, 3, 1, 2).nbytes == 16
+    assert kernels.constant(mx.int32, *range(6)).tolist() == list(range(6))
+
+
+def step_graph_of(a):
+    import io
+    f = io.StringIO()
+    mx.export_to_dot(f, a)
+    return f.getvalue()
 
 
 def test_compiled_decode_samples_like_eager(model):

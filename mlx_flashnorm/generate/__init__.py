@@ -54,6 +54,12 @@ def decode_offset(n):
     return mx.array([n] * 4, mx.int32)
 
 
+def position(offset):
+    """The position in a decode_offset array, as a view of its buffer (offset[0] would be a
+    gather: a new 4-byte array)."""
+    return offset[:1].reshape(())
+
+
 def compiled_decode(model):
     """The 1-token forward pass as one compiled function of (token, offset, kv buffers), made once
     per model and kept on it: every request reuses it (MLX traces it again only for a new cache
@@ -64,7 +70,7 @@ def compiled_decode(model):
         def step(y, offset, kv):
             cache = [StaticKVCache(k.shape[2]) for k, _ in kv]
             for c, (k, v) in zip(cache, kv):
-                c.keys, c.values, c.offset = k, v, offset[:1].reshape(())  # a view, not a copy
+                c.keys, c.values, c.offset = k, v, position(offset)
             logits = model(y[None], cache=cache)[:, -1, :]
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             return logprobs, offset + 1, [c.state for c in cache]
@@ -134,7 +140,7 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
     finally:
         if compiled:  # hand the buffers back, for a caller that keeps the cache
             for c, (k, v) in zip(cache, kv):
-                c.keys, c.values, c.offset = k, v, offset[:1].item()
+                c.keys, c.values, c.offset = k, v, position(offset).item()
 
 
 WARMUP_PROMPT = 16  # tokens: prefill runs MLX's multi-token kernels, not only its 1-token ones
