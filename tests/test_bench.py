@@ -161,3 +161,37 @@ def test_anatomy_bad_mode(args, mode):
     r = cli("mlx_flashnorm.bench.anatomy", "--tiny", *args)
     assert r.returncode == 2 and f"'{mode}'" in r.stderr.strip().splitlines()[-1]
     assert "Traceback" not in r.stderr
+
+
+NCU_HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
+              '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
+
+
+def ncu_row(i, name, ns):
+    return (f'"{i}","1","python3","127.0.0.1","{name}","1","14","(256, 1, 1)","(9, 1, 1)","0","9.0",'
+            f'"Command line profiler metrics","gpu__time_duration.sum","ns","{ns:,}"')
+
+
+def test_step_kernels_runs_steps_and_sums_ncu_durations(tmp_path, capsys):
+    from mlx_flashnorm.bench.step_kernels import main as step_kernels
+
+    step_kernels(["run", "--tiny", "--pp", "8", "--steps", "2", "--dtype", "float32"])
+    out = capsys.readouterr().out
+    assert "step_kernels: steps 2 mode flash pp 8" in out
+    # what ncu writes around it: its own lines, the header, one row per kernel launch
+    rows = [ncu_row(0, "fn_decode_attention", 25_000), ncu_row(1, "void mlx::qmv_kernel<8, 16>(const T1 *)", 4_000),
+            ncu_row(2, "fn_decode_attention", 23_000), ncu_row(3, "void mlx::qmv_kernel<8, 16>(const T1 *)", 4_400),
+            ncu_row(4, "void mlx::qmv_kernel<8, 16>(const T1 *)", 3_600)]
+    (tmp_path / "flash.csv").write_text("==PROF== Connected to process 1\n" + out + NCU_HEADER + "\n" + "\n".join(rows))
+    step_kernels(["summary", str(tmp_path / "flash.csv")])
+    lines = capsys.readouterr().out.splitlines()
+    assert "2.5 kernels a step, 30.0 us of GPU time a step (over 2 steps)" in lines[0]
+    assert lines[3] == "| `fn_decode_attention` | 1 | 24.0 | 24.0 |"
+    assert lines[4] == "| `mlx::qmv_kernel<8, 16>` | 1.5 | 6.0 | 4.0 |"
+
+
+def test_step_kernels_summary_of_a_file_without_kernels(tmp_path):
+    (tmp_path / "empty.csv").write_text("==PROF== Connected to process 1\n")
+    r = cli("mlx_flashnorm.bench.step_kernels", "summary", str(tmp_path / "empty.csv"))
+    assert r.returncode == 2 and "no kernels" in r.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in r.stderr
