@@ -21,6 +21,14 @@ TESTS=${TESTS:-tests/test_nn.py tests/test_kernels.py tests/test_decode.py}
 [ "$TESTS" = none ] || timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider $TESTS > "$OUT/tests.log" 2>&1
 [ "$TESTS" = none ] || tail -25 "$OUT/tests.log"
 python3 -m mlx_flashnorm.bench.step_graph 2>&1 | tee "$OUT/graph.log" | cut -c1-400
+# STEP_KERNELS: modes whose decode step is timed kernel by kernel under ncu (e.g. "flash mlx-lm";
+# bench.step_kernels; about a minute each at its default prompt of 1792)
+for m in ${STEP_KERNELS:-}; do
+  timeout ${BENCH_TIMEOUT:-300} /usr/local/cuda/bin/ncu --profile-from-start off --cache-control none \
+    --clock-control none --metrics gpu__time_duration.sum --csv \
+    python3 -m mlx_flashnorm.bench.step_kernels run --mode "$m" > "$OUT/kernels-$m.csv" 2>&1
+  python3 -m mlx_flashnorm.bench.step_kernels summary "$OUT/kernels-$m.csv" 2>&1 | tee "$OUT/kernels-$m.md"
+done
 # an argument starting with "latency " runs python -m mlx_flashnorm.bench.latency with the rest;
 # BENCH_TIMEOUT (seconds, default 300) bounds each bench
 i=0
