@@ -22,7 +22,7 @@ TESTS=${TESTS:-tests/test_nn.py tests/test_kernels.py tests/test_decode.py}
 [ "$TESTS" = none ] || tail -25 "$OUT/tests.log"
 python3 -m mlx_flashnorm.bench.step_graph 2>&1 | tee "$OUT/graph.log" | cut -c1-400
 # STEP_KERNELS: modes whose decode step is timed kernel by kernel under ncu (e.g. "flash mlx-lm";
-# bench.step_kernels; about a minute each at its default prompt of 1792)
+# bench.step_kernels, one process per mode)
 for m in ${STEP_KERNELS:-}; do
   timeout ${BENCH_TIMEOUT:-300} /usr/local/cuda/bin/ncu --profile-from-start off --cache-control none \
     --clock-control none --metrics gpu__time_duration.sum --csv \
