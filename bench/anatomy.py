@@ -27,7 +27,7 @@ from .. import kernels
 from ..cache import make_cache
 from ..errors import HelpFormatter, run_cli
 from ..generate import cache_capacity, compiled_decode, decode_offset
-from .decode import (NORM_MODES, PEER, device_name, load_mlx_lm, load_ours, random_checkpoint, random_shape)
+from .decode import PEER, device_name, load_mlx_lm, load_ours, random_checkpoint, random_shape
 
 KERNELS = ("add_rss", "normalize", "rope_qkv", "qkv_rope", "gate_up", "decode_attention")
 
@@ -46,6 +46,11 @@ def timed_eval(f):
     t2 = now()
     mx.eval(out)
     return t1 - t0, t2 - t1, now() - t2
+
+
+def load_mode(folder, mode, dtype):
+    """The model of one mode (ours, or mlx-lm's for PEER) from a random checkpoint, 4-bit, group 64."""
+    return load_mlx_lm(folder, 4, dtype, 64) if mode == PEER else load_ours(folder, mode, 4, dtype, 64)
 
 
 def peer_cache(model):
@@ -119,7 +124,7 @@ def ms(xs):
 
 def cold(mode, folder, args):
     t = now()
-    model = load_mlx_lm(folder, 4, args.dtype, 64) if mode == PEER else load_ours(folder, mode, 4, args.dtype, 64)
+    model = load_mode(folder, mode, args.dtype)
     mx.eval(model.parameters())
     parts = [("load", now() - t)]
     prompt = mx.random.randint(0, 1000, (args.pp,))
@@ -181,8 +186,7 @@ def main(argv=None):
         if args.cold:
             return cold(args.cold, folder, args)
         modes = args.modes.split(",")
-        models = {m: load_mlx_lm(folder, 4, args.dtype, 64) if m == PEER else load_ours(folder, m, 4, args.dtype, 64)
-                  for m in modes}
+        models = {m: load_mode(folder, m, args.dtype) for m in modes}
         prompt = mx.random.randint(0, config.get("vocab_size", 32000), (args.pp,))
         print(f"{name}, {device_name()}, prompt {args.pp}, {args.dtype}, Q4 g64, MLX {mx.__version__}, "
               f"medians of {args.reps}; ms")

@@ -24,8 +24,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..errors import HelpFormatter, UserError, run_cli
-from .anatomy import decode_loop
-from .decode import PEER, load_mlx_lm, load_ours, random_checkpoint, random_shape
+from .anatomy import decode_loop, load_mode
+from .decode import PEER, random_checkpoint, random_shape
 
 STEPS_LINE = "step_kernels: steps "
 
@@ -44,8 +44,7 @@ def run(args):
     _, config = random_shape(args)
     with tempfile.TemporaryDirectory() as tmp:
         folder = random_checkpoint(Path(tmp) / "m", config)
-        model = (load_mlx_lm(folder, 4, args.dtype, 64) if args.mode == PEER
-                 else load_ours(folder, args.mode, 4, args.dtype, 64))
+        model = load_mode(folder, args.mode, args.dtype)
         prompt = mx.random.randint(0, config.get("vocab_size", 32000), (args.pp,))
         step, y = decode_loop(model, args.mode, prompt)
         for _ in range(3):

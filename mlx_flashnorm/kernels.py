@@ -552,7 +552,7 @@ def decode_attention(q, k, v, n, scale):
         S = -(-C // CHUNK) if C > SPLIT_ABOVE else 1
         attend, combine = _attention_kernels()
         o, part_o, part_ml = attend(
-            inputs=[q, k, v, n if n.dtype == mx.int32 else n.astype(mx.int32), constant(mx.float32, scale)],
+            inputs=[q, k, v, n.astype(mx.int32), constant(mx.float32, scale)],  # no op when int32
             template=[("T", q.dtype), ("D", D), ("GQ", Hq // Hkv), ("SPLIT_ABOVE", SPLIT_ABOVE), ("CHUNK", CHUNK)],
             grid=(B * Hkv * S * 256, 1, 1), threadgroup=(256, 1, 1),  # NW = 8 warps (_ATTENTION)
             output_shapes=[q.shape, (B * Hq, S, D), (B * Hq, S, 2)],
