@@ -1,6 +1,7 @@
 """The compiled decode step (StaticKVCache, mx.compile) against the plain forward pass, for every
 architecture in models/ with norm rms and flash."""
 import collections
+import io
 
 import mlx.core as mx
 import pytest
@@ -70,7 +71,6 @@ def test_step_reads_sixteen_byte_arrays():
 
 
 def step_graph_of(a):
-    import io
     f = io.StringIO()
     mx.export_to_dot(f, a)
     return f.getvalue()
@@ -151,8 +151,6 @@ def test_requests_compile_no_new_kernels(model):
     """Sizes (prompt length, cache capacity) reach the kernels at run time, not as template
     constants: after a first request, others of new lengths launch no new kernel variant and
     compile no new binary (kernels.cuda_binary: one per distinct CUDA file)."""
-    from mlx_flashnorm import kernels
-
     for n, (length, steps) in enumerate([(6, 4), (41, 9), (300, 5)]):
         prompt = mx.random.randint(0, model.args.vocab_size, (length,), key=mx.random.key(n))
         list(generate_step(prompt, model, max_tokens=steps))
