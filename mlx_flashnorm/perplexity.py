@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .errors import HelpFormatter, UserError, run_cli
-from .loader import DTYPE_CHOICES, DTYPES, NORMS, load
+from .loader import DTYPE_CHOICES, NORMS, load
 
 
 def window_nll(model, tokens):

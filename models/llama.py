@@ -3,7 +3,6 @@ scaling), SwiGLU MLP, RMSNorm pre-norms, optional biases and tied embeddings."""
 from dataclasses import dataclass
 from typing import Dict, Optional, Union
 
-import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 

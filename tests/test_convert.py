@@ -4,7 +4,6 @@ import json
 
 import mlx.core as mx
 import pytest
-from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
 
 from conftest import OPENELM_270M, cli, random_weights

@@ -4,7 +4,6 @@ Error measure throughout: rel(ref, got) = max|ref - got| / max|ref|. Each transf
 within TOL = 1e-5 on random inputs of ordinary, tiny (x 1e-3) and huge (x 1e3) norm; whole models
 within 1e-4 of their logits. The flash modules are tested with the norm gain folded into the
 weights (fold=True) and kept on the input with the weights untouched (fold=False)."""
-import math
 
 import mlx.core as mx
 import mlx.nn as nn

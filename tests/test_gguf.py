@@ -10,7 +10,7 @@ from gguf.constants import GGML_QUANT_SIZES  # noqa: E402
 
 from mlx_flashnorm import load  # noqa: E402
 from mlx_flashnorm.errors import UserError  # noqa: E402
-from mlx_flashnorm.gguf import _hf_name, _unpermute_rows, read_gguf, read_tensors  # noqa: E402
+from mlx_flashnorm.gguf import _unpermute_rows, read_gguf, read_tensors  # noqa: E402
 from mlx_flashnorm.loader import build_model, model_args  # noqa: E402
 
 # k-quants need rows that are multiples of 256 values.

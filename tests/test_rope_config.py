@@ -1,7 +1,6 @@
 """transformers 5 configs (RoPE under rope_parameters) and 4.x configs (top-level rope_theta and
 rope_scaling) of the same weights give identical logits; a v5 config is not read as default RoPE."""
 import json
-import shutil
 
 import mlx.core as mx
 import pytest

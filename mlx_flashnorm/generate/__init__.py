@@ -12,8 +12,8 @@ from mlx_lm.sample_utils import make_sampler
 
 from .. import kernels
 from ..cache import StaticKVCache, make_cache
-from ..errors import HelpFormatter, UserError, run_cli
-from ..loader import DTYPE_CHOICES, DTYPES, NORMS, QUANT_BITS, QUANT_GROUP_SIZES, load
+from ..errors import HelpFormatter, UserError
+from ..loader import DTYPE_CHOICES, NORMS, QUANT_BITS, QUANT_GROUP_SIZES, load
 
 
 MAX_SEED = 2**64 - 1  # mx.random.seed takes an unsigned 64-bit integer
@@ -115,9 +115,10 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
         mx.eval([c.state for c in cache])
         prompt = prompt[n:]
     y, logprobs = eager_step(prompt)
-    step = eager_step
 
-    if compiled:
+    if not compiled:
+        step = eager_step
+    else:
         decode = compiled_decode(model)
         offset, kv = decode_offset(cache[0].offset), [c.state for c in cache]
         for c in cache:  # the buffers now live in kv alone, so each step can update them in place
