@@ -46,6 +46,7 @@ class StaticKVCache:
         # one scatter along the positions (put_along_axis), not mx.slice_update: MLX 0.32's CUDA
         # backend runs a dynamic slice update over the whole buffer (its copy kernel is sized by
         # the destination), 37% of a decode step's GPU time (bench/RESULTS.md, "Fifth pass")
+        self.start = self.offset  # the attention's: a view of the step's offset (decode_attention)
         at = (self.offset + mx.arange(N) if N > 1 else self.offset).reshape(1, 1, N, 1)
         self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(at, keys.shape), keys, axis=2)
         self.values = mx.put_along_axis(self.values, mx.broadcast_to(at, values.shape), values, axis=2)
@@ -65,7 +66,7 @@ class StaticKVCache:
     def attention(self, q, k, v, scale, mask):
         if isinstance(self.offset, int) or mask is not None:  # prefill, or a windowed decode step
             return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-        return decode_attention(q, k, v, self.offset, scale)
+        return decode_attention(q, k, v, self.start, scale)
 
     @property
     def state(self):

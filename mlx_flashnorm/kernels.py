@@ -390,13 +390,13 @@ _ATTENTION = """
   // per kv head (flash-decoding): each writes its partial softmax state (max, sum; weighted values)
   // per query head and fn_decode_combine merges them. A short one is one block per kv head, which
   // writes o itself. GQ, D, SPLIT_ABOVE, CHUNK: template constants; the other sizes run-time.
-  constexpr int EPL = 16 / sizeof(T), LPR = D / EPL, G = 32 / LPR, U = G >= 4 ? 8 / G : 2;
+  constexpr int EPL = 16 / sizeof(T), LPR = D / EPL, G = 32 / LPR, U = G >= 8 ? 1 : 2;
   constexpr int NW = 8, ROWS = NW * G * U;
   const int HQ = q_shape[1], HKV = k_shape[1], C = k_shape[2];
   const int S = C > SPLIT_ABOVE ? (C + CHUNK - 1) / CHUNK : 1;
   const int kvh = blockIdx.x / S, split = blockIdx.x % S;  // kvh = b * HKV + kv head
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / LPR, sub = lane % LPR;
-  const int len = n[0];
+  const int len = start[0] + 1;  // positions filled: those before the query, and its own
   const int lo = split * (S > 1 ? CHUNK : C);
   const int end = S > 1 ? lo + CHUNK : C;
   const int hi = end < len ? end : len;
@@ -532,14 +532,16 @@ GROUP_MAX = {"cuda": 1024, "metal": 512}  # query heads per kv head x head dim i
 
 @lru_cache(maxsize=None)
 def _attention_kernels():
-    return (_kernel("fn_decode_attention", ["q", "k", "v", "n", "scale"], ["o", "part_o", "part_ml"], _ATTENTION),
+    return (_kernel("fn_decode_attention", ["q", "k", "v", "start", "scale"], ["o", "part_o", "part_ml"], _ATTENTION),
             _kernel("fn_decode_combine", ["part_o", "part_ml"], ["o"], _COMBINE))
 
 
-def decode_attention(q, k, v, n, scale):
-    """Attention of queries q (B, Hq, L, D) over the first n positions of k, v (B, Hkv, C, D),
-    n an int32 array of one element (the positions filled, the queries' own included): query i
-    sees positions up to n - L + i. The CUDA kernel takes L = 1 (a decode step), one block per kv
+def decode_attention(q, k, v, start, scale):
+    """Attention of queries q (B, Hq, L, D) over the filled positions of k, v (B, Hkv, C, D):
+    start, an int32 array of one element, is the first query's position (the positions filled
+    before these queries), and query i sees positions up to start + i. The decode step passes a
+    view of its 16-byte offset (generate.position): a computed one-element array (such as the
+    count after the write) would sit in MLX's managed small-array pool (see constant). The CUDA kernel takes L = 1 (a decode step), one block per kv
     head and its query heads; a cache longer than SPLIT_ABOVE positions is split over blocks of
     CHUNK positions and merged by a second kernel (flash-decoding), so that a long context keeps
     the GPU busy."""
@@ -552,7 +554,7 @@ def decode_attention(q, k, v, n, scale):
         S = -(-C // CHUNK) if C > SPLIT_ABOVE else 1
         attend, combine = _attention_kernels()
         o, part_o, part_ml = attend(
-            inputs=[q, k, v, n.astype(mx.int32), constant(mx.float32, scale)],  # no op when int32
+            inputs=[q, k, v, start.astype(mx.int32), constant(mx.float32, scale)],  # no op when int32
             template=[("T", q.dtype), ("D", D), ("GQ", Hq // Hkv), ("SPLIT_ABOVE", SPLIT_ABOVE), ("CHUNK", CHUNK)],
             grid=(B * Hkv * S * 256, 1, 1), threadgroup=(256, 1, 1),  # NW = 8 warps (_ATTENTION)
             output_shapes=[q.shape, (B * Hq, S, D), (B * Hq, S, 2)],
@@ -562,15 +564,15 @@ def decode_attention(q, k, v, n, scale):
         return combine(inputs=[part_o, part_ml], template=[("T", q.dtype), ("D", D)],
                        grid=(B * Hq * 256, 1, 1), threadgroup=(256, 1, 1),  # NW = 8 (_COMBINE)
                        output_shapes=[q.shape], output_dtypes=[q.dtype])[0]
-    mask = mx.arange(C)[None] < (n.reshape(-1)[0] - L + 1 + mx.arange(L))[:, None]
+    mask = mx.arange(C)[None] <= (start.reshape(-1)[0] + mx.arange(L))[:, None]
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
 def _check_decode_attention():  # a short cache (one block per head) and a split long one
     q, k, v = _random((2, 6, 1, 64), 4), _random((2, 2, 40, 64), 5), _random((2, 2, 40, 64), 6)
     long_k, long_v = _random((1, 2, SPLIT_ABOVE + 76, 64), 14), _random((1, 2, SPLIT_ABOVE + 76, 64), 15)
-    return (decode_attention(q, k, v, mx.array(29), 0.125),
-            decode_attention(q[:1], long_k, long_v, mx.array(SPLIT_ABOVE + 50), 0.125))
+    return (decode_attention(q, k, v, mx.array(28), 0.125),
+            decode_attention(q[:1], long_k, long_v, mx.array(SPLIT_ABOVE + 49), 0.125))
 
 
 # ---------------------------------------------------------------- residual add + deferred scale
@@ -626,6 +628,13 @@ def _residual_inputs(x, xs, r, g):
             (xs is not None, r is not None, g is not None, x.dtype != mx.float32))
 
 
+def scale_shape(x):
+    """The shape of a kernel's float32 scale output for rows x: (.., 1), but 4 values for a single
+    row (a decode step), so that the array is 16 bytes and out of MLX's managed small-array pool,
+    which the next kernel would read slowly (see constant); the caller keeps [..., :1], a view."""
+    return x.shape[:-1] + ((4,) if x.size == x.shape[-1] else (1,))
+
+
 def power_of_two_below(s):
     """2^floor(log2(s)) of a positive float32 array, exactly (the exponent bits of s)."""
     return mx.view(mx.bitwise_and(mx.view(s, mx.int32), 0x7F800000), mx.float32)
@@ -651,9 +660,9 @@ def add_rss(x, eps, xs=None, r=None, g=None):
             inputs=arrays + [constant(mx.int32, *flags), constant(mx.float32, eps)],
             template=[("T", x.dtype)],
             grid=(rows * threads, 1, 1), threadgroup=(threads, 1, 1),
-            output_shapes=[x.shape, x.shape, x.shape[:-1] + (1,)],
+            output_shapes=[x.shape, x.shape, scale_shape(x)],
             output_dtypes=[x.dtype, x.dtype, mx.float32])
-        return (p if (r is not None or xs is not None) else x), (pg if (g is not None or half) else None), s
+        return (p if (r is not None or xs is not None) else x), (pg if (g is not None or half) else None), s[..., :1]
     if not half:
         p = x if xs is None else x * xs
         p = p if r is None else p + r
@@ -823,12 +832,12 @@ _PROLOGUE = """
   // consecutive words hit consecutive banks). P: add_rss's power of two (PRESCALE, half
   // precision), carried by outputs whose scale stays deferred. Sizes and flags are read at run
   // time: one compile per dtype and bit width.
-  constexpr int NW = 8, PER = 32 / BITS, MASK = (1 << BITS) - 1;  // warps per block; values per word
-  const int K = dims[0], GS = dims[1], KW = K / PER, G = K / GS;
+  constexpr int PER = 32 / BITS, MASK = (1 << BITS) - 1;  // values per word
+  const int NW = blockDim.x / 32, K = dims[0], GS = dims[1], KW = K / PER, G = K / GS;  // NW: warps
   const bool has_xs = dims[2] != 0, has_r = dims[3] != 0, has_g = dims[4] != 0, prescale = dims[5] != 0;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   __shared__ float hs[KMAX];
-  __shared__ float red[NW];
+  __shared__ float red[32];
   float ss = 0.0f;
   for (int i = threadIdx.x; i < K; i += blockDim.x) {
     float t = fn_f(x[i]);
@@ -927,6 +936,9 @@ _GATE_UP = _PROLOGUE + """
 
 KMAX = {"cuda": 8192, "metal": 4096}  # longest input row the shared memory holds (32 / 16 KiB)
 FUSED_BLOCKS = 256  # the most blocks of _GATE_UP (each recomputes the input row)
+# warps a block of _QKV_ROPE runs, at most: its grid is one block per head (15 for SmolLM2), so
+# each warp computes one rotation pair where it can, not four in turn
+QKV_WARPS = {"cuda": 32, "metal": 8}
 
 
 @lru_cache(maxsize=None)
@@ -977,11 +989,12 @@ def qkv_rope(x, eps, xs, r, g, linear, offset, theta, n_heads, n_kv_heads, gains
     off = offset if isinstance(offset, mx.array) else mx.array(offset)
     qg, kg = gains if gains is not None else (theta, theta)  # unused without QK-norm
     B = x.shape[0]
+    threads = 32 * min(D // 2, QKV_WARPS[gpu_backend()])
     return _fused_kernels()[0](
         inputs=inputs + [theta, qg, kg, off.astype(mx.int32).reshape(1),
                          constant(mx.int32, *flags, n_heads, n_kv_heads, D, gains is not None),
                          constant(mx.float32, eps, factor, qk_eps)],
-        template=template, grid=((n_heads + 2 * n_kv_heads) * 256, 1, 1), threadgroup=(256, 1, 1),
+        template=template, grid=((n_heads + 2 * n_kv_heads) * threads, 1, 1), threadgroup=(threads, 1, 1),
         output_shapes=[x.shape, (B, n_heads, 1, D), (B, n_kv_heads, 1, D), (B, n_kv_heads, 1, D)],
         output_dtypes=[x.dtype] * 4)
 
@@ -997,11 +1010,12 @@ def gate_up(x, eps, xs, r, g, linear):
     inputs, flags, template = _fused_inputs(x, xs, r, g, linear)
     I = linear["weight"].shape[0] // 2
     blocks = min(FUSED_BLOCKS, -(-I // 8))
-    return _fused_kernels()[1](
+    p, a, so = _fused_kernels()[1](
         inputs=inputs + [constant(mx.int32, *flags, I, blocks), constant(mx.float32, eps)],
         template=template, grid=(blocks * 256, 1, 1), threadgroup=(256, 1, 1),
-        output_shapes=[x.shape, x.shape[:-1] + (I,), x.shape[:-1] + (1,)],
+        output_shapes=[x.shape, x.shape[:-1] + (I,), scale_shape(x)],
         output_dtypes=[x.dtype, x.dtype, mx.float32])
+    return p, a, so[..., :1]
 
 
 def _quantized(out_dims, in_dims, seed):

@@ -8,6 +8,7 @@ import pytest
 
 from mlx_flashnorm import kernels
 from mlx_flashnorm.bench.step_graph import step_ops
+from mlx_flashnorm import cache as cache_module
 from mlx_flashnorm.cache import make_cache
 from mlx_flashnorm.generate import (StaticKVCache, decode_offset, generate_step, make_sampler_for, position,
                                     warmup)
@@ -68,6 +69,45 @@ def test_step_reads_sixteen_byte_arrays():
     assert "Gather" not in step_graph_of(position(offset) + 0)
     assert kernels.constant(mx.float32, 0.125).nbytes == kernels.constant(mx.int32, 3, 1, 2).nbytes == 16
     assert kernels.constant(mx.int32, *range(6)).tolist() == list(range(6))
+
+
+def test_step_attends_from_the_offset_view(monkeypatch):
+    """The decode attention gets the step's position view itself, not the count after the write
+    (offset + 1, a computed 4-byte array in MLX's managed small-array pool)."""
+    seen = []
+    monkeypatch.setattr(cache_module, "decode_attention", lambda q, k, v, start, scale: seen.append(start) or q)
+    c = StaticKVCache(8)
+    c.update_and_fetch(mx.zeros((1, 2, 3, 4)), mx.zeros((1, 2, 3, 4)))
+    at = position(decode_offset(3))
+    c.offset = at
+    c.attention(mx.zeros((1, 2, 1, 4)), *c.update_and_fetch(mx.ones((1, 2, 1, 4)), mx.ones((1, 2, 1, 4))), 0.5, None)
+    assert seen == [at] and seen[0] is at
+
+
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="MLX's CUDA allocator")
+@pytest.mark.parametrize("norm", ["rms", "flash"])
+def test_step_kernels_make_no_tiny_arrays(norm, monkeypatch):
+    """Every custom kernel output of a float16, 4-bit decode step is 16 bytes or more: a kernel
+    reading an array of 8 bytes or less waits on MLX's managed small-array pool (kernels.constant)."""
+    config = dict(TINY_LLAMA, hidden_size=128, num_attention_heads=2, num_key_value_heads=1)  # head dim 64
+    arch, args = model_args(config)
+    model = build_model(config, random_weights(arch.Model(args), seed=1), progress=False)
+    model.set_dtype(mx.float16)
+    model = prepare(model, norm=norm, bits=4, group_size=32)
+    kernels.self_check()  # before recording: the checks' own inputs are not a step's
+    made = {}
+    launch = mx.fast.precompiled_cuda_kernel
+
+    def recording(**kw):
+        out = launch(**kw)
+        made.setdefault(kw["name"], []).extend(out)
+        return out
+
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", recording)
+    step_ops(model)
+    assert "fn_decode_attention" in made
+    assert norm == "rms" or {"fn_qkv_rope", "fn_gate_up"} <= set(made)
+    assert {name: min(a.nbytes for a in out) for name, out in made.items() if min(a.nbytes for a in out) < 16} == {}
 
 
 def step_graph_of(a):

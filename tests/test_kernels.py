@@ -45,11 +45,11 @@ def reference_attention(q, k, v, n, scale):
 @pytest.mark.parametrize("D,Hq,Hkv,C,n,L", [(64, 12, 3, 640, 513, 1), (64, 20, 5, 64, 1, 1),
                                            (128, 8, 8, 300, 300, 1), (64, 4, 2, 32, 20, 3),
                                            (64, 9, 3, 2100, 1999, 1), (128, 4, 1, 2048, 5, 1),
-                                           (256, 4, 1, 1100, 1050, 1)])
+                                           (256, 4, 1, 1100, 1050, 1), (16, 4, 2, 1100, 1050, 1)])
 def test_decode_attention(dtype, D, Hq, Hkv, C, n, L):
     q, k, v = rand((2, Hq, L, D), 1, dtype=dtype), rand((2, Hkv, C, D), 2, dtype=dtype), rand((2, Hkv, C, D), 3, dtype=dtype)
     k = mx.where(mx.arange(C)[:, None] < n, k, mx.array(1e4, dtype))  # unfilled slots hold junk
-    out = kernels.decode_attention(q, k, v, mx.array(n), D**-0.5)
+    out = kernels.decode_attention(q, k, v, mx.array(n - L), D**-0.5)
     assert out.shape == q.shape and out.dtype == dtype
     assert rel(out, reference_attention(q, k, v, n, D**-0.5)) < RTOL[dtype]
 
@@ -123,7 +123,7 @@ def test_cuda_kernels_equal_their_fallbacks():
     for enabled in (True, False):
         kernels.ENABLED = enabled
         try:
-            outs.append([kernels.decode_attention(q, k, v, mx.array(77), 0.125),
+            outs.append([kernels.decode_attention(q, k, v, mx.array(76), 0.125),
                          *kernels.add_rss(x, 1e-5, r=r)])
         finally:
             kernels.ENABLED = True
@@ -363,7 +363,7 @@ def test_quantized_flash_decode_uses_fused_kernels(arch):
 # Every kernel body of kernels.py: its inputs (dtype, ndim), outputs and template arguments.
 F16, F32, I32, U32 = mx.float16, mx.float32, mx.int32, mx.uint32
 SIGNATURES = {
-    "_ATTENTION": ([("q", F16, 4), ("k", F16, 4), ("v", F16, 4), ("n", I32, 1), ("scale", F32, 1)],
+    "_ATTENTION": ([("q", F16, 4), ("k", F16, 4), ("v", F16, 4), ("start", I32, 1), ("scale", F32, 1)],
                    [("o", F16), ("part_o", F32), ("part_ml", F32)],
                    [("T", F16), ("D", 64), ("GQ", 3), ("SPLIT_ABOVE", kernels.SPLIT_ABOVE), ("CHUNK", kernels.CHUNK)]),
     "_COMBINE": ([("part_o", F32, 3), ("part_ml", F32, 3)], [("o", F16)], [("T", F16), ("D", 64)]),
