@@ -91,7 +91,7 @@ def main(argv=None):
     r.add_argument("--config", action="append", metavar="FILE", help="or of this HF config.json")
     r.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     r.add_argument("--pp", type=int, default=1792, help="prompt tokens")
-    r.add_argument("--steps", type=int, default=2, help="decode steps profiled")
+    r.add_argument("--steps", type=int, default=1, help="decode steps profiled (ncu takes about 80 s a step)")
     r.add_argument("--dtype", default="float16", help="activation dtype")
     s = sub.add_parser("summary", help="GPU microseconds per step by kernel, from ncu's CSV")
     s.add_argument("file")
