@@ -212,6 +212,13 @@ def constant(dtype, *values):
     return a
 
 
+def position_array(offset):
+    """A kernel's position input: the decode step's view of its offset as it is, an int as a
+    constant (16 bytes, made once per position): mx.array(offset) would be a new 4-byte array in
+    MLX's managed small-array pool at every call, which the kernel's warps then read slowly."""
+    return (offset if isinstance(offset, mx.array) else constant(mx.int32, offset)).astype(mx.int32).reshape(-1)
+
+
 # (kernel name, template arguments) of every launch so far: each distinct pair is one compiled
 # variant (tests check that requests add none).
 VARIANTS = set()
@@ -776,11 +783,11 @@ def rope_qkv(q, k, v, s, offset, theta, n_heads, n_kv_heads, gains=None, eps=0.0
     offsets = (0, n_heads * D, (n_heads + n_kv_heads) * D) if fused else (0, 0, 0)
     rows, threads = B * L, 256
     warps = rows * (n_heads + 2 * n_kv_heads)
-    off = offset if isinstance(offset, mx.array) else mx.array(offset)
+    off = position_array(offset)
     qg, kg = gains if gains is not None else (theta, theta)  # unused without QK-norm
     dims = constant(mx.int32, n_heads, n_kv_heads, *strides, *offsets, gains is not None)
     return _rope_qkv_kernel()(
-        inputs=[q, k, v, s.astype(mx.float32), off.astype(mx.int32).reshape(1), theta, qg, kg, dims,
+        inputs=[q, k, v, s.astype(mx.float32), off, theta, qg, kg, dims,
                 constant(mx.float32, eps, factor)],
         template=[("T", q.dtype), ("D", D)],
         grid=(math.ceil(warps * 32 / threads) * threads, 1, 1), threadgroup=(threads, 1, 1),
@@ -990,12 +997,12 @@ def qkv_rope(x, eps, xs, r, g, linear, offset, theta, n_heads, n_kv_heads, gains
         return (p, *rope_qkv(y, y, y, s, offset, theta, n_heads, n_kv_heads, gains, qk_eps, factor))
     inputs, flags, template = _fused_inputs(x, xs, r, g, linear)
     D = theta.shape[0] * 2
-    off = offset if isinstance(offset, mx.array) else mx.array(offset)
+    off = position_array(offset)
     qg, kg = gains if gains is not None else (theta, theta)  # unused without QK-norm
     B = x.shape[0]
     threads = 32 * min(D // 2, QKV_WARPS[gpu_backend()])
     return _fused_kernels()[0](
-        inputs=inputs + [theta, qg, kg, off.astype(mx.int32).reshape(1),
+        inputs=inputs + [theta, qg, kg, off,
                          constant(mx.int32, *flags, n_heads, n_kv_heads, D, gains is not None),
                          constant(mx.float32, eps, factor, qk_eps)],
         template=template, grid=((n_heads + 2 * n_kv_heads) * threads, 1, 1), threadgroup=(threads, 1, 1),
