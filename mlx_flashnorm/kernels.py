@@ -590,7 +590,7 @@ def _check_decode_attention():  # a short cache (one block per head) and a split
 
 _ADD_RSS = """
   // one block per row: p = x * xs + r (in float32, rounded once to T), s = rsqrt(sum(p^2) + d*eps)
-  // and pg = p * g * P, s / P. The flags (HAS_XS, HAS_R, HAS_G, PRESCALE) and eps are read at
+  // and pg = p * g * P, s / P. The flags (HAS_XS, HAS_R, HAS_G, PRESCALE) and eps (its bits) are read at
   // run time: one compile per dtype. PRESCALE (half precision): P = 2^floor(log2(s)), an exact
   // power of two that brings pg to the scale of a normalized row (in range), s / P in [1, 2).
   const int row = blockIdx.x;
@@ -617,7 +617,7 @@ _ADD_RSS = """
     total = t;
   }
   __syncthreads();
-  const float sc = rsqrtf(total + D * eps[0]);
+  const float sc = rsqrtf(total + D * __int_as_float(flags[4]));
   const float P = prescale ? __int_as_float(__float_as_int(sc) & 0x7f800000) : 1.0f;
   if (threadIdx.x == 0) s[row] = sc / P;
   for (int i = threadIdx.x; i < D; i += blockDim.x)
@@ -627,7 +627,7 @@ _ADD_RSS = """
 
 @lru_cache(maxsize=None)
 def _add_rss_kernel():
-    return _kernel("fn_add_rss", ["x", "xs", "r", "g", "flags", "eps"], ["p", "pg", "s"], _ADD_RSS)
+    return _kernel("fn_add_rss", ["x", "xs", "r", "g", "flags"], ["p", "pg", "s"], _ADD_RSS)
 
 
 def _residual_inputs(x, xs, r, g):
@@ -668,7 +668,7 @@ def add_rss(x, eps, xs=None, r=None, g=None):
         threads = min(1024, max(32, 32 * math.ceil(d / 4 / 32)))
         arrays, flags = _residual_inputs(x, xs, r, g)
         p, pg, s = _add_rss_kernel()(
-            inputs=arrays + [constant(mx.int32, *flags), constant(mx.float32, eps)],
+            inputs=arrays + [constant(mx.int32, *flags, float_bits(eps))],
             template=[("T", x.dtype)],
             grid=(rows * threads, 1, 1), threadgroup=(threads, 1, 1),
             output_shapes=[x.shape, x.shape, scale_shape(x)],
@@ -703,12 +703,13 @@ _ROPE_QKV = """
   // one warp per (token, head); heads: HQ queries, HKV keys, HKV values, read from q, k, v at
   // row strides QS, KS, VS and column offsets QO, KO, VO (one fused qkv array may be all three).
   // rotate-half RoPE: lane holds elements lane + 32 t, whose partners i +- D/2 are in the same lane.
-  // Every size and flag is read at run time (dims, consts): one compile per dtype and head dim.
+  // Every size and flag is read at run time (dims; EPS and FACTOR as float bits): one compile per
+  // dtype and head dim.
   constexpr int VPT = D / 32, HALF = VPT / 2;
   const int HQ = dims[0], HKV = dims[1], QS = dims[2], KS = dims[3], VS = dims[4];
   const int QO = dims[5], KO = dims[6], VO = dims[7];
   const bool QK_NORM = dims[8] != 0;
-  const float EPS = consts[0], FACTOR = consts[1];
+  const float EPS = __int_as_float(dims[9]), FACTOR = __int_as_float(dims[10]);
   const int H = HQ + 2 * HKV;
   const int L = q_shape[1], ROWS = q_shape[0] * L;
   const int gw = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
@@ -758,7 +759,7 @@ _ROPE_QKV = """
 
 @lru_cache(maxsize=None)
 def _rope_qkv_kernel():
-    return _kernel("fn_rope_qkv", ["q", "k", "v", "s", "off", "theta", "qg", "kg", "dims", "consts"],
+    return _kernel("fn_rope_qkv", ["q", "k", "v", "s", "off", "theta", "qg", "kg", "dims"],
                    ["qo", "ko", "vo"], _ROPE_QKV)
 
 
@@ -785,10 +786,10 @@ def rope_qkv(q, k, v, s, offset, theta, n_heads, n_kv_heads, gains=None, eps=0.0
     warps = rows * (n_heads + 2 * n_kv_heads)
     off = position_array(offset)
     qg, kg = gains if gains is not None else (theta, theta)  # unused without QK-norm
-    dims = constant(mx.int32, n_heads, n_kv_heads, *strides, *offsets, gains is not None)
+    dims = constant(mx.int32, n_heads, n_kv_heads, *strides, *offsets, gains is not None, float_bits(eps),
+                    float_bits(factor))
     return _rope_qkv_kernel()(
-        inputs=[q, k, v, s.astype(mx.float32), off, theta, qg, kg, dims,
-                constant(mx.float32, eps, factor)],
+        inputs=[q, k, v, s.astype(mx.float32), off, theta, qg, kg, dims],
         template=[("T", q.dtype), ("D", D)],
         grid=(math.ceil(warps * 32 / threads) * threads, 1, 1), threadgroup=(threads, 1, 1),
         output_shapes=[(B, n_heads, L, D), (B, n_kv_heads, L, D), (B, n_kv_heads, L, D)],
@@ -841,8 +842,8 @@ _PROLOGUE = """
   // (block 0 writes it: the new residual stream), s = 1/RSSe(p), and p * g in float32 in shared
   // memory, word-major (element 8 w + j of the packed words at j * KW + w: lanes reading
   // consecutive words hit consecutive banks). P: add_rss's power of two (PRESCALE, half
-  // precision), carried by outputs whose scale stays deferred. Sizes and flags are read at run
-  // time: one compile per dtype and bit width.
+  // precision), carried by outputs whose scale stays deferred. Sizes, flags and eps (dims[0-6], eps
+  // as float bits) are read at run time: one compile per dtype and bit width.
   constexpr int PER = 32 / BITS, MASK = (1 << BITS) - 1;  // values per word
   const int NW = blockDim.x / 32, K = dims[0], GS = dims[1], KW = K / PER, G = K / GS;  // NW: warps
   const bool has_xs = dims[2] != 0, has_r = dims[3] != 0, has_g = dims[4] != 0, prescale = dims[5] != 0;
@@ -865,7 +866,7 @@ _PROLOGUE = """
   __syncthreads();
   float total = 0.0f;
   for (int w = 0; w < NW; ++w) total += red[w];
-  const float s = rsqrtf(total + K * consts[0]);
+  const float s = rsqrtf(total + K * __int_as_float(dims[6]));
   const float P = prescale ? __int_as_float(__float_as_int(s) & 0x7f800000) : 1.0f;
 """
 
@@ -895,9 +896,11 @@ _QKV_ROPE = _PROLOGUE + """
   // One block per head of the qkv rows (HQ query, HKV key, HKV value heads, D rows each); a warp
   // computes rows i and i + D/2, a rotation pair. Then as rope_qkv: v * s; q and k rotated with
   // factor * s (Sec. 3) or their own 1/RSSe and the gain tables on cos/sin (QK_NORM, Sec. 4; the
-  // values carry P as in the composition, so epsilon weighs the same).
-  const int HQ = dims[6], HKV = dims[7], D = dims[8];
-  const bool qk_norm = dims[9] != 0;
+  // values carry P as in the composition, so epsilon weighs the same). Output: the heads in the
+  // same order, one array (q, k and v are views of it: fewer arrays, less host work per launch).
+  const int HQ = dims[7], HKV = dims[8], D = dims[9];
+  const bool qk_norm = dims[10] != 0;
+  const float factor = __int_as_float(dims[11]), qk_eps = __int_as_float(dims[12]);
   const int head = blockIdx.x;
   __shared__ float res[256];
   for (int i = warp; i < D / 2; i += NW) {
@@ -907,16 +910,17 @@ _QKV_ROPE = _PROLOGUE + """
   }
   __syncthreads();
   const bool is_q = head < HQ, is_k = !is_q && head < HQ + HKV;
+  const long out = long(head) * D;
   if (!is_q && !is_k) {
-    for (int d = threadIdx.x; d < D; d += blockDim.x) vo[long(head - HQ - HKV) * D + d] = fn_cast<T>(res[d] * s);
+    for (int d = threadIdx.x; d < D; d += blockDim.x) qkv[out + d] = fn_cast<T>(res[d] * s);
     return;
   }
-  float inv = consts[1] * s;
+  float inv = factor * s;
   if (qk_norm) {
     float hss = 0.0f;
     for (int d = lane; d < D; d += 32) hss += (res[d] * P) * (res[d] * P);
     hss = fn_warp_sum(hss);
-    inv = rsqrtf(hss + D * consts[2]) * P;
+    inv = rsqrtf(hss + D * qk_eps) * P;
   }
   const float pos = float(off[0]);
   for (int i = threadIdx.x; i < D / 2; i += blockDim.x) {
@@ -925,15 +929,15 @@ _QKV_ROPE = _PROLOGUE + """
     const float gi = qk_norm ? (is_q ? qg : kg)[i] : 1.0f, gj = qk_norm ? (is_q ? qg : kg)[j] : 1.0f;
     const float pi = qk_norm ? (is_q ? qg : kg)[D + i] : 1.0f, pj = qk_norm ? (is_q ? qg : kg)[D + j] : 1.0f;
     const float yi = inv * (res[i] * gi * cs - res[j] * pi * sn), yj = inv * (res[j] * gj * cs + res[i] * pj * sn);
-    if (is_q) { qo[long(head) * D + i] = fn_cast<T>(yi); qo[long(head) * D + j] = fn_cast<T>(yj); }
-    else { ko[long(head - HQ) * D + i] = fn_cast<T>(yi); ko[long(head - HQ) * D + j] = fn_cast<T>(yj); }
+    qkv[out + i] = fn_cast<T>(yi);
+    qkv[out + j] = fn_cast<T>(yj);
   }
 """
 
 _GATE_UP = _PROLOGUE + """
   // A warp per (gate row i, up row I + i), blocks taking them in turn (BLOCKS of them):
   // a_i = silu(gate_i * s) * up_i * P, the up branch's scale deferred: so = s / P (Sec. 2.2).
-  const int I = dims[6], BLOCKS = dims[7];
+  const int I = dims[7], BLOCKS = dims[8];
   if (blockIdx.x == 0 && threadIdx.x == 0) so[0] = s / P;
   for (int i = blockIdx.x * NW + warp; i < I; i += BLOCKS * NW) {
     const int n0 = i, n1 = I + i;
@@ -955,9 +959,8 @@ QKV_WARPS = {"cuda": 32, "metal": 8}
 @lru_cache(maxsize=None)
 def _fused_kernels():
     inputs = ["x", "xs", "r", "g", "wq", "scales", "biases"]
-    return (_kernel("fn_qkv_rope", inputs + ["theta", "qg", "kg", "off", "dims", "consts"],
-                    ["h", "qo", "ko", "vo"], _QKV_ROPE),
-            _kernel("fn_gate_up", inputs + ["dims", "consts"], ["h", "a", "so"], _GATE_UP))
+    return (_kernel("fn_qkv_rope", inputs + ["theta", "qg", "kg", "off", "dims"], ["h", "qkv"], _QKV_ROPE),
+            _kernel("fn_gate_up", inputs + ["dims"], ["h", "a", "so"], _GATE_UP))
 
 
 def fused_supported(name, x, linear):
@@ -970,10 +973,10 @@ def fused_supported(name, x, linear):
             and x.shape[-1] % linear.group_size == 0)
 
 
-def _fused_inputs(x, xs, r, g, linear):
+def _fused_inputs(x, eps, xs, r, g, linear):
     arrays, flags = _residual_inputs(x, xs, r, g)
     return (arrays + [linear["weight"], linear["scales"], linear["biases"]],
-            (x.shape[-1], linear.group_size, *flags),
+            (x.shape[-1], linear.group_size, *flags, float_bits(eps)),  # _PROLOGUE's dims[0-6]
             [("T", x.dtype), ("BITS", linear.bits), ("KMAX", KMAX[gpu_backend()])])
 
 
@@ -995,19 +998,18 @@ def qkv_rope(x, eps, xs, r, g, linear, offset, theta, n_heads, n_kv_heads, gains
         p, pg, s = add_rss(x, eps, xs=xs, r=r, g=g)
         y = linear(p if pg is None else pg)
         return (p, *rope_qkv(y, y, y, s, offset, theta, n_heads, n_kv_heads, gains, qk_eps, factor))
-    inputs, flags, template = _fused_inputs(x, xs, r, g, linear)
+    inputs, flags, template = _fused_inputs(x, eps, xs, r, g, linear)
     D = theta.shape[0] * 2
     off = position_array(offset)
     qg, kg = gains if gains is not None else (theta, theta)  # unused without QK-norm
-    B = x.shape[0]
     threads = 32 * min(D // 2, QKV_WARPS[gpu_backend()])
-    return _fused_kernels()[0](
-        inputs=inputs + [theta, qg, kg, off,
-                         constant(mx.int32, *flags, n_heads, n_kv_heads, D, gains is not None),
-                         constant(mx.float32, eps, factor, qk_eps)],
-        template=template, grid=((n_heads + 2 * n_kv_heads) * threads, 1, 1), threadgroup=(threads, 1, 1),
-        output_shapes=[x.shape, (B, n_heads, 1, D), (B, n_kv_heads, 1, D), (B, n_kv_heads, 1, D)],
-        output_dtypes=[x.dtype] * 4)
+    heads = n_heads + 2 * n_kv_heads
+    p, qkv = _fused_kernels()[0](
+        inputs=inputs + [theta, qg, kg, off, constant(mx.int32, *flags, n_heads, n_kv_heads, D, gains is not None,
+                                                      float_bits(factor), float_bits(qk_eps))],
+        template=template, grid=(heads * threads, 1, 1), threadgroup=(threads, 1, 1),
+        output_shapes=[x.shape, (1, heads, 1, D)], output_dtypes=[x.dtype] * 2)
+    return p, qkv[:, :n_heads], qkv[:, n_heads:n_heads + n_kv_heads], qkv[:, n_heads + n_kv_heads:]
 
 
 def gate_up(x, eps, xs, r, g, linear):
@@ -1018,11 +1020,11 @@ def gate_up(x, eps, xs, r, g, linear):
         p, pg, s = add_rss(x, eps, xs=xs, r=r, g=g)
         gate, up = mx.split(linear(p if pg is None else pg), 2, axis=-1)
         return p, gated(nn.silu)(gate, s, up), s
-    inputs, flags, template = _fused_inputs(x, xs, r, g, linear)
+    inputs, flags, template = _fused_inputs(x, eps, xs, r, g, linear)
     I = linear["weight"].shape[0] // 2
     blocks = min(FUSED_BLOCKS, -(-I // 8))
     p, a, so = _fused_kernels()[1](
-        inputs=inputs + [constant(mx.int32, *flags, I, blocks), constant(mx.float32, eps)],
+        inputs=inputs + [constant(mx.int32, *flags, I, blocks)],
         template=template, grid=(blocks * 256, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[x.shape, x.shape[:-1] + (I,), scale_shape(x)],
         output_dtypes=[x.dtype, x.dtype, mx.float32])
