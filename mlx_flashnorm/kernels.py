@@ -396,7 +396,8 @@ _ATTENTION = """
   // A long cache (C > SPLIT_ABOVE) is split in chunks of CHUNK positions over S blocks
   // per kv head (flash-decoding): each writes its partial softmax state (max, sum; weighted values)
   // per query head and fn_decode_combine merges them. A short one is one block per kv head, which
-  // writes o itself. GQ, D, SPLIT_ABOVE, CHUNK: template constants; the other sizes run-time.
+  // writes o itself. GQ, D, SPLIT_ABOVE, CHUNK, SCALE_BITS (the scale's float bits): template
+  // constants; the other sizes run-time.
   constexpr int EPL = 16 / sizeof(T), LPR = D / EPL, G = 32 / LPR, U = G >= 8 ? 1 : 2;
   constexpr int NW = 8, ROWS = NW * G * U;
   const int HQ = q_shape[1], HKV = k_shape[1], C = k_shape[2];
@@ -407,7 +408,7 @@ _ATTENTION = """
   const int lo = split * (S > 1 ? CHUNK : C);
   const int end = S > 1 ? lo + CHUNK : C;
   const int hi = end < len ? end : len;
-  const float sc = scale[0] * 1.4426950408889634f;  // exp2 domain
+  const float sc = __int_as_float(SCALE_BITS) * 1.4426950408889634f;  // exp2 domain
   const long head0 = long(kvh / HKV) * HQ + (kvh % HKV) * GQ;  // the first of its query heads
   float qv[GQ][EPL], acc[GQ][EPL], m[GQ], l[GQ];
   #pragma unroll
@@ -501,32 +502,33 @@ _ATTENTION = """
     const long head = head0 + h;
     if (S == 1) o[head * D + dd] = fn_cast<T>(O / L);
     else {
-      part_o[(head * S + split) * D + dd] = O;
-      if (dd == 0) { part_ml[(head * S + split) * 2] = M; part_ml[(head * S + split) * 2 + 1] = L; }
+      const long row = (head * S + split) * (D + 2);  // a split's partial state: O, then M and L
+      part[row + dd] = O;
+      if (dd == 0) { part[row + D] = M; part[row + D + 1] = L; }
     }
   }
 """
 
 _COMBINE = """
   // one block of NW warps per (batch * query head): merge the S partial states fn_decode_attention
-  // wrote. Lanes take splits in turn for the max and the sum, then warps take splits and lanes
-  // dims for the values: no load waits on another.
-  constexpr int NW = 8;
-  const int S = part_ml_shape[1];
+  // wrote (per split D weighted values, the max, the sum). Lanes take splits in turn for the max
+  // and the sum, then warps take splits and lanes dims for the values: no load waits on another.
+  constexpr int NW = 8, W = D + 2;
+  const int S = part_shape[1];
   const long head = blockIdx.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const long ml = head * S * 2;
+  const long ps = head * S * W;  // this head's splits
   float M = -1e30f;
-  for (int s = lane; s < S; s += 32) M = fmaxf(M, part_ml[ml + 2 * s]);
+  for (int s = lane; s < S; s += 32) M = fmaxf(M, part[ps + s * W + D]);
   M = fn_warp_max(M);
   float L = 0.0f;
-  for (int s = lane; s < S; s += 32) L += part_ml[ml + 2 * s + 1] * exp2f(part_ml[ml + 2 * s] - M);
+  for (int s = lane; s < S; s += 32) L += part[ps + s * W + D + 1] * exp2f(part[ps + s * W + D] - M);
   L = fn_warp_sum(L);
   __shared__ float so[NW][D];
   for (int d = lane; d < D; d += 32) {
     float O = 0.0f;
     #pragma unroll 4
-    for (int s = warp; s < S; s += NW) O += part_o[(head * S + s) * D + d] * exp2f(part_ml[ml + 2 * s] - M);
+    for (int s = warp; s < S; s += NW) O += part[ps + s * W + d] * exp2f(part[ps + s * W + D] - M);
     so[warp][d] = O;
   }
   __syncthreads();
@@ -543,8 +545,8 @@ GROUP_MAX = {"cuda": 1024, "metal": 512}  # query heads per kv head x head dim i
 
 @lru_cache(maxsize=None)
 def _attention_kernels():
-    return (_kernel("fn_decode_attention", ["q", "k", "v", "start", "scale"], ["o", "part_o", "part_ml"], _ATTENTION),
-            _kernel("fn_decode_combine", ["part_o", "part_ml"], ["o"], _COMBINE))
+    return (_kernel("fn_decode_attention", ["q", "k", "v", "start"], ["o", "part"], _ATTENTION),
+            _kernel("fn_decode_combine", ["part"], ["o"], _COMBINE))
 
 
 def decode_attention(q, k, v, start, scale):
@@ -564,15 +566,15 @@ def decode_attention(q, k, v, start, scale):
             and q.dtype == k.dtype == v.dtype):
         S = -(-C // CHUNK) if C > SPLIT_ABOVE else 1
         attend, combine = _attention_kernels()
-        o, part_o, part_ml = attend(
-            inputs=[q, k, v, start.astype(mx.int32), constant(mx.float32, scale)],  # no op when int32
-            template=[("T", q.dtype), ("D", D), ("GQ", Hq // Hkv), ("SPLIT_ABOVE", SPLIT_ABOVE), ("CHUNK", CHUNK)],
+        o, part = attend(
+            inputs=[q, k, v, start.astype(mx.int32)],  # no op when int32
+            template=[("T", q.dtype), ("D", D), ("GQ", Hq // Hkv), ("SPLIT_ABOVE", SPLIT_ABOVE), ("CHUNK", CHUNK),
+                      ("SCALE_BITS", float_bits(scale))],  # one scale per model: a constant, not an array
             grid=(B * Hkv * S * 256, 1, 1), threadgroup=(256, 1, 1),  # NW = 8 warps (_ATTENTION)
-            output_shapes=[q.shape, (B * Hq, S, D), (B * Hq, S, 2)],
-            output_dtypes=[q.dtype, mx.float32, mx.float32])
+            output_shapes=[q.shape, (B * Hq, S, D + 2)], output_dtypes=[q.dtype, mx.float32])
         if S == 1:
             return o
-        return combine(inputs=[part_o, part_ml], template=[("T", q.dtype), ("D", D)],
+        return combine(inputs=[part], template=[("T", q.dtype), ("D", D)],
                        grid=(B * Hq * 256, 1, 1), threadgroup=(256, 1, 1),  # NW = 8 (_COMBINE)
                        output_shapes=[q.shape], output_dtypes=[q.dtype])[0]
     mask = mx.arange(C)[None] <= (start.reshape(-1)[0] + mx.arange(L))[:, None]

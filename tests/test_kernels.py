@@ -363,10 +363,11 @@ def test_quantized_flash_decode_uses_fused_kernels(arch):
 # Every kernel body of kernels.py: its inputs (dtype, ndim), outputs and template arguments.
 F16, F32, I32, U32 = mx.float16, mx.float32, mx.int32, mx.uint32
 SIGNATURES = {
-    "_ATTENTION": ([("q", F16, 4), ("k", F16, 4), ("v", F16, 4), ("start", I32, 1), ("scale", F32, 1)],
-                   [("o", F16), ("part_o", F32), ("part_ml", F32)],
-                   [("T", F16), ("D", 64), ("GQ", 3), ("SPLIT_ABOVE", kernels.SPLIT_ABOVE), ("CHUNK", kernels.CHUNK)]),
-    "_COMBINE": ([("part_o", F32, 3), ("part_ml", F32, 3)], [("o", F16)], [("T", F16), ("D", 64)]),
+    "_ATTENTION": ([("q", F16, 4), ("k", F16, 4), ("v", F16, 4), ("start", I32, 1)],
+                   [("o", F16), ("part", F32)],
+                   [("T", F16), ("D", 64), ("GQ", 3), ("SPLIT_ABOVE", kernels.SPLIT_ABOVE), ("CHUNK", kernels.CHUNK),
+                    ("SCALE_BITS", kernels.float_bits(0.125))]),
+    "_COMBINE": ([("part", F32, 3)], [("o", F16)], [("T", F16), ("D", 64)]),
     "_ADD_RSS": ([("x", F16, 3), ("xs", F32, 3), ("r", F16, 3), ("g", F32, 1), ("flags", I32, 1)],
                  [("p", F16), ("pg", F16), ("s", F32)], [("T", F16)]),
     "_ROPE_QKV": ([("q", F16, 3), ("k", F16, 3), ("v", F16, 3), ("s", F32, 3), ("off", I32, 1), ("theta", F32, 1),
@@ -436,13 +437,12 @@ def test_cuda_launch_passes_sizes_and_keeps_its_file(monkeypatch):
     monkeypatch.setattr(kernels, "gpu_backend", lambda: "cuda")
     monkeypatch.setattr(kernels, "cuda_binary", lambda name, code: files.append(code) or b"cubin")
     monkeypatch.setattr(kernels.mx.fast, "precompiled_cuda_kernel", lambda **kw: calls.append(kw) or ["o"])
-    launch = kernels._kernel("fn_combine_test", ["part_o", "part_ml"], ["o"], kernels._COMBINE)
+    launch = kernels._kernel("fn_combine_test", ["part"], ["o"], kernels._COMBINE)
     for heads, splits, dtype in ((4, 3, mx.float16), (6, 5, mx.float16), (6, 5, mx.bfloat16)):
-        launch(inputs=[mx.zeros((heads, splits, 64)), mx.zeros((heads, splits, 2))], template=[("T", dtype), ("D", 64)],
+        launch(inputs=[mx.zeros((heads, splits, 66))], template=[("T", dtype), ("D", 64)],
                grid=(heads * 256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(1, heads, 1, 64)],
                output_dtypes=[dtype])
-    assert [c["scalars"] for c in calls] == [[4, 3, 2], [6, 5, 2], [6, 5, 2]]  # part_ml's only
+    assert [c["scalars"] for c in calls] == [[4, 3, 66], [6, 5, 66], [6, 5, 66]]
     assert all(c["name"] == "fn_combine_test" and c["compiled_source"] == b"cubin" for c in calls)
     assert files[0] == files[1] != files[2] and "using T = __nv_bfloat16;" in files[2]
-    assert "const int part_ml_shape[3] = {part_ml_shape0, part_ml_shape1, part_ml_shape2};" in files[0]
-    assert "part_o_shape" not in files[0]
+    assert "const int part_shape[3] = {part_shape0, part_shape1, part_shape2};" in files[0]
