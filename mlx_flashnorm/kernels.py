@@ -554,10 +554,10 @@ def decode_attention(q, k, v, start, scale):
     start, an int32 array of one element, is the first query's position (the positions filled
     before these queries), and query i sees positions up to start + i. The decode step passes a
     view of its 16-byte offset (generate.position): a computed one-element array (such as the
-    count after the write) would sit in MLX's managed small-array pool (see constant). The CUDA kernel takes L = 1 (a decode step), one block per kv
-    head and its query heads; a cache longer than SPLIT_ABOVE positions is split over blocks of
-    CHUNK positions and merged by a second kernel (flash-decoding), so that a long context keeps
-    the GPU busy."""
+    count after the write) would sit in MLX's managed small-array pool (see constant). The CUDA
+    kernel takes L = 1 (a decode step), one block per kv head and its query heads; a cache longer
+    than SPLIT_ABOVE positions is split over blocks of CHUNK positions and merged by a second
+    kernel (flash-decoding), so that a long context keeps the GPU busy."""
     B, Hq, L, D = q.shape
     Hkv, C = k.shape[1], k.shape[2]
     lanes = D * q.dtype.size // 16  # per row: 16-byte loads, a power of two <= 32 lanes
