@@ -161,10 +161,11 @@ def test_kept_cache_continues_like_one_prompt(model):
 
 def test_requests_reuse_one_compiled_step(model, monkeypatch):
     """Issue 15: the compiled step is traced once per model and cache bucket, not per request;
-    requests of other prompt lengths and max_tokens add no trace, and give the eager path's tokens."""
+    requests of other prompt lengths and max_tokens add no trace, and give the eager path's tokens
+    (a one-token prompt included: its token runs eagerly, allocating the cache)."""
     traces = count_traces(model, monkeypatch)
     model._compiled_decode = None  # as loaded: no step yet
-    for n, (length, steps) in enumerate([(5, 7), (37, 3), (120, 12), (9, 30)]):
+    for n, (length, steps) in enumerate([(5, 7), (1, 4), (37, 3), (120, 12), (9, 30)]):
         prompt = mx.random.randint(0, model.args.vocab_size, (length,), key=mx.random.key(n))
         tokens = [t for t, _ in generate_step(prompt, model, max_tokens=steps)]
         assert tokens == [t for t, _ in generate_step(prompt, model, max_tokens=steps, compiled=False)]

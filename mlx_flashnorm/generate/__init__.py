@@ -114,7 +114,10 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
         model(prompt[None, :n], cache=cache)
         mx.eval([c.state for c in cache])
         prompt = prompt[n:]
-    y, logprobs = eager_step(prompt)
+    # The last prompt token goes through the decode step too: compiled, that is one replay, not a
+    # second eager forward pass for Python to build (bench/RESULTS.md, "Seventh pass"); but a
+    # one-token prompt into an empty cache runs eagerly, which allocates the buffers.
+    first = eager_step(prompt) if compiled and cache[0].keys is None else None
 
     if not compiled:
         step = eager_step
@@ -126,11 +129,12 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
 
         def step(y):
             nonlocal offset, kv
-            logprobs, offset, kv = decode(y, offset, kv)
+            logprobs, offset, kv = decode(y.astype(mx.uint32), offset, kv)  # one trace: samplers' dtype
             return sampler(logprobs), logprobs.squeeze(0)
 
-    mx.async_eval(y, logprobs)
     try:
+        y, logprobs = first or step(prompt)
+        mx.async_eval(y, logprobs)
         for n in range(max_tokens):
             if n + 1 < max_tokens:
                 next_y, next_logprobs = step(y)
