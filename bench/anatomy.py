@@ -67,9 +67,10 @@ def prefill_fn(model, mode, prompt):
 
 
 def decode_loop(model, mode, prompt):
-    """(step(y) -> next token array, first token) with the cache filled by prompt."""
-    if mode == PEER:
-        cache = peer_cache(model)
+    """(step(y) -> next token array, first token) with the cache filled by prompt; eager (as
+    generate_step runs it) for mlx-lm and on the portable path, else our compiled step."""
+    if mode == PEER or kernels.portable():
+        cache = peer_cache(model) if mode == PEER else make_cache(model)
         model(prompt[None, :-1], cache=cache)
         mx.eval([c.state for c in cache])
         return (lambda y: mx.argmax(model(y[None], cache=cache)[:, -1, :], axis=-1)), prompt[-1:]

@@ -235,22 +235,24 @@ def make_kernel(name, input_names, output_names, source, header):
     if backend == "metal":
         kernel = mx.fast.metal_kernel(name=name, input_names=input_names, output_names=output_names,
                                       source=spell(source, backend), header=header)
-    shaped = [reads_shape(n, source) for n in input_names]
-    codes = {}  # (input dtypes and ranks, output dtypes, template) -> CUDA file (None on Metal)
+    shaped = [i for i, n in enumerate(input_names) if reads_shape(n, source)]
+    binaries = {}  # (input dtypes and ranks, output dtypes, template) -> cubin (None on Metal)
 
     def launch(*, inputs: list, template, grid, threadgroup, output_shapes, output_dtypes):
-        key = (tuple((a.dtype, a.ndim) for a in inputs), tuple(output_dtypes), tuple(template))
-        if key not in codes:  # a variant not launched before
+        # Python work here is host time of every eager launch (prefill): kept to a dict lookup
+        key = (*[(a.dtype, a.ndim) for a in inputs], *output_dtypes, *template)
+        binary = binaries.get(key, False)
+        if binary is False:  # a variant not launched before
             VARIANTS.add((name, tuple((k, str(v)) for k, v in template)))
-            codes[key] = None if backend == "metal" else cuda_source(
-                name, input_names, output_names, source, header, key[0], output_dtypes, template)
+            binaries[key] = binary = None if backend == "metal" else cuda_binary(name, cuda_source(
+                name, input_names, output_names, source, header, [(a.dtype, a.ndim) for a in inputs],
+                output_dtypes, template))
         if backend == "metal":
             return kernel(inputs=inputs, template=template, grid=grid, threadgroup=threadgroup,
                           output_shapes=output_shapes, output_dtypes=output_dtypes)
         return mx.fast.precompiled_cuda_kernel(
-            name=name, compiled_source=cuda_binary(name, codes[key]), inputs=inputs,
-            output_shapes=output_shapes, output_dtypes=output_dtypes,
-            scalars=[d for a, on in zip(inputs, shaped) if on for d in a.shape],
+            name=name, compiled_source=binary, inputs=inputs, output_shapes=output_shapes,
+            output_dtypes=output_dtypes, scalars=[d for i in shaped for d in inputs[i].shape],
             grid=grid, threadgroup=threadgroup, ensure_row_contiguous=True)
 
     return launch
@@ -644,7 +646,8 @@ def _residual_inputs(x, xs, r, g):
 def scale_shape(x):
     """The shape of a kernel's float32 scale output for rows x: (.., 1), but 4 values for a single
     row (a decode step), so that the array is 16 bytes and out of MLX's managed small-array pool,
-    which the next kernel would read slowly (see constant); the caller keeps [..., :1], a view."""
+    which the next kernel would read slowly (see constant); the caller keeps [..., :1] of a single
+    row's, a view."""
     return x.shape[:-1] + ((4,) if x.size == x.shape[-1] else (1,))
 
 
@@ -675,7 +678,8 @@ def add_rss(x, eps, xs=None, r=None, g=None):
             grid=(rows * threads, 1, 1), threadgroup=(threads, 1, 1),
             output_shapes=[x.shape, x.shape, scale_shape(x)],
             output_dtypes=[x.dtype, x.dtype, mx.float32])
-        return (p if (r is not None or xs is not None) else x), (pg if (g is not None or half) else None), s[..., :1]
+        return ((p if (r is not None or xs is not None) else x), (pg if (g is not None or half) else None),
+                s if rows > 1 else s[..., :1])
     if not half:
         p = x if xs is None else x * xs
         p = p if r is None else p + r
