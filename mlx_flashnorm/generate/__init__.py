@@ -108,14 +108,12 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
         return sampler(logprobs), logprobs.squeeze(0)
 
     # Prefill all but the last prompt token in chunks (bounding the attention scratch memory).
-    # Only the cache is evaluated, so the logits of those positions are never computed. The last
-    # chunk is left to run with the first token: the device works on it while Python builds that.
+    # Only the cache is evaluated, so the logits of those positions are never computed.
     while prompt.size > 1:
         n = min(prefill_step, prompt.size - 1)
         model(prompt[None, :n], cache=cache)
+        mx.eval([c.state for c in cache])
         prompt = prompt[n:]
-        if prompt.size > 1:
-            mx.eval([c.state for c in cache])
     # The last prompt token goes through the decode step too: compiled, that is one replay, not a
     # second eager forward pass for Python to build (bench/RESULTS.md, "Seventh pass"); but a
     # one-token prompt into an empty cache runs eagerly, which allocates the buffers.
