@@ -6,10 +6,11 @@ Llama's decode step goes from 7 to 4 matmuls per layer; on a GPU each operation 
 The parts' arrays are stacked along the output axis: weight, bias, and for a quantized linear its
 scales and biases (quantization groups run along the input axis, so this is exact). A group whose
 linears differ in class, quantization, dtype or bias stays separate. The model files keep the
-architecture as published and read their projections through project(), which splits the one
-output where the module holds the concatenated linear. Where the split falls is not stored: q | k | v
-at the module's head counts (n_heads, n_kv_heads, head_dim), gate | up in halves. An export writes
-the checkpoint's layout, so the savers load with concat=False."""
+architecture as published and read their projections through project() (or heads(): q, k, v split
+into attention heads), which splits the one output where the module holds the concatenated linear.
+Where the split falls is not stored: q | k | v at the module's head counts (n_heads, n_kv_heads,
+head_dim), gate | up in halves. An export writes the checkpoint's layout, so the savers load with
+concat=False."""
 import copy
 
 import mlx.core as mx
@@ -39,6 +40,17 @@ def project(module, x, parts, *args):
     else:
         cuts = 2
     return mx.split(module[merged](x, *args), cuts, axis=-1)
+
+
+def heads(module, x, *args):
+    """q, k, v of an attention module on x (B, L, dim), each as (B, heads, L, head_dim): its q/k/v
+    linears as project() calls them, the concatenated output (concat.py's, or OpenELM's own
+    qkv_proj) reshaped and transposed once and split at the head counts n_heads, n_kv_heads."""
+    B, L, _ = x.shape
+    if "qkv_proj" not in module:
+        return [module[p](x, *args).reshape(B, L, -1, module.head_dim).transpose(0, 2, 1, 3) for p in QKV]
+    qkv = module.qkv_proj(x, *args).reshape(B, L, -1, module.head_dim).transpose(0, 2, 1, 3)
+    return mx.split(qkv, [module.n_heads, module.n_heads + module.n_kv_heads], axis=1)
 
 
 def _kind(linear):

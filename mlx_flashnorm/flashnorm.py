@@ -38,7 +38,7 @@ import mlx.nn as nn
 
 from . import kernels
 from .cache import scaled_dot_product_attention
-from .concat import GATE_UP, QKV, held, project
+from .concat import GATE_UP, QKV, heads, held, project
 from .errors import UserError
 from .nn import RMSNorm
 
@@ -298,12 +298,13 @@ class FlashSwiGLU(nn.Module):
         for p in held(mlp, GATE_UP):
             setattr(self, p, deferred(mlp[p], folded))
         self.down_proj = deferred(mlp.down_proj)
+        self.late = not any("bias" in mlp[p] for p in held(mlp, GATE_UP))  # else s before the biases
 
     def __call__(self, x):
         if self.activation is nn.silu and (y := fused_gate_up(self, x, "gate_up_proj", "down_proj")) is not None:
             return y
         a, s = deferred_input(self, x)
-        late = not any("bias" in self[p] for p in held(self, GATE_UP))  # else s before the biases
+        late = self.late
         gate, up = project(self, a, GATE_UP, None if late else s)
         h = kernels.gated(self.activation)(gate, s, up) if late else (self.activation(gate) * up).astype(up.dtype)
         if late and "bias" not in self.down_proj:
@@ -401,10 +402,12 @@ def rope_tables(frequencies, offset, length, traditional):
     a scalar array), laid out for the rotation used: interleaved (x0,x1),(x2,x3).. (traditional)
     or rotate-half (i, i+h/2). frequencies: rope_frequencies(reference rope)."""
     scale, theta = frequencies
-    pos = (offset + mx.arange(length)).astype(mx.float32) * scale
-    angles = pos[:, None] * theta[None, :]
-    expand = (lambda t: mx.repeat(t, 2, axis=-1)) if traditional else (lambda t: mx.concatenate([t, t], -1))
-    return expand(mx.cos(angles)), expand(mx.sin(angles))
+    pos = (offset + mx.arange(length)).astype(mx.float32)
+    if scale != 1.0:  # x * 1 is x
+        pos = pos * scale
+    theta = mx.repeat(theta, 2) if traditional else mx.concatenate([theta, theta])  # per column
+    angles = pos[:, None] * theta
+    return mx.cos(angles), mx.sin(angles)
 
 
 def rotate(x, traditional):
@@ -474,30 +477,25 @@ class FlashAttention(nn.Module):
         self.traditional = attn.rope.traditional
         self._rope = rope_frequencies(attn.rope)
         self._theta = self._rope[0] * self._rope[1]  # angle per position (kernels.rope_qkv)
+        self.factor = self.head_dim**-0.25  # sqrt of the softmax scale, into q and k each
+        self.qkv_bias = any("bias" in attn[p] for p in held(attn, QKV))
 
     def __call__(self, x, mask=None, cache=None):
         offset = cache.offset if cache is not None else 0
-        if (qkv := fused_qkv(self, x, offset, factor=self.head_dim**-0.25)) is not None:
+        if (qkv := fused_qkv(self, x, offset, factor=self.factor)) is not None:
             return attend(*qkv, mask, cache, self.o_proj)
         a, s = deferred_input(self, x)
-        B, L, _ = a.shape
-        biases = any("bias" in self[p] for p in held(self, QKV))
-        if not biases and kernels.rope_qkv_supported(self.head_dim, self.traditional):
-            q, k, v = kernels.rope_qkv(*rope_qkv_inputs(self, a), s, offset,
-                                       self._theta, self.n_heads, self.n_kv_heads,
-                                       factor=self.head_dim**-0.25)
+        if not self.qkv_bias and kernels.rope_qkv_supported(self.head_dim, self.traditional):
+            q, k, v = kernels.rope_qkv(*rope_qkv_inputs(self, a), s, offset, self._theta, self.n_heads,
+                                       self.n_kv_heads, factor=self.factor)
             return attend(q, k, v, mask, cache, self.o_proj)
-        fuse_q = fuse_k = not biases  # s into cos/sin; with biases all three get it before them
-        q, k, v = project(self, a, QKV, None if fuse_q else s)
-        q = q.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = k.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = (times(v, s) if fuse_q else v).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        cos, sin = rope_tables(self._rope, offset, L, self.traditional)
-        c = self.head_dim**-0.25
-        cs = (c * s)[:, None].astype(mx.float32)  # (B, 1, L, 1): one factor per token, all heads
-        qf, kf = (cs if fuse else c for fuse in (fuse_q, fuse_k))
-        q = apply_rope(q, cos * qf, sin * qf, self.traditional)
-        k = apply_rope(k, cos * kf, sin * kf, self.traditional)
+        q, k, v = heads(self, a, s if self.qkv_bias else None)  # with biases all three get s before them
+        c = self.factor
+        if not self.qkv_bias:  # s into cos/sin: (B, 1, L, 1), one factor per token, all heads
+            v, c = times(v, s[:, None]), (c * s)[:, None].astype(mx.float32)
+        cos, sin = rope_tables(self._rope, offset, a.shape[1], self.traditional)
+        cos, sin = cos * c, sin * c  # the same tables for q and k
+        q, k = apply_rope(q, cos, sin, self.traditional), apply_rope(k, cos, sin, self.traditional)
         return attend(q, k, v, mask, cache, self.o_proj)
 
 
@@ -554,21 +552,20 @@ class FlashQKNormAttention(nn.Module):
         if (qkv := fused_qkv(self, x, offset, gains, qk_eps, self.factor)) is not None:
             return attend(*qkv, mask, cache, out_proj)
         a, s = deferred_input(self, x)
-        B, L, _ = a.shape
         if kernels.rope_qkv_supported(self.head_dim, self.traditional):
             q, k, v = kernels.rope_qkv(*rope_qkv_inputs(self, a), s, offset, self._theta, self.n_heads,
                                        self.n_kv_heads, gains, qk_eps, factor=self.factor)
             return attend(q, k, v, mask, cache, out_proj)
-        q, k, v = (t.reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3) for t in project(self, a, QKV))
+        q, k, v = heads(self, a)
         v = times(v, s[:, None])
-        cos, sin = rope_tables(self._rope, offset, L, self.traditional)
-        if "q_gain" in self:
+        cos, sin = rope_tables(self._rope, offset, a.shape[1], self.traditional)
+        if qk_norm:
             q = self._rope_qk(q, cos, sin, self.q_gain)
             k = self._rope_qk(k, cos, sin, self.k_gain)
         else:
             cs = (self.factor * s)[:, None]
-            q = apply_rope(q, cos * cs, sin * cs, self.traditional)
-            k = apply_rope(k, cos * cs, sin * cs, self.traditional)
+            cos, sin = cos * cs, sin * cs  # the same tables for q and k
+            q, k = apply_rope(q, cos, sin, self.traditional), apply_rope(k, cos, sin, self.traditional)
         return attend(q, k, v, mask, cache, out_proj)
 
 

@@ -217,6 +217,25 @@ def _fused(backend, x, residual, weight, bias, scale, center, eps):
 # ----------------------------------------------------------------------------------
 # The differentiable operator: forward by kernel or composition, closed-form backward.
 
+def _forward(path, x, residual, weight, bias, scale, center, eps):
+    """(o, p) by the kernel of ``path`` where it takes the inputs, else by the composition."""
+    if path != "fallback" and _kernel_ok(x, residual, weight, bias):
+        return _fused(path, x, residual, weight, bias, scale, center, eps)
+    return _compose(x, residual, weight, bias, scale, center, eps)
+
+
+def _path(backend, residual):
+    """select_backend(backend), but "fallback" for a lone norm under "auto": with nothing to fuse,
+    mx.fast.rms_norm / layer_norm is one kernel already."""
+    if residual is None and (BACKEND if backend is None else backend) == "auto":
+        return "fallback"
+    return select_backend(backend)
+
+
+def _eps(eps, dtype):
+    return float(mx.finfo(dtype).eps) if eps is None else float(eps)
+
+
 @lru_cache(maxsize=None)
 def _operator(has_res, has_w, has_b, scale, center, eps, backend):
     def unpack(arrays):
@@ -226,10 +245,7 @@ def _operator(has_res, has_w, has_b, scale, center, eps, backend):
 
     def forward(*arrays):
         x, res, w, b = unpack(arrays)
-        if backend != "fallback" and _kernel_ok(x, res, w, b):
-            o, p = _fused(backend, x, res, w, b, scale, center, eps)
-        else:
-            o, p = _compose(x, res, w, b, scale, center, eps)
+        o, p = _forward(backend, x, res, w, b, scale, center, eps)
         return (o, p) if has_res else (o,)
 
     op = mx.custom_function(forward)
@@ -262,7 +278,7 @@ def _operator(has_res, has_w, has_b, scale, center, eps, backend):
             grads.append(do.reshape(-1, d).sum(0).astype(b.dtype))
         return tuple(grads)
 
-    return op, forward
+    return op
 
 
 def normalize(x, residual=None, weight=None, bias=None, c=None, center=False, eps=None,
@@ -290,16 +306,13 @@ def normalize(x, residual=None, weight=None, bias=None, c=None, center=False, ep
             p = f(q)
         out = p + r
     """
-    d = x.shape[-1]
-    scale = 1.0 if c is None else float(c) / math.sqrt(d)
-    eps = float(mx.finfo(x.dtype).eps) if eps is None else float(eps)
-    path = select_backend(backend)
-    if residual is None and (BACKEND if backend is None else backend) == "auto":
-        path = "fallback"  # nothing to fuse: mx.fast.rms_norm / layer_norm is one kernel already
-    op, forward = _operator(residual is not None, weight is not None, bias is not None, scale,
-                            bool(center), eps, path)
-    arrays = [a for a in (x, residual, weight, bias) if a is not None]
-    out = (op if vjp else forward)(*arrays)
+    scale = 1.0 if c is None else float(c) / math.sqrt(x.shape[-1])
+    eps, path = _eps(eps, x.dtype), _path(backend, residual)
+    if not vjp:
+        return _forward(path, x, residual, weight, bias, scale, bool(center), eps)
+    op = _operator(residual is not None, weight is not None, bias is not None, scale, bool(center),
+                   eps, path)
+    out = op(*(a for a in (x, residual, weight, bias) if a is not None))
     return (out[0], out[1]) if residual is not None else (out[0], x)
 
 
@@ -328,6 +341,7 @@ class _Norm(nn.Module):
     def __init__(self, normalized_shape, eps, elementwise_affine, bias):
         super().__init__()
         self.normalized_shape = _as_shape(normalized_shape)
+        self._last = self.normalized_shape[0] if len(self.normalized_shape) == 1 else None
         self.eps = eps
         self.elementwise_affine = elementwise_affine
         if elementwise_affine:
@@ -336,12 +350,14 @@ class _Norm(nn.Module):
                 self.bias = mx.zeros(self.normalized_shape)
 
     def __call__(self, x, residual=_ALONE):
-        shape = self.normalized_shape
-        if not self.training and len(shape) == 1 and x.shape[-1] == shape[0]:
-            # inference over the last axis (every model here): no reshapes, no custom VJP
-            o, p = normalize(x, None if residual is _ALONE else residual, self.get("weight"),
-                             self.get("bias"), center=self.center, eps=self.eps, vjp=False)
+        if not self.training and x.shape[-1] == self._last:
+            # inference over the last axis (every model here): normalize(..., vjp=False) without
+            # its argument handling
+            r = None if residual is _ALONE else residual
+            o, p = _forward(_path(None, r), x, r, self.get("weight"), self.get("bias"), 1.0,
+                            self.center, _eps(self.eps, x.dtype))
             return o if residual is _ALONE else (o, p)
+        shape = self.normalized_shape
         if tuple(x.shape[x.ndim - len(shape):]) != shape:
             raise ValueError(f"input shape {x.shape} does not end with {shape}")
         flat = x.shape[:x.ndim - len(shape)] + (math.prod(shape),)

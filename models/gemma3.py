@@ -17,7 +17,7 @@ from .. import flashnorm as fn
 from . import llama
 from .. import nn as fnn
 from ..cache import scaled_dot_product_attention
-from ..concat import project
+from ..concat import heads, project
 
 MODEL_TYPES = ("gemma3_text",)
 GGUF_ARCHITECTURE = "gemma3"  # llama.cpp's name (from_gguf below)
@@ -123,10 +123,7 @@ class Attention(nn.Module):
 
     def __call__(self, x, mask=None, cache=None):
         B, L, _ = x.shape
-        q, k, v = project(self, x, ("q_proj", "k_proj", "v_proj"))
-        q = q.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = k.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k, v = heads(self, x)  # (B, heads, L, head_dim) each
         q, k = self.q_norm(q), self.k_norm(k)
         offset = cache.offset if cache is not None else 0
         q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)

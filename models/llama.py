@@ -4,13 +4,13 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Union
 
 import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import create_attention_mask
-
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .. import flashnorm as fn
 from ..cache import scaled_dot_product_attention
-from ..concat import project
+from ..concat import heads, project
 from ..nn import RMSNorm
 
 MODEL_TYPES = ("llama", "mistral")  # config.json model_type values this file serves
@@ -70,10 +70,7 @@ class Attention(nn.Module):
 
     def __call__(self, x, mask=None, cache=None):
         B, L, _ = x.shape
-        q, k, v = project(self, x, ("q_proj", "k_proj", "v_proj"))
-        q = q.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = k.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k, v = heads(self, x)  # (B, heads, L, head_dim) each
         offset = cache.offset if cache is not None else 0
         q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
         if cache is not None:
@@ -92,7 +89,7 @@ class MLP(nn.Module):
 
     def __call__(self, x):
         gate, up = project(self, x, ("gate_proj", "up_proj"))
-        return self.down_proj(nn.silu(gate) * up)
+        return self.down_proj(swiglu(gate, up))  # silu(gate) * up
 
 
 class TransformerBlock(nn.Module):

@@ -5,6 +5,7 @@ from typing import List
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import create_attention_mask
 
 from .. import flashnorm as fn
@@ -98,7 +99,7 @@ class FeedForward(nn.Module):
 
     def __call__(self, x):
         gate, up = mx.split(self.proj_1(x), 2, axis=-1)
-        return self.proj_2(nn.silu(gate) * up)
+        return self.proj_2(swiglu(gate, up))  # silu(gate) * up
 
 
 class TransformerBlock(nn.Module):

@@ -10,7 +10,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 from .. import flashnorm as fn
 from . import llama
 from ..cache import scaled_dot_product_attention
-from ..concat import project
+from ..concat import heads
 from ..nn import RMSNorm
 
 MODEL_TYPES = ("qwen3",)
@@ -70,10 +70,8 @@ class Attention(nn.Module):
 
     def __call__(self, x, mask=None, cache=None):
         B, L, _ = x.shape
-        q, k, v = project(self, x, ("q_proj", "k_proj", "v_proj"))
-        q = self.q_norm(q.reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
-        k = self.k_norm(k.reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k, v = heads(self, x)  # (B, heads, L, head_dim) each
+        q, k = self.q_norm(q), self.k_norm(k)
         offset = cache.offset if cache is not None else 0
         q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
         if cache is not None:

@@ -82,6 +82,18 @@ def test_flash_kernel_branch_takes_the_concatenated_output_whole(name, monkeypat
     assert whole and all(whole)
 
 
+def test_heads_split_the_projections_into_heads():
+    """heads(): q, k, v as (B, heads, L, head_dim), bit for bit the projections reshaped and
+    transposed one by one, from the separate linears and from the concatenated one."""
+    config, weights = checkpoint("llama")
+    attn = loader.build_model(config, dict(weights), progress=False).layers[0].self_attn
+    x = mx.random.normal((2, 3, config["hidden_size"]), key=mx.random.key(1))
+    ref = [t.reshape(2, 3, -1, attn.head_dim).transpose(0, 2, 1, 3) for t in concat.project(attn, x, concat.QKV)]
+    assert [t.shape for t in ref] == [(2, 4, 3, 16), (2, 2, 3, 16), (2, 2, 3, 16)]
+    for module in (attn, concat.concatenate(attn)):
+        assert all(mx.array_equal(a, b) for a, b in zip(concat.heads(module, x), ref, strict=True))
+
+
 def test_a_group_that_differs_stays_separate():
     """Per-module quantization: layer 0's k_proj at 8 bits keeps its q/k/v apart; the rest merge."""
     config, weights = checkpoint("llama")
