@@ -352,10 +352,14 @@ class _Norm(nn.Module):
     def __call__(self, x, residual=_ALONE):
         if not self.training and x.shape[-1] == self._last:
             # inference over the last axis (every model here): normalize(..., vjp=False) without
-            # its argument handling
+            # its argument handling. The fused kernel runs for one row (a decode step); rows of a
+            # prompt run the composition, x + r and mx.fast.rms_norm: two MLX ops cost less host
+            # time than one custom launch, and an eager prefill is bound by host time up to
+            # thousands of tokens (bench/RESULTS.md, "Eighth pass")
             r = None if residual is _ALONE else residual
-            o, p = _forward(_path(None, r), x, r, self.get("weight"), self.get("bias"), 1.0,
-                            self.center, _eps(self.eps, x.dtype))
+            o, p = _forward(_path(None, r) if x.size == self._last else "fallback", x, r,
+                            self.get("weight"), self.get("bias"), 1.0, self.center,
+                            _eps(self.eps, x.dtype))
             return o if residual is _ALONE else (o, p)
         shape = self.normalized_shape
         if tuple(x.shape[x.ndim - len(shape):]) != shape:

@@ -199,3 +199,26 @@ def test_requests_compile_no_new_kernels(model):
             first, binaries = set(kernels.VARIANTS), kernels.cuda_binary.cache_info().currsize
         assert kernels.VARIANTS == first
         assert kernels.cuda_binary.cache_info().currsize == binaries
+
+
+def test_changed_model_gets_a_new_step(model):
+    """compiled_decode keeps one step per model while the model is unchanged (each link of its
+    tree checked by identity, no walk of its parameters per request) and makes a new one when a
+    module is swapped, a child added or a weight replaced, even by an equal array."""
+    from mlx_flashnorm.generate import compiled_decode
+
+    model._compiled_decode = None
+    step = compiled_decode(model)
+    assert compiled_decode(model) is step
+    first = model.layers[0]
+    changes = [(lambda: model.layers.__setitem__(0, model.layers[1]), lambda: model.layers.__setitem__(0, first)),
+               (lambda: setattr(first, "extra", mx.zeros((1,))), lambda: first.pop("extra"))]
+    for change, undo in changes:
+        change()
+        assert compiled_decode(model) is not step
+        undo()
+        step = compiled_decode(model)
+        assert compiled_decode(model) is step
+    norm = next(m for _, m in model.named_modules() if "weight" in m)
+    norm.weight = norm.weight + 0
+    assert compiled_decode(model) is not step

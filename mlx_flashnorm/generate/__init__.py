@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 from mlx_lm.sample_utils import make_sampler
 
 from .. import kernels
@@ -60,13 +59,42 @@ def position(offset):
     return offset[:1].reshape(())
 
 
+def structure(model):
+    """Every link of the model's tree (container, key, child: a submodule, list or array) and
+    every container's size, flat. A compiled step holds the arrays it was traced with, so it is
+    valid while each link still holds the same object and no container gained or lost one (a
+    weight replaced, a module swapped or added); checking that costs a few us per request, where
+    a walk of model.parameters() cost 3-6 ms on an H100's host (bench/RESULTS.md, "Eighth pass")."""
+    links, sizes, todo = [], [], [model]
+    while todo:
+        c = todo.pop()
+        sizes.append((c, len(c)))
+        for k, v in (c.items() if isinstance(c, dict) else enumerate(c)):
+            if isinstance(v, (mx.array, dict, list, tuple)):
+                links.append((c, k, v))
+                if not isinstance(v, mx.array):
+                    todo.append(v)
+    return links, sizes
+
+
+class CompiledStep:
+    """A model's compiled decode step with the structure() it was traced over."""
+
+    def __init__(self, model, step):
+        self.step = step
+        self.links, self.sizes = structure(model)
+
+    def current(self):
+        return all(len(c) == n for c, n in self.sizes) and all(c[k] is v for c, k, v in self.links)
+
+
 def compiled_decode(model):
     """The 1-token forward pass as one compiled function of (token, offset, kv buffers), made once
     per model and kept on it: every request reuses it (MLX traces it again only for a new cache
-    shape or dtype). offset: decode_offset(position); the step returns the next one."""
-    weights = tuple(id(v) for _, v in tree_flatten(model.parameters()))  # a changed model retraces
+    shape or dtype; a changed model gets a new one). offset: decode_offset(position); the step
+    returns the next one."""
     kept = getattr(model, "_compiled_decode", None)
-    if kept is None or kept[0] != weights:
+    if kept is None or not kept.current():
         def step(y, offset, kv):
             cache = [StaticKVCache(k.shape[2]) for k, _ in kv]
             for c, (k, v) in zip(cache, kv):
@@ -75,8 +103,8 @@ def compiled_decode(model):
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             return logprobs, offset + 1, [c.state for c in cache]
 
-        model._compiled_decode = weights, mx.compile(step)
-    return model._compiled_decode[1]
+        model._compiled_decode = CompiledStep(model, mx.compile(step))  # a plain attribute, not a child
+    return model._compiled_decode.step
 
 
 def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048, compiled=None,
