@@ -351,15 +351,20 @@ class _Norm(nn.Module):
 
     def __call__(self, x, residual=_ALONE):
         if not self.training and x.shape[-1] == self._last:
-            # inference over the last axis (every model here): normalize(..., vjp=False) without
-            # its argument handling. The fused kernel runs for one row (a decode step); rows of a
-            # prompt run the composition, x + r and mx.fast.rms_norm: two MLX ops cost less host
-            # time than one custom launch, and an eager prefill is bound by host time up to
-            # thousands of tokens (bench/RESULTS.md, "Eighth pass")
+            # inference over the last axis (every model here), with as little Python as can be:
+            # an eager forward pass (prefill; every decode step on the portable path) calls this
+            # 65 times per OpenELM-270M token (bench/RESULTS.md, "Eighth pass"). The fused kernel
+            # runs for one row with a residual (a decode step); a lone norm or the rows of a
+            # prompt run mx.fast.rms_norm (on x + r): a custom launch's host cost outweighs the
+            # pass it saves there, and an eager prefill is bound by host time
             r = None if residual is _ALONE else residual
-            o, p = _forward(_path(None, r) if x.size == self._last else "fallback", x, r,
-                            self.get("weight"), self.get("bias"), 1.0, self.center,
-                            _eps(self.eps, x.dtype))
+            eps = _eps(self.eps, x.dtype)
+            w = self.get("weight")
+            if self.center or "bias" in self or (r is not None and x.size == self._last):
+                o, p = _forward(_path(None, r), x, r, w, self.get("bias"), 1.0, self.center, eps)
+            else:
+                p = x if r is None else x + r
+                o = mx.fast.rms_norm(p, w, eps)
             return o if residual is _ALONE else (o, p)
         shape = self.normalized_shape
         if tuple(x.shape[x.ndim - len(shape):]) != shape:
