@@ -125,7 +125,11 @@ class QuantizedEmbedding(nn.QuantizedEmbedding):
 
 def row_parallel(model):
     """Make every nn.QuantizedLinear / nn.QuantizedEmbedding of model use quantized_matmul, in
-    place (the same arrays, the same parameter names; only the class changes)."""
+    place (the same arrays, the same parameter names; only the class changes), where the default
+    device is the CPU; on a GPU quantized_matmul is MLX's own, so the classes stay MLX's (one
+    call frame less per linear in an eager forward pass)."""
+    if mx.default_device() != mx.cpu:
+        return model
     for _, m in model.named_modules():
         if type(m) is nn.QuantizedLinear:
             m.__class__ = QuantizedLinear

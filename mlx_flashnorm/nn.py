@@ -360,8 +360,11 @@ class _Norm(nn.Module):
             r = None if residual is _ALONE else residual
             eps = _eps(self.eps, x.dtype)
             w = self.get("weight")
-            if self.center or "bias" in self or (r is not None and x.size == self._last):
+            if self.center or "bias" in self:
                 o, p = _forward(_path(None, r), x, r, w, self.get("bias"), 1.0, self.center, eps)
+            elif r is not None and x.size == self._last and (path := select_backend()) != "fallback" \
+                    and _kernel_ok(x, r, w, None):
+                o, p = _fused(path, x, r, w, None, 1.0, False, eps)
             else:
                 p = x if r is None else x + r
                 o = mx.fast.rms_norm(p, w, eps)
