@@ -107,7 +107,7 @@ def quantized_matmul(x, w, scales, biases, group_size, bits, mode="affine"):
 
 
 class QuantizedLinear(nn.QuantizedLinear):
-    """nn.QuantizedLinear computed through quantized_matmul (the loader swaps it in)."""
+    """nn.QuantizedLinear computed through quantized_matmul (the loader swaps it in on the CPU)."""
 
     def __call__(self, x):
         y = quantized_matmul(x, self["weight"], self["scales"], self.get("biases"), self.group_size,

@@ -14,9 +14,10 @@ With ``c = sqrt(d)`` (the default, ``c=None``) this is RMSNorm (center off) or
 LayerNorm (center on): ``normalize(x, weight=w, eps=e)[0] == mx.fast.rms_norm(x, w, e)``.
 
 Forward runs a fused add+norm kernel (``kernels.make_kernel``: Metal or CUDA) when the
-default device is a GPU, and otherwise the
-plain MLX composition on ``mx.fast.rms_norm`` / ``mx.fast.layer_norm``.  Backward is
-the closed form through ``mx.custom_function``'s vjp, whatever ran forward.
+default device is a GPU, and otherwise the plain MLX composition on ``mx.fast.rms_norm`` /
+``mx.fast.layer_norm``; the modules at inference take the kernel for one row (a decode step)
+and the composition for a prompt's rows, where host time decides.  Backward is the closed form
+through ``mx.custom_function``'s vjp, whatever ran forward.
 """
 import math
 from functools import lru_cache
