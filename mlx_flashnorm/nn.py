@@ -362,7 +362,8 @@ class _Norm(nn.Module):
             eps = _eps(self.eps, x.dtype)
             w = self.get("weight")
             if self.center or "bias" in self:
-                o, p = _forward(_path(None, r), x, r, w, self.get("bias"), 1.0, self.center, eps)
+                path = _path(None, r) if x.size == self._last else "fallback"
+                o, p = _forward(path, x, r, w, self.get("bias"), 1.0, self.center, eps)
             elif r is not None and x.size == self._last and (path := select_backend()) != "fallback" \
                     and _kernel_ok(x, r, w, None):
                 o, p = _fused(path, x, r, w, None, 1.0, False, eps)
