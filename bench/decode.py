@@ -15,6 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from .. import kernels
 from ..errors import HelpFormatter, UserError
 from ..generate import generate_step
 from ..loader import DTYPE_CHOICES, DTYPES, build_model, resolve_dtype, model_args, prepare, read_config, read_safetensors, resolve
@@ -156,6 +157,14 @@ def device_name():
     return f"{backend}: {name}".strip(": ")
 
 
+def code_path():
+    """What our modes ran on: our kernels, MLX's primitives alone (the portable path, the stand-in
+    for Metal), or the CPU."""
+    if mx.default_device() == mx.cpu:
+        return "CPU"
+    return "MLX primitives only (portable)" if kernels.portable() else "our kernels"
+
+
 def bench(modes, folder, label, bits, dtype, pp, tg, reps, group_size=64, seed=0, log=print):
     config = read_config(folder)
     runners, sizes = {}, {}
@@ -193,7 +202,7 @@ def bench(modes, folder, label, bits, dtype, pp, tg, reps, group_size=64, seed=0
     import mlx_lm
 
     return {
-        "model": label, "params": n_params, "size_bytes": sizes, "device": device_name(),
+        "model": label, "params": n_params, "size_bytes": sizes, "device": device_name(), "path": code_path(),
         "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "dtype": dtype, "bits": bits or None,
         "group_size": group_size if bits else None, "pp": pp, "tg": tg, "reps": reps,
         "command": "python -m mlx_flashnorm.bench " + " ".join(sys.argv[1:]), "results": results,
@@ -224,8 +233,9 @@ COLORS = ["#4c72b0", "#dd8452", "#55a868", "#8172b3", "#937860", "#da8bc3", "#8c
 def settings(report):
     """What every point of a run shares, in one line."""
     bits = f"Q{report['bits']}" if report["bits"] else "full"
-    return (f"device: {report['device']} | MLX {report['mlx']} | mlx-lm {report['mlx_lm']} | "
-            f"activations {report['dtype']} | weights {bits} | {report['reps']} reps, interleaved, after warm-up")
+    return (f"device: {report['device']} | {report.get('path', 'path not recorded')} | MLX {report['mlx']} | "
+            f"mlx-lm {report['mlx_lm']} | activations {report['dtype']} | weights {bits} | "
+            f"{report['reps']} reps, interleaved, after warm-up")
 
 
 def plot(reports, path):
@@ -296,6 +306,8 @@ def arg_parser():
                    help="random weights of the architecture of a Hugging Face config.json (repeat it with --matrix)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer OpenELM-shaped random model: a smoke test in seconds")
     p.add_argument("--matrix", action="store_true", help="every shape at every prompt length, one table and one chart")
+    p.add_argument("--merge", nargs="+", metavar="FILE",
+                   help="one table and chart (in --out) from the matrix.json files of earlier --matrix runs")
     p.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
     return p
 
@@ -380,6 +392,12 @@ def main(argv=None):
         raise UserError("need --tg >= 2 and --reps >= 1")
     chosen = [o for o, v in (("--model", args.model), ("--tiny", args.tiny), ("--config", args.config),
                              ("--shape", args.shape)) if v]
+    if args.merge:
+        from .matrix import merge
+
+        if args.matrix or chosen:
+            raise UserError("--merge reads earlier runs' matrix.json files: it runs no model")
+        return merge(args.merge, Path(args.out))
     if args.matrix:
         from .matrix import run_matrix
 

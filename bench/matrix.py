@@ -3,6 +3,9 @@
 Each point is one run of decode.bench (every mode in one process, a warm-up round, then
 interleaved rounds); the points go into one table (matrix.md, matrix.json) and one chart
 (matrix.png): decode and prefill tok/s per mode, median and spread, ratio to rms and to mlx-lm.
+The files are rewritten after every point, so a run stopped by a time limit keeps what it
+measured; `--merge` makes one table and chart from the matrix.json files of several runs (a
+matrix split over calls of a limited length, as on the lent GPU machines).
 """
 import json
 import shutil
@@ -73,12 +76,43 @@ def run_matrix(args, modes):
                 log(f"{label}: pp{pp} tg{args.tg}")
                 reports.append(bench(modes, folder, label, args.bits or None, resolve_dtype(args.dtype, config),
                                      pp, args.tg, args.reps, args.group_size, log=log))
+                md = write(reports, Path(args.out))
             shutil.rmtree(folder)  # Llama-3.2-1B's random weights take 5 GB
-    out = Path(args.out)
+    print(md)
+    print(f"wrote {args.out}/matrix.md, matrix.json, matrix.png")
+
+
+def write(reports, out):
+    """matrix.md (each run's command, then the table), matrix.json and matrix.png in out; returns
+    the table."""
     out.mkdir(parents=True, exist_ok=True)
     md = table(reports)
-    write_atomic(out / "matrix.md", f"Command: `{reports[0]['command']}`\n\n{md}")
+    commands = "\n".join(f"Command: `{c}`" for c in dict.fromkeys(r["command"] for r in reports))
+    write_atomic(out / "matrix.md", f"{commands}\n\n{md}")
     write_atomic(out / "matrix.json", json.dumps(reports, indent=1))
-    print(md)
     plot(reports, out / "matrix.png")
+    return md
+
+
+def merge(files, out):
+    """One table and chart from the matrix.json files of earlier runs, which must share their
+    settings (device, versions, dtype, bits, reps, tg): their points side by side."""
+    reports = []
+    for f in files:
+        try:
+            points = json.loads(Path(f).read_text())
+        except OSError as e:
+            raise UserError(f"{f}: cannot read it ({e.strerror or e}); --merge takes matrix.json files")
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise UserError(f"{f}: not JSON; --merge takes the matrix.json files of --matrix runs")
+        if not (isinstance(points, list) and points and all(isinstance(p, dict) and "results" in p for p in points)):
+            raise UserError(f"{f}: not a matrix.json of a --matrix run")
+        reports += points
+    first = f"{settings(reports[0])} | tg{reports[0]['tg']}"
+    for r in reports:
+        if f"{settings(r)} | tg{r['tg']}" != first:
+            raise UserError(f"the runs differ in their settings ({first} against {settings(r)} | tg{r['tg']}): "
+                            "merge only runs of one device and one set of options")
+    md = write(reports, out)
+    print(md)
     print(f"wrote {out}/matrix.md, matrix.json, matrix.png")

@@ -99,7 +99,7 @@ def test_matrix_points(matrix):
         ("tiny-llama3 (random weights)", 1792)]
     assert "tiny-openelm: no long prompt" in stderr
     for r in reports:
-        assert list(r["results"]) == MATRIX_MODES and r["tg"] == 4
+        assert list(r["results"]) == MATRIX_MODES and r["tg"] == 4 and r["path"] == "CPU"
         assert r["results"]["mlx-lm"]["tg_vs_mlx_lm"] == r["results"]["rms"]["pp_vs_rms"] == 1.0
 
 
@@ -115,6 +115,27 @@ def test_matrix_table_and_chart(matrix):
         assert tg_rms == f"{r['results'][mode]['tg_vs_rms']:.2f}" and tg_peer == f"{r['results'][mode]['tg_vs_mlx_lm']:.2f}"
         assert pp_tps == f"{r['results'][mode]['pp_summary']['median']:.1f}"
     assert (out / "matrix.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_merge_of_split_runs(matrix, tmp_path):
+    """--merge makes the table and chart of one run from the matrix.json files of runs that each
+    measured some of its points (a matrix split over calls of limited length); runs of other
+    settings are refused."""
+    out, reports, _ = matrix
+    first, rest = tmp_path / "first.json", tmp_path / "rest.json"
+    first.write_text(json.dumps(reports[:1]))
+    rest.write_text(json.dumps(reports[1:]))
+    main(["--merge", str(first), str(rest), "--out", str(tmp_path / "merged")])
+    assert json.loads((tmp_path / "merged" / "matrix.json").read_text()) == reports
+
+    def rows(folder):
+        return [line for line in (folder / "matrix.md").read_text().splitlines() if line.startswith("|")]
+    assert rows(tmp_path / "merged") == rows(out)
+    assert (tmp_path / "merged" / "matrix.png").read_bytes()[:4] == b"\x89PNG"
+    for change in ({"reps": reports[0]["reps"] + 1}, {"path": "MLX primitives only (portable)"}):
+        rest.write_text(json.dumps([dict(r, **change) for r in reports[1:]]))
+        r = cli("mlx_flashnorm.bench", "--merge", str(first), str(rest), "--out", str(tmp_path / "other"))
+        assert r.returncode == 2 and "the runs differ in their settings" in r.stderr, change
 
 
 def test_config_names_the_model(configs, tmp_path):
@@ -133,7 +154,10 @@ def test_config_names_the_model(configs, tmp_path):
     (["--shape", "llama-3.2-1b", "--tiny"], "--tiny and --shape both choose the model"),
     (["--config", "{missing}"], "no such file"),
     (["--config", "{bad}"], "not a model's config.json (no model_type)"),
-    (["--config", "{llama}", "--config", "{llama}"], "only --matrix takes several")])
+    (["--config", "{llama}", "--config", "{llama}"], "only --matrix takes several"),
+    (["--merge", "{missing}"], "nope.json: cannot read it"),
+    (["--merge", "{bad}"], "bad.json: not a matrix.json of a --matrix run"),
+    (["--merge", "{bad}", "--matrix"], "--merge reads earlier runs' matrix.json files: it runs no model")])
 def test_bad_matrix_and_config_arguments(args, words, configs, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"hidden_size": 4}))
