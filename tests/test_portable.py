@@ -78,3 +78,42 @@ def test_deferred_form_stays_the_default_here():
     model = build(CONFIGS["llama"], "flash")
     assert isinstance(model.layers[0].input_layernorm, flashnorm.DeferredNorm)
     assert isinstance(model.layers[0].self_attn, flashnorm.FlashAttention)
+
+
+def eager_step_ops(model, cache):
+    """Operation names, views left out, of one eager 1-token step after an 8-token prefill."""
+    import io
+    import re
+
+    from mlx_flashnorm.bench.step_graph import VIEWS
+
+    model(mx.arange(8)[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    logits = model(mx.array([[3]]), cache=cache)
+    f = io.StringIO()
+    mx.export_to_dot(f, logits, *[a for c in cache for a in c.state if isinstance(a, mx.array)])
+    return [op for op in re.findall(r'label ="?([A-Za-z]+)', f.getvalue()) if op not in VIEWS]
+
+
+@pytest.mark.parametrize("name", ["llama", "openelm"])
+def test_step_has_no_more_operations_than_mlx_lm(name, portable, monkeypatch, tmp_path):
+    """Issue 11: on the portable path our eager decode step (rms, and so flash, its weightless
+    form) builds no more operations than mlx-lm's own model on the same 4-bit weights (Llama: one
+    concatenated q/k/v and gate/up matmul each instead of five), so what is left between the two
+    there is Python (bench/RESULTS.md, "Eighth pass"). kernels.ENABLED is off, so no CPU
+    row-parallel split adds operations; float32, so no CPU-only half-precision casts."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model, quantize_model
+
+    from conftest import make_checkpoint
+    from mlx_flashnorm.cache import make_cache
+
+    monkeypatch.setattr(kernels, "ENABLED", False)
+    folder, _ = make_checkpoint(tmp_path / name, CONFIGS[name])
+    ours = loader.prepare(loader.build_model(loader.read_config(folder), loader.read_safetensors(folder),
+                                             progress=False), norm="rms", bits=4)
+    peer, config = load_model(folder)
+    peer, _ = quantize_model(peer, config, 64, 4)
+    mine, theirs = eager_step_ops(ours, make_cache(ours)), eager_step_ops(peer, make_prompt_cache(peer))
+    assert len(mine) <= len(theirs), (sorted(mine), sorted(theirs))
+    assert mine.count("QuantizedMatmul") <= theirs.count("QuantizedMatmul")
