@@ -37,12 +37,17 @@ def prompt_lengths(text, name, config, tg):
     return list(dict.fromkeys(lengths))
 
 
+def run_settings(report):
+    """What the points of a matrix share: the bench's settings line and the generated tokens."""
+    return f"{settings(report)} | tg{report['tg']}"
+
+
 def table(reports):
     """One row per point and mode: decode (tg) then prefill (pp), median, spread, ratios."""
     def ratio(x):
         return "-" if x is None else f"{x:.2f}"
 
-    lines = [f"{settings(reports[0])} | tg{reports[0]['tg']}", "",
+    lines = [run_settings(reports[0]), "",
              "| model | prompt | mode | decode t/s | decode spread | decode vs rms | decode vs mlx-lm "
              "| prefill t/s | prefill spread | prefill vs rms | prefill vs mlx-lm |",
              "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -108,10 +113,10 @@ def merge(files, out):
         if not (isinstance(points, list) and points and all(isinstance(p, dict) and "results" in p for p in points)):
             raise UserError(f"{f}: not a matrix.json of a --matrix run")
         reports += points
-    first = f"{settings(reports[0])} | tg{reports[0]['tg']}"
-    for r in reports:
-        if f"{settings(r)} | tg{r['tg']}" != first:
-            raise UserError(f"the runs differ in their settings ({first} against {settings(r)} | tg{r['tg']}): "
+    first = run_settings(reports[0])
+    for other in map(run_settings, reports):
+        if other != first:
+            raise UserError(f"the runs differ in their settings ({first} against {other}): "
                             "merge only runs of one device and one set of options")
     md = write(reports, out)
     print(md)

@@ -32,9 +32,14 @@ def step_ops(model, prompt=8):
     mx.eval([c.state for c in cache])
     for c in cache:
         c.offset = c.offset if kernels.portable() else position(decode_offset(prompt))  # as generate's
-    logits = model(mx.array([[3]]), cache=cache)
+    return graph_ops(model(mx.array([[3]]), cache=cache), *[a for c in cache for a in c.state])
+
+
+def graph_ops(*arrays):
+    """Operation names in the (unevaluated) graph of arrays; non-arrays among them (mlx-lm's cache
+    states carry an int) are left out."""
     f = io.StringIO()
-    mx.export_to_dot(f, logits, *[a for c in cache for a in c.state])
+    mx.export_to_dot(f, *[a for a in arrays if isinstance(a, mx.array)])
     return re.findall(r'label ="?([A-Za-z]+)', f.getvalue())
 
 

@@ -88,7 +88,6 @@ def quantized_matmul(x, w, scales, biases, group_size, bits, mode="affine"):
     product runs in float32 and is rounded once: MLX's CPU kernel accumulates in the half type,
     10-40x slower and 10 units in the last place off where float32 accumulation (as on a GPU)
     is not (bench/RESULTS.md, "Half precision on the CPU")."""
-    n = w.shape[0]
     if mx.default_device() != mx.cpu:  # first, and once: an eager forward pass calls this per linear
         return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size,
                                    bits=bits, mode=mode)
@@ -96,6 +95,7 @@ def quantized_matmul(x, w, scales, biases, group_size, bits, mode="affine"):
         f32 = mx.float32
         return quantized_matmul(x.astype(f32), w, scales.astype(f32), biases.astype(f32), group_size,
                                 bits, mode).astype(x.dtype)
+    n = w.shape[0]
     if not (ENABLED and (os.cpu_count() or 1) > 1 and n >= 2 * CPU_STREAMS):
         return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size,
                                    bits=bits, mode=mode)

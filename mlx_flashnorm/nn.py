@@ -361,13 +361,12 @@ class _Norm(nn.Module):
             r = None if residual is _ALONE else residual
             eps = _eps(self.eps, x.dtype)
             w = self.get("weight")
+            path = _path(None, r) if x.size == self._last else "fallback"
             if self.center or "bias" in self:
-                path = _path(None, r) if x.size == self._last else "fallback"
                 o, p = _forward(path, x, r, w, self.get("bias"), 1.0, self.center, eps)
-            elif r is not None and x.size == self._last and (path := select_backend()) != "fallback" \
-                    and _kernel_ok(x, r, w, None):
+            elif path != "fallback" and _kernel_ok(x, r, w, None):
                 o, p = _fused(path, x, r, w, None, 1.0, False, eps)
-            else:
+            else:  # _compose's RMSNorm case, without its frames
                 p = x if r is None else x + r
                 o = mx.fast.rms_norm(p, w, eps)
             return o if residual is _ALONE else (o, p)

@@ -82,17 +82,12 @@ def test_deferred_form_stays_the_default_here():
 
 def eager_step_ops(model, cache):
     """Operation names, views left out, of one eager 1-token step after an 8-token prefill."""
-    import io
-    import re
-
-    from mlx_flashnorm.bench.step_graph import VIEWS
+    from mlx_flashnorm.bench.step_graph import VIEWS, graph_ops
 
     model(mx.arange(8)[None], cache=cache)
     mx.eval([c.state for c in cache])
-    logits = model(mx.array([[3]]), cache=cache)
-    f = io.StringIO()
-    mx.export_to_dot(f, logits, *[a for c in cache for a in c.state if isinstance(a, mx.array)])
-    return [op for op in re.findall(r'label ="?([A-Za-z]+)', f.getvalue()) if op not in VIEWS]
+    ops = graph_ops(model(mx.array([[3]]), cache=cache), *[a for c in cache for a in c.state])
+    return [op for op in ops if op not in VIEWS]
 
 
 @pytest.mark.parametrize("name", ["llama", "openelm"])
