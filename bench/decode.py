@@ -1,7 +1,10 @@
 """Prompt (pp) and decode (tg) throughput of each norm mode against mlx-lm, the paper's table.
 
 Every mode runs in this one process on the same weights; after a warm-up round the modes take
-turns (rms flash none mlx-lm rms flash ...) so that drift of the machine hits them alike.
+turns, one generation each per round, the order rotating from round to round (rms flash mlx-lm,
+flash mlx-lm rms, ...) so that drift of the machine, and the place in a round, hit them alike. A
+ratio between two modes is the median of their ratios within each round: a lent GPU host moves
+30-50% within a run, far more than a round lasts.
 """
 import argparse
 import json
@@ -23,6 +26,7 @@ from ..loader import DTYPE_CHOICES, DTYPES, build_model, resolve_dtype, model_ar
 NORM_MODES = ("rms", "flash", "none")
 PEER = "mlx-lm"
 EAGER = "-eager"  # suffix: our runner without the compiled decode step, to measure that lever
+RATIOS = ", order rotating, ratios paired per round"  # how this version measures (the settings line)
 
 # apple/OpenELM-270M's config.json
 OPENELM_270M = {
@@ -146,6 +150,17 @@ def measure(run, prompt, tg):
     return prompt.size / first, (tg - 1) / rest, mx.get_peak_memory() / 1e9
 
 
+def round_order(modes, rep):
+    """The modes in the order round rep runs them: rotated by one place per round."""
+    k = max(rep, 0) % len(modes)
+    return modes[k:] + modes[:k]
+
+
+def paired_ratio(xs, base):
+    """xs against base: the median of the per-round ratios."""
+    return statistics.median(x / b for x, b in zip(xs, base, strict=True))
+
+
 def summary(xs):
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
@@ -184,7 +199,7 @@ def bench(modes, folder, label, bits, dtype, pp, tg, reps, group_size=64, seed=0
     prompt = mx.random.randint(0, config.get("vocab_size", 32000), (pp,))
     results = {m: {"pp": [], "tg": [], "peak_memory_gb": 0.0} for m in modes}
     for rep in range(-1, reps):  # rep -1: warm-up (compilation, caches), not counted
-        for mode in modes:
+        for mode in round_order(modes, rep):
             p, t, mem = measure(runners[mode], prompt, tg)
             log(f"{'warm-up' if rep < 0 else f'rep {rep + 1}/{reps}'} {mode:>12}: "
                 f"pp {p:9.2f} tok/s  tg {t:8.2f} tok/s")
@@ -197,14 +212,14 @@ def bench(modes, folder, label, bits, dtype, pp, tg, reps, group_size=64, seed=0
     for key, base in (("rms", results.get("rms")), ("mlx_lm", results.get(PEER))):
         for r in results.values():
             for test in ("pp", "tg"):
-                r[f"{test}_vs_{key}"] = r[f"{test}_summary"]["median"] / base[f"{test}_summary"]["median"] \
-                    if base else None
+                r[f"{test}_vs_{key}"] = paired_ratio(r[test], base[test]) if base else None
     import mlx_lm
 
     return {
         "model": label, "params": n_params, "size_bytes": sizes, "device": device_name(), "path": code_path(),
         "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "dtype": dtype, "bits": bits or None,
         "group_size": group_size if bits else None, "pp": pp, "tg": tg, "reps": reps,
+        "ratios": RATIOS,
         "command": "python -m mlx_flashnorm.bench " + " ".join(sys.argv[1:]), "results": results,
     }
 
@@ -235,7 +250,7 @@ def settings(report):
     bits = f"Q{report['bits']}" if report["bits"] else "full"
     return (f"device: {report['device']} | {report.get('path', 'path not recorded')} | MLX {report['mlx']} | "
             f"mlx-lm {report['mlx_lm']} | activations {report['dtype']} | weights {bits} | "
-            f"{report['reps']} reps, interleaved, after warm-up")
+            f"{report['reps']} reps, interleaved, after warm-up{report.get('ratios', '')}")
 
 
 def plot(reports, path):

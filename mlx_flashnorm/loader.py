@@ -15,6 +15,7 @@ from .errors import UserError
 from . import kernels
 from .concat import concatenate
 from .kernels import row_parallel
+from .nn import plain_norms
 from .models import ARCHITECTURES
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -399,6 +400,7 @@ def prepare(model, norm="rms", bits=None, group_size=64, head_bits=None, concat=
                  None if head_bits is None else {head: {"group_size": group_size, "bits": head_bits}})
     if concat:
         concatenate(model)
+    plain_norms(model)  # where no norm kernel runs: mx.fast.rms_norm alone, no per-call decision
     return row_parallel(model)  # quantized matmuls over two CPU threads (bit-identical)
 
 

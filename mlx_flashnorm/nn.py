@@ -399,6 +399,33 @@ class RMSNorm(_Norm):
         super().__init__(normalized_shape, eps, elementwise_affine, bias=False)
 
 
+class PlainRMSNorm(RMSNorm):
+    """An RMSNorm where no norm kernel can run: the inference call is mx.fast.rms_norm on x + r
+    and nothing else, as mlx-lm's RMSNorm is (no per-call path decision: 2.9 against 5.5 us of
+    graph building per call on this CPU, 65 calls per OpenELM-270M token; bench/RESULTS.md, "Ninth
+    pass"). plain_norms swaps it in at load."""
+
+    def __call__(self, x, residual=_ALONE):  # mx.fast.rms_norm has its own vjp: training too
+        eps = float(mx.finfo(x.dtype).eps) if self.eps is None else self.eps
+        if residual is _ALONE:
+            return mx.fast.rms_norm(x, self.get("weight"), eps)
+        p = x if residual is None else x + residual
+        return mx.fast.rms_norm(p, self.get("weight"), eps), p
+
+
+def plain_norms(model):
+    """Where no norm kernel can run (the CPU; the portable path, kernels.portable()), make every
+    RMSNorm of model over one axis a PlainRMSNorm, in place (the same weights and names; only the
+    class changes). Decided at load, as FlashNorm's form is; a model keeps its classes after."""
+    if select_backend() != "fallback":
+        return model
+    for _, m in model.named_modules():
+        if type(m) is RMSNorm and m._last is not None:
+            m.eps = None if m.eps is None else float(m.eps)
+            m.__class__ = PlainRMSNorm
+    return model
+
+
 class LayerNorm(_Norm):
     """torch.nn.LayerNorm: (x - mean) / sqrt(var + eps) * weight + bias over the
     trailing ``normalized_shape``."""

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from mlx_flashnorm.bench.decode import LLAMA_3_2_1B, SHAPES, TINY, main
+from mlx_flashnorm.bench.decode import LLAMA_3_2_1B, SHAPES, TINY, main, round_order
 from mlx_flashnorm.loader import model_args
 
 from conftest import cli
@@ -28,8 +28,21 @@ def test_every_mode_measured(report):
         assert s["min"] <= s["median"] <= s["max"]
         assert res["peak_memory_gb"] > 0
     assert r["results"]["rms"]["tg_vs_rms"] == 1.0
+    rms, flash = r["results"]["rms"], r["results"]["flash"]
+    for test in ("pp", "tg"):  # the median of the per-round ratios (two rounds: their mean)
+        pairs = [a / b for a, b in zip(flash[test], rms[test])]
+        assert flash[f"{test}_vs_rms"] == pytest.approx(sum(pairs) / 2)
+    assert "ratios paired per round" in (report[0] / "bench.md").read_text()
     assert r["bits"] == 4 and r["dtype"] == "float32" and r["device"]
     assert "random weights" in r["model"]
+
+
+def test_rounds_rotate_the_order():
+    modes = ["rms", "flash", "mlx-lm"]
+    orders = [round_order(modes, rep) for rep in range(-1, 4)]
+    assert orders[0] == orders[1] == modes  # the warm-up, then round 1
+    assert orders[2] == ["flash", "mlx-lm", "rms"] and orders[3] == ["mlx-lm", "rms", "flash"]
+    assert all(sorted(o) == sorted(modes) for o in orders)
 
 
 def test_table_has_a_row_per_mode_and_test(report):

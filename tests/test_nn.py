@@ -370,3 +370,34 @@ def test_module_runs_the_kernel_for_one_row_only(monkeypatch):
         want, p_want = fnn._compose(x, r, w, None, 1.0, False, 1e-5)
         assert mx.array_equal(o, want) and mx.array_equal(p, p_want)
     assert launched == [(1, 1, D)]
+
+
+def test_plain_norms_where_no_kernel_runs(monkeypatch):
+    """Where no norm kernel can run (here: the CPU), plain_norms makes a model's one-axis RMSNorms
+    PlainRMSNorm: the same values and gradients as RMSNorm's inference path, alone or with a
+    residual; where a kernel runs it changes nothing."""
+    model = nn_container()
+    assert fnn.plain_norms(model) is model
+    assert [type(m).__name__ for m in (model.a, model.b, model.c)] == ["PlainRMSNorm", "RMSNorm", "LayerNorm"]
+    ref = RMSNorm(D, eps=1e-5)
+    x, r, w, _ = make((1, 3, D))
+    ref.weight = model.a.weight = w
+    ref.eval()
+    assert mx.array_equal(model.a(x), ref(x))
+    for res in (r, None):
+        (o, p), (o_ref, p_ref) = model.a(x, res), ref(x, res)
+        assert mx.array_equal(o, o_ref) and mx.array_equal(p, p_ref)
+    gx = mx.grad(lambda x_: (model.a(x_, r)[0] ** 2).sum())(x)  # training: mx.fast.rms_norm's vjp
+    want = mx.grad(lambda x_: (fnn._compose(x_, r, w, None, 1.0, False, 1e-5)[0] ** 2).sum())(x)
+    assert rel_err(gx, want) < 1e-5
+    kept = nn_container()
+    monkeypatch.setattr(fnn, "select_backend", lambda backend=None: "cuda")
+    fnn.plain_norms(kept)
+    assert type(kept.a) is RMSNorm
+
+
+def nn_container():
+    import mlx.nn as mnn
+    m = mnn.Module()
+    m.a, m.b, m.c = RMSNorm(D, eps=1e-5), RMSNorm((2, D // 2)), LayerNorm(D)
+    return m
