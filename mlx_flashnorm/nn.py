@@ -406,7 +406,7 @@ class PlainRMSNorm(RMSNorm):
     pass"). plain_norms swaps it in at load."""
 
     def __call__(self, x, residual=_ALONE):  # mx.fast.rms_norm has its own vjp: training too
-        eps = float(mx.finfo(x.dtype).eps) if self.eps is None else self.eps
+        eps = _eps(self.eps, x.dtype)
         if residual is _ALONE:
             return mx.fast.rms_norm(x, self.get("weight"), eps)
         p = x if residual is None else x + residual
@@ -421,7 +421,6 @@ def plain_norms(model):
         return model
     for _, m in model.named_modules():
         if type(m) is RMSNorm and m._last is not None:
-            m.eps = None if m.eps is None else float(m.eps)
             m.__class__ = PlainRMSNorm
     return model
 
