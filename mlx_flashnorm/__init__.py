@@ -1,5 +1,6 @@
 """mlx-flashnorm: a small, fast LLM runner on MLX with FlashNorm applied at load time."""
 import os
+import warnings
 from importlib.metadata import PackageNotFoundError, version
 
 # MLX's CUDA backend sends GPU work as CUDA graphs of at most this many operations (its default
@@ -12,9 +13,11 @@ try:
 except PackageNotFoundError:  # run from a source tree that is not installed
     __version__ = "0+unknown"
 
-from .loader import load
-# The package mlx_flashnorm.generate (API; its __main__ is the command) is imported here, so the
-# name `generate` below is the function, whatever is imported later.
-from .generate import generate, stream_generate  # noqa: E402
+# `python -m mlx_flashnorm.generate` finds the module imported by the line below already; its
+# __main__ block then runs that module's main, so runpy's warning about it says nothing useful.
+warnings.filterwarnings("ignore", r"'mlx_flashnorm\.\w+' found in sys\.modules", RuntimeWarning)
+
+from .loader import load  # noqa: E402
+from .generate import generate, stream_generate  # noqa: E402  (the function, not the module)
 
 __all__ = ["load", "generate", "stream_generate", "__version__"]

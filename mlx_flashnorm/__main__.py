@@ -12,7 +12,7 @@ COMMANDS = {  # command -> module with main(argv); imported only when run
     "bench": "mlx_flashnorm.bench.decode",
     "verify": "mlx_flashnorm.verify",
     "convert": "mlx_flashnorm.convert",
-    "quantize": "mlx_flashnorm.quantize.__main__",
+    "quantize": "mlx_flashnorm.quantize",
     "perplexity": "mlx_flashnorm.perplexity",
 }
 USAGE = f"usage: mlx-flashnorm [--version] {{{','.join(COMMANDS)}}} [--help] ..."

@@ -9,8 +9,8 @@ import mlx.core as mx
 
 from .cache import make_cache
 from .errors import UserError, run_cli
-from .generate import (add_model_args, add_sampling_args, cache_capacity, context_length,
-                       load_from_args, make_sampler_for, stream_generate)
+from .cli import add_model_args, add_sampling_args
+from .generate import cache_capacity, context_length, load_from_args, make_sampler_for, stream_generate
 
 
 

@@ -39,7 +39,7 @@ def export(model, tokenizer, out):
         mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(model.parameters())),
                             metadata={"format": "mlx"})
         if tokenizer is not None:
-            tokenizer._tokenizer.save_pretrained(str(tmp))
+            tokenizer.save_pretrained(str(tmp))
         tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -19,8 +19,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from .errors import UserError, run_cli
-from .generate import (add_model_args, add_sampling_args, context_length, load_from_args, make_sampler_for,
-                       stream_generate, wants_warmup, warmup)
+from .cli import add_model_args, add_sampling_args, wants_warmup
+from .generate import context_length, load_from_args, make_sampler_for, stream_generate, warmup
 
 
 class BadRequest(Exception):

@@ -16,7 +16,7 @@ from mlx_flashnorm.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMAND_MODULES = ["mlx_flashnorm.generate", "mlx_flashnorm.verify", "mlx_flashnorm.convert",
-                   "mlx_flashnorm.quantize.__main__", "mlx_flashnorm.perplexity", "mlx_flashnorm.bench.decode"]
+                   "mlx_flashnorm.quantize", "mlx_flashnorm.perplexity", "mlx_flashnorm.bench.decode"]
 
 
 def readme_blocks(language):

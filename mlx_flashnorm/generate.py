@@ -9,13 +9,13 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
-from .. import kernels
-from ..cache import StaticKVCache, make_cache
-from ..errors import HelpFormatter, UserError
-from ..loader import DTYPE_CHOICES, NORMS, QUANT_BITS, QUANT_GROUP_SIZES, load
+from . import kernels
+from .cache import StaticKVCache, make_cache
+from .cli import MAX_SEED, HelpFormatter, add_model_args, add_sampling_args, wants_warmup
+from .errors import UserError
+from .loader import load
 
 
-MAX_SEED = 2**64 - 1  # mx.random.seed takes an unsigned 64-bit integer
 
 
 @dataclass
@@ -274,47 +274,6 @@ def generate(model, tokenizer, prompt, max_tokens=256, verbose=False, **kwargs) 
     return text
 
 
-def add_model_args(p):
-    """The model flags every command shares (generate, chat, server)."""
-    p.add_argument("--model", help="HF model folder, HF repo id, or llama .gguf file "
-                                   "(default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--tokenizer", help="tokenizer folder, repo id or sentencepiece .model file "
-                                       "(needed for OpenELM: e.g. meta-llama/Llama-2-7b-hf)")
-    p.add_argument("--norm", choices=NORMS, default="rms",
-                   help="rms: reference; flash: FlashNorm (same function, faster); none: no norms "
-                        "(speed ceiling only, the text is meaningless)")
-    p.add_argument("--bits", type=int, default=None,
-                   help=f"quantize weights at load time ({', '.join(map(str, QUANT_BITS))}), or 0 for full "
-                        "precision (dequantizes a quantized checkpoint); default: as the checkpoint is "
-                        "(a k-quant GGUF: 4)")
-    p.add_argument("--group-size", type=int, default=64,
-                   help=f"weights per scale/bias with --bits: {', '.join(map(str, QUANT_GROUP_SIZES))}")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                   help="activation dtype; auto: float32 on the CPU, the checkpoint's half precision on a GPU")
-    p.add_argument("--warmup", action=argparse.BooleanOptionalAction,
-                   help="play a short throwaway request after loading, so that the first request finds "
-                        "the decode step and the kernels compiled (default: on a GPU; not on the CPU, "
-                        "where it costs more than it saves once MLX's kernel cache on disk is filled)")
-    p.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
-
-
-def add_sampling_args(p):
-    p.add_argument("--max-tokens", "-m", type=int, default=256, help="tokens to generate at most")
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 is off")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 is off")
-    p.add_argument("--seed", type=int, default=None, help=f"random seed, 0 to {MAX_SEED} (default: random)")
-
-
-def wants_warmup(args):
-    """--warmup or --no-warmup as given, else on a GPU (where a first request compiles kernels for
-    seconds and the warm-up runs in milliseconds) and not on the CPU: there MLX keeps the kernels it
-    compiles on disk, so that after a machine's first run a first request pays ~0.2 s more than
-    later ones (the step's trace, loading the kernels), while the warm-up's CPU prefill and steps
-    take 1.4-1.9 s (bench/RESULTS.md, issue 15)."""
-    return mx.default_device() == mx.gpu if args.warmup is None else args.warmup
-
-
 def load_from_args(args, warm=True):
     """Check the shared flags, then load the model they name and, if warm and wants_warmup(args),
     warm it up on this thread (warmup)."""
@@ -360,3 +319,10 @@ def main(argv=None):
     print(f"Prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.3f} tokens-per-sec")
     print(f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec")
     print(f"Peak memory: {r.peak_memory:.3f} GB")
+
+
+if __name__ == "__main__":  # run the imported module's main: the package imported it already
+    from mlx_flashnorm.errors import run_cli
+    from mlx_flashnorm.generate import main as _main
+
+    run_cli(_main)

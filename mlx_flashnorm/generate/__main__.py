@@ -1,4 +1,0 @@
-from ..errors import run_cli
-from . import main
-
-run_cli(main)
