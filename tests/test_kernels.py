@@ -3,6 +3,7 @@
 On this CPU the functions run their fallbacks; on a CUDA machine (the device runs this file
 too) the same tests check the CUDA kernels, and the `cuda` tests compare kernel and fallback."""
 import importlib.util
+import json
 import math
 import shutil
 import subprocess
@@ -228,6 +229,19 @@ def test_self_check_keeps_what_passed(monkeypatch, tmp_path):
     monkeypatch.setattr(mx, "__version__", "0.0.0-other")
     monkeypatch.setattr(checks, "_CHECKED", set())
     assert kernels.self_check(["add_rss"]) and len(runs) == 4
+
+
+@pytest.mark.parametrize("content", ['{"add_rss": true}', "5", '["add_rss", 3]', "null", "\x00\xff"])
+def test_self_check_file_of_any_content_is_absent(monkeypatch, tmp_path, content):
+    """A kept self-check file holding anything but a JSON list of names (valid JSON of the wrong
+    type included: it raised TypeError) counts as absent: the check runs and rewrites it."""
+    monkeypatch.setattr(nvrtc, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr(forms, "DISABLED", set())
+    monkeypatch.setattr(checks, "_CHECKED", set())
+    file = checks._passed_file()
+    file.write_text(content)
+    assert checks.self_check(["add_rss"])
+    assert json.loads(file.read_text()) == ["add_rss"]
 
 
 def test_self_check_passes_on_this_device(monkeypatch, tmp_path):
