@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on the CUDA device machine (see bench/RESULTS.md): unpack the MLX CUDA build carried in
+# One call on the CUDA device machine (bench/RESULTS.md, "How the bench measures"): unpack the MLX CUDA build carried in
 # .mlxcuda2 (part 1 was copied to /root/mlxp by the call before, as ../shared/device/mlx-cuda-parts.sh
 # prints), run the kernel and decode tests there, count the decode step's graph, and bench.
 # Usage: bash bench/gpu_session.sh [bench args...] (e.g. "--matrix --dtype float16", "latency --dtype float16");

@@ -48,8 +48,8 @@ def decode_offset(n):
     """The offset argument of compiled_decode's step for position n: an int32 array of 4 elements,
     the position first. MLX's CUDA backend keeps every array of 8 bytes or less in one managed-
     memory page, which the host also touches every step (the sampled token), so a kernel's read
-    of a 1-element offset waits on it; 16 bytes live in device memory (bench/RESULTS.md, "Fifth
-    pass")."""
+    of a 1-element offset waits on it; 16 bytes live in device memory (bench/RESULTS.md, "GPU time
+    per kernel")."""
     return mx.array([n] * 4, mx.int32)
 
 
@@ -65,7 +65,7 @@ def structure(model):
     valid while each link still holds the same object and no container gained or lost one (a
     weight replaced, a module swapped or added). Checking that costs 45 us per request for SmolLM2
     on a 2-core CPU, where walking model.parameters() cost 0.67 ms (6 ms under a profiler on the
-    H100's host; bench/RESULTS.md, "Eighth pass")."""
+    H100's host; bench/RESULTS.md, "Time to first token")."""
     links, sizes, todo = [], [], [model]
     while todo:
         c = todo.pop()
@@ -144,7 +144,7 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
         mx.eval([c.state for c in cache])
         prompt = prompt[n:]
     # The last prompt token goes through the decode step too: compiled, that is one replay, not a
-    # second eager forward pass for Python to build (bench/RESULTS.md, "Seventh pass"); but a
+    # second eager forward pass for Python to build (bench/RESULTS.md, "Prefill"); but a
     # one-token prompt into an empty cache runs eagerly, which allocates the buffers.
     first = eager_step(prompt) if compiled and cache[0].keys is None else None
 

@@ -57,7 +57,7 @@ def test_compiled_decode_matches_eager(model):
 
 def test_step_writes_its_cache_by_scatter(model):
     """One scatter along the positions per buffer and layer: MLX 0.32's CUDA dynamic slice
-    update copies the whole buffer (bench/RESULTS.md, "Fifth pass")."""
+    update copies the whole buffer (bench/RESULTS.md, "GPU time per kernel")."""
     ops = collections.Counter(step_ops(model))
     assert ops["DynamicSliceUpdate"] == 0 and ops["ScatterAxis"] == 2 * len(model.layers)
 

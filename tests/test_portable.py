@@ -95,7 +95,7 @@ def test_step_has_no_more_operations_than_mlx_lm(name, portable, monkeypatch, tm
     """Issue 11: on the portable path our eager decode step (rms, and so flash, its weightless
     form) builds no more operations than mlx-lm's own model on the same 4-bit weights (Llama: one
     concatenated q/k/v and gate/up matmul each instead of five), so what is left between the two
-    there is Python (bench/RESULTS.md, "Eighth pass"). forms.ENABLED is off, so no CPU
+    there is Python (bench/RESULTS.md, "Portable path"). forms.ENABLED is off, so no CPU
     row-parallel split adds operations; float32, so no CPU-only half-precision casts."""
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_model, quantize_model

@@ -201,7 +201,7 @@ def main(argv=None):
                     forms.DISABLED.discard(k)
         for m in modes:  # a round untimed, as long as the timed one: else the first mode timed pays
             profile_decode(models[m], m, prompt, args.reps)  # for MLX's first pass over the longer
-            # cache (17 against 2.7 ms a pipelined token in the ninth pass; bench/RESULTS.md)
+            # cache (17 against 2.7 ms a pipelined token; bench/RESULTS.md, "Portable path")
         print("\n| decode step | build | submit | wait | pipelined per token |\n| --- | ---: | ---: | ---: | ---: |")
         for m in modes:
             print(f"| {m} | {ms(profile_decode(models[m], m, prompt, args.reps))} |", flush=True)

@@ -1,7 +1,8 @@
 """Operations in one 1-token decode step, per norm mode: the graph that mx.compile replays.
 
 On a fast GPU decoding is bound by per-operation host work, so this count is the cost model of
-the levers in bench/RESULTS.md. Counts the step's (uncompiled) graph by operation name:
+the levers in bench/RESULTS.md, "Launches per step". Counts the step's (uncompiled) graph by
+operation name:
 
     python -m mlx_flashnorm.bench.step_graph [--bits 4] [--dtype float16]
 """
