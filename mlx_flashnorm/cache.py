@@ -45,7 +45,7 @@ class StaticKVCache:
             return self.keys[..., :end, :], self.values[..., :end, :]
         # one scatter along the positions (put_along_axis), not mx.slice_update: MLX 0.32's CUDA
         # backend runs a dynamic slice update over the whole buffer (its copy kernel is sized by
-        # the destination), 37% of a decode step's GPU time (bench/RESULTS.md, "Fifth pass")
+        # the destination), 37% of a decode step's GPU time (bench/RESULTS.md, "GPU time per kernel")
         self.start = self.offset  # the attention's: a view of the step's offset (decode_attention)
         at = (self.offset + mx.arange(N) if N > 1 else self.offset).reshape(1, 1, N, 1)
         self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(at, keys.shape), keys, axis=2)

@@ -171,7 +171,7 @@ class _Norm(nn.Module):
         if not self.training and x.shape[-1] == self._last:
             # inference over the last axis (every model here), with as little Python as can be:
             # an eager forward pass (prefill; every decode step on the portable path) calls this
-            # 65 times per OpenELM-270M token (bench/RESULTS.md, "Eighth pass"). The fused kernel
+            # 65 times per OpenELM-270M token (bench/RESULTS.md, "Prefill"). The fused kernel
             # runs for one row with a residual (a decode step); a lone norm or the rows of a
             # prompt run mx.fast.rms_norm (on x + r): a custom launch's host cost outweighs the
             # pass it saves there, and an eager prefill is bound by host time
@@ -219,8 +219,8 @@ class RMSNorm(_Norm):
 class PlainRMSNorm(RMSNorm):
     """An RMSNorm where no norm kernel can run: the inference call is mx.fast.rms_norm on x + r
     and nothing else, as mlx-lm's RMSNorm is (no per-call path decision: 2.9 against 5.5 us of
-    graph building per call on this CPU, 65 calls per OpenELM-270M token; bench/RESULTS.md, "Ninth
-    pass"). plain_norms swaps it in at load."""
+    graph building per call on this CPU, 65 calls per OpenELM-270M token; bench/RESULTS.md, "Host
+    work of the eager forward"). plain_norms swaps it in at load."""
 
     def __call__(self, x, residual=_ALONE):  # mx.fast.rms_norm has its own vjp: training too
         eps = _eps(self.eps, x.dtype)

@@ -28,8 +28,8 @@ apply(model, fold=...) rewrites a whole model following the Mapping its model fi
 (models/*.py: FLASHNORM, a Pair per pre-norm); remove_norms(model) drops every norm
 (a speed ceiling, not the same function). Weights are folded in float32 and cast back to the model
 dtype. Why not always fold: quantizing W*g loses far more than quantizing W where g varies inside a
-quantization group (SmolLM2 4-bit perplexity +46%, bench/RESULTS.md), so a quantized model keeps g
-on the activations. Every linear keeps its path (model.layers.0.self_attn.q_proj stays that), so
+quantization group (SmolLM2 4-bit perplexity +46%, bench/RESULTS.md, "Perplexity"), so a
+quantized model keeps g on the activations. Every linear keeps its path (model.layers.0.self_attn.q_proj stays that), so
 per-module quantization settings carry over, and DeferredLinear quantizes to QuantizedDeferredLinear
 (a QuantizedLinear becomes one as it is, with apply(fold=False)).
 """
@@ -132,8 +132,8 @@ def apply(model, head=DEFAULT_HEAD, fold=True, deferred=None):
     and the norm weights as one scale vector (TiedFlashHead): no extra memory. "untie" folds them
     into an untied vocab x dim copy (FlashHead): +156 MiB in float32 for OpenELM-270M (+15%), and
     no faster: CPU decode 3.26 vs 3.33 tokens/s for "scale" (bench/flash_head.py, interleaved, in
-    bench/RESULTS.md), since decode is bound by reading weights. An untied model always folds
-    into its own lm_head. "untie" exists to fold, so it needs fold=True.
+    bench/RESULTS.md, "Final norm and tied head"), since decode is bound by reading weights. An
+    untied model always folds into its own lm_head. "untie" exists to fold, so it needs fold=True.
 
     deferred: False gives Sec. 1's weightless form alone (Fig. 1(b)): with fold, every norm's
     weights folded into the linears it feeds (the final norm's into an untied lm_head), the norms

@@ -79,8 +79,8 @@ def constant(dtype, *values):
     """A small array of run-time sizes or flags for a kernel, made once per distinct value: no
     new array per call, and inside mx.compile one constant of the graph. Padded to 16 bytes: MLX's
     CUDA backend keeps arrays of 8 bytes or less in one managed-memory page that the host touches
-    every decode step, and a kernel reading from it waited up to 20 us (bench/RESULTS.md, "Fifth
-    pass")."""
+    every decode step, and a kernel reading from it waited up to 20 us (bench/RESULTS.md, "GPU time
+    per kernel")."""
     a = mx.array(values + (0,) * (4 - len(values)), dtype)
     mx.eval(a)
     return a
@@ -103,8 +103,8 @@ def make_kernel(name, input_names, output_names, source, header):
     arguments (inputs, template, grid, threadgroup, output_shapes, output_dtypes); header: the
     backend's own. On Metal mx.fast.metal_kernel runs the respelled body. On CUDA the body is
     compiled here (cuda_binary) and run with mx.fast.precompiled_cuda_kernel: MLX compiles a
-    cuda_kernel with NVRTC in every process (1.5-2 s each on an H100, bench/RESULTS.md), a binary
-    kept on disk loads in milliseconds."""
+    cuda_kernel with NVRTC in every process (1.5-2 s each on an H100, bench/RESULTS.md, "Compile
+    once"), a binary kept on disk loads in milliseconds."""
     backend = gpu_backend()
     if backend == "metal":
         kernel = mx.fast.metal_kernel(name=name, input_names=input_names, output_names=output_names,

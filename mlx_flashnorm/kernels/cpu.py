@@ -9,7 +9,9 @@ import mlx.nn as nn
 
 from .. import forms
 
-CPU_STREAMS = 2  # measured on 2 cores: a 4-bit matvec 1.8x faster, decode 1.4x (bench/RESULTS.md)
+# measured on 2 cores: a 4-bit matvec 1.8x faster, decode 1.4x (bench/RESULTS.md, "CPU row-parallel
+# matmul")
+CPU_STREAMS = 2
 
 
 _thread = threading.local()
