@@ -175,14 +175,16 @@ def quantize_like(model, quantization, weights, source="config.json"):
         raise UserError(f"weights do not match {source}: {str(e).splitlines()[0]}")
 
 
-def build_model(config, weights, progress=True, source="config.json"):
+def build_model(config, weights, progress=True, source="config.json", weights_source=None):
     """The model config describes, with weights loaded (strictly: every parameter, each of its
-    shape) and checked (validate.weights before, validate.finite after); source names the file
-    in messages."""
+    shape) and checked (validate.weights before, validate.finite after); source names the config's
+    file in messages, weights_source the weights' (default: source)."""
+    weights_source = weights_source or source
     arch, args = model_args(config, source)
     model = arch.Model(args)
     weights = model.sanitize(weights)
-    validate.weights(weights, config, source)
+    validate.weights(weights, weights_source)
+    validate.quantization(config, weights, source)
     if "quantization" in config:
         quantize_like(model, config["quantization"], weights, source)
     try:
@@ -190,7 +192,7 @@ def build_model(config, weights, progress=True, source="config.json"):
     except ValueError as e:
         raise UserError(f"weights do not match {source}: {str(e).splitlines()[0]}")
     _materialize(model, progress)
-    validate.finite(model, source)
+    validate.finite(model, weights_source)
     model.eval()  # inference: norms skip their training-only custom VJP (mlx_flashnorm.nn)
     model.config = config
     return model
@@ -300,7 +302,7 @@ def load(path_or_repo=None, norm="rms", bits=None, dtype="auto", tokenizer=None,
     else:
         config, source = read_config(path), path / "config.json"
         model_args(config, source)  # fail on a bad config before reading gigabytes of weights
-        model = build_model(config, read_safetensors(path), progress, source)
+        model = build_model(config, read_safetensors(path), progress, source, weights_source=path)
         tok = load_tokenizer(path, tokenizer)
     validate.chat_template(tok, _template_source(path, tokenizer))
     model.set_dtype(DTYPES[resolve_dtype(dtype, config)])

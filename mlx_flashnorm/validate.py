@@ -223,11 +223,15 @@ def _numbers(value):
 
 # weights -----------------------------------------------------------------------------------------
 
-def weights(weights, config, source):
+def _quantized(weights):
+    return {k[: -len(".scales")] for k in weights if k.endswith(".scales")}
+
+
+def weights(weights, source):
     """The weights a model is about to receive, whatever their format: float weights in a float
     dtype (an integer dtype would be used as numbers, silently), quantized ones packed in uint32
-    with float scales and biases, and a quantization block in config that describes them."""
-    quantized = {k[: -len(".scales")] for k in weights if k.endswith(".scales")}
+    with float scales and biases."""
+    quantized = _quantized(weights)
     for name, w in weights.items():
         stem = name.rsplit(".", 1)[0]
         if stem in quantized and name.endswith(".weight"):
@@ -237,10 +241,12 @@ def weights(weights, config, source):
         if not ok:
             raise UserError(f"{source}: tensor '{name}' has dtype {str(w.dtype).split('.')[-1]}, but "
                             f"its role needs {want}; the checkpoint is damaged")
-    _quantization(config.get("quantization"), quantized, weights, source)
 
 
-def _quantization(q, quantized, weights, source):
+def quantization(config, weights, source):
+    """config's quantization block (mlx-lm's: group_size, bits, per-module overrides) describes
+    the quantized weights: each one's packed width and scales agree with its bits and group size."""
+    q, quantized = config.get("quantization"), _quantized(weights)
     if q is None:
         return  # scales without a quantization block: load_weights names them as unexpected
     where = f"{source}: the 'quantization' block"
