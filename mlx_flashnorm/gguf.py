@@ -21,6 +21,7 @@ MLX_TYPES = {"F32", "F16", "Q4_0", "Q4_1", "Q8_0"}  # what mx.load reads exactly
 _FLOAT_TYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8,
                 "I16": np.int16, "I32": np.int32, "I64": np.int64}  # stored unquantized
 # GGUF metadata value types: struct format of each scalar; 8 is a string, 9 an array.
+_U64 = struct.Struct("<Q")
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
 
@@ -38,14 +39,14 @@ class _Header:
         validate_gguf.check_count("the metadata count", n_kv, 13, self._left())
         self.meta = {}
         for _ in range(n_kv):
-            key = self._string()
+            key = self._name("a metadata key", validate_gguf.MAX_KEY)
             if key in self.meta:
                 raise ValueError(f"metadata key '{key}' appears twice")
             self.meta[key] = self._value(self._read("<I")[0], key)
         validate_gguf.check_count("the tensor count", n_tensors, 32, self._left())
         self.tensors = []  # (name, shape in numpy order, type number, offset from the data start)
         for _ in range(n_tensors):
-            name = self._string()
+            name = self._name("a tensor name", validate_gguf.MAX_TENSOR_NAME)
             n_dims = self._read("<I")[0]
             if n_dims > validate_gguf.MAX_DIMS:
                 raise ValueError(f"tensor '{name}' has {n_dims} dimensions, more than GGUF's {validate_gguf.MAX_DIMS}")
@@ -63,12 +64,40 @@ class _Header:
         self.pos += struct.calcsize(fmt)
         return values
 
+    def _name(self, what, limit):
+        """A key or a tensor name: printable text of at most limit bytes (so that a damaged length
+        neither reads megabytes nor puts them into a message)."""
+        n = struct.unpack_from("<Q", self.buf, self.pos)[0]
+        if n > limit:
+            raise ValueError(f"{what} at byte {self.pos} is {n} bytes long, more than GGUF allows ({limit})")
+        try:
+            name = bytes(self.buf[self.pos + 8:self.pos + 8 + n]).decode("utf-8")
+        except UnicodeDecodeError:
+            name = None
+        if not name or not name.isprintable() or len(name.encode()) != n:
+            raise ValueError(f"{what} at byte {self.pos} is not text")
+        self.pos += 8 + n
+        return name
+
     def _string(self):
         n = self._read("<Q")[0]
         self.pos += n
         if self.pos > len(self.buf):
             raise ValueError("the file ends inside its header")
         return self.buf[self.pos - n:self.pos].decode("utf-8", errors="replace")
+
+    def _strings(self, n):
+        """n strings: _string's loop inlined (a vocabulary holds 50k-250k of them)."""
+        buf, pos, end, length = self.buf, self.pos, len(self.buf), _U64.unpack_from
+        out = []
+        for _ in range(n):
+            k = length(buf, pos)[0]
+            pos += 8 + k
+            if pos > end:
+                raise ValueError("the file ends inside its header")
+            out.append(buf[pos - k:pos].decode("utf-8", errors="replace"))
+        self.pos = pos
+        return out
 
     def _value(self, kind, key, depth=0):
         if kind == 8:
@@ -84,6 +113,8 @@ class _Header:
                 self.pos += n * dtype.itemsize
                 return values
             validate_gguf.check_count(f"the length of metadata array '{key}'", n, 8, self._left())
+            if item == 8:
+                return self._strings(n)
             return [self._value(item, key, depth + 1) for _ in range(n)]
         if kind not in _SCALARS:
             raise ValueError(f"metadata '{key}' has unknown value type {kind}")

@@ -16,6 +16,8 @@ from .validate import MAX_CONTEXT
 VERSIONS = (2, 3)  # the GGUF versions the format defines (1 is obsolete, with 32-bit counts)
 MAX_DIMS = 4  # GGML_MAX_DIMS: a tensor has 1 to 4 dimensions
 MAX_NESTING = 4  # arrays of arrays: no model uses more than 2 levels
+MAX_KEY = 65535  # bytes of a metadata key (GGUF's limit)
+MAX_TENSOR_NAME = 256  # bytes of a tensor name (llama.cpp allows 63)
 CORRUPT = "the file is truncated or corrupt"
 
 # Metadata of the architecture (prefixed with its name, e.g. "llama.") that the loader reads as
@@ -90,6 +92,7 @@ def _check_tensors(header, path):
                             f"bytes beyond the end of the file; {CORRUPT}")
         spans.append((offset, size, name, qtype))
     spans.sort()
+    _check_ends(spans, data_bytes, align, path)
     for (start, size, name, qtype), (nxt, _, other, _) in zip(spans, spans[1:]):
         padded = -(-(start + size) // align) * align
         if padded != nxt:  # writers pack tensors back to back, each padded to the alignment
@@ -99,12 +102,22 @@ def _check_tensors(header, path):
                             f"data; {CORRUPT}")
 
 
+def _check_ends(spans, data_bytes, align, path):
+    """The data section starts with a tensor and ends with one (and its padding): else the header's
+    end, and so the data start, is not where the writer put it (a wrong count, a wrong length)."""
+    if not spans:
+        return
+    (first, _, name, _), (last, size, other, _) = spans[0], spans[-1]
+    if first != 0:
+        raise UserError(f"{path}: the data section starts {first} bytes before its first tensor "
+                        f"'{name}'; the header's counts or lengths are wrong; {CORRUPT}")
+    if data_bytes - (last + size) >= align:
+        raise UserError(f"{path}: {data_bytes - (last + size)} bytes follow the last tensor '{other}'; "
+                        f"the header's counts or lengths are wrong; {CORRUPT}")
+
+
 def _is_int(v):
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
-
-
-def _is_number(v):
-    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
 
 
 def _check_metadata(meta, shapes, path):
@@ -121,8 +134,8 @@ def _check_metadata(meta, shapes, path):
                             f"not {_show(v)}; {CORRUPT}")
     for suffix in POSITIVE_FLOATS:
         v = meta.get(p + suffix)
-        if v is not None and (not _is_number(v) or not math.isfinite(v) or v <= 0):
-            raise UserError(f"{path}: GGUF metadata '{p + suffix}' must be a positive number, "
+        if v is not None and (not isinstance(v, float) or not math.isfinite(v) or v <= 0):
+            raise UserError(f"{path}: GGUF metadata '{p + suffix}' must be a positive float, "
                             f"not {_show(v)}; {CORRUPT}")
     context = meta.get(p + "context_length")
     if context is not None and context > MAX_CONTEXT:
@@ -152,6 +165,13 @@ def _check_shapes(meta, p, shapes, path):
         if shape is not None and (len(shape) != 2 or shape[0] % (2 * n)):
             raise UserError(f"{path}: GGUF metadata '{p}attention.{key}' ({n}) does not divide the "
                             f"{shape[0]} rows of blk.0.{tensor}.weight into heads; {CORRUPT}")
+    q = shapes.get("blk.0.attn_q.weight")
+    for key in ("attention.key_length", "rope.dimension_count"):  # the head size, where stated
+        if q is not None and meta.get(p + key) is not None:
+            if meta[p + key] * heads != q[0]:
+                raise UserError(f"{path}: GGUF metadata '{p}{key}' ({meta[p + key]}) times the "
+                                f"{heads} heads is not the {q[0]} rows of blk.0.attn_q.weight; {CORRUPT}")
+            break
 
 
 def _check_tokenizer(meta, shapes, path):

@@ -11,12 +11,14 @@ class Field(NamedTuple):
     offset: int  # in the file
     fmt: str  # struct format, little-endian
     what: str  # e.g. "version", "value llama.context_length", "dim 0 of blk.0.attn_q.weight"
+    section: str = "metadata"  # "header" (version, counts), "metadata" or "tensors" (the directory)
 
 
 def fields(buf):
     """Every fixed-size field of the header of the GGUF bytes buf (a long string array's items
     only by their first SOME length fields), in file order; and the tensor directory's end."""
-    out = [Field(4, "<I", "version"), Field(8, "<Q", "tensor count"), Field(16, "<Q", "metadata count")]
+    out = [Field(4, "<I", "version", "header"), Field(8, "<Q", "tensor count", "header"),
+           Field(16, "<Q", "metadata count", "header")]
     n_tensors, n_kv = struct.unpack_from("<QQ", buf, 8)
     pos = 24
 
@@ -45,6 +47,7 @@ def fields(buf):
             else:
                 for i in range(n):
                     pos, _ = string(pos, f"item {i} of {key}", record=i < SOME)
+    n_meta = len(out)
     for _ in range(n_tensors):
         pos, name = string(pos, "a tensor name")
         n_dims = struct.unpack_from("<I", buf, pos)[0]
@@ -55,7 +58,7 @@ def fields(buf):
             pos += 8
         out += [Field(pos, "<I", f"type of {name}"), Field(pos + 4, "<Q", f"offset of {name}")]
         pos += 12
-    return out, pos
+    return out[:n_meta] + [f._replace(section="tensors") for f in out[n_meta:]], pos
 
 
 def find(buf, what):
