@@ -158,7 +158,8 @@ def model_args(config, source="config.json"):
     try:
         return arch, arch.ModelArgs(**{f.name: config[f.name] for f in fields if f.name in config})
     except (ValueError, TypeError) as e:
-        raise UserError(f"{source}: {e}".replace("config.json: ", ""))
+        detail = str(e).removeprefix("config.json: ")  # ModelArgs names config.json itself
+        raise UserError(f"{source}: {detail}")
 
 
 def quantize_like(model, quantization, weights, source="config.json"):
@@ -181,7 +182,13 @@ def build_model(config, weights, progress=True, source="config.json", weights_so
     file in messages, weights_source the weights' (default: source)."""
     weights_source = weights_source or source
     arch, args = model_args(config, source)
-    model = arch.Model(args)
+    try:
+        model = arch.Model(args)
+    except KeyError as e:  # mlx-lm's RoPE reads rope_scaling's keys by name
+        raise UserError(f"{source}: a setting lacks its key {e.args[0]!r} (e.g. 'rope_scaling' of a "
+                        "type that needs 'factor')")
+    except ValueError as e:
+        raise UserError(f"{source}: {str(e).splitlines()[0]}")
     weights = model.sanitize(weights)
     validate.weights(weights, weights_source)
     validate.quantization(config, weights, source)

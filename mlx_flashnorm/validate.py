@@ -20,6 +20,8 @@ from .errors import UserError
 
 MAX_CONTEXT = 1 << 24  # 16M positions: far beyond any published model, far below an overflow
 CONTEXT_KEYS = ("max_position_embeddings", "max_context_length", "rope_max_length")
+MAX_LAYERS = 1024  # blocks: published models have at most ~130; a damaged count would build for hours
+LAYER_KEYS = ("num_hidden_layers", "num_transformer_layers")
 MAX_HEADER = 100 << 20  # bytes: a safetensors header larger than this is damage, not a model
 SAFETENSORS_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2,
                       "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
@@ -146,10 +148,19 @@ def config_values(config, model_args_class, source):
         for x in _numbers(value):
             if not math.isfinite(x) or x <= 0:
                 raise UserError(f"{source}: '{f.name}' must be positive, not {_show(value)}")
+            if _is_int(x) and x > MAX_CONTEXT:
+                raise UserError(f"{source}: '{f.name}' is {x}, beyond any model's (at most {MAX_CONTEXT}); "
+                                "the file is damaged")
     for key in CONTEXT_KEYS:
         if _is_number(config.get(key)) and config[key] > MAX_CONTEXT:
             raise UserError(f"{source}: '{key}' is {config[key]}, beyond any model's context (at most "
                             f"{MAX_CONTEXT}); the file is damaged")
+    for key in LAYER_KEYS:
+        if _is_number(config.get(key)) and config[key] > MAX_LAYERS:
+            raise UserError(f"{source}: '{key}' is {config[key]}, beyond any model's (at most "
+                            f"{MAX_LAYERS}); the file is damaged")
+    if not isinstance(config.get("rope_parameters", {}), (dict, type(None))):
+        raise UserError(f"{source}: 'rope_parameters' must be an object or null, not {_show(config['rope_parameters'])}")
     _rope_scaling(config.get("rope_scaling"), source)
     _token_ids(config, source)
 

@@ -11,7 +11,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from .errors import UserError
-from .validate import MAX_CONTEXT
+from .validate import MAX_CONTEXT, MAX_LAYERS
 
 VERSIONS = (2, 3)  # the GGUF versions the format defines (1 is obsolete, with 32-bit counts)
 MAX_DIMS = 4  # GGML_MAX_DIMS: a tensor has 1 to 4 dimensions
@@ -137,6 +137,9 @@ def _check_metadata(meta, shapes, path):
         if v is not None and (not isinstance(v, float) or not math.isfinite(v) or v <= 0):
             raise UserError(f"{path}: GGUF metadata '{p + suffix}' must be a positive float, "
                             f"not {_show(v)}; {CORRUPT}")
+    if meta.get(p + "block_count", 0) > MAX_LAYERS:
+        raise UserError(f"{path}: GGUF metadata '{p}block_count' is {meta[p + 'block_count']}, beyond any "
+                        f"model's (at most {MAX_LAYERS}); {CORRUPT}")
     context = meta.get(p + "context_length")
     if context is not None and context > MAX_CONTEXT:
         raise UserError(f"{path}: GGUF metadata '{p}context_length' is {context}, beyond any model's "

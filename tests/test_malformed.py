@@ -186,6 +186,20 @@ def test_negative_rope_theta(folder):
     refused(folder, "config.json", "'rope_theta' must be positive")
 
 
+@pytest.mark.parametrize("change, words", [
+    ({"rope_scaling": {"rope_type": "llama3"}}, ["'factor'"]),
+    ({"rope_theta": float("nan")}, ["'rope_theta' must be positive"]),
+    ({"rms_norm_eps": "small"}, ["'rms_norm_eps' must be a number"]),
+    ({"hidden_size": 64.5}, ["'hidden_size' must be a whole number"]),
+    ({"rope_parameters": "x"}, ["'rope_parameters' must be an object"]),
+])
+def test_config_values_of_the_wrong_type_or_range(tiny_llama_dir, change, words):
+    config = dict(json.loads((tiny_llama_dir / "config.json").read_text()), **change)
+    with pytest.raises(UserError) as e:
+        loader.build_model(config, loader.read_safetensors(tiny_llama_dir), progress=False)
+    assert all(w in str(e.value) for w in ["config.json", *words]), str(e.value)
+
+
 def test_implausible_context_and_eos_in_config(folder):
     edit_config(folder, max_position_embeddings=4_000_000_000)
     refused(folder, "config.json", "'max_position_embeddings'")
