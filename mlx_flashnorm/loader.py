@@ -333,10 +333,10 @@ def _gguf_tokenizer(path, tokenizer, meta):
 
 def _template_source(path, tokenizer):
     """Where the chat template came from, for messages: a GGUF field or a tokenizer file."""
-    if tokenizer is None and path.is_file():
-        return f"{path}: GGUF metadata 'tokenizer.chat_template'"
     if tokenizer is not None:
         return f"--tokenizer {tokenizer}: 'chat_template'"
+    if path.is_file():
+        return f"{path}: GGUF metadata 'tokenizer.chat_template'"
     jinja = path / "chat_template.jinja"
     return jinja if jinja.exists() else f"{path / 'tokenizer_config.json'}: 'chat_template'"
 

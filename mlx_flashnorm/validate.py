@@ -91,7 +91,7 @@ def safetensors_header(file):
     data, spans = size - 8 - n, []
     for name, info in header.items():
         if name == "__metadata__":
-            if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
+            if info is not None and not (isinstance(info, dict) and all(isinstance(v, str) for v in info.values())):
                 raise bad(f"'__metadata__' is {_show(info)}, not an object of strings")
             continue
         spans.append(_tensor_span(name, info, data, bad))
