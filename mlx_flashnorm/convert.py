@@ -11,6 +11,7 @@ quantizing unfolded ones (bench/RESULTS.md, "Perplexity")."""
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -32,6 +33,7 @@ def export(model, tokenizer, out):
         raise UserError(f"{out} already exists; choose a new --out folder (nothing is overwritten)")
     if not out.parent.is_dir():
         raise UserError(f"{out.parent}: no such folder; create it first or choose another --out")
+    remove_stale_partials(out.parent)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     try:
         tmp.mkdir()
@@ -45,6 +47,28 @@ def export(model, tokenizer, out):
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+PARTIAL = re.compile(r"\..+\.partial-(\d+)")  # export's temporary folder: .NAME.partial-PID
+
+
+def remove_stale_partials(folder):
+    """Remove the temporary folders that exports killed mid-write (SIGKILL runs no cleanup) left in
+    folder: those whose process is gone. A live process's folder, or another user's, stays."""
+    for p in folder.iterdir():
+        match = PARTIAL.fullmatch(p.name)
+        if match and p.is_dir() and not _alive(int(match[1])):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # another user's process, or not a pid we can ask about: leave it
+    return True
 
 
 def arg_parser():

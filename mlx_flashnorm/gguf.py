@@ -14,12 +14,14 @@ import struct
 import mlx.core as mx
 import numpy as np
 
+from . import validate_gguf
 from .errors import UserError
 
 MLX_TYPES = {"F32", "F16", "Q4_0", "Q4_1", "Q8_0"}  # what mx.load reads exactly
 _FLOAT_TYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8,
                 "I16": np.int16, "I32": np.int32, "I64": np.int64}  # stored unquantized
 # GGUF metadata value types: struct format of each scalar; 8 is a string, 9 an array.
+_U64 = struct.Struct("<Q")
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
 
@@ -33,26 +35,49 @@ class _Header:
         if self.buf[:4] != b"GGUF":
             raise ValueError("not a GGUF file (bad magic)")
         version, n_tensors, n_kv = self._read("<IQQ")
-        if version < 2:
-            raise ValueError(f"GGUF version {version} is too old")
+        validate_gguf.check_version(version)
+        validate_gguf.check_count("the metadata count", n_kv, 13, self._left())
         self.meta = {}
         for _ in range(n_kv):
-            key = self._string()
-            self.meta[key] = self._value(self._read("<I")[0])
+            key = self._name("a metadata key", validate_gguf.MAX_KEY)
+            if key in self.meta:
+                raise ValueError(f"metadata key '{key}' appears twice")
+            self.meta[key] = self._value(self._read("<I")[0], key)
+        validate_gguf.check_count("the tensor count", n_tensors, 32, self._left())
         self.tensors = []  # (name, shape in numpy order, type number, offset from the data start)
         for _ in range(n_tensors):
-            name = self._string()
+            name = self._name("a tensor name", validate_gguf.MAX_TENSOR_NAME)
             n_dims = self._read("<I")[0]
+            if n_dims > validate_gguf.MAX_DIMS:
+                raise ValueError(f"tensor '{name}' has {n_dims} dimensions, more than GGUF's {validate_gguf.MAX_DIMS}")
             dims = self._read(f"<{n_dims}Q")
             kind, offset = self._read("<IQ")
             self.tensors.append((name, tuple(reversed(dims)), kind, offset))
-        align = int(self.meta.get("general.alignment", 32))
+        align = validate_gguf.alignment(self.meta)
         self.data_start = -(-self.pos // align) * align
+
+    def _left(self):
+        return len(self.buf) - self.pos
 
     def _read(self, fmt):
         values = struct.unpack_from(fmt, self.buf, self.pos)
         self.pos += struct.calcsize(fmt)
         return values
+
+    def _name(self, what, limit):
+        """A key or a tensor name: printable text of at most limit bytes (so that a damaged length
+        neither reads megabytes nor puts them into a message)."""
+        n = struct.unpack_from("<Q", self.buf, self.pos)[0]
+        if n > limit:
+            raise ValueError(f"{what} at byte {self.pos} is {n} bytes long, more than GGUF allows ({limit})")
+        try:
+            name = bytes(self.buf[self.pos + 8:self.pos + 8 + n]).decode("utf-8")
+        except UnicodeDecodeError:
+            name = None
+        if not name or not name.isprintable() or len(name.encode()) != n:
+            raise ValueError(f"{what} at byte {self.pos} is not text")
+        self.pos += 8 + n
+        return name
 
     def _string(self):
         n = self._read("<Q")[0]
@@ -61,19 +86,38 @@ class _Header:
             raise ValueError("the file ends inside its header")
         return self.buf[self.pos - n:self.pos].decode("utf-8", errors="replace")
 
-    def _value(self, kind):
+    def _strings(self, n):
+        """n strings: _string's loop inlined (a vocabulary holds 50k-250k of them)."""
+        buf, pos, end, length = self.buf, self.pos, len(self.buf), _U64.unpack_from
+        out = []
+        for _ in range(n):
+            k = length(buf, pos)[0]
+            pos += 8 + k
+            if pos > end:
+                raise ValueError("the file ends inside its header")
+            out.append(buf[pos - k:pos].decode("utf-8", errors="replace"))
+        self.pos = pos
+        return out
+
+    def _value(self, kind, key, depth=0):
         if kind == 8:
             return self._string()
         if kind == 9:
             item, n = self._read("<IQ")
+            if depth >= validate_gguf.MAX_NESTING:
+                raise ValueError(f"metadata '{key}' nests arrays more than {validate_gguf.MAX_NESTING} deep")
             if item in _SCALARS:
                 dtype = np.dtype("<" + _SCALARS[item])
+                validate_gguf.check_count(f"the length of metadata array '{key}'", n, dtype.itemsize, self._left())
                 values = np.frombuffer(self.buf, dtype, n, self.pos).copy()
                 self.pos += n * dtype.itemsize
                 return values
-            return [self._value(item) for _ in range(n)]
+            validate_gguf.check_count(f"the length of metadata array '{key}'", n, 8, self._left())
+            if item == 8:
+                return self._strings(n)
+            return [self._value(item, key, depth + 1) for _ in range(n)]
         if kind not in _SCALARS:
-            raise ValueError(f"unknown metadata value type {kind}")
+            raise ValueError(f"metadata '{key}' has unknown value type {kind}")
         return self._read("<" + _SCALARS[kind])[0]
 
 
@@ -91,26 +135,22 @@ def read_tensors(path, bits=None, group_size=64):
         header = _Header(str(path))
     except (ValueError, struct.error, UnicodeDecodeError) as e:
         raise UserError(f"{path}: cannot read GGUF file ({e}); it is truncated or corrupt")
+    validate_gguf.check(header, path)  # the tensor directory and the metadata, before any data
     import gguf
 
-    try:
-        types = {name: gguf.GGMLQuantizationType(kind).name for name, _, kind, _ in header.tensors}
-    except ValueError:
-        kind = next(k for _, _, k, _ in header.tensors if k not in set(gguf.GGMLQuantizationType))
-        raise UserError(f"{path}: unknown GGUF tensor type {kind} (newer than the gguf package "
-                        "knows); upgrade gguf or use a file of another type (e.g. Q4_K_M, Q8_0)")
+    types = {name: gguf.GGMLQuantizationType(kind).name for name, _, kind, _ in header.tensors}
     if set(types.values()) <= MLX_TYPES:
         try:
-            tensors, meta = mx.load(str(path), return_metadata=True)
+            tensors = mx.load(str(path))
         except Exception as e:  # MLX raises plain exceptions for unreadable files
             raise UserError(f"{path}: cannot read GGUF file ({e}); it may be truncated or corrupt")
-        return tensors, meta, []
+        return tensors, header.meta, []  # the metadata validate_gguf checked
     for kind, name in {kind: name for name, kind in types.items()}.items():  # before decoding anything
         _check_readable(path, name, gguf.GGMLQuantizationType[kind])
     bits = 4 if bits is None else bits
     tensors = {}
     for name, shape, kind, offset in header.tensors:
-        w = _dequantize(header, path, name, shape, kind, offset)
+        w = _dequantize(header, shape, kind, offset)
         quantized = types[name] not in _FLOAT_TYPES and types[name] != "BF16"
         if bits and quantized and w.ndim == 2 and w.shape[1] % group_size == 0:
             stem = name[: -len(".weight")] if name.endswith(".weight") else name
@@ -122,20 +162,14 @@ def read_tensors(path, bits=None, group_size=64):
     return tensors, header.meta, dequantized
 
 
-def _dequantize(header, path, name, shape, kind, offset):
-    """One tensor as a float32 numpy array (the gguf package decodes the quantized types)."""
+def _dequantize(header, shape, kind, offset):
+    """One tensor as a float32 numpy array (the gguf package decodes the quantized types); its
+    byte range was checked by validate_gguf.check."""
     import gguf
-    from gguf.constants import GGML_QUANT_SIZES
 
     qtype = gguf.GGMLQuantizationType(kind)
-    block, size = GGML_QUANT_SIZES[qtype]
-    rows, cols = int(np.prod(shape[:-1])), shape[-1]
-    nbytes = rows * cols // block * size
-    start = header.data_start + offset
-    if cols % block or start + nbytes > len(header.buf):
-        raise UserError(f"{path}: tensor '{name}' ({qtype.name}, shape {list(shape)}) lies beyond the "
-                        "end of the file or is misshapen; it is truncated or corrupt")
-    raw = np.frombuffer(header.buf, np.uint8, nbytes, start)
+    rows = int(np.prod(shape[:-1]))
+    raw = np.frombuffer(header.buf, np.uint8, validate_gguf.nbytes(shape, kind), header.data_start + offset)
     if qtype.name in _FLOAT_TYPES:
         return raw.view(_FLOAT_TYPES[qtype.name]).reshape(shape).astype(np.float32)
     return gguf.quants.dequantize(raw.reshape(rows, -1), qtype).reshape(shape)

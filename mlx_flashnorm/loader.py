@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from . import flashnorm, forms, kernels
+from . import flashnorm, forms, kernels, validate
 from .concat import concatenate
 from .errors import UserError
 from .forms import NORMS
@@ -95,25 +95,22 @@ def read_config(folder):
         config = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{file}: invalid JSON ({e}); the file is damaged")
-    if "model_type" not in config:
-        raise UserError(f"{file}: missing required key 'model_type'")
+    validate.config_object(config, file)
     return config
 
 
 def read_safetensors(folder):
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        missing = [s for s in shards if not (folder / s).exists()]
-        if missing:
-            raise UserError(f"{folder}: shard {missing[0]} listed in {index.name} is missing; download it again")
-        files = [folder / s for s in shards]
-    else:
-        files = sorted(folder.glob("*.safetensors"))
+    """Every tensor of a checkpoint folder's safetensors files (the shards of its index.json),
+    each file's header checked first (validate.safetensors_header)."""
+    files = validate.safetensors_files(folder)
     if not files:
         raise UserError(f"{folder}: no *.safetensors weights found")
     weights = {}
     for f in files:
+        names = validate.safetensors_header(f)
+        twice = next((n for n in names if n in weights), None)
+        if twice:
+            raise UserError(f"{f}: tensor '{twice}' is also in another shard; the checkpoint is damaged")
         try:
             weights.update(mx.load(str(f)))
         except Exception as e:
@@ -140,7 +137,9 @@ def rope_v4(config):
     return config
 
 
-def model_args(config):
+def model_args(config, source="config.json"):
+    """(architecture module, ModelArgs) for config, its values checked (validate.config_values);
+    source names where config came from in messages."""
     model_type = config["model_type"]
     if model_type not in ARCHITECTURES:
         raise UserError(f"unsupported model_type '{model_type}' in config.json; "
@@ -148,6 +147,7 @@ def model_args(config):
     arch = ARCHITECTURES[model_type]
     fields = dataclasses.fields(arch.ModelArgs)
     config = rope_v4(config)
+    validate.config_values(config, arch.ModelArgs, source)
     scaling = config.get("rope_scaling")
     if scaling and "rope_scaling" not in {f.name for f in fields}:
         kind = scaling.get("rope_type", scaling.get("type"))
@@ -156,35 +156,52 @@ def model_args(config):
     for f in fields:
         no_default = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if no_default and f.name not in config:
-            raise UserError(f"config.json is missing required key '{f.name}' for model_type '{model_type}'")
+            raise UserError(f"{source} is missing required key '{f.name}' for model_type '{model_type}'")
     try:
         return arch, arch.ModelArgs(**{f.name: config[f.name] for f in fields if f.name in config})
     except (ValueError, TypeError) as e:
-        raise UserError(str(e))
+        detail = str(e).removeprefix("config.json: ")  # ModelArgs names config.json itself
+        raise UserError(f"{source}: {detail}")
 
 
-def quantize_like(model, quantization, weights):
+def quantize_like(model, quantization, weights, source="config.json"):
     """Give the model the quantized layers that the weights (mlx-lm layout) need."""
     def predicate(path, module):
         if f"{path}.scales" not in weights:
             return False
         return quantization.get(path, True)
 
-    nn.quantize(model, group_size=quantization["group_size"], bits=quantization["bits"],
-                class_predicate=predicate)
+    try:
+        nn.quantize(model, group_size=quantization["group_size"], bits=quantization["bits"],
+                    class_predicate=predicate)
+    except ValueError as e:  # a layer whose width is no multiple of the group size
+        raise UserError(f"weights do not match {source}: {str(e).splitlines()[0]}")
 
 
-def build_model(config, weights, progress=True):
-    arch, args = model_args(config)
-    model = arch.Model(args)
-    if "quantization" in config:
-        quantize_like(model, config["quantization"], weights)
+def build_model(config, weights, progress=True, source="config.json", weights_source=None):
+    """The model config describes, with weights loaded (strictly: every parameter, each of its
+    shape) and checked (validate.weights before, validate.finite after); source names the config's
+    file in messages, weights_source the weights' (default: source)."""
+    weights_source = weights_source or source
+    arch, args = model_args(config, source)
+    try:
+        model = arch.Model(args)
+    except KeyError as e:  # mlx-lm's RoPE reads rope_scaling's keys by name
+        raise UserError(f"{source}: a setting lacks its key {e.args[0]!r} (e.g. 'rope_scaling' of a "
+                        "type that needs 'factor')")
+    except ValueError as e:
+        raise UserError(f"{source}: {str(e).splitlines()[0]}")
     weights = model.sanitize(weights)
+    validate.weights(weights, weights_source)
+    validate.quantization(config, weights, source)
+    if "quantization" in config:
+        quantize_like(model, config["quantization"], weights, source)
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
-        raise UserError(f"weights do not match config.json: {str(e).splitlines()[0]}")
+        raise UserError(f"weights do not match {source}: {str(e).splitlines()[0]}")
     _materialize(model, progress)
+    validate.finite(model, weights_source)
     model.eval()  # inference: norms skip their training-only custom VJP (mlx_flashnorm.nn)
     model.config = config
     return model
@@ -282,23 +299,48 @@ def load(path_or_repo=None, norm="rms", bits=None, dtype="auto", tokenizer=None,
         if bits:
             check_quantization(bits, group_size)
         config, weights, meta, dequantized = read_gguf(path, bits, group_size)
+        source = path
         if dequantized:  # read_gguf quantized (or kept in float32) what MLX cannot use as it is
             if bits is None and "quantization" in config:
                 print(f"note: {path.name} holds {', '.join(dequantized)} tensors, which MLX does not "
                       f"compute with: quantized to MLX 4-bit, group size {group_size} (bits 0: full "
                       "precision)", file=sys.stderr)
             bits = None
-        model = build_model(config, weights, progress)
-        tok = load_tokenizer(path.parent, tokenizer, gguf_meta=None if tokenizer else meta)
+        model = build_model(config, weights, progress, source)
+        tok = _gguf_tokenizer(path, tokenizer, meta)
     else:
-        config = read_config(path)
-        model_args(config)  # fail on a bad config before reading gigabytes of weights
-        model = build_model(config, read_safetensors(path), progress)
+        config, source = read_config(path), path / "config.json"
+        model_args(config, source)  # fail on a bad config before reading gigabytes of weights
+        model = build_model(config, read_safetensors(path), progress, source, weights_source=path)
         tok = load_tokenizer(path, tokenizer)
+    validate.chat_template(tok, _template_source(path, tokenizer))
     model.set_dtype(DTYPES[resolve_dtype(dtype, config)])
     model = prepare(model, norm=norm, bits=bits, group_size=group_size, concat=concat)
     _add_config_eos(tok, config)
     return model, tok
+
+
+def _gguf_tokenizer(path, tokenizer, meta):
+    """The tokenizer of a GGUF file (or --tokenizer): metadata that validate_gguf let through but
+    that the tokenizer libraries refuse is named as the file's, not as a library's traceback."""
+    try:
+        return load_tokenizer(path.parent, tokenizer, gguf_meta=None if tokenizer else meta)
+    except UserError:
+        raise
+    except Exception as e:
+        raise UserError(f"{path}: its tokenizer metadata (tokenizer.ggml.*) does not make a tokenizer "
+                        f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); the file is "
+                        "damaged, or pass --tokenizer PATH_OR_REPO")
+
+
+def _template_source(path, tokenizer):
+    """Where the chat template came from, for messages: a GGUF field or a tokenizer file."""
+    if tokenizer is not None:
+        return f"--tokenizer {tokenizer}: 'chat_template'"
+    if path.is_file():
+        return f"{path}: GGUF metadata 'tokenizer.chat_template'"
+    jinja = path / "chat_template.jinja"
+    return jinja if jinja.exists() else f"{path / 'tokenizer_config.json'}: 'chat_template'"
 
 
 def _add_config_eos(tok, config):
