@@ -18,9 +18,9 @@ def add_model_args(p):
                                    "(default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--tokenizer", help="tokenizer folder, repo id or sentencepiece .model file "
                                        "(needed for OpenELM: e.g. meta-llama/Llama-2-7b-hf)")
-    p.add_argument("--norm", choices=NORMS, default="rms",
-                   help="rms: reference; flash: FlashNorm (same function, faster); none: no norms "
-                        "(speed ceiling only, the text is meaningless)")
+    p.add_argument("--norm", choices=NORMS, default="flash",
+                   help="flash: FlashNorm (the same function as rms, exact); rms: the reference; none: "
+                        "no norms (speed ceiling only, the text is meaningless)")
     p.add_argument("--bits", type=int, default=None,
                    help=f"quantize weights at load time ({', '.join(map(str, QUANT_BITS))}), or 0 for full "
                         "precision (dequantizes a quantized checkpoint); default: as the checkpoint is "

@@ -256,13 +256,13 @@ def _sentencepiece_tokenizer(file):
         raise UserError(f"{file}: not a sentencepiece model ({str(e).splitlines()[0]})")
 
 
-def load(path_or_repo=None, norm="rms", bits=None, dtype="auto", tokenizer=None,
+def load(path_or_repo=None, norm="flash", bits=None, dtype="auto", tokenizer=None,
          group_size=64, progress=True, concat=True):
     """Load a model and its tokenizer.
 
     path_or_repo: a HF checkpoint folder, a HF repo id, or a llama .gguf file (None: the embedded
-    SmolLM2-135M-Instruct). norm: "rms" (reference), "flash" (FlashNorm, same function) or "none"
-    (every norm removed: a speed ceiling, meaningless text). bits: quantize at load time; norm and
+    SmolLM2-135M-Instruct). norm: "flash" (FlashNorm, the default: the same function as "rms",
+    exact), "rms" (the reference) or "none" (every norm removed: a speed ceiling, meaningless text). bits: quantize at load time; norm and
     quantization compose as prepare() says. dtype: "auto" (float32 on the CPU, the checkpoint's
     half precision on a GPU: resolve_dtype), "float32", "float16" or "bfloat16". concat: one matmul
     for q/k/v and one for gate/up (prepare); False keeps the checkpoint's layout, for an export.

@@ -56,7 +56,9 @@ def arg_parser():
                                    "(default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--text", required=True, help="UTF-8 text file")
     p.add_argument("--tokenizer", help="tokenizer folder, repo id or sentencepiece .model file")
-    p.add_argument("--norm", choices=NORMS, default="rms", help="rms: reference; flash: FlashNorm; none: no norms")
+    p.add_argument("--norm", choices=NORMS, default="flash",
+                   help="flash: FlashNorm (as the other commands run by default); rms: the reference; "
+                        "none: no norms")
     p.add_argument("--bits", type=int, default=None,
                    help="quantize at load time (2-8), or 0 for full precision (dequantizes)")
     p.add_argument("--group-size", type=int, default=64, help="weights per scale/bias with --bits")

@@ -172,7 +172,7 @@ def prepare_model(args, folder):
     from ..convert import export
 
     # the embedded model as load() gives it (--bits 0: dequantized), written for every mode's loader
-    model, tokenizer = load(None, bits=args.bits, group_size=args.group_size, dtype="float32", progress=False,
+    model, tokenizer = load(None, norm="rms", bits=args.bits, group_size=args.group_size, dtype="float32", progress=False,
                             concat=False)
     export(model, tokenizer, folder)
     q = model.config.get("quantization")
