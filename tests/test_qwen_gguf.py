@@ -3,7 +3,7 @@ llama.cpp tensor names -> HF names, and their logits equal those of the safetens
 import mlx.core as mx
 import pytest
 from conftest import QWEN2, QWEN3, f32_tol, make_checkpoint, rel
-from gguf_files import write_qwen_gguf
+from gguf_files import smollm2_meta, write_qwen_gguf
 
 from mlx_flashnorm import load
 
@@ -24,3 +24,16 @@ def test_qwen_gguf_equals_its_safetensors(tmp_path, spm_model, arch, config):
                     "num_key_value_heads", "rope_theta", "tie_word_embeddings", "vocab_size"):
             assert model.config[key] == config[key], key
         assert rel(model(TOKENS), ref(TOKENS)) < f32_tol(1e-6), norm
+
+
+def test_qwen_gguf_brings_its_tokenizer_with_qwen2_pre_tokenizer(tmp_path):
+    """A GGUF's own byte-level BPE vocabulary (here SmolLM2's) with tokenizer.ggml.pre 'qwen2' loads
+    as its tokenizer, with Qwen 2's rule: case-insensitive contractions, one digit a piece."""
+    meta = smollm2_meta()
+    config = dict(QWEN2, vocab_size=len(meta["tokenizer.ggml.tokens"]))
+    _, weights = make_checkpoint(tmp_path / "q", config)
+    path = write_qwen_gguf(tmp_path / "qwen2-tok.gguf", "qwen2", config, weights, tokenizer_meta=meta)
+    _, tok = load(str(path), progress=False)
+    pre = tok._tokenizer.backend_tokenizer.pre_tokenizer
+    assert [p for p, _ in pre.pre_tokenize_str("THEY'LL pay 42")] == ["THEY", "'LL", "Ġpay", "Ġ", "4", "2"]
+    assert tok.decode(tok.encode("THEY'LL pay 42", add_special_tokens=False)) == "THEY'LL pay 42"
