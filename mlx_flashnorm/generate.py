@@ -96,7 +96,8 @@ def compiled_decode(model):
     """The 1-token forward pass as one compiled function of (token, offset, kv buffers), made once
     per model and kept on it: every request reuses it (MLX traces it again only for a new cache
     shape or dtype; a changed model gets a new one). offset: decode_offset(position); the step
-    returns the next one."""
+    returns (logits, logprobs, next offset, kv): the logits for logits processors, which need
+    them as the model gives them (a repetition penalty depends on their sign)."""
     kept = getattr(model, "_compiled_decode", None)
     if kept is None or not kept.current():
         def step(y, offset, kv):

@@ -21,7 +21,9 @@ from mlx.utils import tree_flatten
 from .. import kernels
 from ..errors import HelpFormatter, UserError
 from ..generate import generate_step
-from ..loader import DTYPE_CHOICES, DTYPES, build_model, resolve_dtype, model_args, prepare, read_config, read_safetensors, resolve
+from ..convert import export
+from ..loader import (DTYPE_CHOICES, DTYPES, build_model, load, model_args, prepare, read_config, read_safetensors,
+                      resolve, resolve_dtype)
 
 NORM_MODES = ("rms", "flash", "none")
 PEER = "mlx-lm"
@@ -90,6 +92,16 @@ def random_checkpoint(folder, config, seed=0):
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "pt"})
     return folder
+
+
+def gguf_checkpoint(path, folder, bits=None, group_size=64):
+    """A GGUF file (None: the embedded SmolLM2) as load() reads it (norm rms, float32, the file's
+    layout; bits 0 dequantizes, other bits are left to the modes' loaders) written to folder as a
+    Hugging Face checkpoint, which every mode loads, mlx-lm's included. Returns (label, config)."""
+    model, tokenizer = load(path, norm="rms", bits=0 if bits == 0 else None, group_size=group_size,
+                            dtype="float32", progress=False, concat=False)
+    export(model, tokenizer, folder)
+    return Path(path).name if path else "embedded SmolLM2-135M-Instruct", model.config
 
 
 def load_ours(folder, norm, bits, dtype, group_size):
@@ -215,10 +227,11 @@ def bench(modes, folder, label, bits, dtype, pp, tg, reps, group_size=64, seed=0
                 r[f"{test}_vs_{key}"] = paired_ratio(r[test], base[test]) if base else None
     import mlx_lm
 
+    saved = config.get("quantization") or {}  # a quantized checkpoint, used as it is
     return {
         "model": label, "params": n_params, "size_bytes": sizes, "device": device_name(), "path": code_path(),
-        "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "dtype": dtype, "bits": bits or None,
-        "group_size": group_size if bits else None, "pp": pp, "tg": tg, "reps": reps,
+        "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "dtype": dtype, "bits": bits or saved.get("bits"),
+        "group_size": group_size if bits else saved.get("group_size"), "pp": pp, "tg": tg, "reps": reps,
         "ratios": RATIOS,
         "command": "python -m mlx_flashnorm.bench " + " ".join(sys.argv[1:]), "results": results,
     }
@@ -297,15 +310,18 @@ def arg_parser():
         prog="python -m mlx_flashnorm.bench",
         description="Prompt (pp) and decode (tg) tokens/s of each norm mode and of mlx-lm on the same "
                     "weights, interleaved in one process: the paper's OpenELM-270M table.",
-        epilog="Without --model: OpenELM-270M's architecture with random weights (labelled as such). "
+        epilog="Without --model, --shape, --config or --tiny: the embedded SmolLM2-135M-Instruct (Q4_1 "
+               "GGUF); --model also takes a .gguf file. --shape: random weights (labelled as such). "
                "Modes: rms, flash, none, mlx-lm; add -eager to a norm mode (e.g. rms-eager) for our "
                "runner without the compiled decode step. --matrix runs every shape (--shape, --config) "
                "at every prompt length (--pp) and writes matrix.md, matrix.json and matrix.png; "
                "time to first token over a series of requests: python -m mlx_flashnorm.bench.latency.",
         formatter_class=HelpFormatter)
-    p.add_argument("--model", help="HF model folder or repo id (default: random OpenELM-270M-shaped weights)")
+    p.add_argument("--model", help="HF model folder, repo id or .gguf file (default: the embedded "
+                                   "SmolLM2-135M-Instruct)")
     p.add_argument("--modes", default="rms,flash,none,mlx-lm", help="comma-separated")
-    p.add_argument("--bits", type=int, default=4, help="weight bits, 0 for full precision")
+    p.add_argument("--bits", type=int, default=None,
+                   help="weight bits, 0 for full precision (default: 4; a quantized checkpoint as it is)")
     p.add_argument("--group-size", type=int, default=64, help="weights per scale/bias")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="activation dtype; auto: float32 on the CPU, the checkpoint's half precision on a GPU")
@@ -315,8 +331,8 @@ def arg_parser():
     p.add_argument("--tg", type=int, default=128, help="generated tokens")
     p.add_argument("--reps", type=int, default=5, help="measured repetitions after one warm-up")
     p.add_argument("--out", default="out/bench", help="folder for bench.md, bench.json, bench.png")
-    p.add_argument("--shape", help=f"architecture of the random weights: {', '.join(SHAPES)} (default "
-                                   "openelm-270m; with --matrix a comma-separated list, default all)")
+    p.add_argument("--shape", help=f"architecture of random weights: {', '.join(SHAPES)} (with --matrix a "
+                                   "comma-separated list, default all)")
     p.add_argument("--config", action="append", metavar="FILE",
                    help="random weights of the architecture of a Hugging Face config.json (repeat it with --matrix)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer OpenELM-shaped random model: a smoke test in seconds")
@@ -424,17 +440,23 @@ def main(argv=None):
     if "," in (args.shape or "") + (args.pp or ""):
         raise UserError("lists of shapes or prompt lengths need --matrix")
     pp = positive(args.pp or "512", "--pp")
-    bits = args.bits or None
+    bits = 4 if args.bits is None else args.bits or None
     out = Path(args.out)
     with tempfile.TemporaryDirectory() as tmp:
-        if args.model:
-            folder = resolve(args.model)
-            if folder.is_file():
-                raise UserError(f"{folder}: the bench takes a Hugging Face model folder or repo id, not a file")
-            config = read_config(folder)
-            label = config.get("_name_or_path") or folder.name
+        if args.model or not chosen:
+            folder = resolve(args.model) if args.model else None
+            if folder is None or folder.is_file():  # a GGUF, or the embedded one
+                if folder is not None and folder.suffix != ".gguf":
+                    raise UserError(f"{folder}: not a model; pass a model folder, a .gguf file or a repo id")
+                log(f"reading {folder.name if folder else 'the embedded SmolLM2-135M-Instruct'}...")
+                folder = Path(tmp) / "model"
+                label, config = gguf_checkpoint(args.model, folder, args.bits, args.group_size)
+            else:
+                config = read_config(folder)
+                label = config.get("_name_or_path") or folder.name
             if "quantization" in config:
-                print(f"note: {folder.name} is already quantized; --bits is ignored", file=sys.stderr)
+                if args.bits:
+                    print(f"note: {label} is already quantized; --bits is ignored", file=sys.stderr)
                 bits = None
             check_context(label, config, pp, args.tg)
         else:

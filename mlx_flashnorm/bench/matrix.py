@@ -79,7 +79,8 @@ def run_matrix(args, modes):
             folder = random_checkpoint(Path(tmp) / f"model{i}", config)
             for pp in lengths:
                 log(f"{label}: pp{pp} tg{args.tg}")
-                reports.append(bench(modes, folder, label, args.bits or None, resolve_dtype(args.dtype, config),
+                bits = 4 if args.bits is None else args.bits or None
+                reports.append(bench(modes, folder, label, bits, resolve_dtype(args.dtype, config),
                                      pp, args.tg, args.reps, args.group_size, log=log))
                 md = write(reports, Path(args.out))
             shutil.rmtree(folder)  # Llama-3.2-1B's random weights take 5 GB
