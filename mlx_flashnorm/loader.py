@@ -16,6 +16,7 @@ from . import kernels
 from .concat import concatenate
 from .kernels import row_parallel
 from .nn import plain_norms
+from .progress import bar, hub_bars
 from .models import ARCHITECTURES
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -75,7 +76,8 @@ def resolve(path_or_repo, patterns=HUB_PATTERNS):
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(s, allow_patterns=patterns))
+        with hub_bars():
+            return Path(snapshot_download(s, allow_patterns=patterns))
     except Exception as e:
         offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
         why = ("HF_HUB_OFFLINE is set and it is not in the local cache" if offline
@@ -194,13 +196,11 @@ def _materialize(model, progress):
     if not progress:
         mx.eval(leaves)
         return
-    from tqdm import tqdm
-
-    with tqdm(total=sum(v.nbytes for v in leaves), unit="B", unit_scale=True, delay=1.0,
-              desc="loading weights", leave=False) as bar:
+    with bar(total=sum(v.nbytes for v in leaves), unit="B", unit_scale=True, delay=1.0,
+             desc="loading weights") as shown:
         for v in leaves:
             mx.eval(v)
-            bar.update(v.nbytes)
+            shown.update(v.nbytes)
 
 
 def load_tokenizer(folder, tokenizer=None, gguf_meta=None):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from . import progress
 from .errors import HelpFormatter, UserError, run_cli
 from .loader import DTYPE_CHOICES, NORMS, load
 
@@ -34,7 +35,7 @@ def token_nll(model, tokens, window=512):
     if len(tokens) < 2:
         raise UserError(f"the text has {len(tokens)} token(s); perplexity needs at least 2")
     parts = []
-    for s in range(0, len(tokens) - 1, window):
+    for s in progress.bar(range(0, len(tokens) - 1, window), desc="perplexity", unit="window"):
         nll = window_nll(model, tokens[s : s + window + 1])
         mx.eval(nll)
         parts.append(nll)

@@ -255,3 +255,9 @@ def test_bench_takes_a_gguf_file_and_defaults_to_the_embedded_model(tmp_path, ca
     r = json.loads((tmp_path / "default" / "bench.json").read_text())
     assert r["model"] == "embedded SmolLM2-135M-Instruct" and (r["bits"], r["group_size"]) == (4, 32)
     assert "| embedded SmolLM2-135M-Instruct Q4 |" in (tmp_path / "default" / "bench.md").read_text()
+
+
+def test_matrix_log_has_no_bar_off_a_terminal(matrix):
+    """The matrix's progress bar is drawn on a terminal only: a captured log holds plain lines."""
+    _, _, stderr = matrix
+    assert "\r" not in stderr and "point/s" not in stderr and "tiny-llama3 (random weights): pp12" in stderr

@@ -18,7 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .. import kernels
+from .. import kernels, progress
 from ..errors import HelpFormatter, UserError
 from ..generate import generate_step
 from ..convert import export
@@ -413,7 +413,7 @@ def positive(text, what):
 
 
 def log(text):
-    print(text, file=sys.stderr, flush=True)
+    progress.write(text)
 
 
 def main(argv=None):
