@@ -41,6 +41,9 @@ def export(model, tokenizer, out):
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         tmp.rename(out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(f"cannot write {out} ({e.strerror or e}); check the folder's space and permissions")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -85,8 +88,11 @@ def main(argv=None):
     args = arg_parser().parse_args(argv)
     if not args.flashnorm:
         raise UserError("nothing to do: pass --flashnorm to write a weightless FlashNorm checkpoint")
-    if Path(args.out).exists():  # fail before loading the model
-        raise UserError(f"{args.out} already exists; choose a new --out folder (nothing is overwritten)")
+    out = Path(args.out)
+    if out.exists():  # fail before loading the model
+        raise UserError(f"{out} already exists; choose a new --out folder (nothing is overwritten)")
+    if not out.parent.is_dir():
+        raise UserError(f"{out.parent}: no such folder; create it first or choose another --out")
     if args.quantize:
         check_quantization(args.q_bits, args.q_group_size)
     dtype = args.dtype or source_dtype(args.model)

@@ -1,6 +1,7 @@
 """Weightless checkpoints (python -m mlx_flashnorm.convert) loaded by stock mlx-lm, and the
 verify command."""
 import json
+import os
 
 import mlx.core as mx
 import pytest
@@ -122,3 +123,24 @@ def test_convert_keeps_the_source_dtype_and_quantizes_with_q(tmp_path, spm_model
         assert saved.get("quantization", {}).get("bits") == bits
         model = loader.load(str(out), norm="rms", progress=False, tokenizer=str(spm_model))[0]
         assert rel(ref(tokens), model(tokens)) < 0.02  # bfloat16 weights
+
+
+def test_convert_errors_are_one_error_line(tmp_path, tiny_llama_dir):
+    """convert reports bad input as the other commands do: one line starting 'error: ', exit code 2,
+    no traceback, before loading a model where the arguments alone show the problem."""
+    folder = tmp_path / "a-file"
+    folder.write_text("not a folder")
+    for argv, words in [(["--out", str(tmp_path / "missing" / "out")], "no such folder"),
+                        (["--out", str(folder / "out")], "no such folder"),
+                        (["--out", str(tmp_path / "o"), "-q", "--q-bits", "7"], "bits must be one of"),
+                        (["--out", str(tmp_path / "o"), "--model", str(folder)], "not a model")]:
+        r = cli("mlx_flashnorm.convert", "--flashnorm", *argv)
+        assert r.returncode == 2 and r.stderr.startswith("error: ") and words in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    from mlx_flashnorm.errors import UserError
+
+    model, tok = loader.load(str(tiny_llama_dir), norm="rms", progress=False, concat=False)
+    (tmp_path / f".out.partial-{os.getpid()}").write_text("in the way")  # the OS refuses the write
+    with pytest.raises(UserError, match="cannot write .*out"):
+        export(model, tok, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
