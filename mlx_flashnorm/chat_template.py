@@ -4,6 +4,9 @@ trim_blocks and lstrip_blocks, raise_exception and the tokenizer's special token
 tokenizers, a GGUF's included."""
 from pathlib import Path
 
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 from .errors import UserError
 
 
@@ -22,9 +25,6 @@ def read_template(value):
 
 
 def compile_template(text):
-    from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     def raise_exception(message):
         raise TemplateError(message)
 
@@ -44,8 +44,6 @@ def set_chat_template(tokenizer, value):
     specials = {k: getattr(tokenizer, k, None) or "" for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
 
     def render(messages, add_generation_prompt=False, **kwargs):
-        from jinja2 import TemplateError
-
         try:
             return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                    **specials, **kwargs)
