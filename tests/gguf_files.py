@@ -58,8 +58,8 @@ def write_qwen_gguf(path, arch, config, weights, tokenizer_meta=None, pre="qwen2
     for hf, w in weights.items():
         w = np.array(w, dtype=np.float32)
         t = qtype if w.ndim == 2 else gguf.GGMLQuantizationType.F32
-        writer.add_tensor(gguf_name(hf), gguf.quants.quantize(w, t) if t not in (
-            gguf.GGMLQuantizationType.F32,) else w, raw_dtype=t)
+        data = w if t == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(w, t)
+        writer.add_tensor(gguf_name(hf), data, raw_dtype=t)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
