@@ -7,7 +7,8 @@ import mlx.core as mx
 from .errors import HelpFormatter
 from .loader import DTYPE_CHOICES, NORMS, QUANT_BITS, QUANT_GROUP_SIZES
 
-__all__ = ["HelpFormatter", "MAX_SEED", "add_model_args", "add_sampling_args", "wants_warmup"]
+__all__ = ["HelpFormatter", "MAX_SEED", "add_generation_args", "add_model_args", "add_sampling_args",
+           "wants_warmup"]
 
 MAX_SEED = 2**64 - 1  # mx.random.seed takes an unsigned 64-bit integer
 
@@ -18,9 +19,9 @@ def add_model_args(p):
                                    "(default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--tokenizer", help="tokenizer folder, repo id or sentencepiece .model file "
                                        "(needed for OpenELM: e.g. meta-llama/Llama-2-7b-hf)")
-    p.add_argument("--norm", choices=NORMS, default="rms",
-                   help="rms: reference; flash: FlashNorm (same function, faster); none: no norms "
-                        "(speed ceiling only, the text is meaningless)")
+    p.add_argument("--norm", choices=NORMS, default="flash",
+                   help="flash: FlashNorm (the same function as rms, exact); rms: the reference; none: "
+                        "no norms (speed ceiling only, the text is meaningless)")
     p.add_argument("--bits", type=int, default=None,
                    help=f"quantize weights at load time ({', '.join(map(str, QUANT_BITS))}), or 0 for full "
                         "precision (dequantizes a quantized checkpoint); default: as the checkpoint is "
@@ -33,6 +34,8 @@ def add_model_args(p):
                    help="play a short throwaway request after loading, so that the first request finds "
                         "the decode step and the kernels compiled (default: on a GPU; not on the CPU, "
                         "where it costs more than it saves once MLX's kernel cache on disk is filled)")
+    p.add_argument("--chat-template", help="a Jinja chat template, as a file or as the text itself, in "
+                                           "place of the tokenizer's (a GGUF without one can then chat)")
     p.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
 
 
@@ -42,6 +45,24 @@ def add_sampling_args(p):
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 is off")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 is off")
     p.add_argument("--seed", type=int, default=None, help=f"random seed, 0 to {MAX_SEED} (default: random)")
+
+
+def add_generation_args(p):
+    """What generate and chat take beyond the shared sampling flags (mlx_lm.generate's names): min-p,
+    a repetition penalty, and the eager path's rotating or quantized KV cache."""
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="keep tokens at least this fraction as likely as the likeliest; 0 is off")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="divide (multiply, if negative) the logits of recent tokens by this; 1 is off")
+    p.add_argument("--repetition-context-size", type=int, default=20,
+                   help="how many recent tokens (prompt included) the repetition penalty looks at")
+    p.add_argument("--max-kv-size", type=int, default=None,
+                   help="keep at most this many positions in the KV cache (a rotating window; decodes "
+                        "eagerly)")
+    p.add_argument("--kv-bits", type=int, default=None,
+                   help="quantize the KV cache to this many bits (mlx-lm's QuantizedKVCache; decodes "
+                        "eagerly)")
+    p.add_argument("--kv-group-size", type=int, default=64, help="values per scale/bias with --kv-bits")
 
 
 def wants_warmup(args):

@@ -19,7 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from . import flashnorm
+from . import flashnorm, progress
 from .errors import HelpFormatter, UserError, run_cli
 from .loader import (DTYPES, check_quantization, default_model_path, dequantize, load, quantize,
                      read_config, resolve)
@@ -43,6 +43,9 @@ def export(model, tokenizer, out):
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         tmp.rename(out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(f"cannot write {out} ({e.strerror or e}); check the folder's space and permissions")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -69,6 +72,9 @@ def _alive(pid):
     except (PermissionError, OverflowError):
         return True  # another user's process, or not a pid we can ask about: leave it
     return True
+
+
+STAGES = ("loading", "folding the norms", "writing")  # what the progress bar names
 
 
 def arg_parser():
@@ -106,21 +112,32 @@ def main(argv=None):
     args = arg_parser().parse_args(argv)
     if not args.flashnorm:
         raise UserError("nothing to do: pass --flashnorm to write a weightless FlashNorm checkpoint")
-    if Path(args.out).exists():  # fail before loading the model
-        raise UserError(f"{args.out} already exists; choose a new --out folder (nothing is overwritten)")
+    out = Path(args.out)
+    if out.exists():  # fail before loading the model
+        raise UserError(f"{out} already exists; choose a new --out folder (nothing is overwritten)")
+    if not out.parent.is_dir():
+        raise UserError(f"{out.parent}: no such folder; create it first or choose another --out")
     if args.quantize:
         check_quantization(args.q_bits, args.q_group_size)
     dtype = args.dtype or source_dtype(args.model)
-    model, tokenizer = load(args.model, norm="rms", dtype="float32", tokenizer=args.tokenizer, concat=False)
-    if "quantization" in model.config:
-        dequantize(model)
-    flashnorm.make_weightless(model)  # in float32, then stored as dtype
-    model.set_dtype(DTYPES[dtype])
-    dtype_key = "dtype" if "dtype" in model.config else "torch_dtype"
-    model.config = dict(model.config, **{dtype_key: dtype})
-    if args.quantize:
-        quantize(model, args.q_bits, args.q_group_size)
-    out = export(model, tokenizer, args.out)
+    with progress.bar(total=len(STAGES), desc="convert", unit="step") as bar:
+        bar.set_postfix_str(STAGES[0])
+        model, tokenizer = load(args.model, norm="rms", dtype="float32", tokenizer=args.tokenizer, concat=False)
+        bar.update()
+        bar.set_postfix_str(STAGES[1])
+        if "quantization" in model.config:
+            dequantize(model)
+        flashnorm.make_weightless(model)  # in float32, then stored as dtype
+        model.set_dtype(DTYPES[dtype])
+        dtype_key = "dtype" if "dtype" in model.config else "torch_dtype"
+        model.config = dict(model.config, **{dtype_key: dtype})
+        if args.quantize:
+            quantize(model, args.q_bits, args.q_group_size)
+        mx.eval(model.parameters())
+        bar.update()
+        bar.set_postfix_str(STAGES[2])
+        out = export(model, tokenizer, args.out)
+        bar.update()
     what = f", {args.q_bits}-bit, group size {args.q_group_size}" if args.quantize else ""
     print(f"wrote {out} ({dtype}{what})")
 

@@ -7,11 +7,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
-from mlx_lm.sample_utils import make_sampler
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-from . import forms
+from . import forms, prompt_cache
 from .cache import StaticKVCache, make_cache
-from .cli import MAX_SEED, HelpFormatter, add_model_args, add_sampling_args, wants_warmup
+from .chat_template import set_chat_template
+from .cli import MAX_SEED, HelpFormatter, add_generation_args, add_model_args, add_sampling_args, wants_warmup
 from .errors import UserError
 from .loader import load
 
@@ -28,6 +30,7 @@ class Response:
     generation_tps: float
     peak_memory: float  # GB
     finish_reason: Optional[str] = None  # "stop" (EOS), "length", or None while generating
+    logprobs: Optional[mx.array] = None  # log-probabilities over the vocabulary this token was drawn from
 
 
 def context_length(model):
@@ -93,7 +96,8 @@ def compiled_decode(model):
     """The 1-token forward pass as one compiled function of (token, offset, kv buffers), made once
     per model and kept on it: every request reuses it (MLX traces it again only for a new cache
     shape or dtype; a changed model gets a new one). offset: decode_offset(position); the step
-    returns the next one."""
+    returns (logits, logprobs, next offset, kv): the logits for logits processors, which need
+    them as the model gives them (a repetition penalty depends on their sign)."""
     kept = getattr(model, "_compiled_decode", None)
     if kept is None or not kept.current():
         def step(y, offset, kv):
@@ -102,39 +106,54 @@ def compiled_decode(model):
                 c.keys, c.values, c.offset = k, v, position(offset)
             logits = model(y[None], cache=cache)[:, -1, :]
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            return logprobs, offset + 1, [c.state for c in cache]
+            return logits, logprobs, offset + 1, [c.state for c in cache]
 
         model._compiled_decode = CompiledStep(model, mx.compile(step))  # a plain attribute, not a child
     return model._compiled_decode.step
 
 
 def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048, compiled=None,
-                  cache=None):
+                  cache=None, logits_processors=None):
     """Yield (token, logprobs) one at a time. The next step is queued on the device
     (async_eval) before the current token is handed to the caller.
 
     compiled: decode with a StaticKVCache of cache_capacity(prompt + max_tokens) positions and the
     model's compiled 1-token step (fast where our kernels run); False: the plain forward pass over
     mlx-lm's growing KVCache (the reference), or over `cache` as given; None (default): False on
-    the portable path (forms.compiled_decode), else True.
+    the portable path (forms.compiled_decode) or for a cache of mlx-lm's kinds (eager_cache), else True.
     prefill_step: prompt tokens per prefill chunk (mlx-lm's default), bounding attention scratch.
     cache: a cache from make_cache that already holds earlier tokens (a chat's previous turns):
     only `prompt` is prefilled after them. Compiled, it must be a StaticKVCache with room for
     prompt + max_tokens more positions. Once the generator ends or is closed the cache holds
-    every token fed to the model (its offset counts them: the last token yielded may be missing)."""
+    every token fed to the model (its offset counts them: the last token yielded may be missing).
+    logits_processors: callables (tokens, logits) -> logits, as mlx-lm's (make_logits_processors),
+    applied in order before sampling; tokens holds the prompt and the tokens generated so far."""
     sampler = sampler or make_sampler(0.0)
     if compiled is None:
-        compiled = forms.compiled_decode()
+        compiled = forms.compiled_decode() and (cache is None or isinstance(cache[0], StaticKVCache))
     if cache is None:
         cache = make_cache(model, cache_capacity(model, prompt.size + max_tokens) if compiled else None)
     elif compiled and cache[0].offset + prompt.size + max_tokens > cache[0].capacity:
         raise ValueError(f"the cache holds {cache[0].capacity} positions, "
                          f"{cache[0].offset + prompt.size + max_tokens} are needed")
 
-    def eager_step(tokens):
-        logits = model(tokens[None], cache=cache)[:, -1, :]
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    history, fed_back = prompt, False  # what the processors see: the prompt, then each token fed back
+
+    def sample(tokens, logits, logprobs=None):
+        nonlocal history, fed_back
+        if logits_processors:
+            if fed_back:  # the first call feeds the prompt's last token, already in history
+                history = mx.concatenate([history, tokens.astype(history.dtype)])
+            fed_back = True
+            for processor in logits_processors:
+                logits = processor(history, logits)
+            logprobs = None
+        if logprobs is None:
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         return sampler(logprobs), logprobs.squeeze(0)
+
+    def eager_step(tokens):
+        return sample(tokens, model(tokens[None], cache=cache)[:, -1, :])
 
     # Prefill all but the last prompt token in chunks (bounding the attention scratch memory).
     # Only the cache is evaluated, so the logits of those positions are never computed.
@@ -158,8 +177,8 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
 
         def step(y):
             nonlocal offset, kv
-            logprobs, offset, kv = decode(y.astype(mx.uint32), offset, kv)  # one trace: samplers' dtype
-            return sampler(logprobs), logprobs.squeeze(0)
+            logits, logprobs, offset, kv = decode(y.astype(mx.uint32), offset, kv)  # one trace: samplers' dtype
+            return sample(y, logits, logprobs)
 
     try:
         y, logprobs = first or step(prompt)
@@ -192,15 +211,57 @@ def warmup(model, compiled=None):
         pass
 
 
-def make_sampler_for(temp=0.0, top_p=1.0, top_k=0):
-    """Greedy when temp == 0; else temperature sampling restricted by top-p (1.0: off) and top-k (0: off)."""
+def make_sampler_for(temp=0.0, top_p=1.0, top_k=0, min_p=0.0):
+    """Greedy when temp == 0; else temperature sampling restricted by top-p (1.0: off), top-k (0:
+    off) and min-p (0.0: off; a token needs at least min_p times the likeliest one's probability)."""
     if temp < 0:
         raise UserError(f"temp must be at least 0 (0 is greedy), not {temp}")
     if not 0 < top_p <= 1:
         raise UserError(f"top-p must be above 0 and at most 1 (1 is off), not {top_p}")
     if top_k < 0:
         raise UserError(f"top-k must be at least 0 (0 is off), not {top_k}")
-    return make_sampler(temp, top_p=top_p if top_p < 1 else 0.0, top_k=top_k)
+    if not 0 <= min_p <= 1:
+        raise UserError(f"min-p must be from 0 to 1 (0 is off), not {min_p}")
+    return make_sampler(temp, top_p=top_p if top_p < 1 else 0.0, min_p=min_p, top_k=top_k)
+
+
+def make_processors(repetition_penalty=None, repetition_context_size=20):
+    """mlx-lm's logits processors for a repetition penalty (None or 1.0: off): the logit of each
+    token among the last repetition_context_size ones (prompt included) is divided by the penalty
+    where positive and multiplied by it where negative."""
+    if repetition_penalty is not None and repetition_penalty <= 0:
+        raise UserError(f"repetition-penalty must be above 0 (1 is off), not {repetition_penalty}")
+    if repetition_context_size < 1:
+        raise UserError(f"repetition-context-size must be at least 1, not {repetition_context_size}")
+    if repetition_penalty in (None, 1.0):
+        return []
+    return make_logits_processors(repetition_penalty=repetition_penalty,
+                                  repetition_context_size=repetition_context_size)
+
+
+KV_BITS = (2, 3, 4, 5, 6, 8)
+
+
+def eager_cache(model, max_kv_size=None, kv_bits=None, kv_group_size=64):
+    """mlx-lm's caches, for the eager decode path: a RotatingKVCache of max_kv_size positions (the
+    first 4 kept, the rest a sliding window: generation goes on past it), or a QuantizedKVCache
+    (keys and values in kv_bits, groups of kv_group_size along the head dimension), or a KVCache."""
+    if max_kv_size is not None and kv_bits is not None:
+        raise UserError("--max-kv-size and --kv-bits do not combine (mlx-lm's rotating cache is not "
+                        "quantized): pass one of them")
+    if max_kv_size is not None:
+        if max_kv_size < 8:
+            raise UserError(f"max-kv-size must be at least 8 positions, not {max_kv_size}")
+        return [RotatingKVCache(max_size=max_kv_size, keep=4) for _ in model.layers]
+    if kv_bits is not None:
+        head_dim = getattr(model.args, "head_dim", None)
+        if kv_bits not in KV_BITS:
+            raise UserError(f"kv-bits must be one of {', '.join(map(str, KV_BITS))}, not {kv_bits}")
+        if kv_group_size not in (32, 64, 128) or (head_dim and head_dim % kv_group_size):
+            raise UserError(f"kv-group-size must be 32, 64 or 128 and divide the head size "
+                            f"({head_dim}), not {kv_group_size}")
+        return [QuantizedKVCache(group_size=kv_group_size, bits=kv_bits) for _ in model.layers]
+    return [KVCache() for _ in model.layers]
 
 
 def check_limits(max_tokens, seed):
@@ -210,13 +271,19 @@ def check_limits(max_tokens, seed):
         raise UserError(f"seed must be a whole number from 0 to {MAX_SEED}, not {seed!r}")
 
 
-def encode_prompt(tokenizer, prompt, chat_template=True):
+def encode_prompt(tokenizer, prompt, chat_template=True, system_prompt=None):
+    """Token ids of a prompt string (through the chat template where there is one and
+    chat_template, after the system message system_prompt) or of a list of ids as it is."""
     if isinstance(prompt, str):
         if not prompt.strip():
             raise UserError("the prompt is empty; pass some text with --prompt")
         if chat_template and tokenizer.has_chat_template:
-            prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+            system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+            prompt = tokenizer.apply_chat_template(system + [{"role": "user", "content": prompt}],
                                                    add_generation_prompt=True)
+        elif system_prompt:
+            raise UserError("a system prompt needs a chat template: this tokenizer has none (pass "
+                            "--chat-template) or --ignore-chat-template is set")
         else:
             prompt = tokenizer.encode(prompt)
     if len(prompt) == 0:
@@ -225,11 +292,18 @@ def encode_prompt(tokenizer, prompt, chat_template=True):
 
 
 def stream_generate(model, tokenizer, prompt, max_tokens=256, temp=0.0, top_p=1.0, top_k=0,
-                    seed=None, chat_template=True, prefill_step=512, cache=None):
+                    seed=None, chat_template=True, prefill_step=512, cache=None, min_p=0.0,
+                    logits_processors=None, system_prompt=None, max_kv_size=None, kv_bits=None,
+                    kv_group_size=64):
     """Yield a Response per generated token; prompt is a string or a list of token ids.
-    cache: a StaticKVCache list holding earlier tokens, to continue after them (generate_step)."""
+    cache: a cache list holding earlier tokens, to continue after them (generate_step): a
+    StaticKVCache list, or mlx-lm caches (eager_cache), which decode eagerly. max_kv_size, kv_bits:
+    without a cache, decode eagerly over eager_cache's rotating or quantized cache.
+    logits_processors: as generate_step takes them (make_processors builds a repetition penalty)."""
     check_limits(max_tokens, seed)
-    tokens = encode_prompt(tokenizer, prompt, chat_template)
+    if cache is None and (max_kv_size is not None or kv_bits is not None):
+        cache = eager_cache(model, max_kv_size, kv_bits, kv_group_size)
+    tokens = encode_prompt(tokenizer, prompt, chat_template, system_prompt)
     ctx = context_length(model)
     start = cache[0].offset if cache else 0
     if start + len(tokens) >= ctx:
@@ -238,16 +312,17 @@ def stream_generate(model, tokenizer, prompt, max_tokens=256, temp=0.0, top_p=1.
     max_tokens = min(max_tokens, ctx - start - len(tokens))
     if seed is not None:
         mx.random.seed(seed)
-    sampler = make_sampler_for(temp, top_p, top_k)
+    sampler = make_sampler_for(temp, top_p, top_k, min_p)
     detok = tokenizer.detokenizer
     detok.reset()
     mx.reset_peak_memory()
     tic = time.perf_counter()
     prompt_tps = 0.0
     n = 0
-    steps = generate_step(mx.array(tokens), model, sampler, max_tokens, prefill_step, cache=cache)
+    steps = generate_step(mx.array(tokens), model, sampler, max_tokens, prefill_step, cache=cache,
+                          logits_processors=logits_processors)
     with closing(steps):  # closed at once, so that a kept cache gets its buffers back
-        for n, (token, _) in enumerate(steps, 1):
+        for n, (token, logprobs) in enumerate(steps, 1):
             if n == 1:
                 prompt_tps = len(tokens) / (time.perf_counter() - tic)
                 tic = time.perf_counter()
@@ -259,7 +334,7 @@ def stream_generate(model, tokenizer, prompt, max_tokens=256, temp=0.0, top_p=1.
                 detok.finalize()
             gen_tps = (n - 1) / max(time.perf_counter() - tic, 1e-9) if n > 1 else 0.0
             yield Response(detok.last_segment, token, len(tokens), prompt_tps, n, gen_tps,
-                           mx.get_peak_memory() / 1e9, finish)
+                           mx.get_peak_memory() / 1e9, finish, logprobs)
             if finish:
                 break
 
@@ -283,6 +358,8 @@ def load_from_args(args, warm=True):
               "(it only measures a speed ceiling)", file=sys.stderr)
     model, tokenizer = load(args.model, norm=args.norm, bits=args.bits, dtype=args.dtype,
                             tokenizer=args.tokenizer, group_size=args.group_size)
+    if getattr(args, "chat_template", None):
+        set_chat_template(tokenizer, args.chat_template)
     if warm and wants_warmup(args):
         warmup(model)
     return model, tokenizer
@@ -297,24 +374,52 @@ def arg_parser():
                "--tokenizer meta-llama/Llama-2-7b-hf (OpenELM repos ship no tokenizer).",
         formatter_class=HelpFormatter)
     p.add_argument("--prompt", "-p", required=True, help="prompt text ('-' reads standard input)")
+    p.add_argument("--system-prompt", help="a system message before the prompt (through the chat template)")
     add_model_args(p)
     add_sampling_args(p)
+    add_generation_args(p)
     p.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as raw text")
+    p.add_argument("--prompt-cache-file", metavar="FILE.safetensors",
+                   help="reuse the KV cache of an earlier prompt saved here (only the tokens after "
+                        "the part this prompt shares with it are prefilled), and save this prompt's")
     return p
+
+
+def generation_kwargs(args):
+    """stream_generate's sampling and cache arguments from the flags of cli.add_sampling_args and
+    cli.add_generation_args (checked here: a bad one fails before the model loads)."""
+    make_sampler_for(args.temp, args.top_p, args.top_k, args.min_p)
+    return dict(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                logits_processors=make_processors(args.repetition_penalty, args.repetition_context_size),
+                max_kv_size=args.max_kv_size, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
 
 
 def main(argv=None):
     args = arg_parser().parse_args(argv)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt.strip():
-        raise UserError("the prompt is empty; pass some text with --prompt")
+        raise UserError("the prompt is empty; pass some text with --prompt" +
+                        (" (standard input was empty)" if args.prompt == "-" else ""))
+    kwargs = generation_kwargs(args)
+    if args.prompt_cache_file:
+        prompt_cache.check_path(args.prompt_cache_file)
     model, tokenizer = load_from_args(args)
+    tokens = encode_prompt(tokenizer, prompt, not args.ignore_chat_template, args.system_prompt)
+    cache, kept = None, 0
+    if args.prompt_cache_file:
+        model_id = args.model or "embedded SmolLM2-135M-Instruct"
+        cache, kept = prompt_cache.reuse(args.prompt_cache_file, model, model_id, tokens, args.kv_bits)
+        cache = cache or eager_cache(model, args.max_kv_size, args.kv_bits, args.kv_group_size)
     r = None
-    for r in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens, temp=args.temp,
-                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                             chat_template=not args.ignore_chat_template):
+    for r in stream_generate(model, tokenizer, tokens[kept:], max_tokens=args.max_tokens, seed=args.seed,
+                             cache=cache, **kwargs):
         print(r.text, end="", flush=True)
     print()
+    if args.prompt_cache_file:
+        saved = prompt_cache.save(args.prompt_cache_file, cache, model_id, tokens, args.kv_bits)
+        print(f"prompt cache: {kept} of {len(tokens)} prompt tokens reused; "
+              + (f"saved to {args.prompt_cache_file}" if saved else
+                 "not saved (the rotating cache wrapped around: raise --max-kv-size)"), file=sys.stderr)
     print("=" * 10)
     print(f"Prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.3f} tokens-per-sec")
     print(f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec")

@@ -16,6 +16,7 @@ import numpy as np
 
 from . import validate_gguf
 from .errors import UserError
+from .pretokenizers import pre_tokenizer
 
 MLX_TYPES = {"F32", "F16", "Q4_0", "Q4_1", "Q8_0"}  # what mx.load reads exactly
 _FLOAT_TYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8,
@@ -303,7 +304,7 @@ def _quantization(weights, group_size):
 def gguf_tokenizer(meta):
     """A tokenizer built from GGUF metadata: a transformers fast tokenizer (GPT-2 style byte-level
     BPE), or a SentencePieceTokenizer (a SentencePiece vocabulary with scores)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import Tokenizer, decoders, models, processors
     from transformers import PreTrainedTokenizerFast
 
     kind = meta.get("tokenizer.ggml.model")
@@ -317,11 +318,9 @@ def gguf_tokenizer(meta):
     tokens = list(meta["tokenizer.ggml.tokens"])
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if meta.get("tokenizer.ggml.pre") == "smollm":  # SmolLM splits digits one by one
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    else:
-        tok.pre_tokenizer = byte_level
+    normalizer, tok.pre_tokenizer = pre_tokenizer(meta.get("tokenizer.ggml.pre"))  # the model family's rule
+    if normalizer is not None:
+        tok.normalizer = normalizer
     tok.decoder = decoders.ByteLevel()
     types = meta["tokenizer.ggml.token_type"].tolist() if "tokenizer.ggml.token_type" in meta else []
     special = [tokens[i] for i, t in enumerate(types) if t == 3]  # 3 = control token

@@ -16,6 +16,7 @@ from .concat import concatenate
 from .errors import UserError
 from .forms import NORMS
 from .kernels import row_parallel
+from .progress import bar, hub_bars
 from .models import ARCHITECTURES
 from .nn import plain_norms
 
@@ -77,7 +78,8 @@ def resolve(path_or_repo, patterns=HUB_PATTERNS):
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(s, allow_patterns=patterns))
+        with hub_bars():
+            return Path(snapshot_download(s, allow_patterns=patterns))
     except Exception as e:
         offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
         why = ("HF_HUB_OFFLINE is set and it is not in the local cache" if offline
@@ -213,13 +215,11 @@ def _materialize(model, progress):
     if not progress:
         mx.eval(leaves)
         return
-    from tqdm import tqdm
-
-    with tqdm(total=sum(v.nbytes for v in leaves), unit="B", unit_scale=True, delay=1.0,
-              desc="loading weights", leave=False) as bar:
+    with bar(total=sum(v.nbytes for v in leaves), unit="B", unit_scale=True, delay=1.0,
+             desc="loading weights") as shown:
         for v in leaves:
             mx.eval(v)
-            bar.update(v.nbytes)
+            shown.update(v.nbytes)
 
 
 def load_tokenizer(folder, tokenizer=None, gguf_meta=None):
@@ -275,13 +275,13 @@ def _sentencepiece_tokenizer(file):
         raise UserError(f"{file}: not a sentencepiece model ({str(e).splitlines()[0]})")
 
 
-def load(path_or_repo=None, norm="rms", bits=None, dtype="auto", tokenizer=None,
+def load(path_or_repo=None, norm="flash", bits=None, dtype="auto", tokenizer=None,
          group_size=64, progress=True, concat=True):
     """Load a model and its tokenizer.
 
     path_or_repo: a HF checkpoint folder, a HF repo id, or a llama .gguf file (None: the embedded
-    SmolLM2-135M-Instruct). norm: "rms" (reference), "flash" (FlashNorm, same function) or "none"
-    (every norm removed: a speed ceiling, meaningless text). bits: quantize at load time; norm and
+    SmolLM2-135M-Instruct). norm: "flash" (FlashNorm, the default: the same function as "rms",
+    exact), "rms" (the reference) or "none" (every norm removed: a speed ceiling, meaningless text). bits: quantize at load time; norm and
     quantization compose as prepare() says. dtype: "auto" (float32 on the CPU, the checkpoint's
     half precision on a GPU: resolve_dtype), "float32", "float16" or "bfloat16". concat: one matmul
     for q/k/v and one for gate/up (prepare); False keeps the checkpoint's layout, for an export.

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from . import progress
 from .errors import HelpFormatter, UserError, run_cli
 from .loader import DTYPE_CHOICES, NORMS, load
 
@@ -34,7 +35,7 @@ def token_nll(model, tokens, window=512):
     if len(tokens) < 2:
         raise UserError(f"the text has {len(tokens)} token(s); perplexity needs at least 2")
     parts = []
-    for s in range(0, len(tokens) - 1, window):
+    for s in progress.bar(range(0, len(tokens) - 1, window), desc="perplexity", unit="window"):
         nll = window_nll(model, tokens[s : s + window + 1])
         mx.eval(nll)
         parts.append(nll)
@@ -56,7 +57,9 @@ def arg_parser():
                                    "(default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--text", required=True, help="UTF-8 text file")
     p.add_argument("--tokenizer", help="tokenizer folder, repo id or sentencepiece .model file")
-    p.add_argument("--norm", choices=NORMS, default="rms", help="rms: reference; flash: FlashNorm; none: no norms")
+    p.add_argument("--norm", choices=NORMS, default="flash",
+                   help="flash: FlashNorm (as the other commands run by default); rms: the reference; "
+                        "none: no norms")
     p.add_argument("--bits", type=int, default=None,
                    help="quantize at load time (2-8), or 0 for full precision (dequantizes)")
     p.add_argument("--group-size", type=int, default=64, help="weights per scale/bias with --bits")

@@ -33,7 +33,7 @@ def quantize_checkpoint(model_path, out, bits=4, group_size=64, norm="rms", head
         raise UserError(f"{out} already exists: pass a new --out folder (nothing was overwritten)")
     if bits:
         check_quantization(bits, group_size)
-    model, tok = load(model_path, tokenizer=tokenizer, progress=progress, concat=False)  # as saved
+    model, tok = load(model_path, norm="rms", tokenizer=tokenizer, progress=progress, concat=False)  # as saved
     if "quantization" in model.config:
         if not dequantize_first and bits != 0:
             q = model.config["quantization"]
@@ -66,7 +66,10 @@ def arg_parser():
     p.add_argument("--head-bits", type=int, default=None,
                    help="bits for the logits layer (and a tied input embedding), e.g. 8")
     p.add_argument("--norm", choices=NORMS, default="rms",
-                   help="rms: as it is; flash: fold FlashNorm before quantizing")
+                   help="rms: the weights as they are (default: FlashNorm then runs at load time, "
+                        "which every command does by default, at no quality cost); flash: fold "
+                        "FlashNorm into the weights before quantizing (a checkpoint stock mlx-lm runs "
+                        "weightless, at a quality cost)")
     p.add_argument("--dequantize", action="store_true",
                    help="accept an already quantized input: dequantize it first (its error stays)")
     p.add_argument("--tokenizer", help="tokenizer folder, repo id or sentencepiece .model file")

@@ -19,7 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .errors import UserError, run_cli
-from .cli import add_model_args, add_sampling_args, wants_warmup
+from .cli import HelpFormatter, add_model_args, add_sampling_args, wants_warmup
 from .generate import context_length, load_from_args, make_sampler_for, stream_generate, warmup
 
 
@@ -277,8 +277,9 @@ def arg_parser():
         prog="python -m mlx_flashnorm.server",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/models, "
                     "/v1/chat/completions, /v1/completions). The sampling flags set the defaults "
-                    "of requests that leave them out.")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+                    "of requests that leave them out.",
+        formatter_class=HelpFormatter)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (0: any free one)")
     add_model_args(p)
     add_sampling_args(p)

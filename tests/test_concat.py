@@ -125,7 +125,7 @@ def test_exports_keep_the_checkpoint_layout(tiny_llama_dir, tmp_path):
     from mlx_flashnorm.convert import main as convert
     from mlx_flashnorm.quantize import quantize_checkpoint
 
-    loaded, _ = loader.load(tiny_llama_dir, progress=False)
+    loaded, _ = loader.load(tiny_llama_dir, norm="rms", progress=False)
     assert "qkv_proj" in loaded.layers[0].self_attn and "gate_up_proj" in loaded.layers[0].mlp
     convert(["--model", str(tiny_llama_dir), "--flashnorm", "--out", str(tmp_path / "flash")])
     quantize_checkpoint(tiny_llama_dir, tmp_path / "q4", bits=4, group_size=32, progress=False)
@@ -142,7 +142,7 @@ def test_smollm2_gguf_greedy_tokens_unchanged(smollm2):
     """The embedded Q4_1 GGUF as load() gives it (concatenated) and in the checkpoint's layout:
     the same greedy tokens."""
     joined, tok = smollm2
-    separate, _ = loader.load(None, progress=False, concat=False)
+    separate, _ = loader.load(None, norm="rms", progress=False, concat=False)
     assert "qkv_proj" in joined.layers[0].self_attn and "q_proj" in separate.layers[0].self_attn
     prompt = mx.array(tok.encode("The capital of France is"))
     a = [int(t) for t, _ in generate_step(prompt, separate, max_tokens=12)]

@@ -1,6 +1,7 @@
 """Weightless checkpoints (python -m mlx_flashnorm.convert) loaded by stock mlx-lm, and the
 verify command."""
 import json
+import os
 
 import mlx.core as mx
 import pytest
@@ -30,12 +31,12 @@ def test_smollm2_weightless_checkpoint_in_stock_mlx_lm(tmp_path):
     norms = [v for k, v in weights.items() if "norm" in k]
     assert len(norms) == 2 * 30 + 1 and all(mx.array_equal(v, mx.ones_like(v)) for v in norms)
 
-    ref, tok = loader.load(progress=False)
+    ref, tok = loader.load(norm="rms", progress=False)
     loader.dequantize(ref)
     stock, _ = load_model(out)
     tokens = mx.array([tok.encode("Weightless normalization folds the weights")])
     assert rel(ref(tokens), stock(tokens)) < MODEL_TOL
-    again = loader.load(out, progress=False)[0]  # and ours reads it too
+    again = loader.load(out, norm="rms", progress=False)[0]  # and ours reads it too
     assert rel(ref(tokens), again(tokens)) < MODEL_TOL
 
 
@@ -109,7 +110,7 @@ def test_convert_keeps_the_source_dtype_and_quantizes_with_q(tmp_path, spm_model
 
     config = {**TINY_LLAMA, "vocab_size": 60, "torch_dtype": "bfloat16"}
     folder, _ = make_checkpoint(tmp_path / "bf16", config)
-    ref = loader.load(str(folder), tokenizer=str(spm_model), progress=False)[0]
+    ref = loader.load(str(folder), tokenizer=str(spm_model), norm="rms", progress=False)[0]
     tokens = mx.array([[1, 5, 9, 13, 17]])
     for args, dtype, bits in (([], mx.bfloat16, None), (["--dtype", "float32"], mx.float32, None),
                               (["-q", "--q-bits", "8"], mx.bfloat16, 8)):
@@ -120,5 +121,26 @@ def test_convert_keeps_the_source_dtype_and_quantizes_with_q(tmp_path, spm_model
         assert weights["model.layers.0.mlp.up_proj.scales" if bits else "lm_head.weight"].dtype == dtype
         assert saved["torch_dtype"] == str(dtype).split(".")[-1]
         assert saved.get("quantization", {}).get("bits") == bits
-        model = loader.load(str(out), progress=False, tokenizer=str(spm_model))[0]
+        model = loader.load(str(out), norm="rms", progress=False, tokenizer=str(spm_model))[0]
         assert rel(ref(tokens), model(tokens)) < 0.02  # bfloat16 weights
+
+
+def test_convert_errors_are_one_error_line(tmp_path, tiny_llama_dir):
+    """convert reports bad input as the other commands do: one line starting 'error: ', exit code 2,
+    no traceback, before loading a model where the arguments alone show the problem."""
+    folder = tmp_path / "a-file"
+    folder.write_text("not a folder")
+    for argv, words in [(["--out", str(tmp_path / "missing" / "out")], "no such folder"),
+                        (["--out", str(folder / "out")], "no such folder"),
+                        (["--out", str(tmp_path / "o"), "-q", "--q-bits", "7"], "bits must be one of"),
+                        (["--out", str(tmp_path / "o"), "--model", str(folder)], "not a model")]:
+        r = cli("mlx_flashnorm.convert", "--flashnorm", *argv)
+        assert r.returncode == 2 and r.stderr.startswith("error: ") and words in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    from mlx_flashnorm.errors import UserError
+
+    model, tok = loader.load(str(tiny_llama_dir), norm="rms", progress=False, concat=False)
+    (tmp_path / f".out.partial-{os.getpid()}").write_text("in the way")  # the OS refuses the write
+    with pytest.raises(UserError, match="cannot write .*out"):
+        export(model, tok, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

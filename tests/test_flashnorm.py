@@ -503,8 +503,8 @@ def test_openelm_270m_end_to_end(openelm_270m):
 @pytest.fixture(scope="module")
 def smollm2_pair():
     """SmolLM2-135M real weights dequantized to float32: (reference, flash, tokenizer)."""
-    model, tok = loader.load(progress=False)
-    ref, _ = loader.load(progress=False)
+    model, tok = loader.load(norm="rms", progress=False)
+    ref, _ = loader.load(norm="rms", progress=False)
     loader.dequantize(model)
     loader.dequantize(ref)
     fn.apply(model)

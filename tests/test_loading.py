@@ -36,7 +36,7 @@ def test_sentencepiece_tokenizer_model(tmp_path, spm_model):
 
     folder, _ = make_checkpoint(tmp_path / "m", {**TINY_LLAMA, "vocab_size": 60})
     shutil.copy(spm_model, folder / "tokenizer.model")
-    _, tok = load(str(folder), progress=False)
+    _, tok = load(str(folder), norm="rms", progress=False)
     ref = spm.SentencePieceProcessor(model_file=str(spm_model))
     text = "the lazy zebras jump"
     assert tok.encode(text) == [1] + ref.encode(text)  # BOS, then sentencepiece's pieces
@@ -50,8 +50,8 @@ def test_openelm_needs_tokenizer_and_accepts_one(tmp_path, spm_model):
               "ffn_dim_divisor": 16, "vocab_size": 60}
     folder, _ = make_checkpoint(tmp_path / "openelm", config)
     with pytest.raises(UserError, match="Llama-2 tokenizer"):
-        load(str(folder), progress=False)
-    model, tok = load(str(folder), tokenizer=str(spm_model), progress=False)
+        load(str(folder), norm="rms", progress=False)
+    model, tok = load(str(folder), tokenizer=str(spm_model), norm="rms", progress=False)
     assert model(mx.array([tok.encode("the quick fox")])).shape[-1] == 60
 
 
@@ -74,12 +74,12 @@ def test_hub_repo_id_from_cache_offline(tmp_path, tiny_llama_dir, monkeypatch):
     monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hub"))
     hub_cache(tmp_path / "hub", "someone/tiny-llama", tiny_llama_dir)
-    model, tok = load("someone/tiny-llama", progress=False)
-    direct, _ = load(str(tiny_llama_dir), progress=False)
+    model, tok = load("someone/tiny-llama", norm="rms", progress=False)
+    direct, _ = load(str(tiny_llama_dir), norm="rms", progress=False)
     tokens = mx.array([tok.encode("hello")])
     assert mx.array_equal(model(tokens), direct(tokens))
     with pytest.raises(UserError, match="HF_HUB_OFFLINE"):
-        load("someone/not-cached", progress=False)
+        load("someone/not-cached", norm="rms", progress=False)
 
 
 def test_batch_of_prompts_gives_logits_per_position(smollm2):

@@ -68,7 +68,7 @@ def test_cli_prints_final_line_matching_the_library(tiny_llama_dir):
     assert r.returncode == 0, r.stderr
     last = r.stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"perplexity: \d+\.\d+", last), last
-    model, tok = load(tiny_llama_dir, progress=False)
+    model, tok = load(tiny_llama_dir, norm="rms", progress=False)
     expected = perplexity(model, tok.encode(TEXT.read_text())[:65], window=32)
     assert float(last.split()[1]) == pytest.approx(expected, rel=1e-4)
 

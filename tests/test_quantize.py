@@ -35,19 +35,19 @@ def test_config_records_quantization_like_mlx_lm(exported):
 def test_export_loads_in_ours_and_stock_mlx_lm_with_identical_logits(exported):
     from mlx_lm.utils import load_model
 
-    ours, tok = load(exported, progress=False, concat=False)  # the checkpoint's layout
+    ours, tok = load(exported, norm="rms", progress=False, concat=False)  # the checkpoint's layout
     stock, _ = load_model(exported)
     saved = mx.load(str(exported / "model.safetensors"))
     for name, v in tree_flatten(ours.parameters()):  # read as stored, not quantized again
         assert mx.array_equal(v, saved[name]).item(), name
     assert ours.model.layers[0].mlp.up_proj.bits == 4 and ours.model.embed_tokens.bits == 8
     assert mx.array_equal(logits(ours), logits(stock)).item()
-    assert tok.encode("hello there") == load(exported, progress=False)[1].encode("hello there")
+    assert tok.encode("hello there") == load(exported, norm="rms", progress=False)[1].encode("hello there")
 
 
 def test_load_time_quantization_equals_the_export(tiny_llama_dir, exported):
-    at_load, _ = load(tiny_llama_dir, bits=4, group_size=32, progress=False)
-    from_disk, _ = load(exported, progress=False)
+    at_load, _ = load(tiny_llama_dir, bits=4, group_size=32, norm="rms", progress=False)
+    from_disk, _ = load(exported, norm="rms", progress=False)
     # load-time quantization keeps the head at 4 bits too; compare a 4-bit layer's output
     x = mx.random.normal((3, TINY_LLAMA["hidden_size"]), key=mx.random.key(0))
     a, b = at_load.model.layers[1].self_attn.qkv_proj, from_disk.model.layers[1].self_attn.qkv_proj
@@ -56,11 +56,11 @@ def test_load_time_quantization_equals_the_export(tiny_llama_dir, exported):
 
 
 def test_quantization_error_shrinks_with_bits(tiny_llama_dir):
-    full, _ = load(tiny_llama_dir, progress=False)
+    full, _ = load(tiny_llama_dir, norm="rms", progress=False)
     ref = logits(full)
     errors = []
     for bits in (2, 3, 4, 5, 6, 8):
-        quant, _ = load(tiny_llama_dir, bits=bits, progress=False)
+        quant, _ = load(tiny_llama_dir, bits=bits, norm="rms", progress=False)
         assert quant.model.layers[0].mlp.gate_up_proj.bits == bits  # (down_proj: 160 wide, kept float)
         errors.append((mx.abs(logits(quant) - ref).max() / mx.abs(ref).max()).item())
     assert all(a > b > 0 for a, b in zip(errors, errors[1:])), errors
@@ -71,7 +71,7 @@ def test_quantization_error_shrinks_with_bits(tiny_llama_dir):
 def test_norm_modes_keep_a_quantized_checkpoint_as_it_is(exported, norm):
     """norm flash (gain kept on the activations) and none touch no linear weight: a quantized
     checkpoint keeps its layout and its very arrays, nothing dequantized or requantized."""
-    ref, _ = load(exported, progress=False, concat=False)
+    ref, _ = load(exported, norm="rms", progress=False, concat=False)
     model, _ = load(exported, norm=norm, progress=False, concat=False)
     assert model.config["quantization"] == ref.config["quantization"]
     assert model.model.embed_tokens.bits == 8 and model.model.layers[1].mlp.up_proj.bits == 4
@@ -82,7 +82,7 @@ def test_norm_modes_keep_a_quantized_checkpoint_as_it_is(exported, norm):
 
 
 def test_bits_0_dequantizes_the_gguf():
-    model, _ = load(progress=False)
+    model, _ = load(norm="rms", progress=False)
     quantized = logits(model)
     prepare(model, bits=0)
     assert "quantization" not in model.config and "quantization_config" not in model.config
@@ -92,7 +92,7 @@ def test_bits_0_dequantizes_the_gguf():
 
 
 def test_prepare_refuses_to_quantize_twice(exported):
-    model, _ = load(exported, progress=False)
+    model, _ = load(exported, norm="rms", progress=False)
     with pytest.raises(UserError, match="already quantized"):
         prepare(model, bits=4)
     with pytest.raises(UserError, match="bits must be one of"):
@@ -123,10 +123,10 @@ def test_cli_writes_a_loadable_checkpoint(exported, tmp_path):
     r = cli("mlx_flashnorm.quantize", "--model", str(exported), "--dequantize", "--bits", "8",
             "--out", str(out))
     assert r.returncode == 0, r.stderr
-    model, _ = load(out, progress=False)
+    model, _ = load(out, norm="rms", progress=False)
     assert model.config["quantization"] == {"group_size": 64, "bits": 8, "mode": "affine"}
     assert [p.name for p in tmp_path.iterdir()] == ["q8"]
-    ref, _ = load(exported, progress=False)
+    ref, _ = load(exported, norm="rms", progress=False)
     assert mx.allclose(logits(model), logits(ref), rtol=0.05, atol=0.05).item()
 
 
@@ -141,14 +141,14 @@ def test_flash_export_is_a_plain_checkpoint_for_stock_mlx_lm(tiny_llama_dir, tmp
     assert r.returncode == 0, r.stderr
     note = [line for line in r.stderr.splitlines() if line.startswith("note:")]
     assert len(note) == 1 and "bench/RESULTS.md" in note[0], r.stderr
-    ref, _ = load(tiny_llama_dir, progress=False)
-    folded, _ = load(full, progress=False)
+    ref, _ = load(tiny_llama_dir, norm="rms", progress=False)
+    folded, _ = load(full, norm="rms", progress=False)
     assert folded.config["tie_word_embeddings"] is False  # final norm folded into a head copy
     norms = [v for k, v in tree_flatten(folded.parameters()) if "norm" in k]
     assert norms and all(mx.array_equal(v, mx.ones_like(v)).item() for v in norms)
     # float32 folding is exact up to rounding: same function as the reference
     assert mx.allclose(logits(folded), logits(ref), rtol=1e-4, atol=1e-5).item()
-    ours, _ = load(q4, progress=False)
+    ours, _ = load(q4, norm="rms", progress=False)
     stock, _ = load_model(q4)
     assert ours.config["quantization"]["bits"] == 4
     assert mx.array_equal(logits(ours), logits(stock)).item()

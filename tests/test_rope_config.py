@@ -29,7 +29,7 @@ def as_v5(config, theta_key="rope_theta"):
 
 def logits(folder, config, spm_model, **kwargs):
     (folder / "config.json").write_text(json.dumps(config))
-    model, _ = load(str(folder), tokenizer=str(spm_model), progress=False, **kwargs)
+    model, _ = load(str(folder), tokenizer=str(spm_model), norm="rms", progress=False, **kwargs)
     return model(TOKENS)
 
 

@@ -147,7 +147,7 @@ def test_disconnected_stream_stops_its_generation(client):
 def test_warm_server_warms_its_worker_thread(tiny_llama_dir, monkeypatch):
     """Server(warm=True) warms up on the worker thread (MLX keeps compiled functions per thread):
     its first request traces no decode step."""
-    model, tokenizer = load(str(tiny_llama_dir), progress=False)
+    model, tokenizer = load(str(tiny_llama_dir), norm="rms", progress=False)
     traces = count_traces(model, monkeypatch)
     warm = Server(model, tokenizer, "tiny", port=0, warm=True)
     try:

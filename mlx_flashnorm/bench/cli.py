@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..errors import HelpFormatter, UserError, run_cli
 from ..loader import DTYPE_CHOICES, read_config, resolve, resolve_dtype
-from .decode import (SHAPES, bench, check_context, log, parse_modes, plot, positive, random_checkpoint,
+from .decode import (SHAPES, bench, check_context, gguf_checkpoint, log, parse_modes, plot, positive, random_checkpoint,
                      random_shape, table, write_atomic)
 from .matrix import merge, run_matrix
 
@@ -19,15 +19,18 @@ def arg_parser():
         prog="python -m mlx_flashnorm.bench",
         description="Prompt (pp) and decode (tg) tokens/s of each norm mode and of mlx-lm on the same "
                     "weights, interleaved in one process: the paper's OpenELM-270M table.",
-        epilog="Without --model: OpenELM-270M's architecture with random weights (labelled as such). "
+        epilog="Without --model, --shape, --config or --tiny: the embedded SmolLM2-135M-Instruct (Q4_1 "
+               "GGUF); --model also takes a .gguf file. --shape: random weights (labelled as such). "
                "Modes: rms, flash, none, mlx-lm; add -eager to a norm mode (e.g. rms-eager) for our "
                "runner without the compiled decode step. --matrix runs every shape (--shape, --config) "
                "at every prompt length (--pp) and writes matrix.md, matrix.json and matrix.png; "
                "time to first token over a series of requests: python -m mlx_flashnorm.bench.latency.",
         formatter_class=HelpFormatter)
-    p.add_argument("--model", help="HF model folder or repo id (default: random OpenELM-270M-shaped weights)")
+    p.add_argument("--model", help="HF model folder, repo id or .gguf file (default: the embedded "
+                                   "SmolLM2-135M-Instruct)")
     p.add_argument("--modes", default="rms,flash,none,mlx-lm", help="comma-separated")
-    p.add_argument("--bits", type=int, default=4, help="weight bits, 0 for full precision")
+    p.add_argument("--bits", type=int, default=None,
+                   help="weight bits, 0 for full precision (default: 4; a quantized checkpoint as it is)")
     p.add_argument("--group-size", type=int, default=64, help="weights per scale/bias")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="activation dtype; auto: float32 on the CPU, the checkpoint's half precision on a GPU")
@@ -37,8 +40,8 @@ def arg_parser():
     p.add_argument("--tg", type=int, default=128, help="generated tokens")
     p.add_argument("--reps", type=int, default=5, help="measured repetitions after one warm-up")
     p.add_argument("--out", default="out/bench", help="folder for bench.md, bench.json, bench.png")
-    p.add_argument("--shape", help=f"architecture of the random weights: {', '.join(SHAPES)} (default "
-                                   "openelm-270m; with --matrix a comma-separated list, default all)")
+    p.add_argument("--shape", help=f"architecture of random weights: {', '.join(SHAPES)} (with --matrix a "
+                                   "comma-separated list, default all)")
     p.add_argument("--config", action="append", metavar="FILE",
                    help="random weights of the architecture of a Hugging Face config.json (repeat it with --matrix)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer OpenELM-shaped random model: a smoke test in seconds")
@@ -47,8 +50,6 @@ def arg_parser():
                    help="one table and chart (in --out) from the matrix.json files of earlier --matrix runs")
     p.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
     return p
-
-
 
 
 def main(argv=None):
@@ -71,17 +72,23 @@ def main(argv=None):
     if "," in (args.shape or "") + (args.pp or ""):
         raise UserError("lists of shapes or prompt lengths need --matrix")
     pp = positive(args.pp or "512", "--pp")
-    bits = args.bits or None
+    bits = 4 if args.bits is None else args.bits or None
     out = Path(args.out)
     with tempfile.TemporaryDirectory() as tmp:
-        if args.model:
-            folder = resolve(args.model)
-            if folder.is_file():
-                raise UserError(f"{folder}: the bench takes a Hugging Face model folder or repo id, not a file")
-            config = read_config(folder)
-            label = config.get("_name_or_path") or folder.name
+        if args.model or not chosen:
+            folder = resolve(args.model) if args.model else None
+            if folder is None or folder.is_file():  # a GGUF, or the embedded one
+                if folder is not None and folder.suffix != ".gguf":
+                    raise UserError(f"{folder}: not a model; pass a model folder, a .gguf file or a repo id")
+                log(f"reading {folder.name if folder else 'the embedded SmolLM2-135M-Instruct'}...")
+                folder = Path(tmp) / "model"
+                label, config = gguf_checkpoint(args.model, folder, args.bits, args.group_size)
+            else:
+                config = read_config(folder)
+                label = config.get("_name_or_path") or folder.name
             if "quantization" in config:
-                print(f"note: {folder.name} is already quantized; --bits is ignored", file=sys.stderr)
+                if args.bits:
+                    print(f"note: {label} is already quantized; --bits is ignored", file=sys.stderr)
                 bits = None
             check_context(label, config, pp, args.tg)
         else:

@@ -16,10 +16,11 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .. import forms
+from .. import forms, progress
+from ..convert import export
 from ..errors import UserError
 from ..generate import generate_step
-from ..loader import DTYPES, build_model, model_args, prepare, read_config, read_safetensors
+from ..loader import DTYPES, build_model, load, model_args, prepare, read_config, read_safetensors
 
 NORM_MODES = ("rms", "flash", "none")
 PEER = "mlx-lm"
@@ -88,6 +89,16 @@ def random_checkpoint(folder, config, seed=0):
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "pt"})
     return folder
+
+
+def gguf_checkpoint(path, folder, bits=None, group_size=64):
+    """A GGUF file (None: the embedded SmolLM2) as load() reads it (norm rms, float32, the file's
+    layout; bits 0 dequantizes, other bits are left to the modes' loaders) written to folder as a
+    Hugging Face checkpoint, which every mode loads, mlx-lm's included. Returns (label, config)."""
+    model, tokenizer = load(path, norm="rms", bits=0 if bits == 0 else None, group_size=group_size,
+                            dtype="float32", progress=False, concat=False)
+    export(model, tokenizer, folder)
+    return Path(path).name if path else "embedded SmolLM2-135M-Instruct", model.config
 
 
 def load_ours(folder, norm, bits, dtype, group_size):
@@ -213,10 +224,11 @@ def bench(modes, folder, label, bits, dtype, pp, tg, reps, group_size=64, seed=0
                 r[f"{test}_vs_{key}"] = paired_ratio(r[test], base[test]) if base else None
     import mlx_lm
 
+    saved = config.get("quantization") or {}  # a quantized checkpoint, used as it is
     return {
         "model": label, "params": n_params, "size_bytes": sizes, "device": device_name(), "path": code_path(),
-        "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "dtype": dtype, "bits": bits or None,
-        "group_size": group_size if bits else None, "pp": pp, "tg": tg, "reps": reps,
+        "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "dtype": dtype, "bits": bits or saved.get("bits"),
+        "group_size": group_size if bits else saved.get("group_size"), "pp": pp, "tg": tg, "reps": reps,
         "ratios": RATIOS,
         "command": "python -m mlx_flashnorm.bench " + " ".join(sys.argv[1:]), "results": results,
     }
@@ -360,4 +372,4 @@ def positive(text, what):
 
 
 def log(text):
-    print(text, file=sys.stderr, flush=True)
+    progress.write(text)

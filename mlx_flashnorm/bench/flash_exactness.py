@@ -51,8 +51,8 @@ def main(argv=None):
     print("| ---: | ---: | ---: |")
     for scale in (1e-3, 1e-2, 1e-1, 1.0, 1e1, 1e3):
         print(f"| {scale:g} | {qk_deviation(scale, 1e-6):.2e} | {qk_deviation(scale, 0.0):.2e} |")
-    ref, tok = load(progress=False)
-    flash, _ = load(progress=False)
+    ref, tok = load(norm="rms", progress=False)
+    flash, _ = load(norm="rms", progress=False)
     for m in (ref, flash):
         dequantize(m)
     flashnorm.apply(flash)

@@ -29,9 +29,9 @@ import mlx.core as mx
 
 from ..errors import HelpFormatter, UserError, run_cli
 from ..generate import wants_warmup, warmup
-from ..loader import DTYPE_CHOICES, load, resolve_dtype
-from .decode import (EAGER, PEER, context_length, device_name, load_mlx_lm, load_ours, log, mlx_lm_runner,
-                     our_runner, parse_modes, random_checkpoint, random_shape, timed, write_atomic)
+from ..loader import DTYPE_CHOICES, resolve_dtype
+from .decode import (EAGER, PEER, context_length, device_name, gguf_checkpoint, load_mlx_lm, load_ours, log,
+                     mlx_lm_runner, our_runner, parse_modes, random_checkpoint, random_shape, timed, write_atomic)
 
 
 def series(n, seed, vocab_size, context, most_tokens=128):
@@ -169,15 +169,9 @@ def prepare_model(args, folder):
         log(f"building {name} (random weights)...")
         random_checkpoint(folder, config)
         return f"{name} (random weights)", f"Q{bits} group {args.group_size}" if bits else "full", bits, config
-    from ..convert import export
-
-    # the embedded model as load() gives it (--bits 0: dequantized), written for every mode's loader
-    model, tokenizer = load(None, bits=args.bits, group_size=args.group_size, dtype="float32", progress=False,
-                            concat=False)
-    export(model, tokenizer, folder)
-    q = model.config.get("quantization")
-    return "embedded SmolLM2-135M-Instruct", f"Q{q['bits']} group {q['group_size']}" if q else "full", None, \
-        model.config
+    label, config = gguf_checkpoint(None, folder, args.bits, args.group_size)  # --bits 0: dequantized
+    q = config.get("quantization")
+    return label, f"Q{q['bits']} group {q['group_size']}" if q else "full", None, config
 
 
 def main(argv=None):

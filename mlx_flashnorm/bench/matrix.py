@@ -12,6 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from .. import progress
 from ..errors import UserError
 from ..loader import resolve_dtype
 from .decode import (SHAPES, bench, check_context, config_file, context_length, log, plot, positive,
@@ -72,16 +73,19 @@ def run_matrix(args, modes):
     if not points:
         raise UserError("nothing to run: every prompt length was skipped")
     reports = []
-    with tempfile.TemporaryDirectory() as tmp:
+    total = progress.bar(total=sum(len(p[2]) for p in points), desc="matrix", unit="point")
+    with tempfile.TemporaryDirectory() as tmp, total:
         for i, (name, config, lengths) in enumerate(points):
             label = f"{name} (random weights)"
             log(f"building {label}...")
             folder = random_checkpoint(Path(tmp) / f"model{i}", config)
             for pp in lengths:
                 log(f"{label}: pp{pp} tg{args.tg}")
-                reports.append(bench(modes, folder, label, args.bits or None, resolve_dtype(args.dtype, config),
+                bits = 4 if args.bits is None else args.bits or None
+                reports.append(bench(modes, folder, label, bits, resolve_dtype(args.dtype, config),
                                      pp, args.tg, args.reps, args.group_size, log=log))
                 md = write(reports, Path(args.out))
+                total.update()
             shutil.rmtree(folder)  # Llama-3.2-1B's random weights take 5 GB
     print(md)
     print(f"wrote {args.out}/matrix.md, matrix.json, matrix.png")

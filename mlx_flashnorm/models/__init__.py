@@ -7,4 +7,4 @@ from . import gemma3, llama, openelm, qwen2, qwen3
 ARCHITECTURES = {t: m for m in (llama, openelm, qwen2, qwen3, gemma3) for t in m.MODEL_TYPES}
 # GGUF general.architecture -> the model file mapping its metadata and tensors (from_gguf); llama
 # GGUF files are mapped by mlx_flashnorm.gguf itself.
-GGUF_ARCHITECTURES = {m.GGUF_ARCHITECTURE: m for m in (gemma3,)}
+GGUF_ARCHITECTURES = {m.GGUF_ARCHITECTURE: m for m in (gemma3, qwen2, qwen3)}

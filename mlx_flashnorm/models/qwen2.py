@@ -10,8 +10,10 @@ from .. import flashnorm as fn
 from . import llama
 from ..cache import scaled_dot_product_attention
 from ..concat import heads
+from ..errors import UserError
 
 MODEL_TYPES = ("qwen2",)
+GGUF_ARCHITECTURE = "qwen2"  # llama.cpp's name (from_gguf below)
 
 # FlashNorm on this architecture: both pre-norms go (input_layernorm folded into q/k/v_proj with
 # Sec. 3; their biases take the deferred 1/RMS before the bias, q/k outside RoPE's cos/sin;
@@ -84,3 +86,61 @@ class Model(llama.Model):
 
     FLASHNORM = FLASHNORM
     attention = Attention
+
+
+# GGUF (llama.cpp) tensor names -> HF names, for Qwen 2 and Qwen 3 (q_norm/k_norm).
+GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def gguf_config(tensors, scalar, arch):
+    """The config.json keys Qwen 2 and Qwen 3 share, from a GGUF's metadata under `arch.`. llama.cpp
+    keeps Qwen's q/k rows as Hugging Face has them (rotate-half RoPE: nothing to unpermute)."""
+    p = f"{arch}."
+    heads = int(scalar(p + "attention.head_count"))
+    config = {
+        "model_type": arch,
+        "hidden_size": int(scalar(p + "embedding_length")),
+        "num_hidden_layers": int(scalar(p + "block_count")),
+        "intermediate_size": int(scalar(p + "feed_forward_length")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(scalar(p + "attention.head_count_kv", heads)),
+        "rms_norm_eps": float(scalar(p + "attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(scalar(p + "rope.freq_base", 1_000_000.0)),
+        "max_position_embeddings": int(scalar(p + "context_length", 32768)),
+        "vocab_size": int(tensors["token_embd.weight"].shape[0]),
+        "tie_word_embeddings": not any(k.startswith("output.") for k in tensors),
+        "bos_token_id": scalar("tokenizer.ggml.bos_token_id", -1),
+        "eos_token_id": scalar("tokenizer.ggml.eos_token_id", -1),
+    }
+    scaling = scalar(p + "rope.scaling.type", "none")
+    if scaling == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(scalar(p + "rope.scaling.factor"))}
+    elif scaling != "none":
+        raise UserError(f"GGUF RoPE scaling '{scaling}' is not supported for {arch}; use the model's "
+                         "Hugging Face checkpoint")
+    return config
+
+
+def gguf_weights(tensors):
+    """GGUF tensor names -> HF names (the quantized parts .scales/.biases follow their weight)."""
+    weights = {}
+    for name, w in tensors.items():
+        parts = name.split(".")
+        if parts[0] == "blk":
+            hf = ".".join([f"model.layers.{parts[1]}.{GGUF_LAYER_NAMES.get(parts[2], parts[2])}"] + parts[3:])
+        else:
+            hf = ".".join([GGUF_TOP_NAMES.get(parts[0], parts[0])] + parts[1:])
+        weights[hf] = w
+    return weights
+
+
+def from_gguf(tensors, scalar):
+    """(config.json dict, HF-named weights) from a qwen2 GGUF's tensors and metadata (scalar(key,
+    default) reads a value), as models/gemma3.py's from_gguf."""
+    return gguf_config(tensors, scalar, GGUF_ARCHITECTURE), gguf_weights(tensors)

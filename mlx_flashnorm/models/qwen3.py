@@ -8,12 +8,13 @@ import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .. import flashnorm as fn
-from . import llama
+from . import llama, qwen2
 from ..cache import scaled_dot_product_attention
 from ..concat import heads
 from ..nn import RMSNorm
 
 MODEL_TYPES = ("qwen3",)
+GGUF_ARCHITECTURE = "qwen3"  # llama.cpp's name (from_gguf below)
 
 # FlashNorm on this architecture: both pre-norms go (input_layernorm folded into q/k/v_proj with
 # Sec. 4 for the QK-norm: q and k need no input 1/RMS, v gets it deferred; post_attention_layernorm
@@ -85,3 +86,14 @@ class Model(llama.Model):
 
     FLASHNORM = FLASHNORM
     attention = Attention
+
+
+def from_gguf(tensors, scalar):
+    """(config.json dict, HF-named weights) from a qwen3 GGUF (qwen2.gguf_config's keys, plus the
+    head size, which Qwen 3 states apart from hidden_size / heads; no attention biases unless the
+    file has them)."""
+    config = qwen2.gguf_config(tensors, scalar, GGUF_ARCHITECTURE)
+    config["head_dim"] = int(scalar(GGUF_ARCHITECTURE + ".attention.key_length",
+                                    config["hidden_size"] // config["num_attention_heads"]))
+    config["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    return config, qwen2.gguf_weights(tensors)
