@@ -244,9 +244,11 @@ def test_bench_takes_a_gguf_file_and_defaults_to_the_embedded_model(tmp_path, ca
     from conftest import QWEN2, make_checkpoint
     from gguf_files import smollm2_meta, write_qwen_gguf
 
-    _, weights = make_checkpoint(tmp_path / "q", QWEN2)
-    path = write_qwen_gguf(tmp_path / "tiny-qwen2.Q8_0.gguf", "qwen2", QWEN2, weights,
-                           tokenizer_meta=smollm2_meta(), qtype=gguf.GGMLQuantizationType.Q8_0)
+    meta = smollm2_meta()  # its vocabulary: the embedding has one row per token, as the loader checks
+    config = dict(QWEN2, vocab_size=len(meta["tokenizer.ggml.tokens"]))
+    _, weights = make_checkpoint(tmp_path / "q", config)
+    path = write_qwen_gguf(tmp_path / "tiny-qwen2.Q8_0.gguf", "qwen2", config, weights,
+                           tokenizer_meta=meta, qtype=gguf.GGMLQuantizationType.Q8_0)
     main(["--model", str(path), "--pp", "8", "--tg", "3", "--reps", "1", "--modes", "flash,mlx-lm",
           "--out", str(tmp_path / "gguf")])
     r = json.loads((tmp_path / "gguf" / "bench.json").read_text())
