@@ -1,0 +1,285 @@
+"""Continuous batching: many requests decoded together, one model call per step for all of them.
+
+A request joins the running batch at any step and leaves it when it finishes, each with its own
+sampling (temperature, top-p, top-k, seed, logits processors), stop tokens and max_tokens. A
+newcomer's prompt is prefilled on its own (one row, mlx-lm's KVCache) in chunks of at most
+`prefill_step` tokens per engine step, between the others' decode steps, so a long prompt delays
+the running streams by one chunk a step rather than by its whole length. Once only its last token
+is left it joins the batch: the batch's cache is one mlx-lm BatchKVCache per layer, its rows
+left-padded to a common length, each with its own position (the models' per-row RoPE offsets)
+and a mask hiding the padding.
+
+Exactness: every row's result is the one-request computation (a norm's deferred 1/RMS is per
+row), up to the summation order of a batched matmul and of attention over the padded length. Our
+fused GPU kernels take one row: a batch of more runs the plain composition of MLX operations.
+
+The engine is synchronous (BatchEngine.step); Worker runs one on its own thread for a server."""
+import queue
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, List, NamedTuple, Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.sample_utils import apply_top_k, apply_top_p
+
+from .generate import context_length, make_sampler_for
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation: prompt token ids and how to continue them. The engine fills in the rest."""
+    tokens: List[int]
+    max_tokens: int = 256
+    temp: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: Optional[int] = None
+    stop_tokens: frozenset = frozenset()  # ids that end it with finish "stop" (EOS)
+    logits_processors: list = field(default_factory=list)  # mlx-lm's: f(tokens, logits) -> logits
+    generated: List[int] = field(default_factory=list)
+    cached: int = 0  # prompt tokens taken from the prompt cache
+    cancelled: bool = False  # set by the caller (a stop string, a client gone): it leaves at the next step
+
+    def __post_init__(self):
+        self.sampler = make_sampler_for(self.temp, self.top_p, self.top_k)
+        self.key = None if self.seed is None else mx.random.key(self.seed)
+        self.next = None  # the token the next decode step feeds
+
+    @property
+    def greedy(self):
+        return self.temp == 0 and not self.logits_processors
+
+    def sample(self, logprobs):
+        """The sampler on this row's (1, vocab) log-probabilities. A seeded request draws from its
+        own key, split once per token as MLX splits its global key: what a lone request seeded
+        with mx.random.seed draws (the filters in make_sampler's order, top-p then top-k)."""
+        if self.key is None or self.temp == 0:
+            return self.sampler(logprobs)
+        if 0 < self.top_p < 1:
+            logprobs = apply_top_p(logprobs, self.top_p)
+        if self.top_k > 0:
+            logprobs = apply_top_k(logprobs, self.top_k)
+        self.key, key = mx.random.split(self.key)
+        return mx.random.categorical(logprobs * (1 / self.temp), key=key)
+
+
+class Event(NamedTuple):
+    """A token generated for a request; finish is "stop" (a stop token), "length" or None."""
+    request: Request
+    token: int
+    logprobs: mx.array  # (vocab,) log-probabilities the token was drawn from
+    finish: Optional[str]
+
+
+class Filling(NamedTuple):
+    """A request under prefill: its one-row caches and the prompt tokens still to run."""
+    request: Request
+    cache: list
+    todo: List[int]
+
+
+class BatchEngine:
+    """Prefills newcomers and decodes the running batch, one step() at a time.
+
+    max_batch: requests decoded together at most (more wait their turn). prefill_step: prompt
+    tokens prefilled per step at most. prompt_cache: a PromptCache, or None. prefilled counts the
+    prompt tokens the model computed (cache hits excluded)."""
+
+    def __init__(self, model, max_batch=32, prefill_step=256, prompt_cache=None):
+        self.model, self.max_batch, self.prefill_step = model, max_batch, prefill_step
+        self.prompt_cache = prompt_cache
+        self.waiting = deque()
+        self.filling = []
+        self.rows = []  # requests in the batch, in the cache's row order
+        self.cache = None  # one BatchKVCache per layer while rows
+        self.prefilled = 0
+
+    def add(self, request):
+        """Queue a request; max_tokens is cut to what the model's context leaves."""
+        room = context_length(self.model) - len(request.tokens)
+        if not request.tokens or room < 1:
+            raise ValueError(f"a prompt of {len(request.tokens)} tokens does not fit the model's "
+                             f"context of {context_length(self.model)}")
+        request.max_tokens = min(request.max_tokens, room)
+        self.waiting.append(request)
+
+    @property
+    def busy(self):
+        return bool(self.waiting or self.filling or self.rows)
+
+    def step(self):
+        """Drop cancelled requests, prefill up to prefill_step prompt tokens, then decode one
+        token for every row of the batch. Returns that step's Events."""
+        self._drop_cancelled()
+        self._prefill()
+        return self._decode() if self.rows else []
+
+    def _drop_cancelled(self):
+        self.waiting = deque(r for r in self.waiting if not r.cancelled)
+        self.filling = [f for f in self.filling if not f.request.cancelled]
+        gone = [i for i, r in enumerate(self.rows) if r.cancelled]
+        if gone:
+            self._remove(gone)
+
+    def _prefill(self):
+        while self.waiting and len(self.rows) + len(self.filling) < self.max_batch:
+            self.filling.append(self._start(self.waiting.popleft()))
+        budget = self.prefill_step
+        for f in list(self.filling):
+            n = min(budget, len(f.todo))
+            if n:
+                self.model(mx.array(f.todo[:n])[None], cache=f.cache)
+                mx.eval([(c.keys, c.values) for c in f.cache])
+                del f.todo[:n]
+                budget -= n
+                self.prefilled += n
+            if not f.todo:
+                self._join(f)
+
+    def _start(self, request):
+        """The request's one-row caches, filled from the prompt cache where it holds a prefix."""
+        cache = [KVCache() for _ in self.model.layers]
+        n, kv = self.prompt_cache.fetch(request.tokens) if self.prompt_cache else (0, None)
+        if kv:
+            for c, (k, v) in zip(cache, kv):
+                c.keys, c.values, c.offset = k, v, n
+        request.cached = n
+        return Filling(request, cache, list(request.tokens[n:-1]))
+
+    def _join(self, f):
+        """Move a prefilled request into the batch; its last prompt token runs in the next decode."""
+        self.filling.remove(f)
+        r = f.request
+        if self.prompt_cache is not None and r.cached < len(r.tokens) - 1:
+            self.prompt_cache.store(r.tokens[:-1], [(c.keys[..., :c.offset, :], c.values[..., :c.offset, :])
+                                                    for c in f.cache])
+        rows = [BatchKVCache.merge([c]) for c in f.cache]
+        if self.cache is None:
+            self.cache = rows
+        else:
+            for c, new in zip(self.cache, rows):
+                c.extend(new)
+        self.rows.append(r)
+        r.next = r.tokens[-1]
+        self.prefilled += 1  # the last prompt token, computed in the decode step
+
+    def _decode(self):
+        y = mx.array([[r.next] for r in self.rows], mx.int32)
+        logits = self.model(y, cache=self.cache)[:, -1, :]
+        logits = self._process(logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        tokens = self._sample(logprobs)
+        mx.eval(tokens, logprobs)
+        events, done = [], []
+        for i, (r, t) in enumerate(zip(self.rows, tokens.tolist())):
+            r.generated.append(t)
+            r.next = t
+            finish = "stop" if t in r.stop_tokens else ("length" if len(r.generated) >= r.max_tokens else None)
+            events.append(Event(r, t, logprobs[i], finish))
+            if finish:
+                done.append(i)
+        if done:
+            self._remove(done)
+        return events
+
+    def _process(self, logits):
+        """Each row's logits processors (penalties), given its tokens so far."""
+        if not any(r.logits_processors for r in self.rows):
+            return logits
+        rows = []
+        for i, r in enumerate(self.rows):
+            row = logits[i:i + 1]
+            if r.logits_processors:
+                seen = mx.array(r.tokens + r.generated)
+                for p in r.logits_processors:
+                    row = p(seen, row)
+            rows.append(row)
+        return mx.concatenate(rows)
+
+    def _sample(self, logprobs):
+        """(rows,) tokens: one argmax over the batch for greedy rows, each other row's sampler."""
+        greedy = mx.argmax(logprobs, axis=-1)
+        if all(r.greedy for r in self.rows):
+            return greedy
+        return mx.stack([greedy[i] if r.greedy else r.sample(logprobs[i:i + 1]).reshape(())
+                         for i, r in enumerate(self.rows)])
+
+    def _remove(self, indices):
+        """Take rows out of the batch, keeping what they read in the prompt cache."""
+        if self.prompt_cache is not None:
+            for i in indices:
+                r = self.rows[i]
+                read = (r.tokens + r.generated)[:-1]  # the last token sampled was never fed
+                kv = [c.extract(i) for c in self.cache]
+                self.prompt_cache.store(read, [(c.keys, c.values) for c in kv])
+        keep = [i for i in range(len(self.rows)) if i not in set(indices)]
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.cache = None
+            return
+        for c in self.cache:
+            c.filter(mx.array(keep))
+
+
+class Worker:
+    """A BatchEngine on its own thread (MLX streams and compiled functions belong to the thread
+    that made them). stream() may be called from any thread.
+
+    setup: called first on the thread (a warm-up); `started` then gets None or its exception."""
+
+    def __init__(self, engine, setup: Optional[Callable] = None):
+        self.engine = engine
+        self.inbox = queue.Queue()
+        self.started = queue.Queue()
+        threading.Thread(target=self._run, args=(setup,), daemon=True).start()
+
+    def stream(self, request):
+        """Yield the request's Events until it finishes. Closing the generator early (a stop
+        string, a client gone) cancels the request: it leaves the batch at the next step."""
+        request.out = queue.Queue()
+        self.inbox.put(request)
+        try:
+            while True:
+                event = request.out.get()
+                if isinstance(event, BaseException):
+                    raise event
+                yield event
+                if event.finish:
+                    return
+        finally:
+            request.cancelled = True
+
+    def _run(self, setup):
+        try:
+            if setup is not None:
+                setup()
+        except Exception as e:
+            return self.started.put(e)
+        self.started.put(None)
+        while True:
+            self._admit(block=not self.engine.busy)
+            try:
+                for event in self.engine.step():
+                    event.request.out.put(event)
+            except Exception as e:  # a failed step fails every request in flight, not the thread
+                self._fail(e)
+
+    def _admit(self, block):
+        try:
+            request = self.inbox.get(block=block)
+            while True:
+                try:
+                    self.engine.add(request)
+                except Exception as e:
+                    request.out.put(e)
+                request = self.inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _fail(self, error):
+        e = self.engine
+        for r in list(e.waiting) + [f.request for f in e.filling] + e.rows:
+            r.out.put(error)
+        e.waiting, e.filling, e.rows, e.cache = deque(), [], [], None
