@@ -16,6 +16,7 @@ fused GPU kernels take one row: a batch of more runs the plain composition of ML
 The engine is synchronous (BatchEngine.step); Worker runs one on its own thread for a server."""
 import queue
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, List, NamedTuple, Optional
@@ -24,7 +25,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
-from .generate import context_length, make_sampler_for
+from .generate import Response, context_length, make_sampler_for
 
 
 @dataclass(eq=False)
@@ -41,11 +42,12 @@ class Request:
     generated: List[int] = field(default_factory=list)
     cached: int = 0  # prompt tokens taken from the prompt cache
     cancelled: bool = False  # set by the caller (a stop string, a client gone): it leaves at the next step
+    next: Optional[int] = None  # the token the next decode step feeds
+    out: Optional[queue.Queue] = None  # Worker: where its Events go
 
     def __post_init__(self):
         self.sampler = make_sampler_for(self.temp, self.top_p, self.top_k)
         self.key = None if self.seed is None else mx.random.key(self.seed)
-        self.next = None  # the token the next decode step feeds
 
     @property
     def greedy(self):
@@ -223,6 +225,14 @@ class BatchEngine:
             c.filter(mx.array(keep))
 
 
+def materialize(model):
+    """Evaluate the model's arrays on this thread (a lazy array evaluates on the thread that made
+    it): its parameters and the arrays its modules keep outside them (FlashNorm's RoPE angles, under
+    names starting with _)."""
+    mx.eval(model.parameters(), [[v for v in m.values() if isinstance(v, (mx.array, tuple))]
+                                 for m in model.modules()])
+
+
 class Worker:
     """A BatchEngine on its own thread (MLX streams and compiled functions belong to the thread
     that made them). stream() may be called from any thread.
@@ -231,6 +241,7 @@ class Worker:
 
     def __init__(self, engine, setup: Optional[Callable] = None):
         self.engine = engine
+        materialize(engine.model)
         self.inbox = queue.Queue()
         self.started = queue.Queue()
         threading.Thread(target=self._run, args=(setup,), daemon=True).start()
@@ -283,3 +294,23 @@ class Worker:
         for r in list(e.waiting) + [f.request for f in e.filling] + e.rows:
             r.out.put(error)
         e.waiting, e.filling, e.rows, e.cache = deque(), [], [], None
+
+
+def responses(events, tokenizer, request):
+    """generate.Response per Event of one request (Worker.stream), as stream_generate yields them:
+    the text detokenized (a detokenizer per request; a stop token adds none), tokens/s, and the
+    process's peak memory."""
+    detok = tokenizer.detokenizer  # a fresh copy per call
+    tic = time.perf_counter()
+    prompt_tps = 0.0
+    for n, e in enumerate(events, 1):
+        if n == 1:
+            prompt_tps = len(request.tokens) / (time.perf_counter() - tic)
+            tic = time.perf_counter()
+        if e.finish != "stop":
+            detok.add_token(e.token)
+        if e.finish:
+            detok.finalize()
+        gen_tps = (n - 1) / max(time.perf_counter() - tic, 1e-9) if n > 1 else 0.0
+        yield Response(detok.last_segment, e.token, len(request.tokens), prompt_tps, n, gen_tps,
+                       mx.get_peak_memory() / 1e9, e.finish)

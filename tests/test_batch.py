@@ -105,6 +105,10 @@ def test_prompt_cache_skips_shared_prefix(model):
     assert third.cached == len(a) + STEPS - 1  # the last token sampled was never fed
     assert engine.prefilled - before == len(turn) - third.cached == 6
     assert third.generated == single(model, turn)[0]
+    again = Request(a, max_tokens=STEPS)  # all but its last token cached: it joins the batch at once
+    before = engine.prefilled
+    run(engine, [again])
+    assert again.cached == len(a) - 1 and engine.prefilled - before == 1 and again.generated == first.generated
 
 
 def test_seeded_sampling_equals_single(model):
@@ -190,3 +194,31 @@ def test_worker_streams_concurrently(llama):
         t.join(timeout=120)
     assert results == [single(llama, p)[0] for p in prompts]
     assert first.token == results[0][0] and short.cancelled and len(short.generated) < STEPS
+
+
+def test_responses_match_stream_generate(smollm2):
+    """On the real SmolLM2: Worker + responses give stream_generate's Responses (text, token,
+    finish) for two requests decoded together, one ending at a stop token."""
+    from mlx_flashnorm.batch import responses
+    from mlx_flashnorm.generate import encode_prompt, stream_generate
+
+    model, tokenizer = smollm2
+    worker = Worker(BatchEngine(model))
+    assert worker.started.get(timeout=60) is None
+    prompts = [encode_prompt(tokenizer, p) for p in ("Say hi.", "Write a poem about the sea.")]
+    want = [[(r.text, r.token, r.finish_reason) for r in stream_generate(model, tokenizer, p, max_tokens=n)]
+            for p, n in zip(prompts, (40, 12))]
+    assert want[0][-1][2] == "stop" and want[1][-1][2] == "length"  # both endings occur
+    requests = [Request(p, max_tokens=n, stop_tokens=frozenset(tokenizer.eos_token_ids))
+                for p, n in zip(prompts, (40, 12))]
+    streams = [responses(worker.stream(r), tokenizer, r) for r in requests]
+    got = [[], []]
+    while any(s is not None for s in streams):  # read both in turn: they run in one batch
+        for i, s in enumerate(streams):
+            if s is not None:
+                r = next(s, None)
+                if r is None:
+                    streams[i] = None
+                else:
+                    got[i].append((r.text, r.token, r.finish_reason))
+    assert got == want
