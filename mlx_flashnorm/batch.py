@@ -107,6 +107,18 @@ class BatchEngine:
         request.max_tokens = min(request.max_tokens, room)
         self.waiting.append(request)
 
+    def warmup(self, prompt=16, steps=3):
+        """Play one throwaway greedy request (a prompt of `prompt` tokens, `steps` tokens), outside
+        the prompt cache and the prefill count, so that a first real request finds MLX's kernels
+        compiled (generate.warmup's reason). Call it on the thread that will step the engine."""
+        kept, self.prompt_cache, counted = self.prompt_cache, None, self.prefilled
+        try:
+            self.add(Request([i % self.model.args.vocab_size for i in range(prompt)], max_tokens=steps))
+            while self.busy:
+                self.step()
+        finally:
+            self.prompt_cache, self.prefilled = kept, counted
+
     @property
     def busy(self):
         return bool(self.waiting or self.filling or self.rows)

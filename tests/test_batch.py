@@ -222,3 +222,28 @@ def test_responses_match_stream_generate(smollm2):
                 else:
                     got[i].append((r.text, r.token, r.finish_reason))
     assert got == want
+
+
+def test_warmup_leaves_no_trace(llama):
+    """warmup() runs the model but leaves the prompt cache, the count and the batch as they were."""
+    engine = BatchEngine(llama, prompt_cache=PromptCache(1 << 24))
+    engine.warmup()
+    assert engine.prefilled == 0 and len(engine.prompt_cache) == 0 and not engine.busy
+    r = Request(prompt(llama, 9), max_tokens=STEPS)
+    run(engine, [r])
+    assert r.generated == single(llama, r.tokens)[0] and engine.prefilled == 9
+
+
+def test_logits_processors_per_row(llama):
+    """A row's logits processors (a repetition penalty) change its tokens only: alone or beside
+    others (one without any), it gets the same tokens; the greedy row gets its single tokens."""
+    from mlx_lm.sample_utils import make_repetition_penalty
+
+    p, q = prompt(llama, 7), prompt(llama, 12)
+    penalized = lambda: Request(p, max_tokens=STEPS, logits_processors=[make_repetition_penalty(3.0, 50)])
+    alone = penalized()
+    run(BatchEngine(llama), [alone])
+    together = [penalized(), Request(q, max_tokens=STEPS), Request(p, max_tokens=STEPS)]
+    run(BatchEngine(llama), together)
+    assert together[0].generated == alone.generated != together[2].generated == single(llama, p)[0]
+    assert together[1].generated == single(llama, q)[0]
