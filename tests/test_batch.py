@@ -235,15 +235,20 @@ def test_warmup_leaves_no_trace(llama):
 
 
 def test_logits_processors_per_row(llama):
-    """A row's logits processors (a repetition penalty) change its tokens only: alone or beside
-    others (one without any), it gets the same tokens; the greedy row gets its single tokens."""
-    from mlx_lm.sample_utils import make_repetition_penalty
+    """A row's logits processors, given its tokens so far, change its tokens only: alone or beside
+    others (one without any), it gets the same tokens; the other rows get their single tokens."""
+    def odd_unseen(tokens, logits):  # bans even ids and every id seen so far (prompt and output)
+        ids = mx.arange(logits.shape[-1])
+        banned = (ids % 2 == 0) | (ids[:, None] == tokens[None]).any(axis=1)
+        return mx.where(banned, -mx.inf, logits)
 
     p, q = prompt(llama, 7), prompt(llama, 12)
-    penalized = lambda: Request(p, max_tokens=STEPS, logits_processors=[make_repetition_penalty(3.0, 50)])
-    alone = penalized()
+    alone = Request(p, max_tokens=STEPS, logits_processors=[odd_unseen])
     run(BatchEngine(llama), [alone])
-    together = [penalized(), Request(q, max_tokens=STEPS), Request(p, max_tokens=STEPS)]
+    together = [Request(p, max_tokens=STEPS, logits_processors=[odd_unseen]), Request(q, max_tokens=STEPS),
+                Request(p, max_tokens=STEPS)]
     run(BatchEngine(llama), together)
-    assert together[0].generated == alone.generated != together[2].generated == single(llama, p)[0]
+    out = alone.generated
+    assert all(t % 2 for t in out) and len(set(out + p)) == len(out) + len(set(p))
+    assert together[0].generated == out != together[2].generated == single(llama, p)[0]
     assert together[1].generated == single(llama, q)[0]
