@@ -28,6 +28,8 @@ class Response:
     generation_tps: float
     peak_memory: float  # GB
     finish_reason: Optional[str] = None  # "stop" (EOS), "length", or None while generating
+    logprobs: Optional[mx.array] = None  # the step's log-probabilities over the vocabulary (after
+    # logits_processors, before the sampler's temperature and filters): what the token was drawn from
 
 
 def context_length(model):
@@ -89,29 +91,37 @@ class CompiledStep:
         return all(len(c) == n for c, n in self.sizes) and all(c[k] is v for c, k, v in self.links)
 
 
-def compiled_decode(model):
+def compiled_decode(model, logits=False):
     """The 1-token forward pass as one compiled function of (token, offset, kv buffers), made once
     per model and kept on it: every request reuses it (MLX traces it again only for a new cache
     shape or dtype; a changed model gets a new one). offset: decode_offset(position); the step
-    returns the next one."""
-    kept = getattr(model, "_compiled_decode", None)
+    returns (log-probabilities, the next offset, kv). logits: a second step that returns the raw
+    logits instead, for logits processors (a repetition penalty depends on the logits' signs)."""
+    name = "_compiled_logits" if logits else "_compiled_decode"
+    kept = getattr(model, name, None)
     if kept is None or not kept.current():
         def step(y, offset, kv):
             cache = [StaticKVCache(k.shape[2]) for k, _ in kv]
             for c, (k, v) in zip(cache, kv):
                 c.keys, c.values, c.offset = k, v, position(offset)
-            logits = model(y[None], cache=cache)[:, -1, :]
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            return logprobs, offset + 1, [c.state for c in cache]
+            out = model(y[None], cache=cache)[:, -1, :]
+            if not logits:
+                out = out - mx.logsumexp(out, axis=-1, keepdims=True)
+            return out, offset + 1, [c.state for c in cache]
 
-        model._compiled_decode = CompiledStep(model, mx.compile(step))  # a plain attribute, not a child
-    return model._compiled_decode.step
+        setattr(model, name, CompiledStep(model, mx.compile(step)))  # a plain attribute, not a child
+    return getattr(model, name).step
 
 
 def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048, compiled=None,
-                  cache=None):
+                  cache=None, logits_processors=()):
     """Yield (token, logprobs) one at a time. The next step is queued on the device
     (async_eval) before the current token is handed to the caller.
+
+    logits_processors: functions (tokens, logits) -> logits applied in turn to each step's logits
+    (shape 1 x vocabulary) before the log-softmax and the sampler, as mlx-lm's are (its
+    sample_utils.make_logits_processors makes them): tokens is every token so far, the prompt's
+    and those generated (not those of an earlier `cache`).
 
     compiled: decode with a StaticKVCache of cache_capacity(prompt + max_tokens) positions and the
     model's compiled 1-token step (fast where our kernels run); False: the plain forward pass over
@@ -131,10 +141,22 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
         raise ValueError(f"the cache holds {cache[0].capacity} positions, "
                          f"{cache[0].offset + prompt.size + max_tokens} are needed")
 
+    seen = prompt  # the tokens so far, for logits_processors
+
+    def pick(logits, normalized=False):
+        """(token, log-probabilities) from a step's logits; normalized: they are log-probabilities
+        already (the compiled step's, where no processor needs the raw logits)."""
+        nonlocal seen
+        for process in logits_processors:
+            logits = process(seen, logits)
+        logprobs = logits if normalized else logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        y = sampler(logprobs)
+        if logits_processors:
+            seen = mx.concatenate([seen, y.astype(seen.dtype)])
+        return y, logprobs.squeeze(0)
+
     def eager_step(tokens):
-        logits = model(tokens[None], cache=cache)[:, -1, :]
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return sampler(logprobs), logprobs.squeeze(0)
+        return pick(model(tokens[None], cache=cache)[:, -1, :])
 
     # Prefill all but the last prompt token in chunks (bounding the attention scratch memory).
     # Only the cache is evaluated, so the logits of those positions are never computed.
@@ -151,15 +173,15 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
     if not compiled:
         step = eager_step
     else:
-        decode = compiled_decode(model)
+        decode = compiled_decode(model, logits=bool(logits_processors))
         offset, kv = decode_offset(cache[0].offset), [c.state for c in cache]
         for c in cache:  # the buffers now live in kv alone, so each step can update them in place
             c.keys = c.values = None
 
         def step(y):
             nonlocal offset, kv
-            logprobs, offset, kv = decode(y.astype(mx.uint32), offset, kv)  # one trace: samplers' dtype
-            return sampler(logprobs), logprobs.squeeze(0)
+            out, offset, kv = decode(y.astype(mx.uint32), offset, kv)  # one trace: samplers' dtype
+            return pick(out, normalized=not logits_processors)
 
     try:
         y, logprobs = first or step(prompt)
@@ -192,15 +214,18 @@ def warmup(model, compiled=None):
         pass
 
 
-def make_sampler_for(temp=0.0, top_p=1.0, top_k=0):
-    """Greedy when temp == 0; else temperature sampling restricted by top-p (1.0: off) and top-k (0: off)."""
+def make_sampler_for(temp=0.0, top_p=1.0, top_k=0, min_p=0.0):
+    """Greedy when temp == 0; else temperature sampling restricted by top-p (1.0: off), top-k (0: off)
+    and min-p (0.0: off; keeps the tokens at least min_p times as likely as the likeliest)."""
     if temp < 0:
         raise UserError(f"temp must be at least 0 (0 is greedy), not {temp}")
     if not 0 < top_p <= 1:
         raise UserError(f"top-p must be above 0 and at most 1 (1 is off), not {top_p}")
     if top_k < 0:
         raise UserError(f"top-k must be at least 0 (0 is off), not {top_k}")
-    return make_sampler(temp, top_p=top_p if top_p < 1 else 0.0, top_k=top_k)
+    if not 0 <= min_p <= 1:
+        raise UserError(f"min-p must be from 0 to 1 (0 is off), not {min_p}")
+    return make_sampler(temp, top_p=top_p if top_p < 1 else 0.0, top_k=top_k, min_p=min_p)
 
 
 def check_limits(max_tokens, seed):
@@ -225,9 +250,11 @@ def encode_prompt(tokenizer, prompt, chat_template=True):
 
 
 def stream_generate(model, tokenizer, prompt, max_tokens=256, temp=0.0, top_p=1.0, top_k=0,
-                    seed=None, chat_template=True, prefill_step=512, cache=None):
+                    seed=None, chat_template=True, prefill_step=512, cache=None, min_p=0.0,
+                    logits_processors=()):
     """Yield a Response per generated token; prompt is a string or a list of token ids.
-    cache: a StaticKVCache list holding earlier tokens, to continue after them (generate_step)."""
+    cache: a StaticKVCache list holding earlier tokens, to continue after them; logits_processors:
+    as generate_step takes them."""
     check_limits(max_tokens, seed)
     tokens = encode_prompt(tokenizer, prompt, chat_template)
     ctx = context_length(model)
@@ -238,16 +265,17 @@ def stream_generate(model, tokenizer, prompt, max_tokens=256, temp=0.0, top_p=1.
     max_tokens = min(max_tokens, ctx - start - len(tokens))
     if seed is not None:
         mx.random.seed(seed)
-    sampler = make_sampler_for(temp, top_p, top_k)
+    sampler = make_sampler_for(temp, top_p, top_k, min_p)
     detok = tokenizer.detokenizer
     detok.reset()
     mx.reset_peak_memory()
     tic = time.perf_counter()
     prompt_tps = 0.0
     n = 0
-    steps = generate_step(mx.array(tokens), model, sampler, max_tokens, prefill_step, cache=cache)
+    steps = generate_step(mx.array(tokens), model, sampler, max_tokens, prefill_step, cache=cache,
+                          logits_processors=logits_processors)
     with closing(steps):  # closed at once, so that a kept cache gets its buffers back
-        for n, (token, _) in enumerate(steps, 1):
+        for n, (token, logprobs) in enumerate(steps, 1):
             if n == 1:
                 prompt_tps = len(tokens) / (time.perf_counter() - tic)
                 tic = time.perf_counter()
@@ -259,7 +287,7 @@ def stream_generate(model, tokenizer, prompt, max_tokens=256, temp=0.0, top_p=1.
                 detok.finalize()
             gen_tps = (n - 1) / max(time.perf_counter() - tic, 1e-9) if n > 1 else 0.0
             yield Response(detok.last_segment, token, len(tokens), prompt_tps, n, gen_tps,
-                           mx.get_peak_memory() / 1e9, finish)
+                           mx.get_peak_memory() / 1e9, finish, logprobs)
             if finish:
                 break
 
