@@ -13,19 +13,21 @@ Exactness: every row's result is the one-request computation (a norm's deferred 
 row), up to the summation order of a batched matmul and of attention over the padded length. Our
 fused GPU kernels take one row: a batch of more runs the plain composition of MLX operations.
 
-The engine is synchronous (BatchEngine.step); Worker runs one on its own thread for a server."""
+The engine is synchronous (BatchEngine.step); BatchWorker runs one on its own thread for the
+server."""
 import queue
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, List, NamedTuple, Optional
+from typing import List, NamedTuple, Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
-from mlx_lm.sample_utils import apply_top_k, apply_top_p
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from .generate import Response, context_length, make_sampler_for
+from .generate import context_length, make_sampler_for
+from .prompt_cache import PromptCache
+from .worker import Ticket, token_of
 
 
 @dataclass(eq=False)
@@ -36,6 +38,7 @@ class Request:
     temp: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: Optional[int] = None
     stop_tokens: frozenset = frozenset()  # ids that end it with finish "stop" (EOS)
     logits_processors: list = field(default_factory=list)  # mlx-lm's: f(tokens, logits) -> logits
@@ -43,15 +46,15 @@ class Request:
     cached: int = 0  # prompt tokens taken from the prompt cache
     cancelled: bool = False  # set by the caller (a stop string, a client gone): it leaves at the next step
     next: Optional[int] = None  # the token the next decode step feeds
-    out: Optional[queue.Queue] = None  # Worker: where its Events go
+    ticket: Optional[Ticket] = None  # BatchWorker: where its tokens go
 
     def __post_init__(self):
-        self.sampler = make_sampler_for(self.temp, self.top_p, self.top_k)
+        self.sampler = make_sampler_for(self.temp, self.top_p, self.top_k, self.min_p)
         self.key = None if self.seed is None else mx.random.key(self.seed)
 
     @property
     def greedy(self):
-        return self.temp == 0 and not self.logits_processors
+        return self.temp == 0
 
     def sample(self, logprobs):
         """The sampler on this row's (1, vocab) log-probabilities. A seeded request draws from its
@@ -61,6 +64,8 @@ class Request:
             return self.sampler(logprobs)
         if 0 < self.top_p < 1:
             logprobs = apply_top_p(logprobs, self.top_p)
+        if self.min_p != 0:
+            logprobs = apply_min_p(logprobs, self.min_p)
         if self.top_k > 0:
             logprobs = apply_top_k(logprobs, self.top_k)
         self.key, key = mx.random.split(self.key)
@@ -68,11 +73,11 @@ class Request:
 
 
 class Event(NamedTuple):
-    """A token generated for a request; finish is "stop" (a stop token), "length" or None."""
+    """A token generated for a request; finish_reason is "stop" (a stop token), "length" or None."""
     request: Request
     token: int
-    logprobs: mx.array  # (vocab,) log-probabilities the token was drawn from
-    finish: Optional[str]
+    logprobs: mx.array  # (vocab,) log-probabilities the token was drawn from (after the processors)
+    finish_reason: Optional[str]
 
 
 class Filling(NamedTuple):
@@ -122,6 +127,14 @@ class BatchEngine:
     @property
     def busy(self):
         return bool(self.waiting or self.filling or self.rows)
+
+    def requests(self):
+        """Every request added and not finished: waiting, under prefill or in the batch."""
+        return list(self.waiting) + [f.request for f in self.filling] + self.rows
+
+    def clear(self):
+        """Drop every request (after a failed step)."""
+        self.waiting, self.filling, self.rows, self.cache = deque(), [], [], None
 
     def step(self):
         """Drop cancelled requests, prefill up to prefill_step prompt tokens, then decode one
@@ -245,84 +258,75 @@ def materialize(model):
                                  for m in model.modules()])
 
 
-class Worker:
-    """A BatchEngine on its own thread (MLX streams and compiled functions belong to the thread
-    that made them). stream() may be called from any thread.
+class BatchWorker:
+    """The server's generation worker (worker.py's interface: slots, submit(Generation) -> Ticket)
+    over a BatchEngine on its own thread: MLX streams belong to the thread that made them, so the
+    model runs on this one's. A cancelled ticket's request leaves the batch at the next step.
 
-    setup: called first on the thread (a warm-up); `started` then gets None or its exception."""
+    warm: play BatchEngine.warmup on the thread first; its exception is raised here.
+    prompt_cache_bytes: the prompt cache's bound (0: none)."""
 
-    def __init__(self, engine, setup: Optional[Callable] = None):
-        self.engine = engine
-        materialize(engine.model)
+    def __init__(self, model, tokenizer, warm=False, max_batch=32, prompt_cache_bytes=0, prefill_step=256):
+        self.slots = max_batch
+        cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
+        self.engine = BatchEngine(model, max_batch, prefill_step, cache)
+        self.stop_tokens = frozenset(tokenizer.eos_token_ids)
         self.inbox = queue.Queue()
-        self.started = queue.Queue()
-        threading.Thread(target=self._run, args=(setup,), daemon=True).start()
+        materialize(model)
+        started = queue.Queue()
+        threading.Thread(target=self._serve, args=(warm, started), daemon=True).start()
+        if (error := started.get()) is not None:
+            raise error
 
-    def stream(self, request):
-        """Yield the request's Events until it finishes. Closing the generator early (a stop
-        string, a client gone) cancels the request: it leaves the batch at the next step."""
-        request.out = queue.Queue()
-        self.inbox.put(request)
-        try:
-            while True:
-                event = request.out.get()
-                if isinstance(event, BaseException):
-                    raise event
-                yield event
-                if event.finish:
-                    return
-        finally:
-            request.cancelled = True
+    def submit(self, generation):
+        ticket = Ticket(generation)
+        self.inbox.put(ticket)
+        return ticket
 
-    def _run(self, setup):
+    def put(self, ticket, token):
+        """Hand a Token to its ticket (on the worker thread)."""
+        ticket.put(token)
+
+    def request(self, ticket):
+        g = ticket.generation
+        r = Request(g.tokens, g.max_tokens, g.temp, g.top_p, g.top_k, g.min_p, g.seed, self.stop_tokens,
+                    g.logits_processors())
+        r.ticket = ticket
+        return r
+
+    def _serve(self, warm, started):
         try:
-            if setup is not None:
-                setup()
+            if warm:
+                self.engine.warmup()
         except Exception as e:
-            return self.started.put(e)
-        self.started.put(None)
+            return started.put(e)
+        started.put(None)
         while True:
             self._admit(block=not self.engine.busy)
+            for r in self.engine.requests():
+                r.cancelled = r.cancelled or r.ticket.cancelled
             try:
-                for event in self.engine.step():
-                    event.request.out.put(event)
+                events = self.engine.step()
             except Exception as e:  # a failed step fails every request in flight, not the thread
-                self._fail(e)
+                for r in self.engine.requests():
+                    r.ticket.put(e)
+                self.engine.clear()
+                continue
+            for e in events:
+                self.put(e.request.ticket, token_of(e, e.request.ticket.generation.top_logprobs))
+                if e.finish_reason:
+                    e.request.ticket.put(None)
 
     def _admit(self, block):
+        """Move submitted tickets into the engine (waiting for one if block)."""
         try:
-            request = self.inbox.get(block=block)
+            ticket = self.inbox.get(block=block)
             while True:
-                try:
-                    self.engine.add(request)
-                except Exception as e:
-                    request.out.put(e)
-                request = self.inbox.get_nowait()
+                if not ticket.cancelled:
+                    try:
+                        self.engine.add(self.request(ticket))
+                    except Exception as e:
+                        ticket.put(e)
+                ticket = self.inbox.get_nowait()
         except queue.Empty:
             pass
-
-    def _fail(self, error):
-        e = self.engine
-        for r in list(e.waiting) + [f.request for f in e.filling] + e.rows:
-            r.out.put(error)
-        e.waiting, e.filling, e.rows, e.cache = deque(), [], [], None
-
-
-def responses(events, tokenizer, request):
-    """generate.Response per Event of one request (Worker.stream), as stream_generate yields them:
-    the text detokenized (a detokenizer per request; a stop token adds none), tokens/s, and the
-    process's peak memory."""
-    detok = tokenizer.detokenizer  # a fresh copy per call
-    tic = time.perf_counter()
-    prompt_tps = 0.0
-    for n, e in enumerate(events, 1):
-        if n == 1:
-            prompt_tps = len(request.tokens) / (time.perf_counter() - tic)
-            tic = time.perf_counter()
-        if e.finish != "stop":
-            detok.add_token(e.token)
-        if e.finish:
-            detok.finalize()
-        gen_tps = (n - 1) / max(time.perf_counter() - tic, 1e-9) if n > 1 else 0.0
-        yield Response(detok.last_segment, e.token, len(request.tokens), prompt_tps, n, gen_tps,
-                       mx.get_peak_memory() / 1e9, e.finish)

@@ -4,8 +4,10 @@ GET /v1/models, GET /health, POST /v1/chat/completions and POST /v1/completions,
 streamed as server-sent events; OPTIONS answers browsers' preflights. Built on the standard
 library's ThreadingHTTPServer: each connection has a thread that reads and checks its request
 (openai_api: every field range-checked, a JSON error for anything wrong), queues it on the
-generation worker (worker.SerialWorker, or anything with its interface) and writes the answer
-from the tokens that come back.
+generation worker and writes the answer from the tokens that come back. The worker decodes up to
+--max-concurrent requests together (batch.BatchWorker: continuous batching, with a prompt cache
+of --prompt-cache-size MB); --max-concurrent 1 serves one request at a time on the compiled
+one-request path (worker.SerialWorker: our fused kernels where they run, no prompt cache).
 
 Under load: at most the worker's slots plus --max-queue requests are taken at once, the rest get
 503 with Retry-After; a request (headers and body) must arrive within --timeout seconds and be at
@@ -29,6 +31,7 @@ from .cli import add_model_args, add_sampling_args, wants_warmup
 from .errors import UserError, run_cli
 from .generate import context_length, load_from_args, make_sampler_for
 from .openai_api import Answer, HTTPError, Transcript, bad, parse_call, parse_json
+from .batch import BatchWorker
 from .worker import SerialWorker
 
 POLL = 0.1  # seconds between checks that a client waiting for its first token is still there
@@ -36,6 +39,8 @@ RETRY_AFTER = 1  # seconds, in a 503's Retry-After
 MAX_BODY = 2**20  # bytes: a prompt filling a 128k-token context is about 0.5 MB of JSON
 DRAIN_PAUSE = 0.2  # seconds: a body of unknown length has ended when none of it comes for this long
 API_KEY_VARIABLE = "MLX_FLASHNORM_API_KEY"
+MAX_CONCURRENT = 32  # requests decoded together (mlx_lm.server's default)
+PROMPT_CACHE_MB = 512  # the prompt cache's bound
 
 
 class ClientGone(Exception):
@@ -94,13 +99,16 @@ class Server(ThreadingHTTPServer):
 
     def __init__(self, model, tokenizer, model_id, host="127.0.0.1", port=8080, max_tokens=256,
                  temp=0.0, top_p=1.0, top_k=0, warm=False, *, api_key=None, cors_origins=(),
-                 max_queue=64, max_body=MAX_BODY, timeout=30.0, worker=None):
+                 max_queue=64, max_body=MAX_BODY, timeout=30.0, max_concurrent=MAX_CONCURRENT,
+                 prompt_cache_bytes=PROMPT_CACHE_MB * 2**20, worker=None):
         """max_tokens, temp, top_p, top_k: the defaults of requests that leave them out.
-        warm: warm the model up on the worker thread before serving (SerialWorker).
+        warm: warm the model up on the worker thread before serving.
         api_key: requests must send it as a Bearer token; cors_origins: the web origins whose pages
         may call the server ("*": any); max_queue: requests waiting beyond the worker's slots;
         max_body: bytes; timeout: seconds for a request to arrive, and for any one socket operation.
-        worker: what generates (default: a SerialWorker of model)."""
+        max_concurrent: requests generated together (1: one at a time, SerialWorker; else a
+        BatchWorker with a prompt cache of prompt_cache_bytes). worker: what generates (default:
+        the one max_concurrent says)."""
         super().__init__((host, port), Handler)
         self.model, self.tokenizer, self.model_id = model, tokenizer, model_id
         self.defaults = dict(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k)
@@ -109,7 +117,8 @@ class Server(ThreadingHTTPServer):
         self.created = int(time.time())
         self.lock, self.active = threading.Lock(), 0
         try:
-            self.worker = worker or SerialWorker(model, tokenizer, warm)
+            self.worker = worker or (SerialWorker(model, tokenizer, warm) if max_concurrent == 1 else
+                                     BatchWorker(model, tokenizer, warm, max_concurrent, prompt_cache_bytes))
         except BaseException:
             self.server_close()
             raise
@@ -399,6 +408,13 @@ def arg_parser():
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for the worker; beyond, 503 with Retry-After (default: 64)")
     p.add_argument("--max-body", type=int, default=MAX_BODY, help=f"request body bytes at most (default: {MAX_BODY})")
+    p.add_argument("--max-concurrent", type=int, default=MAX_CONCURRENT,
+                   help=f"requests decoded together, in one batch (default: {MAX_CONCURRENT}); 1: one at a "
+                        "time on the compiled one-request path")
+    p.add_argument("--prompt-cache-size", type=float, default=PROMPT_CACHE_MB, metavar="MB",
+                   help="memory for the KV states of earlier prompts and replies, so that a shared "
+                        "prefix (a system prompt, a conversation's earlier turns) is not computed "
+                        f"again; least recently used go first (default: {PROMPT_CACHE_MB}; 0: off)")
     p.add_argument("--timeout", type=float, default=30.0,
                    help="seconds a request may take to arrive, and any write to a client (default: 30)")
     add_model_args(p)
@@ -411,13 +427,16 @@ def main(argv=None):
     make_sampler_for(args.temp, args.top_p, args.top_k)  # checks the sampling flags
     if args.max_queue < 0 or args.max_body < 1 or not args.timeout > 0:
         raise UserError("--max-queue must be at least 0, --max-body at least 1 and --timeout above 0")
+    if args.max_concurrent < 1 or not args.prompt_cache_size >= 0:
+        raise UserError("--max-concurrent must be at least 1 and --prompt-cache-size (MB) at least 0")
     model, tokenizer = load_from_args(args, warm=False)  # the worker thread warms up
     model_id = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
     try:
         server = Server(model, tokenizer, model_id, args.host, args.port, args.max_tokens, args.temp,
                         args.top_p, args.top_k, warm=wants_warmup(args), api_key=args.api_key or None,
                         cors_origins=args.cors_origin, max_queue=args.max_queue, max_body=args.max_body,
-                        timeout=args.timeout)
+                        timeout=args.timeout, max_concurrent=args.max_concurrent,
+                        prompt_cache_bytes=int(args.prompt_cache_size * 2**20))
     except OSError as e:
         raise UserError(f"cannot listen on {args.host}:{args.port}: {e.strerror}")
     host, port = server.server_address[:2]

@@ -3,7 +3,12 @@ every architecture in models/ with norm rms and flash; and the prompt cache (pro
 import mlx.core as mx
 import pytest
 
-from mlx_flashnorm.batch import BatchEngine, Request, Worker
+import threading
+import time
+from types import SimpleNamespace
+
+from mlx_flashnorm.batch import BatchEngine, BatchWorker, Request
+from mlx_flashnorm.worker import Generation
 from mlx_flashnorm.generate import generate_step
 from mlx_flashnorm.loader import build_model, model_args, prepare
 from mlx_flashnorm.prompt_cache import PromptCache
@@ -65,7 +70,7 @@ def test_batched_greedy_equals_single(model):
         assert [e.token for e in ev] == r.generated == tokens[:r.max_tokens]
         got = mx.stack([e.logprobs for e in ev])
         assert mx.allclose(got, lp[:len(ev)], rtol=f32_tol(TOL), atol=f32_tol(TOL)).item()
-        assert [e.finish for e in ev] == [None] * (len(ev) - 1) + ["length"]
+        assert [e.finish_reason for e in ev] == [None] * (len(ev) - 1) + ["length"]
     assert len(set(reference[0][0])) > STEPS // 2  # a real sequence, not one token repeated
     assert engine.prefilled == sum(LENGTHS) and engine.cache is None and not engine.rows
 
@@ -170,58 +175,40 @@ def test_cancel_and_context(llama):
         engine.add(Request(prompt(llama, 256)))
 
 
-def test_worker_streams_concurrently(llama):
-    """Worker: streams from several threads at once get their single-request tokens; a stream
-    closed early frees its row."""
-    import threading
-
-    worker = Worker(BatchEngine(llama))
-    assert worker.started.get(timeout=60) is None
+def test_batch_worker_serves_tickets_concurrently(llama):
+    """BatchWorker (the server's worker): tickets submitted from several threads at once get their
+    single-request tokens, log-probabilities where asked; a cancelled ticket's request leaves the
+    batch; a stop token ends a request with finish "stop"."""
     prompts = [prompt(llama, n) for n in (3, 8, 13, 21)]
+    reference = [single(llama, p) for p in prompts]
+    stop = reference[2][0][5]  # the third request's sixth token ends it
+    worker = BatchWorker(llama, SimpleNamespace(eos_token_ids={stop}), prompt_cache_bytes=1 << 20)
     results = [None] * len(prompts)
 
     def client(i):
-        results[i] = [e.token for e in worker.stream(Request(prompts[i], max_tokens=STEPS))]
+        ticket = worker.submit(Generation(prompts[i], STEPS, top_logprobs=2 if i == 1 else None))
+        results[i] = list(iter(lambda: ticket.next(timeout=120), None))
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
-    short = Request(prompts[0], max_tokens=STEPS)
-    stream = worker.stream(short)
-    first = next(stream)
-    stream.close()
+    cancelled = worker.submit(Generation(prompts[0], 200))
+    first = cancelled.next(timeout=120)
+    cancelled.cancel()
     for t in threads:
         t.join(timeout=120)
-    assert results == [single(llama, p)[0] for p in prompts]
-    assert first.token == results[0][0] and short.cancelled and len(short.generated) < STEPS
-
-
-def test_responses_match_stream_generate(smollm2):
-    """On the real SmolLM2: Worker + responses give stream_generate's Responses (text, token,
-    finish) for two requests decoded together, one ending at a stop token."""
-    from mlx_flashnorm.batch import responses
-    from mlx_flashnorm.generate import encode_prompt, stream_generate
-
-    model, tokenizer = smollm2
-    worker = Worker(BatchEngine(model))
-    assert worker.started.get(timeout=60) is None
-    prompts = [encode_prompt(tokenizer, p) for p in ("Say hi.", "Write a poem about the sea.")]
-    want = [[(r.text, r.token, r.finish_reason) for r in stream_generate(model, tokenizer, p, max_tokens=n)]
-            for p, n in zip(prompts, (40, 12))]
-    assert want[0][-1][2] == "stop" and want[1][-1][2] == "length"  # both endings occur
-    requests = [Request(p, max_tokens=n, stop_tokens=frozenset(tokenizer.eos_token_ids))
-                for p, n in zip(prompts, (40, 12))]
-    streams = [responses(worker.stream(r), tokenizer, r) for r in requests]
-    got = [[], []]
-    while any(s is not None for s in streams):  # read both in turn: they run in one batch
-        for i, s in enumerate(streams):
-            if s is not None:
-                r = next(s, None)
-                if r is None:
-                    streams[i] = None
-                else:
-                    got[i].append((r.text, r.token, r.finish_reason))
-    assert got == want
+    for i, (tokens, _) in enumerate(reference):
+        want = tokens[:tokens.index(stop) + 1] if i == 2 else tokens
+        assert [t.id for t in results[i]] == want
+        assert [t.finish_reason for t in results[i]][-1] == ("stop" if i == 2 else "length")
+    for t, row in zip(results[1], reference[1][1]):
+        assert abs(t.logprob - row[t.id].item()) < f32_tol(TOL) and t.top_logprobs[0][0] == t.id
+    assert first.id == reference[0][0][0]
+    deadline = time.monotonic() + 60
+    while worker.engine.busy:  # the cancelled request leaves at the next step
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert len(worker.engine.prompt_cache) > 0
 
 
 def test_warmup_leaves_no_trace(llama):

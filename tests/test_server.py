@@ -206,11 +206,11 @@ def test_a_waiting_request_whose_client_hangs_up_is_not_generated(server, client
 
 
 def test_warm_server_warms_its_worker_thread(tiny_llama_dir, monkeypatch):
-    """Server(warm=True) warms up on the worker thread (MLX keeps compiled functions per thread):
-    its first request traces no decode step."""
+    """Server(warm=True, max_concurrent=1) warms up on the worker thread (MLX keeps compiled
+    functions per thread): its first request traces no decode step."""
     model, tokenizer = load(str(tiny_llama_dir), progress=False)
     traces = count_traces(model, monkeypatch)
-    warm = Server(model, tokenizer, "tiny", port=0, warm=True)
+    warm = Server(model, tokenizer, "tiny", port=0, warm=True, max_concurrent=1)  # SerialWorker
     try:
         assert len(traces) == 1
         ticket = warm.worker.submit(Generation(tokenizer.encode("hello"), 5))

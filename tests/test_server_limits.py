@@ -10,6 +10,7 @@ import time
 import openai
 import pytest
 
+from mlx_flashnorm.batch import BatchWorker
 from mlx_flashnorm.server import Server
 
 KEY = "test-key-1234"
@@ -21,7 +22,7 @@ MAX_BODY = 2**18  # bytes: room for JSON nested 100,000 deep
 @pytest.fixture(scope="module")
 def server(smollm2):
     server = Server(*smollm2, "smol", port=0, api_key=KEY, cors_origins=[ORIGIN], max_queue=1,
-                    max_body=MAX_BODY, timeout=TIMEOUT)
+                    max_body=MAX_BODY, timeout=TIMEOUT, worker=BatchWorker(*smollm2, max_batch=1))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield server
