@@ -1,17 +1,20 @@
 """Continuous batching: many requests decoded together, one model call per step for all of them.
 
 A request joins the running batch at any step and leaves it when it finishes, each with its own
-sampling (temperature, top-p, top-k, seed, logits processors), stop tokens and max_tokens. A
-newcomer's prompt is prefilled on its own (one row, mlx-lm's KVCache) in chunks of at most
-`prefill_step` tokens per engine step, between the others' decode steps, so a long prompt delays
-the running streams by one chunk a step rather than by its whole length. Once only its last token
-is left it joins the batch: the batch's cache is one mlx-lm BatchKVCache per layer, its rows
-left-padded to a common length, each with its own position (the models' per-row RoPE offsets)
-and a mask hiding the padding.
+sampling (temperature, top-p, min-p, top-k, seed, logits processors), stop tokens and
+max_tokens. A newcomer's prompt is prefilled on its own (one row, mlx-lm's KVCache) in chunks of
+at most `prefill_step` tokens per engine step, between the others' decode steps, so a long prompt
+delays the running streams by one chunk a step rather than by its whole length. Once only its
+last token is left it joins the batch: the batch's cache is one mlx-lm BatchKVCache per layer, its
+rows left-padded to a common length, each with its own position (the models' per-row RoPE
+offsets) and a mask hiding the padding. A prompt cache (prompt_cache.py) spares a newcomer the
+prefix an earlier request already read.
 
 Exactness: every row's result is the one-request computation (a norm's deferred 1/RMS is per
 row), up to the summation order of a batched matmul and of attention over the padded length. Our
-fused GPU kernels take one row: a batch of more runs the plain composition of MLX operations.
+fused GPU kernels take one row: a batch of more runs the plain composition of MLX operations, and
+the decode step runs eagerly (no compiled step: the batch's cache changes shape as rows come and
+go).
 
 The engine is synchronous (BatchEngine.step); BatchWorker runs one on its own thread for the
 server."""
@@ -59,7 +62,7 @@ class Request:
     def sample(self, logprobs):
         """The sampler on this row's (1, vocab) log-probabilities. A seeded request draws from its
         own key, split once per token as MLX splits its global key: what a lone request seeded
-        with mx.random.seed draws (the filters in make_sampler's order, top-p then top-k)."""
+        with mx.random.seed draws (the filters in make_sampler's order: top-p, min-p, top-k)."""
         if self.key is None or self.temp == 0:
             return self.sampler(logprobs)
         if 0 < self.top_p < 1:
@@ -289,10 +292,8 @@ class BatchWorker:
 
     def request(self, ticket):
         g = ticket.generation
-        r = Request(g.tokens, g.max_tokens, g.temp, g.top_p, g.top_k, g.min_p, g.seed, self.stop_tokens,
-                    g.logits_processors())
-        r.ticket = ticket
-        return r
+        return Request(g.tokens, g.max_tokens, g.temp, g.top_p, g.top_k, g.min_p, g.seed, self.stop_tokens,
+                       g.logits_processors(), ticket=ticket)
 
     def _serve(self, warm, started):
         try:
