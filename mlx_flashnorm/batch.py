@@ -28,7 +28,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from .generate import context_length, make_sampler_for
+from . import forms
+from .generate import cache_capacity, compiled_decode, context_length, decode_offset, make_sampler_for, position
 from .prompt_cache import PromptCache
 from .worker import Ticket, token_of
 
@@ -90,12 +91,47 @@ class Filling(NamedTuple):
     todo: List[int]
 
 
+def one_row_cache(keys, values):
+    """An mlx-lm KVCache holding keys and values (1, kv_heads, n, head_dim) of n tokens."""
+    c = KVCache()
+    c.keys, c.values, c.offset = keys, values, keys.shape[2]
+    return c
+
+
+class Solo:
+    """A batch of one row decoded by the compiled one-request step (generate.compiled_decode, over
+    static buffers: our fused kernels where they run), as generate_step decodes a lone request;
+    made from the row's keys and values and turned back into them when a newcomer joins."""
+
+    def __init__(self, model, request, kv):
+        n = kv[0][0].shape[2]
+        capacity = cache_capacity(model, n + request.max_tokens - len(request.generated) + 1)
+        self.kv = []
+        for k, v in kv:
+            pad = [(0, 0), (0, 0), (0, capacity - n), (0, 0)]
+            self.kv.append((mx.pad(k, pad), mx.pad(v, pad)))
+        self.offset = decode_offset(n)
+        self.normalized = not request.logits_processors  # the step's log-softmax, or raw logits
+        self.decode = compiled_decode(model, logits=not self.normalized)
+
+    def step(self, token):
+        """The (1, vocab) log-probabilities (raw logits where the row has processors) after token."""
+        out, self.offset, self.kv = self.decode(mx.array([token], mx.uint32), self.offset, self.kv)
+        return out
+
+    def pairs(self):
+        n = position(self.offset).item()
+        return [(k[..., :n, :], v[..., :n, :]) for k, v in self.kv]
+
+
 class BatchEngine:
     """Prefills newcomers and decodes the running batch, one step() at a time.
 
     max_batch: requests decoded together at most (more wait their turn). prefill_step: prompt
     tokens prefilled per step at most. prompt_cache: a PromptCache, or None. prefilled counts the
-    prompt tokens the model computed (cache hits excluded)."""
+    prompt tokens the model computed (cache hits excluded). A batch of one row runs the compiled
+    one-request step (Solo) where generate_step would (forms.compiled_decode), else the eager
+    batched step."""
 
     def __init__(self, model, max_batch=32, prefill_step=256, prompt_cache=None):
         self.model, self.max_batch, self.prefill_step = model, max_batch, prefill_step
@@ -103,7 +139,8 @@ class BatchEngine:
         self.waiting = deque()
         self.filling = []
         self.rows = []  # requests in the batch, in the cache's row order
-        self.cache = None  # one BatchKVCache per layer while rows
+        self.cache = None  # one BatchKVCache per layer while rows (and no solo)
+        self.solo = None  # a Solo while one row runs alone
         self.prefilled = 0
 
     def add(self, request):
@@ -137,7 +174,7 @@ class BatchEngine:
 
     def clear(self):
         """Drop every request (after a failed step)."""
-        self.waiting, self.filling, self.rows, self.cache = deque(), [], [], None
+        self.waiting, self.filling, self.rows, self.cache, self.solo = deque(), [], [], None, None
 
     def step(self):
         """Drop cancelled requests, prefill up to prefill_step prompt tokens, then decode one
@@ -170,11 +207,8 @@ class BatchEngine:
 
     def _start(self, request):
         """The request's one-row caches, filled from the prompt cache where it holds a prefix."""
-        cache = [KVCache() for _ in self.model.layers]
         n, kv = self.prompt_cache.fetch(request.tokens) if self.prompt_cache else (0, None)
-        if kv:
-            for c, (k, v) in zip(cache, kv):
-                c.keys, c.values, c.offset = k, v, n
+        cache = [one_row_cache(k, v) for k, v in kv] if kv else [KVCache() for _ in self.model.layers]
         request.cached = n
         return Filling(request, cache, list(request.tokens[n:-1]))
 
@@ -186,6 +220,9 @@ class BatchEngine:
             self.prompt_cache.store(r.tokens[:-1], [(c.keys[..., :c.offset, :], c.values[..., :c.offset, :])
                                                     for c in f.cache])
         rows = [BatchKVCache.merge([c]) for c in f.cache]
+        if self.solo is not None:  # back to the batched step
+            self.cache = [BatchKVCache.merge([one_row_cache(k, v)]) for k, v in self.solo.pairs()]
+            self.solo = None
         if self.cache is None:
             self.cache = rows
         else:
@@ -196,10 +233,15 @@ class BatchEngine:
         self.prefilled += 1  # the last prompt token, computed in the decode step
 
     def _decode(self):
-        y = mx.array([[r.next] for r in self.rows], mx.int32)
-        logits = self.model(y, cache=self.cache)[:, -1, :]
-        logits = self._process(logits)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if len(self.rows) == 1 and self.solo is None and forms.compiled_decode():
+            self.solo = Solo(self.model, self.rows[0], self._kv(0))
+            self.cache = None
+        if self.solo is not None:
+            out = self.solo.step(self.rows[0].next)
+            logprobs = out if self.solo.normalized else log_softmax(self._process(out))
+        else:
+            y = mx.array([[r.next] for r in self.rows], mx.int32)
+            logprobs = log_softmax(self._process(self.model(y, cache=self.cache)[:, -1, :]))
         tokens = self._sample(logprobs)
         mx.eval(tokens, logprobs)
         events, done = [], []
@@ -236,21 +278,30 @@ class BatchEngine:
         return mx.stack([greedy[i] if r.greedy else r.sample(logprobs[i:i + 1]).reshape(())
                          for i, r in enumerate(self.rows)])
 
+    def _kv(self, i):
+        """Row i's keys and values per layer, (1, kv_heads, tokens read, head_dim) each."""
+        if self.solo is not None:
+            return self.solo.pairs()
+        return [(c.keys, c.values) for c in (layer.extract(i) for layer in self.cache)]
+
     def _remove(self, indices):
         """Take rows out of the batch, keeping what they read in the prompt cache."""
         if self.prompt_cache is not None:
             for i in indices:
                 r = self.rows[i]
                 read = (r.tokens + r.generated)[:-1]  # the last token sampled was never fed
-                kv = [c.extract(i) for c in self.cache]
-                self.prompt_cache.store(read, [(c.keys, c.values) for c in kv])
+                self.prompt_cache.store(read, self._kv(i))
         keep = [i for i in range(len(self.rows)) if i not in set(indices)]
         self.rows = [self.rows[i] for i in keep]
         if not keep:
-            self.cache = None
+            self.cache = self.solo = None
             return
         for c in self.cache:
             c.filter(mx.array(keep))
+
+
+def log_softmax(logits):
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def materialize(model):

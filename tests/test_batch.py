@@ -239,3 +239,20 @@ def test_logits_processors_per_row(llama):
     assert all(t % 2 for t in out) and len(set(out + p)) == len(out) + len(set(p))
     assert together[0].generated == out != together[2].generated == single(llama, p)[0]
     assert together[1].generated == single(llama, q)[0]
+
+
+def test_solo_row_takes_the_compiled_step_and_back(model):
+    """A lone row runs the compiled one-request step (Solo); a newcomer turns it back into a batch
+    row, and when the other leaves the last row goes solo again; tokens stay the single ones."""
+    a, b = prompt(model, 9), prompt(model, 14)
+    first, second = Request(a, max_tokens=STEPS), Request(b, max_tokens=4)
+    engine = BatchEngine(model)
+    engine.add(first)
+    modes = []
+    for step in range(STEPS):
+        if step == 3:
+            engine.add(second)
+        engine.step()
+        modes.append("solo" if engine.solo is not None else len(engine.rows))
+    assert modes[:3] == ["solo"] * 3 and 2 in modes and modes[-2] == "solo" and modes[-1] == 0
+    assert first.generated == single(model, a)[0] and second.generated == single(model, b, 4)[0]
