@@ -51,6 +51,8 @@ class PromptCache:
         entry whose tokens begin this one is superseded and dropped; if a kept entry already begins
         with these tokens, nothing changes but its recency."""
         key = tuple(tokens)
+        if kv and kv[0][0].shape[2] != len(key):
+            raise ValueError(f"a KV state of {kv[0][0].shape[2]} positions stored for {len(key)} tokens")
         if not key or self.max_bytes <= 0:
             return
         for old in list(self.entries):
