@@ -222,22 +222,29 @@ def test_warm_server_warms_its_worker_thread(tiny_llama_dir, monkeypatch):
 
 def test_server_command(tiny_llama_dir, server):
     """python -m mlx_flashnorm.server: says where it listens, serves, stops on Ctrl-C (also when
-    started with SIGINT ignored, as a shell's background job is); a taken port is a one-line error."""
+    started with SIGINT ignored, as a shell's background job is); a taken port or a bad limit is a
+    one-line error; the API key may come from the environment."""
     cmd = [sys.executable, "-m", "mlx_flashnorm.server", "--model", str(tiny_llama_dir)]
     taken = subprocess.run(cmd + ["--port", str(server.server_address[1])], capture_output=True,
                            text=True, timeout=120)
     assert taken.returncode == 2 and taken.stderr.startswith("error: cannot listen on 127.0.0.1:")
     assert "Traceback" not in taken.stderr
+    bad = subprocess.run(cmd + ["--max-queue", "-1"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --max-queue must be at least 0")
     ignoring = ["sh", "-c", 'trap "" INT; exec "$@"', "sh"]  # starts the command with SIGINT ignored
+    env = dict(os.environ, PYTHONFAULTHANDLER="1", MLX_FLASHNORM_API_KEY="k3y")  # SIGABRT: every thread's stack
     p = subprocess.Popen(ignoring + cmd + ["--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=dict(os.environ, PYTHONFAULTHANDLER="1"))  # SIGABRT: every thread's stack
+                         text=True, env=env)
     deadline = threading.Timer(120, p.kill)  # so that no read below can wait forever
     deadline.start()
     try:
         line = p.stdout.readline()
         assert line.startswith("serving tiny-llama on http://127.0.0.1:"), line + p.stderr.read()
         url = line.split()[-1]
-        with urllib.request.urlopen(f"{url}/models", timeout=60) as r:
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            urllib.request.urlopen(f"{url}/models", timeout=60)
+        keyed = urllib.request.Request(f"{url}/models", headers={"Authorization": "Bearer k3y"})
+        with urllib.request.urlopen(keyed, timeout=60) as r:
             assert json.load(r)["data"][0]["id"] == "tiny-llama"
         p.send_signal(signal.SIGINT)
         try:
