@@ -17,8 +17,9 @@ import pytest
 
 from mlx_flashnorm import load
 from mlx_flashnorm.generate import generate, generate_step
+from mlx_flashnorm.openai_api import Call, Transcript
 from mlx_flashnorm.server import Server
-from mlx_flashnorm.worker import Generation, SerialWorker
+from mlx_flashnorm.worker import Generation, SerialWorker, Token
 
 from conftest import count_traces
 
@@ -160,6 +161,37 @@ def test_completion_keeps_the_leading_space(client, smollm2):
     tokens = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=4)]
     assert COUNTING + r.choices[0].text == tokenizer.decode(prompt + tokens)
     assert r.choices[0].text.startswith(" ")
+
+
+def transcribe(tokenizer, prompt, tokens, stop=()):
+    """Transcript.add's (piece, finish_reason, entries) for tokens up to the finish, the last one
+    ending by length."""
+    transcript, out = Transcript(tokenizer, Call(False, Generation(prompt, 100), stop=list(stop))), []
+    for n, t in enumerate(tokens):
+        out.append(transcript.add(Token(t, "length" if n == len(tokens) - 1 else None)))
+        if out[-1][1]:
+            return out
+
+
+def test_transcript_pieces_add_up_to_the_decoded_text(smollm2):
+    """Characters split over tokens are sent whole, once complete; each token's entry (for its
+    log-probability) goes once; a stop string cuts the text and the entries after it."""
+    tokenizer = smollm2[1]
+    prompt, text = tokenizer.encode("Say:"), " héllo 😀 wörld, 東京 ok"
+    tokens = tokenizer.encode(text)
+    assert any(tokenizer.decode([t]).endswith("\ufffd") for t in tokens)  # a character split over tokens
+    out = transcribe(tokenizer, prompt, tokens)
+    assert "".join(p for p, _, _ in out) == text and all("\ufffd" not in p for p, _, _ in out)
+    assert [e.token.id for _, _, got in out for e in got] == tokens
+    assert [f for _, f, _ in out] == [None] * (len(tokens) - 1) + ["length"]
+
+    out = transcribe(tokenizer, prompt, tokens, stop=["😀", "zzz"])
+    pieces, finish = [p for p, _, _ in out], [f for _, f, _ in out]
+    assert "".join(pieces) == " héllo " and finish[-1] == "stop" and finish.count("stop") == 1
+    # " héllo " ends in the token " \xf0\x9f\x98" (" " and the emoji's first bytes), which the next
+    # completes: both are sent, not " w" after them
+    sent = [e.token.id for _, _, got in out for e in got]
+    assert [tokenizer.decode([t]) for t in sent] == [" h", "é", "llo", " \ufffd", "\ufffd"] and sent == tokens[:5]
 
 
 def hang_up_while_generating(server, body):
