@@ -54,7 +54,9 @@ def field(body, name, types, default=None, ok=lambda v: True, need=""):
 
 
 def number(body, name, default, ok, need):
-    return field(body, name, (int, float), default, lambda v: math.isfinite(v) and ok(v), need)
+    """A finite number (an integer of any size is one) that passes ok."""
+    return field(body, name, (int, float), default, lambda v: (isinstance(v, int) or math.isfinite(v)) and ok(v),
+                 need)
 
 
 def parse_json(raw):

@@ -27,7 +27,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from .cli import add_model_args, add_sampling_args, wants_warmup
+from .cli import HelpFormatter, add_model_args, add_sampling_args, wants_warmup
 from .errors import UserError, run_cli
 from .generate import context_length, load_from_args, make_sampler_for
 from .openai_api import Answer, HTTPError, Transcript, bad, parse_call, parse_json
@@ -396,27 +396,27 @@ def arg_parser():
         prog="python -m mlx_flashnorm.server",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/models, "
                     "/v1/chat/completions, /v1/completions, /health). The sampling flags set the "
-                    "defaults of requests that leave them out.")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+                    "defaults of requests that leave them out.", formatter_class=HelpFormatter)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (0: any free one)")
-    p.add_argument("--api-key", default=os.environ.get(API_KEY_VARIABLE),
-                   help=f"require 'Authorization: Bearer KEY' (default: the {API_KEY_VARIABLE} environment "
-                        "variable, which other users' ps does not show; unset: no key)")
-    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+    p.add_argument("--api-key", help=f"require the header 'Authorization: Bearer API_KEY' (default: the "
+                                     f"{API_KEY_VARIABLE} environment variable, which ps does not show; "
+                                     "unset: no key)")
+    p.add_argument("--cors-origin", action="append", metavar="ORIGIN",
                    help="let web pages of ORIGIN (e.g. http://localhost:3000; * for any) call the server; "
-                        "repeatable (default: requests from web pages are refused)")
+                        "repeatable (unset: requests from web pages are refused)")
     p.add_argument("--max-queue", type=int, default=64,
-                   help="requests that may wait for the worker; beyond, 503 with Retry-After (default: 64)")
-    p.add_argument("--max-body", type=int, default=MAX_BODY, help=f"request body bytes at most (default: {MAX_BODY})")
+                   help="requests that may wait while the worker is busy; beyond, 503 with Retry-After")
+    p.add_argument("--max-body", type=int, default=MAX_BODY, help="request body bytes at most (beyond: 413)")
     p.add_argument("--max-concurrent", type=int, default=MAX_CONCURRENT,
-                   help=f"requests decoded together, in one batch (default: {MAX_CONCURRENT}); 1: one at a "
-                        "time on the compiled one-request path")
+                   help="requests decoded together, in one batch; 1: one at a time on the compiled "
+                        "one-request path (no prompt cache)")
     p.add_argument("--prompt-cache-size", type=float, default=PROMPT_CACHE_MB, metavar="MB",
                    help="memory for the KV states of earlier prompts and replies, so that a shared "
                         "prefix (a system prompt, a conversation's earlier turns) is not computed "
-                        f"again; least recently used go first (default: {PROMPT_CACHE_MB}; 0: off)")
+                        "again; least recently used go first (0: off)")
     p.add_argument("--timeout", type=float, default=30.0,
-                   help="seconds a request may take to arrive, and any write to a client (default: 30)")
+                   help="seconds a request (headers and body) may take to arrive, and a write to a client")
     add_model_args(p)
     add_sampling_args(p)
     return p
@@ -433,8 +433,9 @@ def main(argv=None):
     model_id = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
     try:
         server = Server(model, tokenizer, model_id, args.host, args.port, args.max_tokens, args.temp,
-                        args.top_p, args.top_k, warm=wants_warmup(args), api_key=args.api_key or None,
-                        cors_origins=args.cors_origin, max_queue=args.max_queue, max_body=args.max_body,
+                        args.top_p, args.top_k, warm=wants_warmup(args),
+                        api_key=args.api_key or os.environ.get(API_KEY_VARIABLE) or None,
+                        cors_origins=args.cors_origin or (), max_queue=args.max_queue, max_body=args.max_body,
                         timeout=args.timeout, max_concurrent=args.max_concurrent,
                         prompt_cache_bytes=int(args.prompt_cache_size * 2**20))
     except OSError as e:

@@ -17,8 +17,9 @@ import pytest
 
 from mlx_flashnorm import load
 from mlx_flashnorm.generate import generate, generate_step
+from mlx_flashnorm.openai_api import Call, Transcript
 from mlx_flashnorm.server import Server
-from mlx_flashnorm.worker import Generation, SerialWorker
+from mlx_flashnorm.worker import Generation, SerialWorker, Token
 
 from conftest import count_traces
 
@@ -162,6 +163,37 @@ def test_completion_keeps_the_leading_space(client, smollm2):
     assert r.choices[0].text.startswith(" ")
 
 
+def transcribe(tokenizer, prompt, tokens, stop=()):
+    """Transcript.add's (piece, finish_reason, entries) for tokens up to the finish, the last one
+    ending by length."""
+    transcript, out = Transcript(tokenizer, Call(False, Generation(prompt, 100), stop=list(stop))), []
+    for n, t in enumerate(tokens):
+        out.append(transcript.add(Token(t, "length" if n == len(tokens) - 1 else None)))
+        if out[-1][1]:
+            return out
+
+
+def test_transcript_pieces_add_up_to_the_decoded_text(smollm2):
+    """Characters split over tokens are sent whole, once complete; each token's entry (for its
+    log-probability) goes once; a stop string cuts the text and the entries after it."""
+    tokenizer = smollm2[1]
+    prompt, text = tokenizer.encode("Say:"), " héllo 😀 wörld, 東京 ok"
+    tokens = tokenizer.encode(text)
+    assert any(tokenizer.decode([t]).endswith("\ufffd") for t in tokens)  # a character split over tokens
+    out = transcribe(tokenizer, prompt, tokens)
+    assert "".join(p for p, _, _ in out) == text and all("\ufffd" not in p for p, _, _ in out)
+    assert [e.token.id for _, _, got in out for e in got] == tokens
+    assert [f for _, f, _ in out] == [None] * (len(tokens) - 1) + ["length"]
+
+    out = transcribe(tokenizer, prompt, tokens, stop=["😀", "zzz"])
+    pieces, finish = [p for p, _, _ in out], [f for _, f, _ in out]
+    assert "".join(pieces) == " héllo " and finish[-1] == "stop" and finish.count("stop") == 1
+    # " héllo " ends in the token " \xf0\x9f\x98" (" " and the emoji's first bytes), which the next
+    # completes: both are sent, not " w" after them
+    sent = [e.token.id for _, _, got in out for e in got]
+    assert [tokenizer.decode([t]) for t in sent] == [" h", "é", "llo", " \ufffd", "\ufffd"] and sent == tokens[:5]
+
+
 def hang_up_while_generating(server, body):
     """Send body to /v1/completions on a raw socket and close it once the worker has made 3 tokens
     of it; the number of tokens it had made then."""
@@ -222,22 +254,29 @@ def test_warm_server_warms_its_worker_thread(tiny_llama_dir, monkeypatch):
 
 def test_server_command(tiny_llama_dir, server):
     """python -m mlx_flashnorm.server: says where it listens, serves, stops on Ctrl-C (also when
-    started with SIGINT ignored, as a shell's background job is); a taken port is a one-line error."""
+    started with SIGINT ignored, as a shell's background job is); a taken port or a bad limit is a
+    one-line error; the API key may come from the environment."""
     cmd = [sys.executable, "-m", "mlx_flashnorm.server", "--model", str(tiny_llama_dir)]
     taken = subprocess.run(cmd + ["--port", str(server.server_address[1])], capture_output=True,
                            text=True, timeout=120)
     assert taken.returncode == 2 and taken.stderr.startswith("error: cannot listen on 127.0.0.1:")
     assert "Traceback" not in taken.stderr
+    bad = subprocess.run(cmd + ["--max-queue", "-1"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --max-queue must be at least 0")
     ignoring = ["sh", "-c", 'trap "" INT; exec "$@"', "sh"]  # starts the command with SIGINT ignored
+    env = dict(os.environ, PYTHONFAULTHANDLER="1", MLX_FLASHNORM_API_KEY="k3y")  # SIGABRT: every thread's stack
     p = subprocess.Popen(ignoring + cmd + ["--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=dict(os.environ, PYTHONFAULTHANDLER="1"))  # SIGABRT: every thread's stack
+                         text=True, env=env)
     deadline = threading.Timer(120, p.kill)  # so that no read below can wait forever
     deadline.start()
     try:
         line = p.stdout.readline()
         assert line.startswith("serving tiny-llama on http://127.0.0.1:"), line + p.stderr.read()
         url = line.split()[-1]
-        with urllib.request.urlopen(f"{url}/models", timeout=60) as r:
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            urllib.request.urlopen(f"{url}/models", timeout=60)
+        keyed = urllib.request.Request(f"{url}/models", headers={"Authorization": "Bearer k3y"})
+        with urllib.request.urlopen(keyed, timeout=60) as r:
             assert json.load(r)["data"][0]["id"] == "tiny-llama"
         p.send_signal(signal.SIGINT)
         try:

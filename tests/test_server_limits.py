@@ -12,6 +12,7 @@ import pytest
 
 from mlx_flashnorm.batch import BatchWorker
 from mlx_flashnorm.server import Server
+from mlx_flashnorm.worker import SerialWorker
 
 KEY = "test-key-1234"
 ORIGIN = "http://app.example"  # allowed by --cors-origin
@@ -98,6 +99,7 @@ BAD = [  # (what, request bytes, status, the field the error names)
     ("temperature NaN", completion(temperature=float("nan")), 400, "temperature"),
     ("temperature infinite", completion(temperature=float("inf")), 400, "temperature"),
     ("temperature above 2", completion(temperature=2.5), 400, "temperature"),
+    ("temperature of 401 digits", completion(temperature=10**400), 400, "temperature"),
     ("temperature below 0", completion(temperature=-0.1), 400, "temperature"),
     ("top_p 0", completion(top_p=0), 400, "top_p"),
     ("top_p above 1", completion(top_p=1.5), 400, "top_p"),
@@ -211,8 +213,11 @@ def test_a_burst_of_connections_is_answered(server):
 
     def ask():
         barrier.wait()
-        try:
-            answers.append(exchange(server, request("GET", "/health"))[0])
+        try:  # the kernel completes a connection in the backlog before the server accepts it
+            with socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=1.0) as sock:
+                sock.settimeout(60)
+                sock.sendall(request("GET", "/health"))
+                answers.append(read_answer(sock)[0])
         except OSError as e:
             answers.append(e)
 
@@ -261,3 +266,29 @@ def test_cross_origin_requests_need_cors_origin(server):
     status, headers, _ = exchange(server, preflight.replace(b"Host:", f"Origin: {other}\r\nHost:".encode()))
     assert status == 403 and "access-control-allow-origin" not in headers
     assert exchange(server, preflight)[0] == 204  # OPTIONS without an Origin: the allowed methods
+
+
+class FailingWorker(SerialWorker):
+    def tokens(self, generation):
+        raise RuntimeError("the device fell over")
+        yield
+
+
+def test_a_failing_worker_gets_a_500_and_the_server_goes_on(smollm2):
+    failing = Server(*smollm2, "smol", port=0, worker=FailingWorker(*smollm2))
+    thread = threading.Thread(target=failing.serve_forever, daemon=True)
+    thread.start()
+    try:
+        status, _, body = exchange(failing, completion())
+        assert status == 500 and body["error"]["message"] == "generation failed: the device fell over"
+        with connect(failing) as sock:
+            sock.sendall(completion(stream=True))
+            data = b""
+            while chunk := sock.recv(65536):
+                data += chunk
+        assert data.startswith(b"HTTP/1.0 200") and b'data: {"error": {"message": "generation failed' in data
+        assert exchange(failing, request("GET", "/health"))[2]["requests"] == 0
+    finally:
+        failing.shutdown()
+        failing.server_close()
+        thread.join(timeout=30)
