@@ -15,6 +15,8 @@ from mlx_flashnorm.batch import BatchWorker
 from mlx_flashnorm.generate import generate
 from mlx_flashnorm.server import Server
 
+from conftest import cli
+
 COUNTING = "1, 2, 3, 4,"  # SmolLM2 counts on for as long as it may
 QUESTIONS = ["What is the capital of France?", "What is the capital of Germany?", "Name a color.",
              "What is 2 + 2?"]
@@ -139,3 +141,11 @@ def test_warm_batch_server_warms_its_worker_thread(tiny_llama_dir, monkeypatch):
         assert isinstance(warm.worker, BatchWorker) and warm.worker.engine.prefilled == 0
     finally:
         warm.server_close()
+
+
+def test_bad_batch_flags_are_one_line_errors():
+    for flags in (["--max-concurrent", "0"], ["--prompt-cache-size", "-1"]):
+        r = cli("mlx_flashnorm.server", *flags)
+        assert r.returncode == 2 and r.stderr.startswith("error: --max-concurrent must be at least 1 and "
+                                                         "--prompt-cache-size (MB) at least 0"), r.stderr
+        assert "Traceback" not in r.stderr
