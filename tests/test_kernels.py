@@ -3,6 +3,7 @@
 On this CPU the functions run their fallbacks; on a CUDA machine (the device runs this file
 too) the same tests check the CUDA kernels, and the `cuda` tests compare kernel and fallback."""
 import importlib.util
+import json
 import math
 import shutil
 import subprocess
@@ -14,7 +15,8 @@ import pytest
 
 from mlx_flashnorm import forms, kernels
 from mlx_flashnorm import nn as fnn
-from mlx_flashnorm.kernels import attention, build, matvec, normalize, nvrtc, rope, scale
+from mlx_flashnorm.kernels import attention, build, matvec, normalize, nvrtc, scale
+from mlx_flashnorm.kernels import rope as rope_kernel
 from mlx_flashnorm.kernels import check as checks
 
 from conftest import f32_tol
@@ -176,8 +178,11 @@ def test_loaded_quantized_models_use_it(tiny_llama_dir):
     for norm in ("rms", "flash"):
         model, _ = load(tiny_llama_dir, norm=norm, bits=4, group_size=32, progress=False)
         kinds = {type(m) for _, m in model.named_modules()}
-        assert kernels.QuantizedLinear in kinds and kernels.QuantizedEmbedding in kinds
-        assert mlx_nn.QuantizedLinear not in kinds  # every plain one was swapped
+        if CPU:
+            assert kernels.QuantizedLinear in kinds and kernels.QuantizedEmbedding in kinds
+            assert mlx_nn.QuantizedLinear not in kinds  # every plain one was swapped
+        else:  # elsewhere quantized_matmul is MLX's own: the classes stay MLX's
+            assert kernels.QuantizedLinear not in kinds and mlx_nn.QuantizedLinear in kinds
 
 
 def test_self_check_disables_a_wrong_kernel(monkeypatch, capsys, tmp_path):
@@ -226,6 +231,19 @@ def test_self_check_keeps_what_passed(monkeypatch, tmp_path):
     assert kernels.self_check(["add_rss"]) and len(runs) == 4
 
 
+@pytest.mark.parametrize("content", ['{"add_rss": true}', "5", '["add_rss", 3]', "null", "\x00\xff"])
+def test_self_check_file_of_any_content_is_absent(monkeypatch, tmp_path, content):
+    """A kept self-check file holding anything but a JSON list of names (valid JSON of the wrong
+    type included: it raised TypeError) counts as absent: the check runs and rewrites it."""
+    monkeypatch.setattr(nvrtc, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr(forms, "DISABLED", set())
+    monkeypatch.setattr(checks, "_CHECKED", set())
+    file = checks._passed_file()
+    file.write_text(content)
+    assert checks.self_check(["add_rss"])
+    assert json.loads(file.read_text()) == ["add_rss"]
+
+
 def test_self_check_passes_on_this_device(monkeypatch, tmp_path):
     """Every kernel (on CUDA) or its fallback (elsewhere) passes its own check."""
     monkeypatch.setattr(nvrtc, "CACHE_DIR", tmp_path)
@@ -257,8 +275,8 @@ def test_rope_qkv_mlx_form(qk_norm):
     c = D**-0.25
     table = lambda g: mx.stack([c * math.sqrt(D) * g, mx.concatenate([c * math.sqrt(D) * g[D // 2:],
                                                                        c * math.sqrt(D) * g[:D // 2]])])
-    q, k, v = rope.rope_qkv_mlx(qkv, qkv, qkv, s, off, theta, Hq, Hkv,
-                                    (table(gq), table(gk)) if qk_norm else None, eps, c)
+    q, k, v = rope_kernel.rope_qkv_mlx(qkv, qkv, qkv, s, off, theta, Hq, Hkv,
+                                       (table(gq), table(gk)) if qk_norm else None, eps, c)
     x = qkv.reshape(B, L, -1, D).transpose(0, 2, 1, 3)
     rope = lambda a: mx.fast.rope(a, D, traditional=False, base=10000.0, scale=1.0, offset=off)
     if qk_norm:
@@ -387,7 +405,7 @@ SIGNATURES = {
 }
 
 
-MODULE_OF = {"_ATTENTION": attention, "_COMBINE": attention, "_ADD_RSS": scale, "_ROPE_QKV": rope,
+MODULE_OF = {"_ATTENTION": attention, "_COMBINE": attention, "_ADD_RSS": scale, "_ROPE_QKV": rope_kernel,
              "_QKV_ROPE": matvec, "_GATE_UP": matvec}  # the file holding each body
 
 

@@ -359,7 +359,7 @@ def test_module_runs_the_kernel_for_one_row_only(monkeypatch):
         launched.append(x.shape)
         return fnn.compose(x, residual, weight, bias, scale, center, eps)
 
-    monkeypatch.setattr(fnn, "_fused", spy)
+    monkeypatch.setattr(fnn, "fused", spy)
     monkeypatch.setattr(fnn, "select_backend", lambda backend=None: "cuda")
     norm = RMSNorm(D, eps=1e-5)
     norm.eval()

@@ -24,7 +24,7 @@ CONFIGS = {"llama": dict(TINY_LLAMA, vocab_size=512, max_position_embeddings=256
 
 @pytest.fixture
 def portable(monkeypatch):
-    monkeypatch.setattr(kernels, "portable", lambda: True)
+    monkeypatch.setattr(forms, "portable", lambda: True)
 
 
 def build(config, norm, bits=None):
