@@ -233,7 +233,10 @@ class BatchEngine:
         self.prefilled += 1  # the last prompt token, computed in the decode step
 
     def _decode(self):
-        if len(self.rows) == 1 and self.solo is None and forms.compiled_decode():
+        # a lone row goes solo once its cache holds keys (a one-token prompt's first step runs
+        # batched: the static buffers take the cache's shape)
+        if (len(self.rows) == 1 and self.solo is None and self.cache[0].keys is not None
+                and forms.compiled_decode()):
             self.solo = Solo(self.model, self.rows[0], self._kv(0))
             self.cache = None
         if self.solo is not None:

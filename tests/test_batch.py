@@ -256,3 +256,6 @@ def test_solo_row_takes_the_compiled_step_and_back(model):
         modes.append("solo" if engine.solo is not None else len(engine.rows))
     assert modes[:3] == ["solo"] * 3 and 2 in modes and modes[-2] == "solo" and modes[-1] == 0
     assert first.generated == single(model, a)[0] and second.generated == single(model, b, 4)[0]
+    lone = Request(prompt(model, 1), max_tokens=4)  # nothing cached before its first step
+    run(engine, [lone])
+    assert lone.generated == single(model, lone.tokens, 4)[0]
