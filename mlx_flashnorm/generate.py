@@ -30,7 +30,8 @@ class Response:
     generation_tps: float
     peak_memory: float  # GB
     finish_reason: Optional[str] = None  # "stop" (EOS), "length", or None while generating
-    logprobs: Optional[mx.array] = None  # log-probabilities over the vocabulary this token was drawn from
+    logprobs: Optional[mx.array] = None  # the step's log-probabilities over the vocabulary (after
+    # logits_processors, before the sampler's temperature and filters): what the token was drawn from
 
 
 def context_length(model):
@@ -92,30 +93,37 @@ class CompiledStep:
         return all(len(c) == n for c, n in self.sizes) and all(c[k] is v for c, k, v in self.links)
 
 
-def compiled_decode(model):
+def compiled_decode(model, logits=False):
     """The 1-token forward pass as one compiled function of (token, offset, kv buffers), made once
     per model and kept on it: every request reuses it (MLX traces it again only for a new cache
     shape or dtype; a changed model gets a new one). offset: decode_offset(position); the step
-    returns (logits, logprobs, next offset, kv): the logits for logits processors, which need
-    them as the model gives them (a repetition penalty depends on their sign)."""
-    kept = getattr(model, "_compiled_decode", None)
+    returns (log-probabilities, the next offset, kv). logits: a second step that returns the raw
+    logits instead, for logits processors (a repetition penalty depends on the logits' signs)."""
+    name = "_compiled_logits" if logits else "_compiled_decode"
+    kept = getattr(model, name, None)
     if kept is None or not kept.current():
         def step(y, offset, kv):
             cache = [StaticKVCache(k.shape[2]) for k, _ in kv]
             for c, (k, v) in zip(cache, kv):
                 c.keys, c.values, c.offset = k, v, position(offset)
-            logits = model(y[None], cache=cache)[:, -1, :]
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            return logits, logprobs, offset + 1, [c.state for c in cache]
+            out = model(y[None], cache=cache)[:, -1, :]
+            if not logits:
+                out = out - mx.logsumexp(out, axis=-1, keepdims=True)
+            return out, offset + 1, [c.state for c in cache]
 
-        model._compiled_decode = CompiledStep(model, mx.compile(step))  # a plain attribute, not a child
-    return model._compiled_decode.step
+        setattr(model, name, CompiledStep(model, mx.compile(step)))  # a plain attribute, not a child
+    return getattr(model, name).step
 
 
 def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048, compiled=None,
-                  cache=None, logits_processors=None):
+                  cache=None, logits_processors=()):
     """Yield (token, logprobs) one at a time. The next step is queued on the device
     (async_eval) before the current token is handed to the caller.
+
+    logits_processors: functions (tokens, logits) -> logits applied in turn to each step's logits
+    (shape 1 x vocabulary) before the log-softmax and the sampler, as mlx-lm's are (its
+    sample_utils.make_logits_processors makes them): tokens is every token so far, the prompt's
+    and those generated (not those of an earlier `cache`).
 
     compiled: decode with a StaticKVCache of cache_capacity(prompt + max_tokens) positions and the
     model's compiled 1-token step (fast where our kernels run); False: the plain forward pass over
@@ -125,9 +133,7 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
     cache: a cache from make_cache that already holds earlier tokens (a chat's previous turns):
     only `prompt` is prefilled after them. Compiled, it must be a StaticKVCache with room for
     prompt + max_tokens more positions. Once the generator ends or is closed the cache holds
-    every token fed to the model (its offset counts them: the last token yielded may be missing).
-    logits_processors: callables (tokens, logits) -> logits, as mlx-lm's (make_logits_processors),
-    applied in order before sampling; tokens holds the prompt and the tokens generated so far."""
+    every token fed to the model (its offset counts them: the last token yielded may be missing)."""
     sampler = sampler or make_sampler(0.0)
     if compiled is None:
         compiled = forms.compiled_decode() and (cache is None or isinstance(cache[0], StaticKVCache))
@@ -137,23 +143,22 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
         raise ValueError(f"the cache holds {cache[0].capacity} positions, "
                          f"{cache[0].offset + prompt.size + max_tokens} are needed")
 
-    history, fed_back = prompt, False  # what the processors see: the prompt, then each token fed back
+    seen = prompt  # the tokens so far, for logits_processors
 
-    def sample(tokens, logits, logprobs=None):
-        nonlocal history, fed_back
+    def pick(logits, normalized=False):
+        """(token, log-probabilities) from a step's logits; normalized: they are log-probabilities
+        already (the compiled step's, where no processor needs the raw logits)."""
+        nonlocal seen
+        for process in logits_processors:
+            logits = process(seen, logits)
+        logprobs = logits if normalized else logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        y = sampler(logprobs)
         if logits_processors:
-            if fed_back:  # the first call feeds the prompt's last token, already in history
-                history = mx.concatenate([history, tokens.astype(history.dtype)])
-            fed_back = True
-            for processor in logits_processors:
-                logits = processor(history, logits)
-            logprobs = None
-        if logprobs is None:
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return sampler(logprobs), logprobs.squeeze(0)
+            seen = mx.concatenate([seen, y.astype(seen.dtype)])
+        return y, logprobs.squeeze(0)
 
     def eager_step(tokens):
-        return sample(tokens, model(tokens[None], cache=cache)[:, -1, :])
+        return pick(model(tokens[None], cache=cache)[:, -1, :])
 
     # Prefill all but the last prompt token in chunks (bounding the attention scratch memory).
     # Only the cache is evaluated, so the logits of those positions are never computed.
@@ -170,15 +175,15 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
     if not compiled:
         step = eager_step
     else:
-        decode = compiled_decode(model)
+        decode = compiled_decode(model, logits=bool(logits_processors))
         offset, kv = decode_offset(cache[0].offset), [c.state for c in cache]
         for c in cache:  # the buffers now live in kv alone, so each step can update them in place
             c.keys = c.values = None
 
         def step(y):
             nonlocal offset, kv
-            logits, logprobs, offset, kv = decode(y.astype(mx.uint32), offset, kv)  # one trace: samplers' dtype
-            return sample(y, logits, logprobs)
+            out, offset, kv = decode(y.astype(mx.uint32), offset, kv)  # one trace: samplers' dtype
+            return pick(out, normalized=not logits_processors)
 
     try:
         y, logprobs = first or step(prompt)
@@ -212,8 +217,8 @@ def warmup(model, compiled=None):
 
 
 def make_sampler_for(temp=0.0, top_p=1.0, top_k=0, min_p=0.0):
-    """Greedy when temp == 0; else temperature sampling restricted by top-p (1.0: off), top-k (0:
-    off) and min-p (0.0: off; a token needs at least min_p times the likeliest one's probability)."""
+    """Greedy when temp == 0; else temperature sampling restricted by top-p (1.0: off), top-k (0: off)
+    and min-p (0.0: off; keeps the tokens at least min_p times as likely as the likeliest)."""
     if temp < 0:
         raise UserError(f"temp must be at least 0 (0 is greedy), not {temp}")
     if not 0 < top_p <= 1:
@@ -293,7 +298,7 @@ def encode_prompt(tokenizer, prompt, chat_template=True, system_prompt=None):
 
 def stream_generate(model, tokenizer, prompt, max_tokens=256, temp=0.0, top_p=1.0, top_k=0,
                     seed=None, chat_template=True, prefill_step=512, cache=None, min_p=0.0,
-                    logits_processors=None, system_prompt=None, max_kv_size=None, kv_bits=None,
+                    logits_processors=(), system_prompt=None, max_kv_size=None, kv_bits=None,
                     kv_group_size=64):
     """Yield a Response per generated token; prompt is a string or a list of token ids.
     cache: a cache list holding earlier tokens, to continue after them (generate_step): a

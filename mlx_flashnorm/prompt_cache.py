@@ -1,17 +1,92 @@
-"""--prompt-cache-file: a prefilled prompt's KV cache on disk, reused by a later run whose prompt
-begins with the same tokens (only the rest is prefilled).
+"""Prompt caches: a prompt's KV state kept so that a later prompt starting with the same tokens
+prefills only the rest.
 
-The file is mlx-lm's prompt-cache format (mlx_lm.models.cache.save_prompt_cache: safetensors, the
-cache classes in its metadata) with three entries of ours in that metadata: the model it was made
-with, the prompt's token ids and the KV bits. It is written to a temporary file beside it and
-renamed into place, so a run cut short leaves the old file or none."""
+- In memory, across a server's requests (PromptCache): entries keyed by their token ids hold one
+  (keys, values) pair per layer, each of shape (1, kv_heads, tokens, head_dim). A lookup takes the
+  entry sharing the longest prefix with the prompt, whatever follows in either; eviction is least
+  recently used, bounded by the bytes the entries hold.
+- On disk, across runs (--prompt-cache-file: check_path, reuse, save): mlx-lm's prompt-cache format
+  (mlx_lm.models.cache.save_prompt_cache: safetensors, the cache classes in its metadata) with three
+  entries of ours in that metadata: the model it was made with, the prompt's token ids and the KV
+  bits. It is written to a temporary file beside it and renamed into place, so a run cut short
+  leaves the old file or none."""
 import json
 import os
+from collections import OrderedDict
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from .errors import UserError
+
+def common_prefix(a, b):
+    """The number of leading elements two int arrays share."""
+    a, b = np.asarray(a), np.asarray(b)
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
+
+
+class PromptCache:
+    """An LRU map from token sequences to their per-layer KV state, at most max_bytes in all
+    (0: nothing is kept)."""
+
+    def __init__(self, max_bytes):
+        self.max_bytes = max_bytes
+        self.entries = OrderedDict()  # tuple of token ids -> (np token array, [(keys, values)] per layer)
+        self.nbytes = 0
+
+    def __len__(self):
+        return len(self.entries)
+
+    def fetch(self, tokens):
+        """(n, [(keys, values)] per layer holding tokens[:n]) for the longest cached prefix of
+        tokens, n at most len(tokens) - 1: the last prompt token always runs, its logits give the
+        first new token. (0, None) on a miss."""
+        ids = np.asarray(tokens)
+        best, n = None, 0
+        for key, (arr, _) in self.entries.items():
+            m = min(common_prefix(arr, ids), len(ids) - 1)
+            if m > n:
+                best, n = key, m
+        if best is None:
+            return 0, None
+        self.entries.move_to_end(best)
+        return n, [(k[..., :n, :], v[..., :n, :]) for k, v in self.entries[best][1]]
+
+    def store(self, tokens, kv):
+        """Keep kv ([(keys, values)] per layer, over exactly tokens) as the most recent entry. An
+        entry whose tokens begin this one is superseded and dropped; if a kept entry already begins
+        with these tokens, nothing changes but its recency."""
+        key = tuple(tokens)
+        if kv and kv[0][0].shape[2] != len(key):
+            raise ValueError(f"a KV state of {kv[0][0].shape[2]} positions stored for {len(key)} tokens")
+        if not key or self.max_bytes <= 0:
+            return
+        for old in list(self.entries):
+            if old[:len(key)] == key:
+                self.entries.move_to_end(old)
+                return
+            if key[:len(old)] == old:
+                self._drop(old)
+        kv = [(mx.contiguous(k), mx.contiguous(v)) for k, v in kv]  # not a view of a larger buffer
+        size = sum(k.nbytes + v.nbytes for k, v in kv)
+        if size > self.max_bytes:
+            return
+        mx.eval(kv)
+        self.entries[key] = (np.asarray(key), kv)
+        self.nbytes += size
+        while self.nbytes > self.max_bytes:
+            self._drop(next(iter(self.entries)))
+
+    def _drop(self, key):
+        _, kv = self.entries.pop(key)
+        self.nbytes -= sum(k.nbytes + v.nbytes for k, v in kv)
+
+
+# ---------------------------------------------------------------- on disk (--prompt-cache-file)
 
 SUFFIX = ".safetensors"
 
@@ -23,13 +98,6 @@ def check_path(path):
     if not path.parent.is_dir():
         raise UserError(f"{path.parent}: no such folder for the prompt cache file")
     return path
-
-
-def common_prefix(a, b):
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def reuse(path, model, model_id, tokens, kv_bits=None):

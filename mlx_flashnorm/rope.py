@@ -24,14 +24,17 @@ def rope_frequencies(rope):
 
 def rope_tables(frequencies, offset, length, traditional):
     """cos and sin of shape (length, h) for positions offset .. offset+length-1 (offset an int or
-    a scalar array), laid out for the rotation used: interleaved (x0,x1),(x2,x3).. (traditional)
-    or rotate-half (i, i+h/2). frequencies: rope_frequencies(reference rope)."""
+    a scalar array; or one offset per row of a batch, (B,): tables (B, 1, length, h)), laid out
+    for the rotation used: interleaved (x0,x1),(x2,x3).. (traditional) or rotate-half (i, i+h/2).
+    frequencies: rope_frequencies(reference rope)."""
     scale, theta = frequencies
+    if getattr(offset, "ndim", 0):
+        offset = offset[:, None, None]
     pos = (offset + mx.arange(length)).astype(mx.float32)
     if scale != 1.0:  # x * 1 is x
         pos = pos * scale
     theta = mx.repeat(theta, 2) if traditional else mx.concatenate([theta, theta])  # per column
-    angles = pos[:, None] * theta
+    angles = pos[..., None] * theta
     return mx.cos(angles), mx.sin(angles)
 
 

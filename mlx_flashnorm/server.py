@@ -1,286 +1,422 @@
 """An OpenAI-compatible HTTP server: `python -m mlx_flashnorm.server`.
 
-GET /v1/models, POST /v1/chat/completions and POST /v1/completions, plain or streamed as
-server-sent events. Built on the standard library's ThreadingHTTPServer, as mlx-lm's server is:
-each connection has a thread that reads and checks its request and writes the answer, while one
-generation worker runs the model, taking requests from a queue one at a time, so requests that
-arrive together never share a cache or interleave their steps (they wait their turn instead).
-A client that goes away mid-stream cancels its request: the worker stops at the next token."""
+GET /v1/models, GET /health, POST /v1/chat/completions and POST /v1/completions, plain or
+streamed as server-sent events; OPTIONS answers browsers' preflights. Built on the standard
+library's ThreadingHTTPServer: each connection has a thread that reads and checks its request
+(openai_api: every field range-checked, a JSON error for anything wrong), queues it on the
+generation worker and writes the answer from the tokens that come back. The worker decodes up to
+--max-concurrent requests together (batch.BatchWorker: continuous batching, with a prompt cache
+of --prompt-cache-size MB); --max-concurrent 1 serves one request at a time on the compiled
+one-request path (worker.SerialWorker: our fused kernels where they run, no prompt cache).
+
+Under load: at most the worker's slots plus --max-queue requests are taken at once, the rest get
+503 with Retry-After; a request (headers and body) must arrive within --timeout seconds and be at
+most --max-body bytes; a client that hangs up, streaming or not, is noticed at the next token (or
+within POLL seconds while its request waits) and its request dropped by the worker at its next step."""
 import argparse
+import hmac
 import json
+import os
 import queue
+import select
 import signal
+import socket
 import threading
 import time
-import uuid
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import mlx.core as mx
-
-from .errors import UserError, run_cli
 from .cli import HelpFormatter, add_model_args, add_sampling_args, wants_warmup
-from .generate import context_length, load_from_args, make_sampler_for, stream_generate, warmup
+from .errors import UserError, run_cli
+from .generate import context_length, load_from_args, make_sampler_for
+from .openai_api import Answer, HTTPError, Transcript, bad, parse_call, parse_json
+from .batch import BatchWorker
+from .worker import SerialWorker
+
+POLL = 0.1  # seconds between checks that a client waiting for its first token is still there
+RETRY_AFTER = 1  # seconds, in a 503's Retry-After
+MAX_BODY = 2**20  # bytes: a prompt filling a 128k-token context is about 0.5 MB of JSON
+DRAIN_PAUSE = 0.2  # seconds: a body of unknown length has ended when none of it comes for this long
+API_KEY_VARIABLE = "MLX_FLASHNORM_API_KEY"
+MAX_CONCURRENT = 32  # requests decoded together (mlx_lm.server's default)
+PROMPT_CACHE_MB = 512  # the prompt cache's bound
 
 
-class BadRequest(Exception):
-    def __init__(self, message, param=None):
-        super().__init__(message)
-        self.param = param
+class ClientGone(Exception):
+    """The client closed its connection (or a write to it failed or timed out)."""
 
 
-class Job:
-    """One request for the worker: its tokens and sampling; the worker puts each Response on `out`,
-    then None (or an exception)."""
-
-    def __init__(self, tokens, max_tokens, seed, **sampling):
-        self.tokens, self.max_tokens, self.seed, self.sampling = tokens, max_tokens, seed, sampling
-        self.out = queue.Queue()
-        self.cancelled = threading.Event()
+class WorkerFailed(Exception):
+    """The worker's exception while generating a request."""
 
 
-def worker(model, tokenizer, jobs, warm, started):
-    """The one thread that runs the model: MLX streams belong to their thread, so the model runs on
-    the streams of this one (its arrays must be evaluated before: mx.eval(model.parameters())).
-    warm: first play generate.warmup here (MLX keeps compiled functions per thread, so a warm-up
-    on another thread would not serve this one); `started` then gets None, or the exception."""
-    try:
-        if warm:
-            warmup(model)
-    except Exception as e:
-        return started.put(e)
-    started.put(None)
-    while True:
-        job = jobs.get()
-        if job.cancelled.is_set():
-            continue
-        try:
-            for r in stream_generate(model, tokenizer, job.tokens, job.max_tokens, seed=job.seed,
-                                     **job.sampling):
-                if job.cancelled.is_set():
-                    break
-                job.out.put(r)
-            job.out.put(None)
-        except Exception as e:  # handed to the request's thread, which answers with an error
-            job.out.put(e)
-        mx.synchronize()  # the step queued ahead: work left pending on a thread's streams aborts at exit
+class BodyRefused(HTTPError):
+    """An error answered before the body was read: `unread` bytes of it follow (None: unknown)."""
+
+    def __init__(self, status, message, unread=None):
+        super().__init__(status, message)
+        self.unread = unread
 
 
-def field(body, name, types, default, ok=lambda v: True, need=None):
-    """body[name] if it has the right type and passes ok, default if absent or null."""
-    value, types = body.get(name), types if isinstance(types, tuple) else (types,)
-    if value is None:
-        return default
-    if not isinstance(value, types) or isinstance(value, bool) and bool not in types or not ok(value):
-        raise BadRequest(f"'{name}' must be {need}", name)
-    return value
+class Reaper:
+    """Shuts the reading side of a connection whose request (headers and body) has not arrived
+    within `seconds`, so that a client sending slowly, or less than its Content-Length, cannot hold
+    a thread: the handler's read then ends, and it answers 408 (handler.late is set)."""
 
+    def __init__(self, seconds):
+        self.seconds, self.lock, self.deadlines = seconds, threading.Lock(), {}
+        self.stopped = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
 
-def message_text(content):
-    """A message's content: a string, or a list of text parts."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
-    raise BadRequest("a message's 'content' must be a string or a list of text parts", "messages")
+    def watch(self, handler):
+        handler.late = False
+        with self.lock:
+            self.deadlines[handler] = time.monotonic() + self.seconds
 
+    def release(self, handler):
+        """Stop watching handler; False if its deadline had passed."""
+        with self.lock:
+            self.deadlines.pop(handler, None)
+        return not handler.late
 
-def held_back(text, stops):
-    """How many characters at the end of text might begin a stop string (not to be sent yet)."""
-    return max((k for s in stops for k in range(1, min(len(s), len(text) + 1)) if text.endswith(s[:k])),
-               default=0)
+    def _run(self):
+        while not self.stopped.wait(min(0.25, self.seconds / 4)):
+            now = time.monotonic()
+            with self.lock:
+                for handler in [h for h, t in self.deadlines.items() if t < now]:
+                    del self.deadlines[handler]
+                    handler.late = True
+                    try:
+                        handler.connection.shutdown(socket.SHUT_RD)
+                    except OSError:
+                        pass
 
 
 class Server(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 1024  # the listen backlog (socketserver's is 5): a burst of connections waits
 
     def __init__(self, model, tokenizer, model_id, host="127.0.0.1", port=8080, max_tokens=256,
-                 temp=0.0, top_p=1.0, top_k=0, warm=False):
-        """max_tokens, temp, top_p: the defaults of requests that leave them out; top_k: for all.
-        warm: warm the model up (generate.warmup) on the worker thread before serving."""
+                 temp=0.0, top_p=1.0, top_k=0, warm=False, *, api_key=None, cors_origins=(),
+                 max_queue=64, max_body=MAX_BODY, timeout=30.0, max_concurrent=MAX_CONCURRENT,
+                 prompt_cache_bytes=PROMPT_CACHE_MB * 2**20, worker=None):
+        """max_tokens, temp, top_p, top_k: the defaults of requests that leave them out.
+        warm: warm the model up on the worker thread before serving.
+        api_key: requests must send it as a Bearer token; cors_origins: the web origins whose pages
+        may call the server ("*": any); max_queue: requests waiting beyond the worker's slots;
+        max_body: bytes; timeout: seconds for a request to arrive, and for any one socket operation.
+        max_concurrent: requests generated together (1: one at a time, SerialWorker; else a
+        BatchWorker with a prompt cache of prompt_cache_bytes). worker: what generates (default:
+        the one max_concurrent says)."""
         super().__init__((host, port), Handler)
         self.model, self.tokenizer, self.model_id = model, tokenizer, model_id
         self.defaults = dict(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k)
+        self.api_key, self.cors_origins = api_key, set(cors_origins)
+        self.max_queue, self.max_body, self.io_timeout = max_queue, max_body, timeout
         self.created = int(time.time())
-        self.jobs = queue.Queue()
-        mx.eval(model.parameters())  # lazy arrays evaluate on the thread that made them: this one
-        started = queue.Queue()
-        threading.Thread(target=worker, args=(model, tokenizer, self.jobs, warm, started), daemon=True).start()
-        if (error := started.get()) is not None:
-            self.server_close()
-            raise error
-
-    def job(self, body, chat):
-        """Check a request body and turn it into a Job; BadRequest if anything is wrong."""
-        if not isinstance(body, dict):
-            raise BadRequest("the request body must be a JSON object")
-        number = (int, float)
-        field(body, "model", str, None, need="a string")
-        field(body, "n", int, 1, lambda v: v == 1, "1 (one choice per request)")
-        max_tokens = field(body, "max_tokens", int, None, lambda v: v >= 1, "a positive integer")
-        if max_tokens is None:
-            max_tokens = field(body, "max_completion_tokens", int, self.defaults["max_tokens"],
-                               lambda v: v >= 1, "a positive integer")
-        temp = field(body, "temperature", number, self.defaults["temp"], lambda v: v >= 0, "a number >= 0")
-        top_p = field(body, "top_p", number, self.defaults["top_p"], lambda v: 0 < v <= 1,
-                      "a number above 0 and at most 1")
-        seed = field(body, "seed", int, None, need="an integer")
-        stop = field(body, "stop", (str, list), [], lambda v: isinstance(v, str) or all(
-            isinstance(s, str) and s for s in v), "a string or a list of non-empty strings")
-        stream = field(body, "stream", bool, False, need="true or false")
-        options = field(body, "stream_options", dict, {}, need="an object")
-        if chat:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise BadRequest("'messages' must be a non-empty list of messages", "messages")
-            if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
-                raise BadRequest("each message must be an object with a 'role' string", "messages")
-            messages = [{"role": m["role"], "content": message_text(m.get("content", ""))} for m in messages]
-            if not self.tokenizer.has_chat_template:
-                raise BadRequest("this model has no chat template: use /v1/completions")
-            tokens = list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-        else:
-            prompt = body.get("prompt")
-            if not isinstance(prompt, str) or not prompt:
-                raise BadRequest("'prompt' must be a non-empty string", "prompt")
-            tokens = self.tokenizer.encode(prompt)
-        ctx = context_length(self.model)
-        if len(tokens) >= ctx:
-            raise BadRequest(f"the prompt has {len(tokens)} tokens, the model's context is {ctx}",
-                             "messages" if chat else "prompt")
-        job = Job(tokens, max_tokens, seed, temp=temp, top_p=top_p, top_k=self.defaults["top_k"])
-        job.stop = [stop] if isinstance(stop, str) else stop
-        job.stream, job.usage_chunk = stream, options.get("include_usage") is True
-        return job
-
-    def run(self, job):
-        """Queue job; yield (text, finish_reason, completion tokens) as it is generated, the text
-        cut at the first stop string. Closing the generator early cancels the job."""
-        self.jobs.put(job)
-        text, sent, longest = "", 0, max(map(len, job.stop), default=0)
+        self.lock, self.active = threading.Lock(), 0
         try:
-            while (r := job.out.get()) is not None:
-                if isinstance(r, Exception):
-                    raise r
-                text += r.text
-                finish, tokens = r.finish_reason, r.generation_tokens - (r.finish_reason == "stop")
-                cuts = [i for i in (text.find(s, max(0, sent - longest)) for s in job.stop) if i >= 0]
-                if cuts:
-                    text, finish, tokens = text[:min(cuts)], "stop", r.generation_tokens
-                end = len(text) if finish else len(text) - held_back(text, job.stop)
-                yield text[sent:end], finish, tokens
-                sent = end
-                if finish:
-                    return
-        finally:
-            job.cancelled.set()
+            self.worker = worker or (SerialWorker(model, tokenizer, warm) if max_concurrent == 1 else
+                                     BatchWorker(model, tokenizer, warm, max_concurrent, prompt_cache_bytes))
+        except BaseException:
+            self.server_close()
+            raise
+        self.reaper = Reaper(timeout)
+
+    def call(self, body, chat):
+        return parse_call(body, chat, self.tokenizer, context_length(self.model), self.model.args.vocab_size,
+                          self.defaults)
+
+    def admit(self, generation):
+        """The worker's Ticket for generation, or a 503 when the worker's slots and the queue are full."""
+        with self.lock:
+            if self.active >= self.worker.slots + self.max_queue:
+                raise HTTPError(503, f"the server is busy ({self.active} requests taken, --max-queue "
+                                     f"{self.max_queue}): retry later", headers={"Retry-After": str(RETRY_AFTER)})
+            self.active += 1
+        return self.worker.submit(generation)
+
+    def done(self):
+        with self.lock:
+            self.active -= 1
+
+    def health(self):
+        return {"status": "ok", "requests": self.active, "slots": self.worker.slots, "max_queue": self.max_queue}
+
+    def server_close(self):
+        super().server_close()
+        if hasattr(self, "reaper"):
+            self.reaper.stopped.set()
 
 
 class Handler(BaseHTTPRequestHandler):
     server: Server
+    default_request_version = "HTTP/1.0"  # a malformed request line still gets a status line
+    allowed_origin = None  # the request's Origin, once --cors-origin allowed it
 
-    def send_json(self, status, obj):
+    def setup(self):
+        self.timeout = self.server.io_timeout  # on every socket operation
+        super().setup()
+        self.poller = select.poll()
+        self.poller.register(self.connection, select.POLLIN)
+
+    def handle_one_request(self):
+        self.server.reaper.watch(self)
+        try:
+            super().handle_one_request()
+        finally:
+            self.server.reaper.release(self)
+
+    def parse_request(self):
+        if not super().parse_request():
+            return False
+        if self.late:  # the headers did not all arrive in time
+            self.fail(self.timed_out())
+            return False
+        return True
+
+    def timed_out(self):
+        return HTTPError(408, f"the request did not arrive within {self.server.io_timeout:g} s")
+
+    def end_headers(self):
+        if self.allowed_origin:
+            self.send_header("Access-Control-Allow-Origin", self.allowed_origin)
+            self.send_header("Vary", "Origin")
+        super().end_headers()
+
+    def send_json(self, status, obj, headers=()):
         body = json.dumps(obj).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
+        for name, value in dict(headers).items():
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(body)
 
-    def send_error_json(self, status, message, param=None, kind="invalid_request_error"):
-        self.send_json(status, {"error": {"message": message, "type": kind, "param": param, "code": None}})
+    def fail(self, error):
+        try:
+            self.send_json(error.status, error.body(), error.headers)
+        except OSError:
+            pass  # the client is gone
+
+    def send_error(self, code, message=None, explain=None):
+        """http.server's own errors (a malformed request line or header, an unknown method) in JSON."""
+        self.close_connection = True
+        self.fail(HTTPError(code, message or HTTPStatus(code).phrase))
+
+    def check_origin(self):
+        """A page in a browser sends its Origin: refused unless --cors-origin allows it."""
+        origin = self.headers.get("Origin")
+        if origin is None:
+            return
+        if "*" not in self.server.cors_origins and origin not in self.server.cors_origins:
+            raise HTTPError(403, f"requests from web pages of {origin} are refused: start the server with "
+                                 f"--cors-origin {origin} to allow them")
+        self.allowed_origin = origin
+
+    def check_key(self):
+        key = self.server.api_key
+        if key is not None and not hmac.compare_digest(self.headers.get("Authorization", "").encode(),
+                                                       f"Bearer {key}".encode()):
+            raise HTTPError(401, "this server needs its API key (--api-key) in the header "
+                                 "'Authorization: Bearer <key>'", headers={"WWW-Authenticate": "Bearer"})
+
+    def do_OPTIONS(self):
+        try:
+            self.check_origin()
+        except HTTPError as e:
+            return self.fail(e)
+        self.send_response(204)
+        self.send_header("Allow", "GET, POST, OPTIONS")
+        if self.allowed_origin:
+            self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
+            self.send_header("Access-Control-Allow-Headers", "Authorization, Content-Type")
+            self.send_header("Access-Control-Max-Age", "600")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
 
     def do_GET(self):
-        if self.path.rstrip("/") != "/v1/models":
-            return self.send_error_json(404, f"no such endpoint: GET {self.path}")
+        path = self.path.rstrip("/")
+        try:
+            self.check_origin()
+            if path == "/health":
+                return self.send_json(200, self.server.health())
+            if path != "/v1/models":
+                raise HTTPError(404, f"no such endpoint: GET {self.path}")
+            self.check_key()
+        except HTTPError as e:
+            return self.fail(e)
         model = {"id": self.server.model_id, "object": "model", "created": self.server.created,
                  "owned_by": "mlx-flashnorm"}
         self.send_json(200, {"object": "list", "data": [model]})
 
+    def read_body(self):
+        """The body's bytes: Content-Length of them, at most --max-body, arrived in time."""
+        if "Transfer-Encoding" in self.headers:
+            raise BodyRefused(411, "send the body with a Content-Length (chunked transfer encoding is not supported)")
+        lengths = [v.strip() for v in self.headers.get_all("Content-Length", [])]
+        if not lengths:
+            raise BodyRefused(411, "a POST needs a Content-Length header")
+        if len(set(lengths)) != 1 or not (lengths[0].isascii() and lengths[0].isdigit()):
+            raise BodyRefused(400, f"Content-Length must be one whole number of bytes, not {', '.join(lengths)!r}")
+        n = int(lengths[0])
+        if n > self.server.max_body:
+            raise BodyRefused(413, f"the body has {n} bytes, this server takes at most {self.server.max_body} "
+                                   "(--max-body)", unread=n)
+        try:
+            body = self.rfile.read(n)
+        except TimeoutError:
+            body = None
+        if not self.server.reaper.release(self) or body is None:
+            raise self.timed_out()
+        if len(body) < n:
+            raise bad(f"the body ended after {len(body)} of its Content-Length's {n} bytes")
+        return body
+
+    def drain(self, n=None):
+        """Read and drop the n bytes of body the client sends (None: as long as it goes on sending,
+        with pauses under DRAIN_PAUSE s), or until the request's time is up (the reaper): closing a
+        connection with unread bytes resets it, and the client could lose our answer."""
+        if n is None:
+            self.connection.settimeout(DRAIN_PAUSE)
+        try:
+            while n is None or n > 0:
+                got = self.rfile.read1(65536 if n is None else min(n, 65536))
+                if not got:
+                    break
+                n = None if n is None else n - len(got)
+        except OSError:
+            pass
+
     def do_POST(self):
         chat = self.path.rstrip("/") == "/v1/chat/completions"
-        if not chat and self.path.rstrip("/") != "/v1/completions":
-            return self.send_error_json(404, f"no such endpoint: POST {self.path}")
         try:
-            length = int(self.headers.get("Content-Length", 0))
-            try:
-                body = json.loads(self.rfile.read(length))
-            except ValueError:
-                raise BadRequest("the request body is not valid JSON")
-            job = self.server.job(body, chat)
-        except BadRequest as e:
-            return self.send_error_json(400, str(e), e.param)
-        kind = "chat.completion" if chat else "text_completion"
-        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "object": kind,
-                "created": int(time.time()), "model": self.server.model_id}
-        pieces = self.server.run(job)
+            body = self.read_body()  # first: an answer with bytes left unread could be lost (drain)
+            if not chat and self.path.rstrip("/") != "/v1/completions":
+                raise HTTPError(404, f"no such endpoint: POST {self.path}")
+            self.check_origin()
+            self.check_key()
+            if self.headers.get("Content-Type", "").split(";")[0].strip().lower() != "application/json":
+                raise HTTPError(415, "send the body as JSON, with the header 'Content-Type: application/json'")
+            call = self.server.call(parse_json(body), chat)
+            ticket = self.server.admit(call.generation)
+        except HTTPError as e:
+            self.fail(e)
+            return self.drain(e.unread) if isinstance(e, BodyRefused) else None
         try:
-            if job.stream:
-                self.stream(pieces, head, chat, job)
+            transcript = Transcript(self.server.tokenizer, call)
+            answer = Answer(call, self.server.tokenizer, self.server.model_id)
+            pieces = self.pieces(ticket, transcript)
+            (self.stream if call.stream else self.whole)(answer, pieces, transcript)
+        except ClientGone:
+            pass
+        except WorkerFailed as e:  # nothing checked before should get here
+            error = HTTPError(500, f"generation failed: {e.__cause__}")
+            if call.stream:  # the status line has gone out already
+                self.write_event(error.body(), gone_ok=True)
             else:
-                self.answer(pieces, head, chat, job)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the client went away; closing `pieces` cancels its job
-        except Exception as e:  # from the worker: nothing checked above should get here
-            error = {"message": f"generation failed: {e}", "type": "server_error", "param": None, "code": None}
-            if job.stream:  # the status line has gone out already
-                self.wfile.write(f"data: {json.dumps({'error': error})}\n\n".encode())
-            else:
-                self.send_json(500, {"error": error})
+                self.fail(error)
         finally:
-            pieces.close()
+            ticket.cancel()
+            self.server.done()
 
-    def usage(self, job, tokens):
-        return {"prompt_tokens": len(job.tokens), "completion_tokens": tokens,
-                "total_tokens": len(job.tokens) + tokens}
+    def client_gone(self):
+        """The client closed its connection: its socket reads as at the end of the stream."""
+        try:
+            return bool(self.poller.poll(0)) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
 
-    def answer(self, pieces, head, chat, job):
-        text, finish, tokens = "", None, 0
-        for piece, finish, tokens in pieces:
-            text += piece
-        choice = {"index": 0, "finish_reason": finish, "logprobs": None}
-        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
-        self.send_json(200, dict(head, choices=[choice], usage=self.usage(job, tokens)))
+    def pieces(self, ticket, transcript):
+        """Yield transcript.add's (piece, finish_reason, entries) for each token the worker makes;
+        ClientGone (the ticket cancelled) once the client hangs up."""
+        while True:
+            try:
+                token = ticket.next(timeout=POLL)
+            except queue.Empty:
+                token = ticket
+            except Exception as e:
+                raise WorkerFailed() from e
+            if self.client_gone():
+                ticket.cancel()
+                raise ClientGone()
+            if token is None:
+                return
+            if token is not ticket:
+                piece, finish, entries = transcript.add(token)
+                yield piece, finish, entries
+                if finish:
+                    return
 
-    def stream(self, pieces, head, chat, job):
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.end_headers()
-        head = dict(head, object="chat.completion.chunk" if chat else "text_completion")
+    def whole(self, answer, pieces, transcript):
+        text, finish, entries = "", None, []
+        for piece, finish, got in pieces:
+            text, entries = text + piece, entries + got
+        try:
+            self.send_json(200, answer.whole(text, finish, entries, transcript.count))
+        except OSError as e:
+            raise ClientGone() from e
 
-        def send(choices, **extra):
-            self.wfile.write(f"data: {json.dumps(dict(head, choices=choices, **extra))}\n\n".encode())
+    def write(self, data):
+        try:
+            self.wfile.write(data)
             self.wfile.flush()
+        except OSError as e:
+            raise ClientGone() from e
 
-        def choice(text, finish, role=None):
-            if not chat:
-                return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-            delta = {"role": role, "content": text} if role else ({"content": text} if text else {})
-            return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+    def write_event(self, obj, gone_ok=False):
+        try:
+            self.write(f"data: {json.dumps(obj)}\n\n".encode())
+        except ClientGone:
+            if not gone_ok:
+                raise
 
-        if chat:
-            send([choice("", None, role="assistant")])
-        tokens = 0
-        for piece, finish, tokens in pieces:
-            if piece or finish:
-                send([choice(piece, finish)])
-        if job.usage_chunk:
-            send([], usage=self.usage(job, tokens))
-        self.wfile.write(b"data: [DONE]\n\n")
-        self.wfile.flush()
+    def stream(self, answer, pieces, transcript):
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.end_headers()
+        except OSError as e:
+            raise ClientGone() from e
+        if answer.call.chat:
+            self.write_event(answer.chunk("", None, [], role="assistant"))
+        for piece, finish, entries in pieces:
+            if piece or finish or entries:
+                self.write_event(answer.chunk(piece, finish, entries))
+        if answer.call.include_usage:
+            self.write_event(answer.usage_chunk(transcript.count))
+        self.write(b"data: [DONE]\n\n")
 
 
 def arg_parser():
     p = argparse.ArgumentParser(
         prog="python -m mlx_flashnorm.server",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/models, "
-                    "/v1/chat/completions, /v1/completions). The sampling flags set the defaults "
-                    "of requests that leave them out.",
-        formatter_class=HelpFormatter)
+                    "/v1/chat/completions, /v1/completions, /health). The sampling flags set the "
+                    "defaults of requests that leave them out.", formatter_class=HelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (0: any free one)")
+    p.add_argument("--api-key", help=f"require the header 'Authorization: Bearer API_KEY' (default: the "
+                                     f"{API_KEY_VARIABLE} environment variable, which ps does not show; "
+                                     "unset: no key)")
+    p.add_argument("--cors-origin", action="append", metavar="ORIGIN",
+                   help="let web pages of ORIGIN (e.g. http://localhost:3000; * for any) call the server; "
+                        "repeatable (unset: requests from web pages are refused)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait while the worker is busy; beyond, 503 with Retry-After")
+    p.add_argument("--max-body", type=int, default=MAX_BODY, help="request body bytes at most (beyond: 413)")
+    p.add_argument("--max-concurrent", type=int, default=MAX_CONCURRENT,
+                   help="requests decoded together, in one batch; 1: one at a time on the compiled "
+                        "one-request path (no prompt cache)")
+    p.add_argument("--prompt-cache-size", type=float, default=PROMPT_CACHE_MB, metavar="MB",
+                   help="memory for the KV states of earlier prompts and replies, so that a shared "
+                        "prefix (a system prompt, a conversation's earlier turns) is not computed "
+                        "again; least recently used go first (0: off)")
+    p.add_argument("--timeout", type=float, default=30.0,
+                   help="seconds a request (headers and body) may take to arrive, and a write to a client")
     add_model_args(p)
     add_sampling_args(p)
     return p
@@ -289,11 +425,19 @@ def arg_parser():
 def main(argv=None):
     args = arg_parser().parse_args(argv)
     make_sampler_for(args.temp, args.top_p, args.top_k)  # checks the sampling flags
+    if args.max_queue < 0 or args.max_body < 1 or not args.timeout > 0:
+        raise UserError("--max-queue must be at least 0, --max-body at least 1 and --timeout above 0")
+    if args.max_concurrent < 1 or not args.prompt_cache_size >= 0:
+        raise UserError("--max-concurrent must be at least 1 and --prompt-cache-size (MB) at least 0")
     model, tokenizer = load_from_args(args, warm=False)  # the worker thread warms up
     model_id = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
     try:
         server = Server(model, tokenizer, model_id, args.host, args.port, args.max_tokens, args.temp,
-                        args.top_p, args.top_k, warm=wants_warmup(args))
+                        args.top_p, args.top_k, warm=wants_warmup(args),
+                        api_key=args.api_key or os.environ.get(API_KEY_VARIABLE) or None,
+                        cors_origins=args.cors_origin or (), max_queue=args.max_queue, max_body=args.max_body,
+                        timeout=args.timeout, max_concurrent=args.max_concurrent,
+                        prompt_cache_bytes=int(args.prompt_cache_size * 2**20))
     except OSError as e:
         raise UserError(f"cannot listen on {args.host}:{args.port}: {e.strerror}")
     host, port = server.server_address[:2]

@@ -3,10 +3,15 @@ import math
 
 import mlx.core as mx
 import pytest
+from mlx_lm.generate import generate_step as mlx_lm_generate_step
+from mlx_lm.sample_utils import make_logits_processors
 
 from mlx_flashnorm import load, stream_generate
 from mlx_flashnorm.errors import UserError
-from mlx_flashnorm.generate import make_sampler_for
+from mlx_flashnorm.generate import generate_step, make_sampler_for
+from mlx_flashnorm.loader import build_model, model_args, prepare
+
+from conftest import TINY_LLAMA, f32_tol, random_weights
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
 N = 4000
@@ -39,6 +44,13 @@ def test_top_p_keeps_the_nucleus(top_p, kept):
     assert abs(freq[0] - 0.5 / sum(PROBS[:kept])) < 0.05
 
 
+def test_min_p_keeps_the_tokens_near_the_likeliest():
+    mx.random.seed(0)
+    freq = draw(make_sampler_for(1.0, min_p=0.35))  # keeps p >= 0.35 * 0.5: the first two
+    assert freq[2] == freq[3] == 0
+    assert abs(freq[0] - 0.5 / 0.8) < 0.05
+
+
 def test_temperature_sharpens():
     mx.random.seed(0)
     freq = draw(make_sampler_for(0.5))
@@ -49,7 +61,8 @@ def test_temperature_sharpens():
 def test_bad_sampling_arguments():
     for kwargs, message in ((dict(temp=-1), "temp must be at least 0 (0 is greedy), not -1"),
                             (dict(temp=1, top_p=0), "top-p must be above 0 and at most 1 (1 is off), not 0"),
-                            (dict(temp=1, top_k=-3), "top-k must be at least 0 (0 is off), not -3")):
+                            (dict(temp=1, top_k=-3), "top-k must be at least 0 (0 is off), not -3"),
+                            (dict(temp=1, min_p=1.5), "min-p must be from 0 to 1 (0 is off), not 1.5")):
         with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
             make_sampler_for(**kwargs)
 
@@ -74,3 +87,28 @@ def test_stops_at_eos_and_reports_stats(smollm2):
     assert last.prompt_tokens > 0 and last.generation_tps > 0 and last.peak_memory > 0
     capped = list(stream_generate(model, tok, "Write a long poem.", max_tokens=5))
     assert len(capped) == 5 and capped[-1].finish_reason == "length"
+
+
+STEPS = 16
+
+
+@pytest.mark.parametrize("norm", ["rms", "flash"])
+def test_logits_processors_apply_as_in_mlx_lm(norm):
+    """generate_step's logits_processors see the tokens so far and change the logits before the
+    log-softmax, as in mlx-lm's generate_step: the same tokens and log-probabilities, compiled
+    (the step returning raw logits) and eager; and the penalties change a greedy output."""
+    config = dict(TINY_LLAMA, vocab_size=512)
+    arch, args = model_args(config)
+    # larger weights than a checkpoint's make the logits spread out, so greedy picks are decisive
+    model = prepare(build_model(config, random_weights(arch.Model(args), seed=3, scale=0.2), progress=False), norm)
+    prompt = mx.array([5, 17, 5, 17, 5, 17, 9, 5])
+    processors = make_logits_processors({3: 2.0}, repetition_penalty=1.6, presence_penalty=0.4,
+                                        frequency_penalty=0.3)
+    reference = list(mlx_lm_generate_step(prompt, model, max_tokens=STEPS, logits_processors=processors))
+    for compiled in (True, False):
+        out = list(generate_step(prompt, model, max_tokens=STEPS, compiled=compiled, logits_processors=processors))
+        assert [t for t, _ in out] == [t for t, _ in reference], compiled
+        assert mx.allclose(mx.stack([lp for _, lp in out]), mx.stack([lp for _, lp in reference]),
+                           rtol=f32_tol(1e-4), atol=f32_tol(1e-4)).item(), compiled
+    plain = [t for t, _ in generate_step(prompt, model, max_tokens=STEPS)]
+    assert plain != [t for t, _ in reference]

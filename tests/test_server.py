@@ -3,6 +3,7 @@ SmolLM2 (greedy, a few tokens a request). The server listens on a free port of 1
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -10,22 +11,41 @@ import time
 import urllib.error
 import urllib.request
 
+import mlx.core as mx
 import openai
 import pytest
 
 from mlx_flashnorm import load
-from mlx_flashnorm.generate import generate
+from mlx_flashnorm.generate import generate, generate_step
+from mlx_flashnorm.openai_api import Call, Transcript
 from mlx_flashnorm.server import Server
+from mlx_flashnorm.worker import Generation, SerialWorker, Token
 
 from conftest import count_traces
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 GERMANY = [{"role": "user", "content": "What is the capital of Germany?"}]
+COUNTING = "1, 2, 3, 4,"  # SmolLM2 counts on for as long as it may
+
+
+class CountingWorker(SerialWorker):
+    """The server's worker, keeping how many tokens it generated for each request (made[i]: the
+    i-th request's, so far)."""
+
+    def __init__(self, *args, **kwargs):
+        self.made = []
+        super().__init__(*args, **kwargs)
+
+    def tokens(self, generation):
+        self.made.append(0)
+        for token in super().tokens(generation):
+            self.made[-1] += 1
+            yield token
 
 
 @pytest.fixture(scope="module")
 def server(smollm2):
-    server = Server(*smollm2, "smol", port=0)
+    server = Server(*smollm2, "smol", port=0, worker=CountingWorker(*smollm2))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield server
@@ -66,10 +86,10 @@ def test_chat_completion_plain_and_streamed(client, smollm2):
 
 def test_completion_stop_and_length(client):
     r = client.completions.create(model="smol", prompt="1, 2, 3, 4,", max_tokens=12, stop=[" 7", "x"])
-    assert (r.choices[0].text, r.choices[0].finish_reason) == ("5, 6,", "stop")
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (" 5, 6,", "stop")
     streamed = list(client.completions.create(model="smol", prompt="1, 2, 3, 4,", max_tokens=12, stop=" 7",
                                               stream=True))
-    assert "".join(c.choices[0].text for c in streamed) == "5, 6,"
+    assert "".join(c.choices[0].text for c in streamed) == " 5, 6,"
     r = client.completions.create(model="smol", prompt="1, 2, 3, 4,", max_tokens=3)
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
 
@@ -132,50 +152,131 @@ def test_bad_request_through_the_client(client):
         client.completions.create(model="smol", prompt="word " * 9000)
 
 
-def test_disconnected_stream_stops_its_generation(client):
-    stream = client.completions.create(model="smol", prompt="1, 2, 3, 4,", max_tokens=2000, stream=True)
-    for n, _ in enumerate(stream):  # counting on for ~2000 tokens, minutes on this CPU...
-        if n == 3:
-            break
-    stream.close()  # ... but the client hangs up
-    tic = time.perf_counter()
-    r = client.chat.completions.create(model="smol", messages=FRANCE, max_tokens=8, timeout=60)
-    assert "Paris" in r.choices[0].message.content
-    assert time.perf_counter() - tic < 60  # a few seconds: the worker dropped the first request
+def test_completion_keeps_the_leading_space(client, smollm2):
+    """The continuation of a prompt is the text its tokens add to the prompt's: its leading space
+    included (a decoder drops the space at the start of a text)."""
+    model, tokenizer = smollm2
+    r = client.completions.create(model="smol", prompt=COUNTING, max_tokens=4)
+    prompt = tokenizer.encode(COUNTING)
+    tokens = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=4)]
+    assert COUNTING + r.choices[0].text == tokenizer.decode(prompt + tokens)
+    assert r.choices[0].text.startswith(" ")
+
+
+def transcribe(tokenizer, prompt, tokens, stop=()):
+    """Transcript.add's (piece, finish_reason, entries) for tokens up to the finish, the last one
+    ending by length."""
+    transcript, out = Transcript(tokenizer, Call(False, Generation(prompt, 100), stop=list(stop))), []
+    for n, t in enumerate(tokens):
+        out.append(transcript.add(Token(t, "length" if n == len(tokens) - 1 else None)))
+        if out[-1][1]:
+            return out
+
+
+def test_transcript_pieces_add_up_to_the_decoded_text(smollm2):
+    """Characters split over tokens are sent whole, once complete; each token's entry (for its
+    log-probability) goes once; a stop string cuts the text and the entries after it."""
+    tokenizer = smollm2[1]
+    prompt, text = tokenizer.encode("Say:"), " héllo 😀 wörld, 東京 ok"
+    tokens = tokenizer.encode(text)
+    assert any(tokenizer.decode([t]).endswith("\ufffd") for t in tokens)  # a character split over tokens
+    out = transcribe(tokenizer, prompt, tokens)
+    assert "".join(p for p, _, _ in out) == text and all("\ufffd" not in p for p, _, _ in out)
+    assert [e.token.id for _, _, got in out for e in got] == tokens
+    assert [f for _, f, _ in out] == [None] * (len(tokens) - 1) + ["length"]
+
+    out = transcribe(tokenizer, prompt, tokens, stop=["😀", "zzz"])
+    pieces, finish = [p for p, _, _ in out], [f for _, f, _ in out]
+    assert "".join(pieces) == " héllo " and finish[-1] == "stop" and finish.count("stop") == 1
+    # " héllo " ends in the token " \xf0\x9f\x98" (" " and the emoji's first bytes), which the next
+    # completes: both are sent, not " w" after them
+    sent = [e.token.id for _, _, got in out for e in got]
+    assert [tokenizer.decode([t]) for t in sent] == [" h", "é", "llo", " \ufffd", "\ufffd"] and sent == tokens[:5]
+
+
+def hang_up_while_generating(server, body):
+    """Send body to /v1/completions on a raw socket and close it once the worker has made 3 tokens
+    of it; the number of tokens it had made then."""
+    made, before = server.worker.made, len(server.worker.made)
+    data = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=60) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+        deadline = time.perf_counter() + 120
+        while len(made) == before or made[before] < 3:
+            assert time.perf_counter() < deadline
+            time.sleep(0.01)
+        return made[before]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_disconnected_request_frees_its_slot(server, client, stream):
+    """A client that hangs up, reading a stream or waiting for its whole answer, has its request
+    dropped within a few steps (of 2000), so the next request does not wait for it."""
+    made, before = server.worker.made, len(server.worker.made)
+    at_hang_up = hang_up_while_generating(server, {"prompt": COUNTING, "max_tokens": 2000, "stream": stream})
+    r = client.completions.create(model="smol", prompt=COUNTING, max_tokens=3)
+    assert r.choices[0].text == " 5,"  # (" ", "5", ",")
+    assert len(made) == before + 2 and made[before] < at_hang_up + 10, made[before:]
+
+
+def test_a_waiting_request_whose_client_hangs_up_is_not_generated(server, client):
+    made, before = server.worker.made, len(server.worker.made)
+    stream = client.completions.create(model="smol", prompt=COUNTING, max_tokens=2000, stream=True)
+    next(iter(stream))  # generating
+    with socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=60) as sock:
+        data = json.dumps({"prompt": "Hello", "max_tokens": 50}).encode()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+        while server.active < 2:
+            time.sleep(0.01)
+    while server.active > 1:  # noticed while it waits
+        time.sleep(0.01)
+    stream.close()
+    assert client.completions.create(model="smol", prompt=COUNTING, max_tokens=2).choices[0].text == " 5"
+    assert len(made) == before + 2  # the stream's and the last request's
 
 
 def test_warm_server_warms_its_worker_thread(tiny_llama_dir, monkeypatch):
-    """Server(warm=True) warms up on the worker thread (MLX keeps compiled functions per thread):
-    its first request traces no decode step."""
+    """Server(warm=True, max_concurrent=1) warms up on the worker thread (MLX keeps compiled
+    functions per thread): its first request traces no decode step."""
     model, tokenizer = load(str(tiny_llama_dir), norm="rms", progress=False)
     traces = count_traces(model, monkeypatch)
-    warm = Server(model, tokenizer, "tiny", port=0, warm=True)
+    warm = Server(model, tokenizer, "tiny", port=0, warm=True, max_concurrent=1)  # SerialWorker
     try:
         assert len(traces) == 1
-        pieces = list(warm.run(warm.job({"prompt": "hello", "max_tokens": 5}, chat=False)))
-        assert pieces[-1][1:] == ("length", 5) and len(traces) == 1
+        ticket = warm.worker.submit(Generation(tokenizer.encode("hello"), 5))
+        tokens = list(iter(lambda: ticket.next(timeout=60), None))
+        assert [t.finish_reason for t in tokens] == [None] * 4 + ["length"] and len(traces) == 1
     finally:
         warm.server_close()
 
 
 def test_server_command(tiny_llama_dir, server):
     """python -m mlx_flashnorm.server: says where it listens, serves, stops on Ctrl-C (also when
-    started with SIGINT ignored, as a shell's background job is); a taken port is a one-line error."""
+    started with SIGINT ignored, as a shell's background job is); a taken port or a bad limit is a
+    one-line error; the API key may come from the environment."""
     cmd = [sys.executable, "-m", "mlx_flashnorm.server", "--model", str(tiny_llama_dir)]
     taken = subprocess.run(cmd + ["--port", str(server.server_address[1])], capture_output=True,
                            text=True, timeout=120)
     assert taken.returncode == 2 and taken.stderr.startswith("error: cannot listen on 127.0.0.1:")
     assert "Traceback" not in taken.stderr
+    bad = subprocess.run(cmd + ["--max-queue", "-1"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --max-queue must be at least 0")
     ignoring = ["sh", "-c", 'trap "" INT; exec "$@"', "sh"]  # starts the command with SIGINT ignored
+    env = dict(os.environ, PYTHONFAULTHANDLER="1", MLX_FLASHNORM_API_KEY="k3y")  # SIGABRT: every thread's stack
     p = subprocess.Popen(ignoring + cmd + ["--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=dict(os.environ, PYTHONFAULTHANDLER="1"))  # SIGABRT: every thread's stack
+                         text=True, env=env)
     deadline = threading.Timer(120, p.kill)  # so that no read below can wait forever
     deadline.start()
     try:
         line = p.stdout.readline()
         assert line.startswith("serving tiny-llama on http://127.0.0.1:"), line + p.stderr.read()
         url = line.split()[-1]
-        with urllib.request.urlopen(f"{url}/models", timeout=60) as r:
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            urllib.request.urlopen(f"{url}/models", timeout=60)
+        keyed = urllib.request.Request(f"{url}/models", headers={"Authorization": "Bearer k3y"})
+        with urllib.request.urlopen(keyed, timeout=60) as r:
             assert json.load(r)["data"][0]["id"] == "tiny-llama"
         p.send_signal(signal.SIGINT)
         try:

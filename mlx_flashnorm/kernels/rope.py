@@ -85,8 +85,9 @@ def rope_qkv(q, k, v, s, offset, theta, n_heads, n_kv_heads, gains=None, eps=0.0
     fused (B, L, (Hq + 2 Hkv) * D) array passed as all three; s (B, L, 1) the deferred 1/RSSe of
     the block input; theta (D/2,) angles per position. v is returned times s. q and k get RoPE and:
     with gains ((2, D) tables for q and k, Sec. 4) their own per-head 1/RSSe and the gain tables on
-    cos/sin; without (Sec. 3) s * factor. Returns q, k, v as (B, H, L, D)."""
-    if not forms.use_gpu("rope_qkv"):
+    cos/sin; without (Sec. 3) s * factor. Returns q, k, v as (B, H, L, D). The kernel reads one
+    position: per-row offsets (a batch, mlx_flashnorm.batch) take the MLX composition."""
+    if not forms.use_gpu("rope_qkv") or getattr(offset, "size", 1) > 1:
         return rope_qkv_mlx(q, k, v, s, offset, theta, n_heads, n_kv_heads, gains, eps, factor)
     B, L, _ = q.shape
     D = theta.shape[0] * 2

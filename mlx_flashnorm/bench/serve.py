@@ -1,0 +1,216 @@
+"""`python -m mlx_flashnorm.bench.serve`: the server under load (issue 30).
+
+Starts our server (python -m mlx_flashnorm.server) and, for the peer row, mlx_lm.server on the
+same weights, each in a process of its own on a free port of 127.0.0.1, and drives N concurrent
+streaming chat clients against each at every N of --clients. Each client sends --rounds requests
+one after another (distinct prompts, greedy, max_tokens each), so requests join and leave a
+running batch. Reported per server and N: aggregate tokens/s (completion tokens of all requests /
+wall time from the first request sent to the last answer's end), time to first token (TTFT) and
+per-token latency (the gaps between a stream's content chunks after its first, pooled over all
+streams) at p50 and p99, as a markdown table.
+
+Without --model the embedded SmolLM2 GGUF is written once as an MLX folder (its quantized weights
+as loaded, mlx-lm's layout, convert.export) under --work, which both servers then load; mlx-lm
+cannot read a GGUF's Q4_1 blocks itself."""
+import argparse
+import http.client
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from ..convert import export
+from ..errors import HelpFormatter, UserError, run_cli
+from ..loader import load
+from .decode import device_name, write_atomic
+
+SUBJECTS = ["a lighthouse keeper", "a lost robot", "a dragon who bakes", "two rival chess players",
+            "a city under the sea", "a clockmaker's apprentice", "the last tree on Mars", "a talking cat"]
+
+
+def percentile(xs, q):
+    """The q-th percentile (0..100) of xs by linear interpolation; NaN for none."""
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    at = (len(xs) - 1) * q / 100
+    lo = int(at)
+    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (at - lo)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mlx_folder(work):
+    """The embedded model as an MLX folder under work (written once, atomically by export)."""
+    out = Path(work) / "smollm2-135m-instruct-mlx"
+    if not out.exists():
+        Path(work).mkdir(parents=True, exist_ok=True)
+        model, tokenizer = load(None, norm="rms", concat=False, progress=False)
+        export(model, tokenizer, out)
+    return out
+
+
+def server_command(kind, model, port, extra):
+    if kind == "ours":
+        return [sys.executable, "-m", "mlx_flashnorm.server", "--model", str(model), "--port", str(port), *extra]
+    return [sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port", str(port)]
+
+
+def start(kind, model, extra, log):
+    """A server process of `kind` ("ours" or "mlx-lm") on a free port, once it answers /v1/models."""
+    port = free_port()
+    process = subprocess.Popen(server_command(kind, model, port, extra), stdout=subprocess.DEVNULL,
+                               stderr=log, text=True)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise UserError(f"the {kind} server exited with status {process.returncode}; see {log.name}")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", "/v1/models")
+            if conn.getresponse().status == 200:
+                return process, port
+        except OSError:
+            pass
+        time.sleep(0.5)
+    process.kill()
+    raise UserError(f"the {kind} server did not answer within 600 s; see {log.name}")
+
+
+def stream_chat(port, prompt, max_tokens):
+    """One streamed greedy chat request: (seconds to the first content, gaps between content chunks
+    after it, completion tokens). Tokens come from the final usage chunk, else count chunks."""
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
+    sent = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    if response.status != 200:
+        raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
+    times, tokens = [], None
+    for line in response:
+        if not line.startswith(b"data: "):
+            continue
+        data = line[6:].strip()
+        if data == b"[DONE]":
+            break
+        chunk = json.loads(data)
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+        if any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
+            times.append(time.perf_counter())
+    conn.close()
+    if not times:
+        return None, [], tokens or 0
+    return times[0] - sent, [b - a for a, b in zip(times, times[1:])], tokens or len(times)
+
+
+def load_round(port, clients, rounds, max_tokens, tag):
+    """clients threads, each sending rounds requests in turn; the row's measurements."""
+    results, errors = [], []
+
+    def client(i):
+        for r in range(rounds):
+            prompt = f"Write a long story about {SUBJECTS[(i + r) % len(SUBJECTS)]} (story {tag}-{i}-{r})."
+            try:
+                results.append(stream_chat(port, prompt, max_tokens))
+            except Exception as e:  # counted and reported, the others go on
+                errors.append(str(e))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    ttft = [r[0] for r in results if r[0] is not None]
+    gaps = [g for r in results for g in r[1]]
+    tokens = sum(r[2] for r in results)
+    return {"clients": clients, "requests": len(results), "errors": len(errors), "tokens": tokens,
+            "wall_s": wall, "tok_s": tokens / wall, "ttft_p50": percentile(ttft, 50),
+            "ttft_p99": percentile(ttft, 99), "tpot_p50": percentile(gaps, 50), "tpot_p99": percentile(gaps, 99)}
+
+
+def table(rows):
+    lines = ["| server | clients | requests | tokens | aggregate tok/s | TTFT p50 (s) | TTFT p99 (s) "
+             "| per-token p50 (ms) | per-token p99 (ms) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        errors = f" ({r['errors']} failed)" if r["errors"] else ""
+        lines.append(f"| {r['server']} | {r['clients']} | {r['requests']}{errors} | {r['tokens']} | "
+                     f"{r['tok_s']:.1f} | {r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} | "
+                     f"{1e3 * r['tpot_p50']:.1f} | {1e3 * r['tpot_p99']:.1f} |")
+    return "\n".join(lines)
+
+
+def arg_parser():
+    p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.bench.serve", description=__doc__.split("\n\n")[1],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--model", help="MLX model folder both servers load (default: the embedded SmolLM2, "
+                                   "written as an MLX folder under --work)")
+    p.add_argument("--clients", default="1,8,32,64", help="comma-separated concurrent client counts")
+    p.add_argument("--rounds", type=int, default=2, help="requests each client sends in turn")
+    p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request")
+    p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True,
+                   help="also measure mlx_lm.server on the same weights")
+    p.add_argument("--server-args", default="", help="extra flags for our server, space-separated")
+    p.add_argument("--work", default="out/serve", help="folder for the converted model and logs")
+    p.add_argument("--out", help="also write the table (markdown) and rows (.json beside it) here")
+    p.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
+    return p
+
+
+def parse_clients(text):
+    try:
+        counts = [int(c) for c in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise UserError(f"--clients must be positive whole numbers separated by commas, not '{text}'")
+    return counts
+
+
+def main(argv=None):
+    args = arg_parser().parse_args(argv)
+    counts = parse_clients(args.clients)
+    if args.rounds < 1 or args.max_tokens < 1:
+        raise UserError("--rounds and --max-tokens must be at least 1")
+    model = Path(args.model) if args.model else mlx_folder(args.work)
+    if not (model / "config.json").is_file():
+        raise UserError(f"{model}: not an MLX model folder (config.json missing)")
+    rows = []
+    for kind in ["ours"] + (["mlx-lm"] if args.peer else []):
+        Path(args.work).mkdir(parents=True, exist_ok=True)
+        with open(Path(args.work) / f"{kind}.log", "w") as log:
+            process, port = start(kind, model, args.server_args.split(), log)
+            try:
+                stream_chat(port, "Say hello.", 4)  # untimed: first-request costs
+                for n in counts:
+                    row = dict(load_round(port, n, args.rounds, args.max_tokens, f"{kind}{n}"), server=kind)
+                    print(table([row]).splitlines()[-1], file=sys.stderr, flush=True)
+                    rows.append(row)
+            finally:
+                process.terminate()
+                process.wait(timeout=60)
+    text = (f"{device_name()}, MLX {mx.__version__}, model {model.name}, {args.rounds} requests per client, "
+            f"max_tokens {args.max_tokens}, greedy, streamed\n\n{table(rows)}\n")
+    print(text)
+    if args.out:
+        write_atomic(Path(args.out), text)
+        write_atomic(Path(args.out).with_suffix(".json"), json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    run_cli(main)

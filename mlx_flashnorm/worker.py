@@ -1,0 +1,142 @@
+"""The server's generation worker: it takes checked requests (Generation) and hands back their
+tokens (Token) through a Ticket, one request at a time.
+
+This is the one piece of the server that runs the model. Anything with the same three parts can
+replace SerialWorker (a batching engine, say): `slots` (how many requests it generates at once),
+`submit(generation) -> Ticket`, and tokens put on the ticket as they come. The server counts
+requests against slots for its queue limit, cancels the ticket of a client that hangs up, and turns
+tokens into text, stop strings and log-probabilities itself."""
+import queue
+import threading
+from contextlib import closing
+from dataclasses import dataclass, field
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.sample_utils import make_logits_processors
+
+from .generate import stream_generate, warmup
+
+
+@dataclass
+class Generation:
+    """A request as the worker needs it, every field already checked (the server answers 400 first)."""
+    tokens: list  # the prompt's token ids
+    max_tokens: int  # the prompt and these fit in the model's context
+    seed: Optional[int] = None
+    temp: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict] = None  # token id -> added to its logit
+    top_logprobs: Optional[int] = None  # None: no log-probabilities; k: the chosen token's and k likeliest
+
+    def logits_processors(self):
+        """mlx-lm's processors for the penalties and logit bias (each penalty over the last 20 tokens,
+        its default)."""
+        return make_logits_processors(self.logit_bias, self.repetition_penalty,
+                                      presence_penalty=self.presence_penalty,
+                                      frequency_penalty=self.frequency_penalty)
+
+
+@dataclass
+class Token:
+    id: int
+    finish_reason: Optional[str] = None  # "stop" (an end-of-sequence token), "length", or None
+    logprob: Optional[float] = None  # when the Generation asked for log-probabilities
+    top_logprobs: list = field(default_factory=list)  # [(id, logprob)], likeliest first
+
+
+class Ticket:
+    """A submitted Generation: the worker puts each Token, then None (done) or the exception that
+    stopped it; cancel() makes the worker drop the request at its next step."""
+
+    def __init__(self, generation):
+        self.generation = generation
+        self._out = queue.Queue()
+        self._cancelled = threading.Event()
+
+    def cancel(self):
+        self._cancelled.set()
+
+    @property
+    def cancelled(self):
+        return self._cancelled.is_set()
+
+    def put(self, item):
+        self._out.put(item)
+
+    def next(self, timeout=None):
+        """The next Token, None once finished; queue.Empty after timeout seconds without one."""
+        item = self._out.get(timeout=timeout)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+
+def token_of(r, top_logprobs):
+    """The Token of a generate.Response: with top_logprobs (not None) the chosen token's log-probability
+    and the top_logprobs likeliest, read on the host (numpy: no MLX op queued behind the next step)."""
+    if top_logprobs is None:
+        return Token(r.token, r.finish_reason)
+    lp = r.logprobs if r.logprobs.dtype in (mx.float32, mx.float16) else r.logprobs.astype(mx.float32)
+    lp = np.asarray(lp)
+    top = np.argpartition(-lp, top_logprobs)[:top_logprobs] if top_logprobs else np.array([], int)
+    top = top[np.argsort(-lp[top], kind="stable")]
+    return Token(r.token, r.finish_reason, float(lp[r.token]), [(int(i), float(lp[i])) for i in top])
+
+
+class SerialWorker:
+    """One thread runs the model, one request at a time, taking them from a queue in order, so
+    requests never share a cache or interleave their steps. MLX streams belong to their thread, so
+    the model runs on this one's (its arrays are evaluated first, on the caller's thread)."""
+    slots = 1
+
+    def __init__(self, model, tokenizer, warm=False):
+        """warm: play generate.warmup on the worker thread first (MLX keeps compiled functions per
+        thread, so a warm-up on another thread would not serve it); its exception is raised here."""
+        self.model, self.tokenizer = model, tokenizer
+        self.queue = queue.Queue()
+        mx.eval(model.parameters())  # lazy arrays evaluate on the thread that made them: this one
+        started = queue.Queue()
+        threading.Thread(target=self._serve, args=(warm, started), daemon=True).start()
+        if (error := started.get()) is not None:
+            raise error
+
+    def submit(self, generation):
+        ticket = Ticket(generation)
+        self.queue.put(ticket)
+        return ticket
+
+    def tokens(self, g):
+        """Yield g's Tokens: the request's whole generation, on the worker thread."""
+        for r in stream_generate(self.model, self.tokenizer, g.tokens, g.max_tokens, temp=g.temp,
+                                 top_p=g.top_p, top_k=g.top_k, min_p=g.min_p, seed=g.seed,
+                                 logits_processors=g.logits_processors()):
+            yield token_of(r, g.top_logprobs)
+
+    def _serve(self, warm, started):
+        try:
+            if warm:
+                warmup(self.model)
+        except Exception as e:
+            return started.put(e)
+        started.put(None)
+        while True:
+            ticket = self.queue.get()
+            if ticket.cancelled:
+                continue
+            try:
+                with closing(self.tokens(ticket.generation)) as tokens:
+                    for token in tokens:
+                        if ticket.cancelled:
+                            break
+                        ticket.put(token)
+                ticket.put(None)
+            except Exception as e:  # handed to the request's thread, which answers with an error
+                ticket.put(e)
+            mx.synchronize()  # the step queued ahead: work left pending on a thread's streams aborts at exit

@@ -1,0 +1,261 @@
+"""Continuous batching (mlx_flashnorm.batch) against one request at a time (generate_step), for
+every architecture in models/ with norm rms and flash; and the prompt cache (prompt_cache)."""
+import mlx.core as mx
+import pytest
+
+import threading
+import time
+from types import SimpleNamespace
+
+from mlx_flashnorm.batch import BatchEngine, BatchWorker, Request
+from mlx_flashnorm.worker import Generation
+from mlx_flashnorm.generate import generate_step
+from mlx_flashnorm.loader import build_model, model_args, prepare
+from mlx_flashnorm.prompt_cache import PromptCache
+
+from conftest import GEMMA3, QWEN2, QWEN3, TINY_LLAMA, TINY_OPENELM, f32_tol, random_weights
+
+CONFIGS = {"llama": TINY_LLAMA, "qwen2": QWEN2, "qwen3": QWEN3, "openelm": TINY_OPENELM, "gemma3": GEMMA3}
+STEPS = 12
+LENGTHS = (5, 17, 1, 30)  # prompts; gemma3's window is 8 positions, so 17 and 30 cross it
+TOL = 1e-4  # float32 log-probabilities: a batch sums in another order (padded attention, matmul rows)
+
+
+@pytest.fixture(scope="module", params=[(a, n) for a in CONFIGS for n in ("rms", "flash")],
+                ids=lambda p: "-".join(p))
+def model(request):
+    name, norm = request.param
+    config = dict(CONFIGS[name], max_position_embeddings=256, max_context_length=256)
+    arch, args = model_args(config)
+    # large weights spread the logits out, so greedy picks are decisive
+    return prepare(build_model(config, random_weights(arch.Model(args), seed=1, scale=0.2), progress=False),
+                   norm=norm)
+
+
+def prompt(model, n, seed=None):
+    return mx.random.randint(0, model.args.vocab_size, (n,), key=mx.random.key(seed or n)).tolist()
+
+
+def single(model, tokens, steps=STEPS):
+    """(tokens, log-probabilities) of one request alone: the reference."""
+    out = list(generate_step(mx.array(tokens), model, max_tokens=steps))
+    return [t for t, _ in out], mx.stack([lp for _, lp in out])
+
+
+def run(engine, requests, joins=None):
+    """Step the engine until idle, adding requests[i] before step joins[i]; (events per request)."""
+    joins = joins or [0] * len(requests)
+    events = {id(r): [] for r in requests}
+    step = 0
+    while step <= max(joins) or engine.busy:
+        for r, j in zip(requests, joins):
+            if j == step:
+                engine.add(r)
+        for e in engine.step():
+            events[id(e.request)].append(e)
+        step += 1
+    return [events[id(r)] for r in requests]
+
+
+def test_batched_greedy_equals_single(model):
+    """Four requests: two start together, one joins at step 3 (while the others decode), one with
+    a long prompt at step 6 (prefilled over 4 steps in chunks of 8); the second leaves early."""
+    prompts = [prompt(model, n) for n in LENGTHS]
+    reference = [single(model, p) for p in prompts]
+    requests = [Request(p, max_tokens=5 if i == 1 else STEPS) for i, p in enumerate(prompts)]
+    engine = BatchEngine(model, prefill_step=8)
+    events = run(engine, requests, joins=[0, 0, 3, 6])
+    batch_sizes = set()
+    for r, ev, (tokens, lp) in zip(requests, events, reference):
+        assert [e.token for e in ev] == r.generated == tokens[:r.max_tokens]
+        got = mx.stack([e.logprobs for e in ev])
+        assert mx.allclose(got, lp[:len(ev)], rtol=f32_tol(TOL), atol=f32_tol(TOL)).item()
+        assert [e.finish_reason for e in ev] == [None] * (len(ev) - 1) + ["length"]
+    assert len(set(reference[0][0])) > STEPS // 2  # a real sequence, not one token repeated
+    assert engine.prefilled == sum(LENGTHS) and engine.cache is None and not engine.rows
+
+
+def test_rows_share_steps(model):
+    """The batch really decodes together: 3 requests of 12 tokens take 12 decode steps + joins,
+    not 36."""
+    requests = [Request(prompt(model, n), max_tokens=STEPS) for n in (4, 6, 9)]
+    engine = BatchEngine(model)
+    for r in requests:
+        engine.add(r)
+    steps = 0
+    while engine.busy:
+        engine.step()
+        steps += 1
+    assert steps == STEPS
+
+
+def test_prompt_cache_skips_shared_prefix(model):
+    """A shared system prompt is prefilled once; a conversation's next turn prefills only its new
+    tokens; the outputs equal the uncached ones."""
+    system = prompt(model, 20, seed=1)
+    a, b = system + prompt(model, 6, seed=2), system + prompt(model, 7, seed=3)
+    assert a[20] != b[20]
+    engine = BatchEngine(model, prompt_cache=PromptCache(1 << 24))
+    first = Request(a, max_tokens=STEPS)
+    run(engine, [first])
+    assert engine.prefilled == len(a) and first.cached == 0
+    second = Request(b, max_tokens=STEPS)
+    run(engine, [second])
+    assert second.cached == 20 and engine.prefilled == len(a) + len(b) - 20
+    assert second.generated == single(model, b)[0]
+    turn = a + first.generated + prompt(model, 5, seed=4)  # the reply, then the user's next message
+    third = Request(turn, max_tokens=STEPS)
+    before = engine.prefilled
+    run(engine, [third])
+    assert third.cached == len(a) + STEPS - 1  # the last token sampled was never fed
+    assert engine.prefilled - before == len(turn) - third.cached == 6
+    assert third.generated == single(model, turn)[0]
+    again = Request(a, max_tokens=STEPS)  # all but its last token cached: it joins the batch at once
+    before = engine.prefilled
+    run(engine, [again])
+    assert again.cached == len(a) - 1 and engine.prefilled - before == 1 and again.generated == first.generated
+
+
+def test_seeded_sampling_equals_single(model):
+    """Seeded sampled requests in a batch (beside a greedy one) draw what they draw alone."""
+    prompts = [prompt(model, n) for n in (6, 11, 3)]
+    alone = []
+    sampling = [dict(temp=1.0, top_k=50), dict(temp=0.8, top_p=0.9)]
+    for p, seed, kw in zip(prompts, (5, 9), sampling):
+        mx.random.seed(seed)
+        alone.append([t for t, _ in generate_step(mx.array(p), model, max_tokens=STEPS,
+                                                  sampler=Request(p, **kw).sampler)])
+    requests = [Request(prompts[0], STEPS, seed=5, **sampling[0]),
+                Request(prompts[1], STEPS, seed=9, **sampling[1]), Request(prompts[2], STEPS)]
+    run(BatchEngine(model), requests)
+    assert [r.generated for r in requests[:2]] == alone
+    assert requests[0].generated != requests[1].generated
+
+
+@pytest.fixture(scope="module")
+def llama():
+    config = dict(TINY_LLAMA, max_position_embeddings=256)
+    arch, args = model_args(config)
+    return prepare(build_model(config, random_weights(arch.Model(args), seed=1, scale=0.2), progress=False),
+                   norm="flash")
+
+
+def test_prompt_cache_lru_bound(llama):
+    """Entries are evicted least recently used first; the bytes held stay within the bound; an
+    entry that begins another is dropped for it."""
+    engine = BatchEngine(llama, prompt_cache=PromptCache(1 << 24))
+    run(engine, [Request(prompt(llama, 30, seed=s), max_tokens=2) for s in (1, 2)])
+    size = engine.prompt_cache.nbytes // 2  # one entry of 30 + 1 positions
+    cache = engine.prompt_cache = PromptCache(2 * size + size // 2)  # room for two
+    for s in (1, 2, 3):
+        run(engine, [Request(prompt(llama, 30, seed=s), max_tokens=2)])
+    assert len(cache) == 2 and cache.nbytes <= cache.max_bytes
+    assert cache.fetch(prompt(llama, 30, seed=1))[0] == 0  # the oldest went
+    assert cache.fetch(prompt(llama, 30, seed=3))[0] == 29
+    assert PromptCache(0).fetch([1, 2, 3]) == (0, None)
+
+
+def test_cancel_and_context(llama):
+    """A cancelled request leaves at the next step while the others go on; max_tokens is cut to
+    the context; a prompt that fills the context is refused."""
+    a, b = Request(prompt(llama, 5), max_tokens=STEPS), Request(prompt(llama, 7), max_tokens=STEPS)
+    engine = BatchEngine(llama)
+    engine.add(a)
+    engine.add(b)
+    engine.step()
+    a.cancelled = True
+    events = []
+    while engine.busy:
+        events += engine.step()
+    assert {e.request for e in events} == {b} and len(a.generated) == 1 and len(b.generated) == STEPS
+    long = Request(prompt(llama, 250), max_tokens=100)
+    engine.add(long)
+    assert long.max_tokens == 6
+    with pytest.raises(ValueError, match="context"):
+        engine.add(Request(prompt(llama, 256)))
+
+
+def test_batch_worker_serves_tickets_concurrently(llama):
+    """BatchWorker (the server's worker): tickets submitted from several threads at once get their
+    single-request tokens, log-probabilities where asked; a cancelled ticket's request leaves the
+    batch; a stop token ends a request with finish "stop"."""
+    prompts = [prompt(llama, n) for n in (3, 8, 13, 21)]
+    reference = [single(llama, p) for p in prompts]
+    stop = reference[2][0][5]  # the third request's sixth token ends it
+    worker = BatchWorker(llama, SimpleNamespace(eos_token_ids={stop}), prompt_cache_bytes=1 << 20)
+    results = [None] * len(prompts)
+
+    def client(i):
+        ticket = worker.submit(Generation(prompts[i], STEPS, top_logprobs=2 if i == 1 else None))
+        results[i] = list(iter(lambda: ticket.next(timeout=120), None))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    cancelled = worker.submit(Generation(prompts[0], 200))
+    first = cancelled.next(timeout=120)
+    cancelled.cancel()
+    for t in threads:
+        t.join(timeout=120)
+    for i, (tokens, _) in enumerate(reference):
+        want = tokens[:tokens.index(stop) + 1] if i == 2 else tokens
+        assert [t.id for t in results[i]] == want
+        assert [t.finish_reason for t in results[i]][-1] == ("stop" if i == 2 else "length")
+    for t, row in zip(results[1], reference[1][1]):
+        assert abs(t.logprob - row[t.id].item()) < f32_tol(TOL) and t.top_logprobs[0][0] == t.id
+    assert first.id == reference[0][0][0]
+    deadline = time.monotonic() + 60
+    while worker.engine.busy:  # the cancelled request leaves at the next step
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert len(worker.engine.prompt_cache) > 0
+
+
+def test_warmup_leaves_no_trace(llama):
+    """warmup() runs the model but leaves the prompt cache, the count and the batch as they were."""
+    engine = BatchEngine(llama, prompt_cache=PromptCache(1 << 24))
+    engine.warmup()
+    assert engine.prefilled == 0 and len(engine.prompt_cache) == 0 and not engine.busy
+    r = Request(prompt(llama, 9), max_tokens=STEPS)
+    run(engine, [r])
+    assert r.generated == single(llama, r.tokens)[0] and engine.prefilled == 9
+
+
+def test_logits_processors_per_row(llama):
+    """A row's logits processors, given its tokens so far, change its tokens only: alone or beside
+    others (one without any), it gets the same tokens; the other rows get their single tokens."""
+    def odd_unseen(tokens, logits):  # bans even ids and every id seen so far (prompt and output)
+        ids = mx.arange(logits.shape[-1])
+        banned = (ids % 2 == 0) | (ids[:, None] == tokens[None]).any(axis=1)
+        return mx.where(banned, -mx.inf, logits)
+
+    p, q = prompt(llama, 7), prompt(llama, 12)
+    alone = Request(p, max_tokens=STEPS, logits_processors=[odd_unseen])
+    run(BatchEngine(llama), [alone])
+    together = [Request(p, max_tokens=STEPS, logits_processors=[odd_unseen]), Request(q, max_tokens=STEPS),
+                Request(p, max_tokens=STEPS)]
+    run(BatchEngine(llama), together)
+    out = alone.generated
+    assert all(t % 2 for t in out) and len(set(out + p)) == len(out) + len(set(p))
+    assert together[0].generated == out != together[2].generated == single(llama, p)[0]
+    assert together[1].generated == single(llama, q)[0]
+
+
+def test_solo_row_takes_the_compiled_step_and_back(model):
+    """A lone row runs the compiled one-request step (Solo); a newcomer turns it back into a batch
+    row, and when the other leaves the last row goes solo again; tokens stay the single ones."""
+    a, b = prompt(model, 9), prompt(model, 14)
+    first, second = Request(a, max_tokens=STEPS), Request(b, max_tokens=4)
+    engine = BatchEngine(model)
+    engine.add(first)
+    modes = []
+    for step in range(STEPS):
+        if step == 3:
+            engine.add(second)
+        engine.step()
+        modes.append("solo" if engine.solo is not None else len(engine.rows))
+    assert modes[:3] == ["solo"] * 3 and 2 in modes and modes[-2] == "solo" and modes[-1] == 0
+    assert first.generated == single(model, a)[0] and second.generated == single(model, b, 4)[0]
+    lone = Request(prompt(model, 1), max_tokens=4)  # nothing cached before its first step
+    run(engine, [lone])
+    assert lone.generated == single(model, lone.tokens, 4)[0]

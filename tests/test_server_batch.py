@@ -1,0 +1,151 @@
+"""The server's default worker (batch.BatchWorker: continuous batching and a prompt cache) over
+HTTP, on the embedded SmolLM2 with the official openai client and raw sockets: concurrent
+requests get their one-at-a-time answers, a client that hangs up frees its row, a shared prefix is
+not prefilled again. The server listens on a free port of 127.0.0.1."""
+import json
+import socket
+import threading
+import time
+
+import openai
+import pytest
+
+from mlx_flashnorm import load
+from mlx_flashnorm.batch import BatchWorker
+from mlx_flashnorm.generate import generate
+from mlx_flashnorm.server import Server
+
+from conftest import cli
+
+COUNTING = "1, 2, 3, 4,"  # SmolLM2 counts on for as long as it may
+QUESTIONS = ["What is the capital of France?", "What is the capital of Germany?", "Name a color.",
+             "What is 2 + 2?"]
+SYSTEM = ("You are a helpful assistant for a travel agency. Answer in one short sentence, name the "
+          "country where it helps, and never make up facts you are unsure of.")
+
+
+class WatchedWorker(BatchWorker):
+    """BatchWorker keeping the most rows it decoded together (on its thread)."""
+
+    most_rows = 0
+
+    def put(self, ticket, token):
+        self.most_rows = max(self.most_rows, len(self.engine.rows) + (token.finish_reason is not None))
+        super().put(ticket, token)
+
+
+@pytest.fixture(scope="module")
+def server(smollm2):
+    server = Server(*smollm2, "smol", port=0, worker=WatchedWorker(*smollm2, prompt_cache_bytes=2**26))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="none",
+                         max_retries=0, timeout=120)
+
+
+def test_default_worker_batches():
+    assert Server.__init__.__kwdefaults__["max_concurrent"] == 32
+
+
+def test_concurrent_requests_get_their_single_answers(server, client, smollm2):
+    """Four chats at once, two streamed, decode in one batch; each answer is the one-request one."""
+    model, tokenizer = smollm2
+    answers = {}
+
+    def ask(i):
+        messages = [{"role": "user", "content": QUESTIONS[i]}]
+        r = client.chat.completions.create(model="smol", messages=messages, max_tokens=10, stream=i % 2 == 1)
+        answers[i] = "".join(c.choices[0].delta.content or "" for c in r) if i % 2 else r.choices[0].message.content
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(QUESTIONS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert server.worker.most_rows > 1
+    assert answers == {i: generate(model, tokenizer, q, max_tokens=10) for i, q in enumerate(QUESTIONS)}
+    assert "Paris" in answers[0] and "Berlin" in answers[1]
+
+
+def test_shared_prefix_is_not_prefilled_again(server, client, smollm2):
+    """Two chats with one system prompt: the second computes only the tokens after the shared
+    prefix; a conversation's next turn only its new message; the answers are the uncached ones."""
+    model, tokenizer = smollm2
+    engine = server.worker.engine
+
+    def chat(messages):
+        before = engine.prefilled
+        text = client.chat.completions.create(model="smol", messages=messages, max_tokens=8).choices[0].message.content
+        tokens = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return text, tokens, engine.prefilled - before
+
+    first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]
+    second = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[1]}]
+    text, a, computed = chat(first)
+    text2, b, computed2 = chat(second)
+    shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert shared > 30 and computed2 == len(b) - shared
+    assert text2 == generate(model, tokenizer, tokenizer.apply_chat_template(second, add_generation_prompt=True),
+                             max_tokens=8)
+    turn = first + [{"role": "assistant", "content": text}, {"role": "user", "content": "And of Italy?"}]
+    text3, c, computed3 = chat(turn)
+    assert computed3 < 20 < len(c)
+    assert text3 == generate(model, tokenizer, c, max_tokens=8)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_disconnected_request_frees_its_row(server, client, stream):
+    """A client that hangs up, streaming or waiting for its whole answer, leaves the batch within a
+    few steps (of 2000), and the next request is answered at once."""
+    engine = server.worker.engine
+    data = json.dumps({"prompt": COUNTING, "max_tokens": 2000, "stream": stream}).encode()
+    with socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=60) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+        deadline = time.monotonic() + 120
+        while not engine.rows or len(engine.rows[0].generated) < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        request = engine.rows[0]
+    deadline = time.monotonic() + 60
+    while request in engine.rows:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert len(request.generated) < 100
+    assert client.completions.create(model="smol", prompt=COUNTING, max_tokens=3).choices[0].text == " 5,"
+
+
+def test_warm_batch_server_warms_its_worker_thread(tiny_llama_dir, monkeypatch):
+    """Server(warm=True) with the batch worker plays its warm-up on the worker thread, before
+    serving, and counts nothing of it."""
+    model, tokenizer = load(str(tiny_llama_dir), progress=False)
+    threads = []
+    call = type(model).__call__
+
+    def recording(self, tokens, cache=None):
+        threads.append(threading.current_thread())
+        return call(self, tokens, cache)
+
+    monkeypatch.setattr(type(model), "__call__", recording)
+    warm = Server(model, tokenizer, "tiny", port=0, warm=True)
+    try:
+        assert threads and threading.main_thread() not in threads and len(set(threads)) == 1
+        assert isinstance(warm.worker, BatchWorker) and warm.worker.engine.prefilled == 0
+    finally:
+        warm.server_close()
+
+
+def test_bad_batch_flags_are_one_line_errors():
+    for flags in (["--max-concurrent", "0"], ["--prompt-cache-size", "-1"]):
+        r = cli("mlx_flashnorm.server", *flags)
+        assert r.returncode == 2 and r.stderr.startswith("error: --max-concurrent must be at least 1 and "
+                                                         "--prompt-cache-size (MB) at least 0"), r.stderr
+        assert "Traceback" not in r.stderr

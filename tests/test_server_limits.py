@@ -1,0 +1,294 @@
+"""The server under bad input and load: every request gets a JSON answer with its status and the
+next good request succeeds; the body limit, the queue limit, the timeouts and the listen backlog
+hold; the API key and CORS rules apply. Raw sockets and the openai client against the embedded
+SmolLM2 behind a server with small limits, on a free port of 127.0.0.1."""
+import json
+import socket
+import threading
+import time
+
+import openai
+import pytest
+
+from mlx_flashnorm.batch import BatchWorker
+from mlx_flashnorm.server import Server
+from mlx_flashnorm.worker import SerialWorker
+
+KEY = "test-key-1234"
+ORIGIN = "http://app.example"  # allowed by --cors-origin
+TIMEOUT = 2.0  # seconds: the server's --timeout
+MAX_BODY = 2**18  # bytes: room for JSON nested 100,000 deep
+
+
+@pytest.fixture(scope="module")
+def server(smollm2):
+    server = Server(*smollm2, "smol", port=0, api_key=KEY, cors_origins=[ORIGIN], max_queue=1,
+                    max_body=MAX_BODY, timeout=TIMEOUT, worker=BatchWorker(*smollm2, max_batch=1))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=30)
+
+
+def connect(server, timeout=60):
+    return socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=timeout)
+
+
+def read_answer(sock):
+    """(status, headers with lower-case names, JSON body or None) of an answer read until the server
+    closes the connection; status None if it closed without one."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    if not data:
+        return None, {}, None
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+    return int(lines[0].split()[1]), headers, json.loads(body) if body else None
+
+
+def exchange(server, data):
+    with connect(server) as sock:
+        sock.sendall(data)
+        return read_answer(sock)
+
+
+def request(method, path, body=b"", key=KEY, content_type="application/json", length=None, **headers):
+    """The bytes of an HTTP/1.1 request; length: the Content-Length header's text (default: the body's)."""
+    headers = {"Host": "127.0.0.1", "Content-Type": content_type, "Authorization": key and f"Bearer {key}",
+               "Content-Length": str(len(body)) if length is None else length, **headers}
+    lines = [f"{method} {path} HTTP/1.1"] + [f"{k.replace('_', '-')}: {v}" for k, v in headers.items() if v]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def completion(**fields):
+    return request("POST", "/v1/completions", json.dumps({"prompt": "Hello", "max_tokens": 1, **fields}).encode())
+
+
+def chat(**fields):
+    messages = [{"role": "user", "content": "Hi"}]
+    return request("POST", "/v1/chat/completions",
+                   json.dumps({"messages": messages, "max_tokens": 1, **fields}).encode())
+
+
+GOOD = completion()
+
+
+def assert_good(server):
+    status, _, body = exchange(server, GOOD)
+    assert status == 200 and body["usage"]["completion_tokens"] == 1, body
+
+
+BAD = [  # (what, request bytes, status, the field the error names)
+    ("unpaired surrogate", request("POST", "/v1/completions", b'{"prompt": "hi \\ud800"}'), 400, None),
+    ("JSON nested 100,000 deep", request("POST", "/v1/completions", b"[" * 100_000 + b"]" * 100_000), 400, None),
+    ("invalid UTF-8", request("POST", "/v1/completions", b'{"prompt": "\xff\xfe"}'), 400, None),
+    ("not JSON", request("POST", "/v1/completions", b"{prompt"), 400, None),
+    ("not an object", request("POST", "/v1/completions", b"[1]"), 400, None),
+    ("non-numeric Content-Length", request("POST", "/v1/completions", b"{}", length="abc"), 400, None),
+    ("negative Content-Length", request("POST", "/v1/completions", b"{}", length="-5"), 400, None),
+    ("chunked body", request("POST", "/v1/completions", b"2\r\n{}\r\n0\r\n\r\n", length="",
+                             Transfer_Encoding="chunked"), 411, None),
+    ("body over --max-body", request("POST", "/v1/completions", b" " * (MAX_BODY + 1)), 413, None),
+    ("seed below 0", completion(seed=-1), 400, "seed"),
+    ("seed above 2**64 - 1", completion(seed=2**64), 400, "seed"),
+    ("seed not an integer", completion(seed=1.5), 400, "seed"),
+    ("temperature NaN", completion(temperature=float("nan")), 400, "temperature"),
+    ("temperature infinite", completion(temperature=float("inf")), 400, "temperature"),
+    ("temperature above 2", completion(temperature=2.5), 400, "temperature"),
+    ("temperature of 401 digits", completion(temperature=10**400), 400, "temperature"),
+    ("temperature below 0", completion(temperature=-0.1), 400, "temperature"),
+    ("top_p 0", completion(top_p=0), 400, "top_p"),
+    ("top_p above 1", completion(top_p=1.5), 400, "top_p"),
+    ("top_k below 0", completion(top_k=-1), 400, "top_k"),
+    ("min_p above 1", completion(min_p=1.5), 400, "min_p"),
+    ("empty stop string", completion(stop=""), 400, "stop"),
+    ("empty stop string in a list", completion(stop=["a", ""]), 400, "stop"),
+    ("max_tokens above the context", completion(max_tokens=9000), 400, "max_tokens"),
+    ("max_tokens 0", completion(max_tokens=0), 400, "max_tokens"),
+    ("n above 1", completion(n=2), 400, "n"),
+    ("an unsupported field", completion(suffix="!"), 400, "suffix"),
+    ("echo", completion(echo=True), 400, "echo"),
+    ("logprobs above 20", completion(logprobs=21), 400, "logprobs"),
+    ("presence_penalty above 2", completion(presence_penalty=2.5), 400, "presence_penalty"),
+    ("frequency_penalty NaN", completion(frequency_penalty=float("nan")), 400, "frequency_penalty"),
+    ("repetition_penalty 0", completion(repetition_penalty=0), 400, "repetition_penalty"),
+    ("logit_bias key not a token id", completion(logit_bias={"a": 1}), 400, "logit_bias"),
+    ("logit_bias above 100", completion(logit_bias={"5": 101}), 400, "logit_bias"),
+    ("a token id outside the vocabulary", completion(prompt=[10**9]), 400, "prompt"),
+    ("an empty prompt", completion(prompt=""), 400, "prompt"),
+    ("chat: top_logprobs without logprobs", chat(top_logprobs=2), 400, "top_logprobs"),
+    ("chat: logprobs not a boolean", chat(logprobs=3), 400, "logprobs"),
+    ("chat: tools", chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    ("chat: a message's tool_calls", request("POST", "/v1/chat/completions", json.dumps(
+        {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}]}).encode()), 400, "messages"),
+    ("text/plain body", request("POST", "/v1/completions", b'{"prompt": "Hello"}', content_type="text/plain"), 415, None),
+    ("unknown endpoint", request("POST", "/v1/embeddings", b"{}"), 404, None),
+    ("unknown GET endpoint", request("GET", "/v2/models"), 404, None),
+    ("unsupported method", request("DELETE", "/v1/models"), 501, None),
+    ("malformed request line", b"HELLO\r\n\r\n", 400, None),
+    ("malformed header", b"GET /health HTTP/1.1\r\n" + b"X: y\r\n" * 200 + b"\r\n", 431, None),
+]
+
+
+@pytest.mark.parametrize("what, data, status, param", BAD, ids=[b[0] for b in BAD])
+def test_bad_request_gets_its_status_and_the_next_good_one_succeeds(server, what, data, status, param):
+    got, headers, body = exchange(server, data)
+    assert got == status and headers["content-type"] == "application/json", (what, body)
+    assert body["error"]["message"] and body["error"]["param"] == param, body
+    assert_good(server)
+
+
+def test_a_body_shorter_than_its_content_length_gets_408(server):
+    with connect(server) as sock:
+        tic = time.perf_counter()
+        sock.sendall(request("POST", "/v1/completions", b'{"prompt": "Hello"}', length="100"))
+        status, _, body = read_answer(sock)
+    assert status == 408 and "did not arrive" in body["error"]["message"]
+    assert TIMEOUT - 0.5 < time.perf_counter() - tic < TIMEOUT + 5
+    assert_good(server)
+
+
+def test_slow_headers_are_cut_off(server):
+    """A client sending its headers a byte at a time gets 408 after --timeout, however long it goes on."""
+    sock = connect(server)
+    stop = threading.Event()
+
+    def trickle():
+        try:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\n")
+            while not stop.wait(0.1):
+                sock.sendall(b"x")
+        except OSError:
+            pass
+
+    tic = time.perf_counter()
+    sender = threading.Thread(target=trickle)
+    sender.start()
+    try:
+        status, _, body = read_answer(sock)
+    finally:
+        stop.set()
+        sender.join()
+        sock.close()
+    assert status == 408 and TIMEOUT - 0.5 < time.perf_counter() - tic < TIMEOUT + 5
+    with connect(server) as idle:  # a connection that sends nothing is closed as well
+        tic = time.perf_counter()
+        assert idle.recv(1) == b"" and time.perf_counter() - tic < TIMEOUT + 5
+    assert_good(server)
+
+
+def wait_for(server, requests, seconds=60):
+    deadline = time.perf_counter() + seconds
+    while server.active != requests:
+        assert time.perf_counter() < deadline, f"{server.active} requests taken, not {requests}"
+        time.sleep(0.05)
+
+
+def test_full_queue_answers_503_with_retry_after(server):
+    """One request generating (the worker's one slot) and one waiting (--max-queue 1) fill the server:
+    the next gets 503 at once; once their clients hang up, requests succeed again."""
+    generating, waiting = connect(server), connect(server)
+    try:
+        generating.sendall(completion(max_tokens=2000, stream=True))
+        assert generating.recv(4096).startswith(b"HTTP/1.0 200")  # under way
+        waiting.sendall(completion(max_tokens=2000))
+        wait_for(server, 2)
+        status, headers, body = exchange(server, GOOD)
+        assert status == 503 and headers["retry-after"] == "1" and "busy" in body["error"]["message"]
+        assert exchange(server, request("GET", "/health"))[2]["requests"] == 2
+    finally:
+        generating.close()
+        waiting.close()
+    wait_for(server, 0)
+    assert_good(server)
+
+
+def test_a_burst_of_connections_is_answered(server):
+    """320 clients connecting at once all get their answer (a listen backlog of 5 dropped 95 of 320)."""
+    n, answers, barrier = 320, [], threading.Barrier(320)
+
+    def ask():
+        barrier.wait()
+        try:  # the kernel completes a connection in the backlog before the server accepts it
+            with socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=1.0) as sock:
+                sock.settimeout(60)
+                sock.sendall(request("GET", "/health"))
+                answers.append(read_answer(sock)[0])
+        except OSError as e:
+            answers.append(e)
+
+    threads = [threading.Thread(target=ask) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert answers == [200] * n
+
+
+def test_api_key(server):
+    for key in (None, "wrong"):
+        for data in (request("GET", "/v1/models", key=key), request("POST", "/v1/completions", b'{"prompt": "Hi"}', key=key)):
+            status, headers, body = exchange(server, data)
+            assert status == 401 and headers["www-authenticate"] == "Bearer", body
+            assert "Authorization: Bearer" in body["error"]["message"]
+    assert exchange(server, request("GET", "/health", key=None))[0] == 200  # a health check needs no key
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
+    client = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=120)
+    assert client.completions.create(model="smol", prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_cross_origin_requests_need_cors_origin(server):
+    """A web page's request (it carries an Origin) is refused unless the origin is allowed; a form's
+    text/plain POST, which a browser sends without asking first, is refused either way."""
+    other = "http://evil.example"
+    for data in (completion(), request("POST", "/v1/completions", b'{"prompt": "Hi"}',
+                                             content_type="text/plain", key=None)):
+        status, headers, body = exchange(server, data.replace(b"Host:", f"Origin: {other}\r\nHost:".encode()))
+        assert status == 403 and other in body["error"]["message"] and "access-control-allow-origin" not in headers
+    status, _, _ = exchange(server, request("POST", "/v1/completions", b'{"prompt": "Hi"}', content_type="text/plain"))
+    assert status == 415
+
+    status, headers, body = exchange(server, completion().replace(b"Host:", f"Origin: {ORIGIN}\r\nHost:".encode()))
+    assert status == 200 and headers["access-control-allow-origin"] == ORIGIN and headers["vary"] == "Origin"
+
+    preflight = request("OPTIONS", "/v1/chat/completions", key=None, content_type=None, length="",
+                        Access_Control_Request_Method="POST", Access_Control_Request_Headers="authorization")
+    status, headers, _ = exchange(server, preflight.replace(b"Host:", f"Origin: {ORIGIN}\r\nHost:".encode()))
+    assert status == 204 and headers["access-control-allow-origin"] == ORIGIN
+    assert "POST" in headers["access-control-allow-methods"]
+    assert "Authorization" in headers["access-control-allow-headers"]
+    status, headers, _ = exchange(server, preflight.replace(b"Host:", f"Origin: {other}\r\nHost:".encode()))
+    assert status == 403 and "access-control-allow-origin" not in headers
+    assert exchange(server, preflight)[0] == 204  # OPTIONS without an Origin: the allowed methods
+
+
+class FailingWorker(SerialWorker):
+    def tokens(self, generation):
+        raise RuntimeError("the device fell over")
+        yield
+
+
+def test_a_failing_worker_gets_a_500_and_the_server_goes_on(smollm2):
+    failing = Server(*smollm2, "smol", port=0, worker=FailingWorker(*smollm2))
+    thread = threading.Thread(target=failing.serve_forever, daemon=True)
+    thread.start()
+    try:
+        status, _, body = exchange(failing, completion())
+        assert status == 500 and body["error"]["message"] == "generation failed: the device fell over"
+        with connect(failing) as sock:
+            sock.sendall(completion(stream=True))
+            data = b""
+            while chunk := sock.recv(65536):
+                data += chunk
+        assert data.startswith(b"HTTP/1.0 200") and b'data: {"error": {"message": "generation failed' in data
+        assert exchange(failing, request("GET", "/health"))[2]["requests"] == 0
+    finally:
+        failing.shutdown()
+        failing.server_close()
+        thread.join(timeout=30)
