@@ -11,6 +11,7 @@ from .cache import make_cache
 from .errors import UserError, run_cli
 from .cli import add_model_args, add_sampling_args
 from .generate import cache_capacity, context_length, load_from_args, make_sampler_for, stream_generate
+from .lockstep import lockstep, shared
 
 
 
@@ -40,8 +41,8 @@ class Chat:
         self._make_room(keep, min(ctx, len(tokens) + self.max_tokens))
         self.cached = tokens[:keep]
         answer, generated = "", []
-        for r in stream_generate(self.model, self.tokenizer, tokens[keep:], self.max_tokens,
-                                 cache=self.cache, **self.sampling):
+        for r in lockstep(stream_generate(self.model, self.tokenizer, tokens[keep:], self.max_tokens,
+                                          cache=self.cache, **self.sampling)):
             answer += r.text
             generated.append(r.token)
             yield r.text
@@ -84,7 +85,7 @@ def main(argv=None):
     try:
         while True:
             try:
-                line = input(">> " if interactive else "").strip()
+                line = shared(lambda: input(">> " if interactive else "").strip())  # rank 0's
             except EOFError:
                 break
             if line == "/exit":

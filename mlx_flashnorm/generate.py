@@ -14,6 +14,7 @@ from .cache import StaticKVCache, make_cache
 from .cli import MAX_SEED, HelpFormatter, add_model_args, add_sampling_args, wants_warmup
 from .errors import UserError
 from .loader import load
+from .lockstep import lockstep, quiet
 
 
 
@@ -283,6 +284,7 @@ def load_from_args(args, warm=True):
               "(it only measures a speed ceiling)", file=sys.stderr)
     model, tokenizer = load(args.model, norm=args.norm, bits=args.bits, dtype=args.dtype,
                             tokenizer=args.tokenizer, group_size=args.group_size)
+    quiet()  # under mlx.launch, rank 0 prints (lockstep.py)
     if warm and wants_warmup(args):
         warmup(model)
     return model, tokenizer
@@ -310,9 +312,9 @@ def main(argv=None):
         raise UserError("the prompt is empty; pass some text with --prompt")
     model, tokenizer = load_from_args(args)
     r = None
-    for r in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens, temp=args.temp,
-                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                             chat_template=not args.ignore_chat_template):
+    for r in lockstep(stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens, temp=args.temp,
+                                      top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                                      chat_template=not args.ignore_chat_template)):
         print(r.text, end="", flush=True)
     print()
     print("=" * 10)

@@ -16,6 +16,7 @@ from . import kernels
 from .concat import concatenate
 from .kernels import row_parallel
 from .nn import plain_norms
+from .shard import connect, split, world
 from .models import ARCHITECTURES
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -172,7 +173,9 @@ def quantize_like(model, quantization, weights):
                 class_predicate=predicate)
 
 
-def build_model(config, weights, progress=True):
+def build_model(config, weights, progress=True, group=None, group_size=None):
+    """The model of config with the weights; group: keep only this rank's shard of them
+    (shard.split, before they are read; group_size: quantization to come)."""
     arch, args = model_args(config)
     model = arch.Model(args)
     if "quantization" in config:
@@ -182,6 +185,8 @@ def build_model(config, weights, progress=True):
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise UserError(f"weights do not match config.json: {str(e).splitlines()[0]}")
+    if group is not None:
+        split(model, group.rank(), group.size(), group_size)
     _materialize(model, progress)
     model.eval()  # inference: norms skip their training-only custom VJP (mlx_flashnorm.nn)
     model.config = config
@@ -257,7 +262,7 @@ def _sentencepiece_tokenizer(file):
 
 
 def load(path_or_repo=None, norm="rms", bits=None, dtype="auto", tokenizer=None,
-         group_size=64, progress=True, concat=True):
+         group_size=64, progress=True, concat=True, distributed=True):
     """Load a model and its tokenizer.
 
     path_or_repo: a HF checkpoint folder, a HF repo id, or a llama .gguf file (None: the embedded
@@ -272,6 +277,7 @@ def load(path_or_repo=None, norm="rms", bits=None, dtype="auto", tokenizer=None,
     if dtype not in DTYPE_CHOICES:
         raise UserError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, not '{dtype}'")
     path = default_model_path() if path_or_repo is None else resolve(path_or_repo)
+    group = world() if distributed else None
     if path.is_file():
         if path.suffix != ".gguf":
             raise UserError(f"{path}: not a model; pass a model folder, a .gguf file or a repo id")
@@ -286,15 +292,18 @@ def load(path_or_repo=None, norm="rms", bits=None, dtype="auto", tokenizer=None,
                       f"compute with: quantized to MLX 4-bit, group size {group_size} (bits 0: full "
                       "precision)", file=sys.stderr)
             bits = None
-        model = build_model(config, weights, progress)
+        model = build_model(config, weights, progress, group, group_size if bits else None)
         tok = load_tokenizer(path.parent, tokenizer, gguf_meta=None if tokenizer else meta)
     else:
         config = read_config(path)
         model_args(config)  # fail on a bad config before reading gigabytes of weights
-        model = build_model(config, read_safetensors(path), progress)
+        model = build_model(config, read_safetensors(path), progress, group,
+                            group_size if bits else None)
         tok = load_tokenizer(path, tokenizer)
     model.set_dtype(DTYPES[resolve_dtype(dtype, config)])
     model = prepare(model, norm=norm, bits=bits, group_size=group_size, concat=concat)
+    if group is not None:
+        connect(model, group)
     _add_config_eos(tok, config)
     return model, tok
 

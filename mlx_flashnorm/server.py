@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 import uuid
+from contextlib import closing
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import mlx.core as mx
 from .errors import UserError, run_cli
 from .cli import add_model_args, add_sampling_args, wants_warmup
 from .generate import context_length, load_from_args, make_sampler_for, stream_generate, warmup
+from .lockstep import follow, lead, leads
 
 
 class BadRequest(Exception):
@@ -55,11 +57,12 @@ def worker(model, tokenizer, jobs, warm, started):
         if job.cancelled.is_set():
             continue
         try:
-            for r in stream_generate(model, tokenizer, job.tokens, job.max_tokens, seed=job.seed,
-                                     **job.sampling):
-                if job.cancelled.is_set():
-                    break
-                job.out.put(r)
+            with closing(lead(stream_generate, model, tokenizer, prompt=job.tokens,  # with the other ranks
+                              max_tokens=job.max_tokens, seed=job.seed, **job.sampling)) as responses:
+                for r in responses:
+                    if job.cancelled.is_set():
+                        break
+                    job.out.put(r)
             job.out.put(None)
         except Exception as e:  # handed to the request's thread, which answers with an error
             job.out.put(e)
@@ -289,6 +292,10 @@ def main(argv=None):
     args = arg_parser().parse_args(argv)
     make_sampler_for(args.temp, args.top_p, args.top_k)  # checks the sampling flags
     model, tokenizer = load_from_args(args, warm=False)  # the worker thread warms up
+    if not leads():  # under mlx.launch: rank 0 serves, this rank computes its shard of each request
+        if wants_warmup(args):
+            warmup(model)
+        return follow(stream_generate, model, tokenizer)
     model_id = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
     try:
         server = Server(model, tokenizer, model_id, args.host, args.port, args.max_tokens, args.temp,

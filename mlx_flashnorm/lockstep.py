@@ -1,0 +1,119 @@
+"""The processes of a tensor-parallel model (shard.py) take the same steps: rank 0 reads the input,
+prints and serves; every other rank (a follower) runs the same generations in the same order, since
+each step's row-parallel sums pair the ranks' operations one to one.
+
+The logits are the same on every rank (each sum is), and shard.connect seeded every rank's random
+generator alike, so the ranks sample the same tokens; lockstep() checks that at the end of each
+generation. What only rank 0 knows is handed on with broadcast(): a chat's input lines (shared), a
+server's requests (lead/follow), and, after each token of a server's generation, whether its
+client still wants the next one. Outside `mlx.launch -n N` (N > 1) every function here is the
+plain single-process behaviour."""
+import json
+import os
+import sys
+from contextlib import closing
+
+import mlx.core as mx
+import numpy as np
+
+from .shard import world
+
+
+def leads():
+    """True on rank 0, and where this process runs alone."""
+    group = world()
+    return group is None or group.rank() == 0
+
+
+def quiet():
+    """A follower prints nothing: its standard output goes to the null device (rank 0 prints for
+    all; `mlx.launch` would show every rank's output)."""
+    if not leads():
+        sys.stdout = open(os.devnull, "w")
+
+
+def _from_leader(values):
+    """rank 0's int32 values on every rank: a sum to which the followers add zeros."""
+    return mx.distributed.all_sum(values if leads() else mx.zeros_like(values), group=world())
+
+
+def broadcast(obj=None):
+    """rank 0's obj (anything JSON writes) on every rank; the followers pass nothing."""
+    if world() is None:
+        return obj
+    data = json.dumps(obj).encode() if leads() else b""
+    n = _from_leader(mx.array([len(data)], mx.int32)).item()
+    values = mx.array(np.frombuffer(data, np.uint8).astype(np.int32)) if leads() else mx.zeros((n,), mx.int32)
+    return json.loads(np.array(_from_leader(values)).astype(np.uint8).tobytes())
+
+
+def shared(read):
+    """read() on rank 0 (an input line, say), its value (or its EOFError) on every rank."""
+    if world() is None:
+        return read()
+    value = None
+    if leads():
+        try:
+            value = {"value": read()}
+        except EOFError:
+            value = {"eof": True}
+    value = broadcast(value)
+    if "eof" in value:
+        raise EOFError
+    return value["value"]
+
+
+def _agree(stop):
+    """rank 0's stop flag on every rank."""
+    return bool(_from_leader(mx.array([int(stop)], mx.int32)).item())
+
+
+def _check(tokens):
+    """Raise where the ranks generated different tokens (a diverged random state)."""
+    digest = mx.array([hash(tuple(tokens)) % 2**31], mx.int32)
+    digests = mx.distributed.all_gather(digest, group=world())
+    if not mx.all(digests == digest).item():
+        raise RuntimeError("the tensor-parallel ranks generated different tokens; their sampling "
+                           "diverged (a random state that is not shared)")
+
+
+def lockstep(responses):
+    """Yield the Responses of a stream_generate, on every rank, ending on every rank where rank 0's
+    consumer stops (closes this generator): after each token but the last, rank 0 tells the others
+    whether to go on. Each rank has then run the same steps (generate_step queues the next one
+    before it yields a token, on every rank alike). The ranks' tokens are compared at the end."""
+    if world() is None:
+        yield from responses
+        return
+    tokens, stop = [], False
+    with closing(responses):
+        for r in responses:
+            tokens.append(r.token)
+            try:
+                yield r
+            except GeneratorExit:  # rank 0's consumer stopped (a follower's never does)
+                stop = True
+            if r.finish_reason is not None or _agree(stop):
+                break
+    _check(tokens)
+
+
+def lead(generate, model, tokenizer, **request):
+    """rank 0 of a server: hand the request (keywords of generate, stream_generate) to the
+    followers, then generate it in lockstep with them."""
+    return lockstep(generate(model, tokenizer, **broadcast(request)))
+
+
+def follow(generate, model, tokenizer):
+    """A follower of a server: run each request rank 0 hands on (lead) until rank 0 is gone. An
+    error rank 0 meets it meets too (the same inputs); rank 0 answers it."""
+    while True:
+        try:
+            request = broadcast()
+        except RuntimeError:  # the ring lost rank 0: the server stopped
+            return
+        try:
+            for _ in lockstep(generate(model, tokenizer, **request)):
+                pass
+        except Exception:  # noqa: BLE001 - rank 0 reports it
+            continue

@@ -1,0 +1,55 @@
+"""Run under `mlx.launch -n N` by tests/test_distributed.py: for each checkpoint folder and norm mode,
+load() the model sharded over the N processes (shard.py) and whole in this process, and write to
+OUT/rank{r}.json what the test compares: the logits of a prompt, the greedy tokens of the compiled
+decode loop, and the bytes of the weights each form holds.
+
+usage: distributed_check.py OUT PROMPT_LENGTH NEW_TOKENS NORMS FOLDER..."""
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from mlx_flashnorm.generate import generate_step
+from mlx_flashnorm.loader import load
+from mlx_flashnorm.shard import world
+
+
+def weight_bytes(model):
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def run(model, prompt, new_tokens):
+    logits = model(prompt[None])[0].astype(mx.float32)
+    tokens = [t for t, _ in generate_step(prompt, model, max_tokens=new_tokens)]
+    return logits, tokens
+
+
+def main():
+    out, length, new_tokens, norms, folders = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \
+        sys.argv[4].split(","), sys.argv[5:]
+    group = world()
+    results = {"size": group.size()}
+    for folder in folders:
+        for norm in norms:
+            sharded, tok = load(folder, norm=norm, progress=False)
+            whole, _ = load(folder, norm=norm, progress=False, distributed=False)
+            prompt = mx.arange(3, 3 + length) * 7 % whole.args.vocab_size
+            logits, tokens = run(sharded, prompt, new_tokens)
+            ref_logits, ref_tokens = run(whole, prompt, new_tokens)
+            results[f"{Path(folder).name}/{norm}"] = {
+                "rel": (mx.abs(logits - ref_logits).max() / mx.abs(ref_logits).max()).item(),
+                "tokens": tokens, "ref_tokens": ref_tokens,
+                "checksum": mx.sum(logits * mx.arange(logits.size).reshape(logits.shape) % 97).item(),
+                "bytes": weight_bytes(sharded), "ref_bytes": weight_bytes(whole),
+                "block_bytes": sum(map(weight_bytes, sharded.layers)),
+                "ref_block_bytes": sum(map(weight_bytes, whole.layers)),
+                "n_heads": [m.n_heads for _, m in sharded.named_modules() if hasattr(m, "n_heads")],
+                "ref_n_heads": [m.n_heads for _, m in whole.named_modules() if hasattr(m, "n_heads")],
+            }
+    Path(out, f"rank{group.rank()}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
