@@ -136,7 +136,7 @@ def split_ffn(ffn, rank, size, where, group_size=None):
 def split(model, rank, size, group_size=None):
     """Keep rank's share (of size) of every attention's heads and every FFN's columns, in place
     (the reference modules or FlashNorm's, quantized or not); returns the model. The head counts
-    must divide: a clear UserError names the first layer where they do not (OpenELM's vary per
+    must divide: a UserError names a layer where they do not (OpenELM's vary per
     layer). The arrays are not evaluated here: load() reads them afterwards, slice by slice.
     group_size: the model is to be quantized with it afterwards (prepare's bits), so a row-parallel
     linear's columns must be whole groups of it, as they are in one process."""

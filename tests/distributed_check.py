@@ -3,8 +3,10 @@ load() the model sharded over the N processes (shard.py) and whole in this proce
 OUT/rank{r}.json what the test compares: the logits of a prompt, the greedy tokens of the compiled
 decode loop, and the bytes of the weights each form holds.
 
-usage: distributed_check.py OUT PROMPT_LENGTH NEW_TOKENS NORMS FOLDER..."""
+usage: distributed_check.py OUT PROMPT_LENGTH NEW_TOKENS NORMS FOLDER... (FOLDER "embedded": the
+embedded SmolLM2)"""
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -16,8 +18,12 @@ from mlx_flashnorm.loader import load
 from mlx_flashnorm.shard import world
 
 
-def weight_bytes(model):
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+SPLIT = re.compile(r"(q|k|v|qkv|o|out|gate|up|gate_up|down)_proj\.|proj_[12]\.")  # the split linears
+
+
+def split_bytes(model):
+    """The bytes of the split linears' weights (their bias of a row-parallel linear stays whole)."""
+    return sum(v.nbytes for k, v in tree_flatten(model.parameters()) if SPLIT.search(k) and not k.endswith(".bias"))
 
 
 def run(model, prompt, new_tokens):
@@ -33,8 +39,9 @@ def main():
     results = {"size": group.size()}
     for folder in folders:
         for norm in norms:
-            sharded, tok = load(folder, norm=norm, progress=False)
-            whole, _ = load(folder, norm=norm, progress=False, distributed=False)
+            path = None if folder == "embedded" else folder
+            sharded, _ = load(path, norm=norm, progress=False)
+            whole, _ = load(path, norm=norm, progress=False, distributed=False)
             prompt = mx.arange(3, 3 + length) * 7 % whole.args.vocab_size
             logits, tokens = run(sharded, prompt, new_tokens)
             ref_logits, ref_tokens = run(whole, prompt, new_tokens)
@@ -42,9 +49,7 @@ def main():
                 "rel": (mx.abs(logits - ref_logits).max() / mx.abs(ref_logits).max()).item(),
                 "tokens": tokens, "ref_tokens": ref_tokens,
                 "checksum": mx.sum(logits * mx.arange(logits.size).reshape(logits.shape) % 97).item(),
-                "bytes": weight_bytes(sharded), "ref_bytes": weight_bytes(whole),
-                "block_bytes": sum(map(weight_bytes, sharded.layers)),
-                "ref_block_bytes": sum(map(weight_bytes, whole.layers)),
+                "split_bytes": split_bytes(sharded), "ref_split_bytes": split_bytes(whole),
                 "n_heads": [m.n_heads for _, m in sharded.named_modules() if hasattr(m, "n_heads")],
                 "ref_n_heads": [m.n_heads for _, m in whole.named_modules() if hasattr(m, "n_heads")],
             }
