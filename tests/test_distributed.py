@@ -14,6 +14,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_flashnorm import flashnorm, load
+from mlx_flashnorm.chat import Chat
 from mlx_flashnorm.errors import UserError
 from mlx_flashnorm.generate import generate
 from mlx_flashnorm.loader import build_model, prepare, read_config, read_safetensors
@@ -153,21 +154,20 @@ def test_two_processes_match_one(launched, arch, norm):
     assert [2 * h for h in rank0["n_heads"]] == rank0["ref_n_heads"]
 
 
-def test_three_processes_run_the_embedded_smollm2(tmp_path, smollm2):
-    """The embedded SmolLM2 (Q4_1; 9 heads, 3 KV heads, FFN 1536) over 3 ring processes, rms and
-    flash: the same greedy tokens and logits within float32 tolerance of one process, a third of
-    its blocks' weights per rank."""
-    p = run_launch(3, str(ROOT / "tests" / "distributed_check.py"), str(tmp_path), "8", "6", "rms,flash",
+def test_three_processes_run_the_embedded_smollm2(tmp_path):
+    """The embedded SmolLM2 (Q4_1; 9 heads, 3 KV heads, FFN 1536) over 3 ring processes, flash (on
+    its quantized weights, the gain kept on the activations): the same greedy tokens and logits
+    within float32 tolerance of one process, a third of its blocks' weights per rank. (rms takes
+    the same split: the architectures' test above runs both; this one is the slowest here.)"""
+    p = run_launch(3, str(ROOT / "tests" / "distributed_check.py"), str(tmp_path), "4", "3", "flash",
                    "embedded")
     assert p.returncode == 0, p.stderr[-3000:]
     for r in range(3):
-        result = json.loads((tmp_path / f"rank{r}.json").read_text())
-        for norm in NORMS:
-            got = result[f"embedded/{norm}"]
-            assert got["rel"] < 1e-4, (r, norm)  # 4-bit weights, float32 activations
-            assert got["tokens"] == got["ref_tokens"]
-            assert got["split_bytes"] * 3 == got["ref_split_bytes"]
-            assert got["n_heads"] == [3] * 30
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())["embedded/flash"]
+        assert got["rel"] < 1e-4, r  # 4-bit weights, float32 activations: 30 layers of sums
+        assert got["tokens"] == got["ref_tokens"] and len(got["tokens"]) == 3
+        assert got["split_bytes"] * 3 == got["ref_split_bytes"]
+        assert got["n_heads"] == [3] * 30
 
 
 def test_server_and_chat_under_mlx_launch(checkpoints, tmp_path):
@@ -204,8 +204,8 @@ def test_server_and_chat_under_mlx_launch(checkpoints, tmp_path):
         out = line + server.stdout.read()
     assert out.count("serving") == 1
 
-    one = subprocess.run([sys.executable, "-m", "mlx_flashnorm.chat", "--model", str(folder), "-m", "5"],
-                         input="w1 w2\nw3\n/exit\n", capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    chat = Chat(model, tok, max_tokens=5)
+    want = "".join(f"{''.join(chat.reply(line))}\n" for line in ("w1 w2", "w3"))
     two = run_launch(2, "-m", "mlx_flashnorm.chat", "--model", str(folder), "-m", "5", stdin="w1 w2\nw3\n/exit\n")
-    assert one.returncode == two.returncode == 0, two.stderr[-2000:]
-    assert two.stdout == one.stdout and one.stdout.count("\n") == 2
+    assert two.returncode == 0, two.stderr[-2000:]
+    assert two.stdout == want
