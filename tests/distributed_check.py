@@ -1,7 +1,8 @@
 """Run under `mlx.launch -n N` by tests/test_distributed.py: for each checkpoint folder and norm mode,
 load() the model sharded over the N processes (shard.py) and whole in this process, and write to
 OUT/rank{r}.json what the test compares: the logits of a prompt, the greedy tokens of the compiled
-decode loop, and the bytes of the weights each form holds.
+decode loop, and the bytes of the weights each form holds; and the logits of the whole model
+split after loading (shard.shard).
 
 usage: distributed_check.py OUT PROMPT_LENGTH NEW_TOKENS NORMS FOLDER... (FOLDER "embedded": the
 embedded SmolLM2)"""
@@ -15,7 +16,7 @@ from mlx.utils import tree_flatten
 
 from mlx_flashnorm.generate import generate_step
 from mlx_flashnorm.loader import load
-from mlx_flashnorm.shard import world
+from mlx_flashnorm.shard import shard, world
 
 
 SPLIT = re.compile(r"(q|k|v|qkv|o|out|gate|up|gate_up|down)_proj\.|proj_[12]\.")  # the split linears
@@ -45,8 +46,12 @@ def main():
             prompt = mx.arange(3, 3 + length) * 7 % whole.args.vocab_size
             logits, tokens = run(sharded, prompt, new_tokens)
             ref_logits, ref_tokens = run(whole, prompt, new_tokens)
+            late_logits = ref_logits  # the embedded model: not loaded a third time
+            if path is not None:  # split once loaded
+                late_logits = shard(load(path, norm=norm, progress=False, distributed=False)[0])(prompt[None])[0]
             results[f"{Path(folder).name}/{norm}"] = {
                 "rel": (mx.abs(logits - ref_logits).max() / mx.abs(ref_logits).max()).item(),
+                "late_rel": (mx.abs(late_logits - ref_logits).max() / mx.abs(ref_logits).max()).item(),
                 "tokens": tokens, "ref_tokens": ref_tokens,
                 "checksum": mx.sum(logits * mx.arange(logits.size).reshape(logits.shape) % 97).item(),
                 "split_bytes": split_bytes(sharded), "ref_split_bytes": split_bytes(whole),
