@@ -175,17 +175,19 @@ def quantize_like(model, quantization, weights):
 
 def build_model(config, weights, progress=True, group=None, group_size=None):
     """The model of config with the weights; group: keep only this rank's shard of them
-    (shard.split, before they are read; group_size: quantization to come)."""
+    (shard.split, before they are read; group_size: quantization to come), emptying `weights`,
+    whose full arrays would otherwise stay in memory once read."""
     arch, args = model_args(config)
     model = arch.Model(args)
     if "quantization" in config:
         quantize_like(model, config["quantization"], weights)
-    weights = model.sanitize(weights)
+    given, weights = weights, model.sanitize(weights)
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise UserError(f"weights do not match config.json: {str(e).splitlines()[0]}")
     if group is not None:
+        given.clear(), weights.clear()
         split(model, group.rank(), group.size(), group_size)
     _materialize(model, progress)
     model.eval()  # inference: norms skip their training-only custom VJP (mlx_flashnorm.nn)
@@ -194,10 +196,12 @@ def build_model(config, weights, progress=True, group=None, group_size=None):
 
 
 def _materialize(model, progress):
-    """Read the weights from disk now, with a progress bar if that takes more than a second."""
+    """Read the weights from disk now, one array at a time (a split model then holds one full
+    tensor at most beside its shards), with a progress bar if that takes more than a second."""
     leaves = [v for _, v in tree_flatten(model.parameters())]
     if not progress:
-        mx.eval(leaves)
+        for v in leaves:
+            mx.eval(v)
         return
     from tqdm import tqdm
 
