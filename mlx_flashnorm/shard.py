@@ -31,11 +31,10 @@ from functools import lru_cache
 import mlx.core as mx
 import mlx.nn as nn
 
-from .concat import GATE_UP, QKV, held
+from .concat import GATE_UP, PER_OUTPUT, QKV, held
 from .errors import UserError
 from .flashnorm import DeferredLinear, QuantizedDeferredLinear, deferred
 
-OUTPUTS = {"weight", "bias", "scales", "biases"}  # a linear's arrays with one row per output
 ROW = ("o_proj", "out_proj", "down_proj", "proj_2")  # the row-parallel linears, by name
 FFN_UP = (GATE_UP, ("proj_1",))  # the column-parallel linears of an FFN: parts, or OpenELM's
 
@@ -59,7 +58,7 @@ def in_width(linear):
 def _rows(linear, blocks):
     """Keep the output rows [start, start + n) of each block (start, n), in order, of every per-
     output array of linear (mx.contiguous: a copy, so the full array can be freed)."""
-    for name in OUTPUTS & set(linear):
+    for name in PER_OUTPUT & set(linear):
         a = linear[name]
         linear[name] = mx.contiguous(mx.concatenate([a[s:s + n] for s, n in blocks]) if len(blocks) > 1
                                      else a[blocks[0][0]:blocks[0][0] + blocks[0][1]])
