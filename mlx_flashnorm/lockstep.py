@@ -3,13 +3,14 @@ prints and serves; every other rank (a follower) runs the same generations in th
 each step's row-parallel sums pair the ranks' operations one to one.
 
 The logits are the same on every rank (each sum is), and shard.connect seeded every rank's random
-generator alike, so the ranks sample the same tokens; lockstep() checks that at the end of each
-generation. What only rank 0 knows is handed on with broadcast(): a chat's input lines (shared), a
+generator alike (a server's requests get a seed from rank 0), so the ranks sample the same
+tokens; lockstep() checks that after each token. What only rank 0 knows is handed on with broadcast(): a chat's input lines (shared), a
 server's requests (lead/follow), and, after each token of a server's generation, whether its
 client still wants the next one. Outside `mlx.launch -n N` (N > 1) every function here is the
 plain single-process behaviour."""
 import json
 import os
+import random
 import sys
 from contextlib import closing
 
@@ -63,44 +64,43 @@ def shared(read):
     return value["value"]
 
 
-def _agree(stop):
-    """rank 0's stop flag on every rank."""
-    return bool(_from_leader(mx.array([int(stop)], mx.int32)).item())
-
-
-def _check(tokens):
-    """Raise where the ranks generated different tokens (a diverged random state)."""
-    digest = mx.array([hash(tuple(tokens)) % 2**31], mx.int32)
-    digests = mx.distributed.all_gather(digest, group=world())
-    if not mx.all(digests == digest).item():
-        raise RuntimeError("the tensor-parallel ranks generated different tokens; their sampling "
+def _agree(token, stop):
+    """Whether rank 0 stops (its consumer's stop flag), the same on every rank; every rank raises
+    where the ranks' tokens differ (a diverged random state), so none waits on another."""
+    state = np.array(mx.distributed.all_gather(mx.array([[token, int(stop and leads())]], mx.int32),
+                                               group=world()))
+    if (state[:, 0] != state[0, 0]).any():
+        raise RuntimeError("the tensor-parallel ranks generated different tokens: their sampling "
                            "diverged (a random state that is not shared)")
+    return bool(state[0, 1])
 
 
 def lockstep(responses):
     """Yield the Responses of a stream_generate, on every rank, ending on every rank where rank 0's
-    consumer stops (closes this generator): after each token but the last, rank 0 tells the others
-    whether to go on. Each rank has then run the same steps (generate_step queues the next one
-    before it yields a token, on every rank alike). The ranks' tokens are compared at the end."""
+    consumer stops (closes this generator): after each token the ranks exchange it and rank 0's
+    decision to go on. Each rank has then run the same steps (generate_step queues the next one
+    before it yields a token, on every rank alike)."""
     if world() is None:
         yield from responses
         return
-    tokens, stop = [], False
     with closing(responses):
         for r in responses:
-            tokens.append(r.token)
+            stop = False
             try:
                 yield r
             except GeneratorExit:  # rank 0's consumer stopped (a follower's never does)
                 stop = True
-            if r.finish_reason is not None or _agree(stop):
+            if _agree(r.token, stop) or r.finish_reason is not None:
                 break
-    _check(tokens)
 
 
 def lead(generate, model, tokenizer, **request):
     """rank 0 of a server: hand the request (keywords of generate, stream_generate) to the
-    followers, then generate it in lockstep with them."""
+    followers, then generate it in lockstep with them. A request without a seed gets one drawn
+    here: MLX's random state is per thread, and the server samples on its worker thread, which
+    shard.connect's seeding (on the loading thread) does not reach."""
+    if request.get("seed") is None:
+        request["seed"] = random.getrandbits(63)
     return lockstep(generate(model, tokenizer, **broadcast(request)))
 
 

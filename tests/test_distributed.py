@@ -175,12 +175,13 @@ def test_three_processes_run_the_embedded_smollm2(tmp_path):
 
 def test_server_and_chat_under_mlx_launch(checkpoints, tmp_path):
     """`server` under mlx.launch -n 2: rank 0 serves (one "serving" line), greedy answers equal one
-    process's; a stream abandoned after its first chunk and a sampled request without a seed leave
-    the ranks in step (the next request is still right). `chat` under -n 2: rank 0 reads the lines
+    process's, and so does a sampled one with a seed; a stream abandoned after its first chunk and a
+    sampled request without a seed leave the ranks in step (the next request is still right). `chat` under -n 2: rank 0 reads the lines
     and prints the replies once, as one process does."""
     folder = checkpoints["llama"]
     model, tok = load(folder, distributed=False)
     want = generate(model, tok, "w1 w2 w3", max_tokens=6, chat_template=False)
+    sampled = generate(model, tok, "w7", max_tokens=5, temp=1.0, seed=5, chat_template=False)
     cmd, env = launch(2, "-m", "mlx_flashnorm.server", "--model", str(folder), "--port", "0")
     server = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                               start_new_session=True)  # its own process group: the launcher and its ranks
@@ -201,6 +202,7 @@ def test_server_and_chat_under_mlx_launch(checkpoints, tmp_path):
         assert abandoned.readline().startswith(b"data: ")
         abandoned.close()
         text({"prompt": "w7", "max_tokens": 5, "temperature": 1.0})  # ranks sample alike, or a 500
+        assert text({"prompt": "w7", "max_tokens": 5, "temperature": 1.0, "seed": 5}) == sampled
         assert text({"prompt": "w1 w2 w3", "max_tokens": 6}) == want
     finally:
         os.killpg(server.pid, signal.SIGTERM)  # the launcher does not pass a SIGTERM on to the ranks
