@@ -12,6 +12,7 @@ from .cache import make_cache
 from .cli import HelpFormatter, add_generation_args, add_model_args, add_sampling_args
 from .errors import UserError, run_cli
 from .generate import cache_capacity, context_length, eager_cache, generation_kwargs, load_from_args, stream_generate
+from .lockstep import lockstep, shared
 
 
 class Chat:
@@ -47,8 +48,8 @@ class Chat:
         keep = self._make_room(keep, min(ctx, len(tokens) + self.max_tokens))
         self.cached = tokens[:keep]
         answer, generated = "", []
-        for r in stream_generate(self.model, self.tokenizer, tokens[keep:], self.max_tokens,
-                                 cache=self.cache, **self.sampling):
+        for r in lockstep(stream_generate(self.model, self.tokenizer, tokens[keep:], self.max_tokens,
+                                          cache=self.cache, **self.sampling)):
             answer += r.text
             generated.append(r.token)
             yield r.text
@@ -116,7 +117,7 @@ def main(argv=None):
     try:
         while True:
             try:
-                line = input(">> " if interactive else "").strip()
+                line = shared(lambda: input(">> " if interactive else "").strip())  # rank 0's
             except EOFError:
                 break
             if line == "/exit":

@@ -16,6 +16,7 @@ from .chat_template import set_chat_template
 from .cli import MAX_SEED, HelpFormatter, add_generation_args, add_model_args, add_sampling_args, wants_warmup
 from .errors import UserError
 from .loader import load
+from .lockstep import lockstep, quiet
 
 
 
@@ -365,6 +366,7 @@ def load_from_args(args, warm=True):
                             tokenizer=args.tokenizer, group_size=args.group_size)
     if getattr(args, "chat_template", None):
         set_chat_template(tokenizer, args.chat_template)
+    quiet()  # under mlx.launch, rank 0 prints (lockstep.py)
     if warm and wants_warmup(args):
         warmup(model)
     return model, tokenizer
@@ -416,8 +418,8 @@ def main(argv=None):
         cache, kept = prompt_cache.reuse(args.prompt_cache_file, model, model_id, tokens, args.kv_bits)
         cache = cache or eager_cache(model, args.max_kv_size, args.kv_bits, args.kv_group_size)
     r = None
-    for r in stream_generate(model, tokenizer, tokens[kept:], max_tokens=args.max_tokens, seed=args.seed,
-                             cache=cache, **kwargs):
+    for r in lockstep(stream_generate(model, tokenizer, tokens[kept:], max_tokens=args.max_tokens, seed=args.seed,
+                             cache=cache, **kwargs)):
         print(r.text, end="", flush=True)
     print()
     if args.prompt_cache_file:

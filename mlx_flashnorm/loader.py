@@ -17,6 +17,7 @@ from .errors import UserError
 from .forms import NORMS
 from .kernels import row_parallel
 from .progress import bar, hub_bars
+from .shard import connect, split, world
 from .models import ARCHITECTURES
 from .nn import plain_norms
 
@@ -180,10 +181,13 @@ def quantize_like(model, quantization, weights, source="config.json"):
         raise UserError(f"weights do not match {source}: {str(e).splitlines()[0]}")
 
 
-def build_model(config, weights, progress=True, source="config.json", weights_source=None):
+def build_model(config, weights, progress=True, source="config.json", weights_source=None, group=None,
+                group_size=None):
     """The model config describes, with weights loaded (strictly: every parameter, each of its
     shape) and checked (validate.weights before, validate.finite after); source names the config's
-    file in messages, weights_source the weights' (default: source)."""
+    file in messages, weights_source the weights' (default: source). group: keep only this rank's
+    shard of them (shard.split, before they are read; group_size: quantization to come), emptying
+    `weights`, whose full arrays would otherwise stay in memory once read."""
     weights_source = weights_source or source
     arch, args = model_args(config, source)
     try:
@@ -193,7 +197,7 @@ def build_model(config, weights, progress=True, source="config.json", weights_so
                         "type that needs 'factor')")
     except ValueError as e:
         raise UserError(f"{source}: {str(e).splitlines()[0]}")
-    weights = model.sanitize(weights)
+    given, weights = weights, model.sanitize(weights)
     validate.weights(weights, weights_source)
     validate.quantization(config, weights, source)
     if "quantization" in config:
@@ -202,6 +206,9 @@ def build_model(config, weights, progress=True, source="config.json", weights_so
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise UserError(f"weights do not match {source}: {str(e).splitlines()[0]}")
+    if group is not None:
+        given.clear(), weights.clear()
+        split(model, group.rank(), group.size(), group_size)
     _materialize(model, progress)
     validate.finite(model, weights_source)
     model.eval()  # inference: norms skip their training-only custom VJP (mlx_flashnorm.nn)
@@ -210,10 +217,12 @@ def build_model(config, weights, progress=True, source="config.json", weights_so
 
 
 def _materialize(model, progress):
-    """Read the weights from disk now, with a progress bar if that takes more than a second."""
+    """Read the weights from disk now, one array at a time (a split model then holds one full
+    tensor at most beside its shards), with a progress bar if that takes more than a second."""
     leaves = [v for _, v in tree_flatten(model.parameters())]
     if not progress:
-        mx.eval(leaves)
+        for v in leaves:
+            mx.eval(v)
         return
     with bar(total=sum(v.nbytes for v in leaves), unit="B", unit_scale=True, delay=1.0,
              desc="loading weights") as shown:
@@ -276,7 +285,7 @@ def _sentencepiece_tokenizer(file):
 
 
 def load(path_or_repo=None, norm="flash", bits=None, dtype="auto", tokenizer=None,
-         group_size=64, progress=True, concat=True):
+         group_size=64, progress=True, concat=True, distributed=True):
     """Load a model and its tokenizer.
 
     path_or_repo: a HF checkpoint folder, a HF repo id, or a llama .gguf file (None: the embedded
@@ -291,6 +300,7 @@ def load(path_or_repo=None, norm="flash", bits=None, dtype="auto", tokenizer=Non
     if dtype not in DTYPE_CHOICES:
         raise UserError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, not '{dtype}'")
     path = default_model_path() if path_or_repo is None else resolve(path_or_repo)
+    group = world() if distributed else None
     if path.is_file():
         if path.suffix != ".gguf":
             raise UserError(f"{path}: not a model; pass a model folder, a .gguf file or a repo id")
@@ -306,16 +316,20 @@ def load(path_or_repo=None, norm="flash", bits=None, dtype="auto", tokenizer=Non
                       f"compute with: quantized to MLX 4-bit, group size {group_size} (bits 0: full "
                       "precision)", file=sys.stderr)
             bits = None
-        model = build_model(config, weights, progress, source)
+        model = build_model(config, weights, progress, source, group=group,
+                            group_size=group_size if bits else None)
         tok = _gguf_tokenizer(path, tokenizer, meta)
     else:
         config, source = read_config(path), path / "config.json"
         model_args(config, source)  # fail on a bad config before reading gigabytes of weights
-        model = build_model(config, read_safetensors(path), progress, source, weights_source=path)
+        model = build_model(config, read_safetensors(path), progress, source, weights_source=path, group=group,
+                            group_size=group_size if bits else None)
         tok = load_tokenizer(path, tokenizer)
     validate.chat_template(tok, _template_source(path, tokenizer))
     model.set_dtype(DTYPES[resolve_dtype(dtype, config)])
     model = prepare(model, norm=norm, bits=bits, group_size=group_size, concat=concat)
+    if group is not None:
+        connect(model, group)
     _add_config_eos(tok, config)
     return model, tok
 

@@ -32,6 +32,7 @@ from .errors import UserError, run_cli
 from .generate import context_length, load_from_args, make_sampler_for
 from .openai_api import Answer, HTTPError, Transcript, bad, parse_call, parse_json
 from .batch import BatchWorker
+from .shard import world
 from .worker import SerialWorker
 
 POLL = 0.1  # seconds between checks that a client waiting for its first token is still there
@@ -429,6 +430,9 @@ def main(argv=None):
         raise UserError("--max-queue must be at least 0, --max-body at least 1 and --timeout above 0")
     if args.max_concurrent < 1 or not args.prompt_cache_size >= 0:
         raise UserError("--max-concurrent must be at least 1 and --prompt-cache-size (MB) at least 0")
+    if world() is not None:  # the batched worker has no lockstep with other ranks yet
+        raise UserError("the server does not run under mlx.launch yet: serve from one process "
+                        "(generate, chat and load() run tensor-parallel)")
     model, tokenizer = load_from_args(args, warm=False)  # the worker thread warms up
     model_id = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
     try:

@@ -1,0 +1,58 @@
+"""Tensor parallelism (shard.py): memory per rank and decode speed, with 1 process or N.
+
+    python -m mlx_flashnorm.bench.tensor_parallel [--model X] [--norm flash] [--tg 64]
+    mlx.launch -n N --backend ring python -m mlx_flashnorm.bench.tensor_parallel [...]
+
+Each rank prints one JSON line: its weights (the bytes of its model's parameters), MLX's peak
+memory after loading and after decoding, its peak resident set (RSS, the process's whole
+footprint: Python, MLX and the libraries included), and the greedy decode speed (tokens/s over
+`--tg` tokens after the first, the compiled step; a warm-up generation first)."""
+import argparse
+import json
+import resource
+import time
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from ..errors import HelpFormatter, run_cli
+from ..generate import generate_step
+from ..loader import NORMS, load
+from ..shard import world
+
+MB = 2**20
+
+
+def decode_tps(model, tokens):
+    """Greedy tokens/s over `tokens` decode steps after the first token of a 16-token prompt."""
+    prompt = mx.arange(16) % model.args.vocab_size + 1
+    steps = generate_step(prompt, model, max_tokens=tokens + 1)
+    next(steps)
+    tic = time.perf_counter()
+    for _ in steps:
+        pass
+    return tokens / (time.perf_counter() - tic)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.bench.tensor_parallel", description=__doc__,
+                                formatter_class=HelpFormatter)
+    p.add_argument("--model", help="model (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--norm", choices=NORMS, default="flash")
+    p.add_argument("--tg", type=int, default=64, help="decode tokens timed")
+    args = p.parse_args(argv)
+    group = world()
+    model, _ = load(args.model, norm=args.norm, progress=False)
+    loaded = mx.get_peak_memory()
+    decode_tps(model, 4)  # warm-up: the step's trace, the kernels
+    tps = decode_tps(model, args.tg)
+    print(json.dumps({
+        "rank": 0 if group is None else group.rank(), "processes": 1 if group is None else group.size(),
+        "norm": args.norm, "weights_mb": round(sum(v.nbytes for _, v in tree_flatten(model.parameters())) / MB, 1),
+        "peak_after_load_mb": round(loaded / MB, 1), "peak_mb": round(mx.get_peak_memory() / MB, 1),
+        "rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "decode_tps": round(tps, 2)}), flush=True)
+
+
+if __name__ == "__main__":
+    run_cli(main)
