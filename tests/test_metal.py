@@ -120,7 +120,7 @@ def _signature(input_names, output_names, body, inputs, output_dtypes):
             params += [f"const constant int& {n}_ndim"] * (f"{n}_ndim" in body)
     params += [f"device {METAL_TYPES[d]}* {n}" for n, d in zip(output_names, output_dtypes)]
     params = [f"{p} [[buffer({i})]]" for i, p in enumerate(params)]
-    params += [f"{t} {a} [[{a}]]" for a, t in ATTRIBUTES.items() if a in body]
+    params += [f"{t} {a} [[{a}]]" for a, t in sorted(ATTRIBUTES.items()) if a in body]  # in MLX's order
     return ",\n    ".join(params)
 
 
