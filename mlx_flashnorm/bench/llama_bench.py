@@ -10,11 +10,11 @@ in the JSON report. llama-bench runs after our modes, in its own process, so the
 medians, not paired per round as the ratios between our modes are."""
 import json
 import shutil
-import statistics
 import subprocess
 from pathlib import Path
 
 from ..errors import UserError
+from .decode import summary
 
 PEER = "llama.cpp"
 FIELDS = ("n_prompt", "n_gen", "n_depth", "avg_ts", "stddev_ts", "samples_ts", "model_size", "model_n_params",
@@ -80,8 +80,7 @@ def add_to_report(report, tests, cmd):
     pp, tg = find(tests, report["pp"], 0, 0), find(tests, 0, report["tg"], report["pp"])
     peer = {"pp": pp["samples_ts"], "tg": tg["samples_ts"], "peak_memory_gb": None}
     for test in ("pp", "tg"):
-        xs = peer[test]
-        peer[f"{test}_summary"] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+        peer[f"{test}_summary"] = summary(peer[test])
         peer[f"{test}_vs_rms"] = peer[f"{test}_vs_mlx_lm"] = None
         for r in report["results"].values():
             r[f"{test}_vs_llama_cpp"] = r[f"{test}_summary"]["median"] / peer[f"{test}_summary"]["median"]
