@@ -1,11 +1,19 @@
 """The throughput bench runs every mode end to end on the tiny config and writes its outputs."""
+import copy
 import json
+import os
+import re
+import shutil
+import statistics
+from pathlib import Path
 
 import pytest
 
+from mlx_flashnorm.bench import llama_bench
 from mlx_flashnorm.bench.cli import main
-from mlx_flashnorm.bench.decode import LLAMA_3_2_1B, SHAPES, TINY, round_order
-from mlx_flashnorm.loader import model_args
+from mlx_flashnorm.bench.decode import LLAMA_3_2_1B, SHAPES, TINY, plot, round_order, table
+from mlx_flashnorm.errors import UserError
+from mlx_flashnorm.loader import default_model_path, model_args
 
 from conftest import cli
 
@@ -264,3 +272,104 @@ def test_matrix_log_has_no_bar_off_a_terminal(matrix):
     """The matrix's progress bar is drawn on a terminal only: a captured log holds plain lines."""
     _, _, stderr = matrix
     assert "\r" not in stderr and "point/s" not in stderr and "tiny-llama3 (random weights): pp12" in stderr
+
+
+# --llama-bench: llama.cpp's llama-bench on the same GGUF file. tests/data/llama_bench_smollm2.json is
+# its real output on the embedded SmolLM2 GGUF (a CPU build; tests/data/README.md has the command),
+# matched to the tiny bench report above (pp 12, tg 6, 2 repetitions, depths 0 and 12).
+LLAMA_BENCH_JSON = Path(__file__).parent / "data" / "llama_bench_smollm2.json"
+LLAMA_BENCH = shutil.which(os.environ.get("LLAMA_BENCH", "llama-bench"))
+
+
+def test_llama_bench_command():
+    cmd = llama_bench.command("/opt/llama-bench", "m.gguf", 128, 64, 5)
+    assert cmd == ["/opt/llama-bench", "-m", "m.gguf", "-ngl", "99", "-fa", "1", "-p", "128", "-n", "64", "-r", "5",
+                   "-o", "json"]
+    assert llama_bench.command("lb", "m.gguf", 128, 64, 5, (0, 1792))[-2:] == ["-d", "0,1792"]
+
+
+def test_llama_bench_output_parsed():
+    """Its JSON, as llama-bench printed it: a prefill and a decode test at each depth, with the
+    tokens/s of each repetition."""
+    tests = llama_bench.parse(LLAMA_BENCH_JSON.read_text())
+    assert [(t["n_prompt"], t["n_gen"], t["n_depth"]) for t in tests] == [(12, 0, 0), (0, 6, 0), (12, 0, 12), (0, 6, 12)]
+    for t in tests:
+        assert len(t["samples_ts"]) == 2 and all(x > 0 for x in t["samples_ts"])
+        assert t["avg_ts"] == pytest.approx(sum(t["samples_ts"]) / 2, rel=1e-4)
+        assert t["model_size"] > 50e6 and "samples_ns" not in t
+    assert llama_bench.find(tests, 0, 6, 12) is tests[3]
+    with pytest.raises(UserError, match="no test of 0 prompt and 7 generated tokens at depth 12"):
+        llama_bench.find(tests, 0, 7, 12)
+
+
+def test_llama_bench_rows_and_ratios_in_the_report(report, tmp_path):
+    """llama.cpp's prefill at depth 0 and decode after pp tokens become rows of the table and bars
+    of the chart; each of our modes gets its median over llama.cpp's median."""
+    out, r = report
+    r = copy.deepcopy(r)
+    tests = llama_bench.parse(LLAMA_BENCH_JSON.read_text())
+    llama_bench.add_to_report(r, tests, "llama-bench -m m.gguf")
+    peer = r["results"]["llama.cpp"]
+    assert peer["pp"] == tests[0]["samples_ts"] and peer["tg"] == tests[3]["samples_ts"]
+    for mode in MODES:
+        for test in ("pp", "tg"):
+            want = r["results"][mode][f"{test}_summary"]["median"] / statistics.median(peer[test])
+            assert r["results"][mode][f"{test}_vs_llama_cpp"] == pytest.approx(want)
+    md = table(r)
+    assert "llama.cpp: `llama-bench -m m.gguf`" in md and "| vs rms | vs llama.cpp | peak mem |" in md
+    rows = [line for line in md.splitlines() if line.startswith("| tiny OpenELM")]
+    assert len(rows) == 2 * (len(MODES) + 1)
+    ratio = r["results"]["flash"]["tg_vs_llama_cpp"]
+    assert any(f"| flash | tg6 |" in row and row.endswith(f" | {ratio:.3f} | {r['results']['flash']['peak_memory_gb'] * 1e3:.0f} MB |")
+               for row in rows)
+    median = statistics.median(tests[3]["samples_ts"])
+    assert any(row.startswith("| tiny OpenELM") and f"| llama.cpp | tg6 | {median:.2f} |" in row and row.endswith("| - | - | - |")
+               for row in rows)
+    plot([r], tmp_path / "bench.png")
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+    assert "vs llama.cpp" not in (out / "bench.md").read_text()  # without --llama-bench: no column
+
+
+@pytest.mark.skipif(LLAMA_BENCH is None, reason="no llama-bench binary found: set LLAMA_BENCH to its path or put it "
+                                                "on PATH (a CPU build: cmake -DGGML_CUDA=OFF of llama.cpp, target llama-bench)")
+def test_llama_bench_runs_on_the_embedded_gguf(report):
+    """The real llama-bench on the embedded SmolLM2 GGUF, matched to a bench report (here one of
+    4 prompt and 3 generated tokens, 1 repetition: a CPU build takes seconds a test): it ran each
+    test asked for, and the report has its rows."""
+    r = dict(copy.deepcopy(report[1]), pp=4, tg=3, reps=1)
+    llama_bench.compare(r, LLAMA_BENCH, default_model_path(), log=lambda _: None)
+    tests = r["llama_bench"]["tests"]
+    assert [(t["n_prompt"], t["n_gen"], t["n_depth"]) for t in tests] == [(4, 0, 0), (0, 3, 0), (4, 0, 4), (0, 3, 4)]
+    assert r["llama_bench"]["command"].endswith("-ngl 99 -fa 1 -p 4 -n 3 -r 1 -o json -d 0,4")
+    assert all(len(t["samples_ts"]) == 1 and t["samples_ts"][0] > 0 for t in tests)
+    assert r["results"]["llama.cpp"]["tg"] == tests[3]["samples_ts"] and r["size_bytes"]["llama.cpp"] > 50e6
+
+
+def test_llama_bench_without_a_binary_is_a_one_line_error(tmp_path):
+    r = cli("mlx_flashnorm.bench", "--llama-bench", "/no/such/llama-bench", "--tiny", "--out", str(tmp_path))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == ("error: /no/such/llama-bench: no such executable; --llama-bench "
+                                                 "takes the path of llama.cpp's llama-bench")
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--tiny"], "give --model FILE.gguf"),
+    (["--model", "{folder}"], "give --model FILE.gguf"),
+    (["--model", "{folder}/none.gguf"], "give --model FILE.gguf"),
+    (["--matrix"], "drop --merge or --matrix"),
+])
+def test_llama_bench_bad_arguments(args, words, tmp_path):
+    """Checked before anything is measured: llama-bench must run on the GGUF file our modes load."""
+    args = [a.replace("{folder}", str(tmp_path)) for a in args]
+    with pytest.raises(UserError, match=re.escape(words)):
+        main(["--llama-bench", shutil.which("true"), "--out", str(tmp_path / "out"), *args])
+
+
+@pytest.mark.parametrize("cmd, words", [(["false"], "llama-bench failed (exit code 1)"),
+                                        (["echo", "| model | size |"], "printed no JSON list of tests"),
+                                        (["echo", '[{"n_prompt": 12}]'], "no tests with n_prompt"),
+                                        (["/no/such/llama-bench"], "cannot run it")])
+def test_llama_bench_failures_are_user_errors(cmd, words):
+    """A llama-bench that fails, or prints anything but its JSON tests, is a one-line error."""
+    with pytest.raises(UserError, match=re.escape(words)):
+        llama_bench.run(cmd, log=lambda _: None)

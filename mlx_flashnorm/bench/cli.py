@@ -1,6 +1,7 @@
 """`python -m mlx_flashnorm.bench`: the throughput bench's command line. One model (--model, --tiny,
---config or --shape) in bench.md/json/png, or --matrix over shapes x prompt lengths (matrix.py), or
---merge of earlier matrix runs."""
+--config or --shape) in bench.md/json/png, with llama.cpp's llama-bench on the same GGUF file beside
+it (--llama-bench, llama_bench.py), or --matrix over shapes x prompt lengths (matrix.py), or --merge
+of earlier matrix runs."""
 import argparse
 import json
 import sys
@@ -8,7 +9,8 @@ import tempfile
 from pathlib import Path
 
 from ..errors import HelpFormatter, UserError, run_cli
-from ..loader import DTYPE_CHOICES, read_config, resolve, resolve_dtype
+from ..loader import DTYPE_CHOICES, default_model_path, read_config, resolve, resolve_dtype
+from . import llama_bench
 from .decode import (SHAPES, bench, check_context, gguf_checkpoint, log, parse_modes, plot, positive, random_checkpoint,
                      random_shape, table, write_atomic)
 from .matrix import merge, run_matrix
@@ -48,6 +50,10 @@ def arg_parser():
     p.add_argument("--matrix", action="store_true", help="every shape at every prompt length, one table and one chart")
     p.add_argument("--merge", nargs="+", metavar="FILE",
                    help="one table and chart (in --out) from the matrix.json files of earlier --matrix runs")
+    p.add_argument("--llama-bench", metavar="PATH",
+                   help="llama.cpp's llama-bench binary: run it on the same GGUF file (--model FILE.gguf, or the embedded one) after "
+                        "our modes, its prefill at depth 0 and decode after --pp tokens, and add its rows and "
+                        "our ratio to it to the table and chart")
     p.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
     return p
 
@@ -59,6 +65,10 @@ def main(argv=None):
         raise UserError("need --tg >= 2 and --reps >= 1")
     chosen = [o for o, v in (("--model", args.model), ("--tiny", args.tiny), ("--config", args.config),
                              ("--shape", args.shape)) if v]
+    if args.llama_bench and (args.merge or args.matrix):
+        raise UserError("--llama-bench compares one model's run: drop --merge or --matrix")
+    gguf_file = args.model or (None if chosen else str(default_model_path()))  # the embedded one by default
+    peer = llama_bench.check_args(args.llama_bench, gguf_file) if args.llama_bench else None
     if args.merge:
         if args.matrix or chosen:
             raise UserError("--merge reads earlier runs' matrix.json files: it runs no model")
@@ -99,6 +109,8 @@ def main(argv=None):
             folder = random_checkpoint(Path(tmp) / "model", config)
         report = bench(modes, folder, label, bits, resolve_dtype(args.dtype, config), pp, args.tg, args.reps,
                        args.group_size, log=log)
+    if peer:
+        llama_bench.compare(report, peer, gguf_file, log)
     out.mkdir(parents=True, exist_ok=True)
     md = table(report)
     write_atomic(out / "bench.md", f"Command: `{report['command']}`\n\n{md}")

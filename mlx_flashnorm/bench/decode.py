@@ -235,20 +235,24 @@ def bench(modes, folder, label, bits, dtype, pp, tg, reps, group_size=64, seed=0
 
 
 def table(report):
-    """Markdown in the style of llama-bench: one row per mode and test."""
+    """Markdown in the style of llama-bench: one row per mode and test; where llama.cpp ran
+    (llama_bench.add_to_report), its rows too and a column of our ratio to it."""
     bits = f"Q{report['bits']}" if report["bits"] else "full"
     params = f"{report['params'] / 1e6:.1f} M" if report["params"] else "?"
-    lines = [settings(report), "",
-             "| model | size | params | mode | test | t/s (median) | spread (min - max) | vs rms | peak mem |",
-             "| --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: |"]
+    peer = report.get("llama_bench")
+    ratios = ["rms"] + ["llama_cpp"] * bool(peer)
+    head = ["model", "size", "params", "mode", "test", "t/s (median)", "spread (min - max)", "vs rms",
+            *["vs llama.cpp"] * bool(peer), "peak mem"]
+    lines = [settings(report), *([f"llama.cpp: `{peer['command']}`; vs llama.cpp: {peer['ratios']}"] if peer else []),
+             "", "| " + " | ".join(head) + " |", "| --- | ---: | ---: | --- | --- |" + " ---: |" * (len(head) - 5)]
     for mode, r in report["results"].items():
         for test in ("pp", "tg"):
             s = r[f"{test}_summary"]
-            ratio = r[f"{test}_vs_rms"]
-            lines.append(
-                f"| {report['model']} {bits} | {report['size_bytes'][mode] / 2**20:.1f} MiB | {params} | "
-                f"{mode} | {test}{report[test]} | {s['median']:.2f} | {s['min']:.2f} - {s['max']:.2f} | "
-                f"{'-' if ratio is None else f'{ratio:.3f}'} | {r['peak_memory_gb'] * 1e3:.0f} MB |")
+            cells = [f"{report['model']} {bits}", f"{report['size_bytes'][mode] / 2**20:.1f} MiB", params, mode,
+                     f"{test}{report[test]}", f"{s['median']:.2f}", f"{s['min']:.2f} - {s['max']:.2f}"]
+            cells += ["-" if r.get(f"{test}_vs_{k}") is None else f"{r[f'{test}_vs_{k}']:.3f}" for k in ratios]
+            cells.append("-" if r["peak_memory_gb"] is None else f"{r['peak_memory_gb'] * 1e3:.0f} MB")
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -282,11 +286,14 @@ def plot(reports, path):
             med = [s["median"] for _, s in points]
             err = [[s["median"] - s["min"] for _, s in points], [s["max"] - s["median"] for _, s in points]]
             ax.bar(xs, med, width, yerr=err, capsize=3, label=mode, color=COLORS[j % len(COLORS)])
-            for x, m in zip(xs, med):
-                ax.annotate(f"{m:.0f}" if m >= 100 else f"{m:.1f}", (x, m), ha="center", va="bottom", fontsize=7)
+            vs_peer = [r["results"][mode].get(f"{test}_vs_llama_cpp") for r in reports if mode in r["results"]]
+            for x, m, v in zip(xs, med, vs_peer):  # our ratio to llama.cpp, where it ran (llama_bench)
+                ax.annotate((f"{m:.0f}" if m >= 100 else f"{m:.1f}") + ("" if v is None else f"\n{v:.2f}x"), (x, m),
+                            ha="center", va="bottom", fontsize=7)
         ax.set_xticks(range(len(reports)), [f"{r['model'].removesuffix(' (random weights)')}\n"
                                             f"pp{r['pp']} tg{r['tg']}" for r in reports], fontsize=8)
-        ax.set_title(f"{name} ({test}) tokens/s, higher is better", fontsize=10)
+        ax.set_title(f"{name} ({test}) tokens/s, higher is better"
+                     + ("\n(and ours / llama.cpp's)" if any("llama_bench" in r for r in reports) else ""), fontsize=10)
     axes[0].legend(fontsize=8)
     fig.suptitle(settings(reports[0]), fontsize=8)
     fig.tight_layout()

@@ -8,7 +8,7 @@ import mlx.core as mx
 
 from .. import forms
 from ..forms import gpu_backend
-from .build import float_bits, kernel, rand
+from .build import float_bits, kernel, position_array, rand
 
 _ATTENTION = """
   // one block per (batch * kv head, split of the cache): the GQ query heads of a kv head share
@@ -189,7 +189,7 @@ def decode_attention(q, k, v, start, scale):
         S = -(-C // CHUNK) if C > SPLIT_ABOVE else 1
         attend, combine = _attention_kernels()
         o, part = attend(
-            inputs=[q, k, v, start.astype(mx.int32)],  # no op when int32
+            inputs=[q, k, v, position_array(start)],  # 1-D: Metal takes a 0-d input by reference, not as start[0]
             template=[("T", q.dtype), ("D", D), ("GQ", Hq // Hkv), ("SPLIT_ABOVE", SPLIT_ABOVE), ("CHUNK", CHUNK),
                       ("SCALE_BITS", float_bits(scale))],  # one scale per model: a constant, not an array
             grid=(B * Hkv * S * 256, 1, 1), threadgroup=(256, 1, 1),  # NW = 8 warps (_ATTENTION)
