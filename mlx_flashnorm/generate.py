@@ -9,7 +9,7 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
-from . import kernels
+from . import forms
 from .cache import StaticKVCache, make_cache
 from .cli import MAX_SEED, HelpFormatter, add_model_args, add_sampling_args, wants_warmup
 from .errors import UserError
@@ -126,7 +126,7 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
     compiled: decode with a StaticKVCache of cache_capacity(prompt + max_tokens) positions and the
     model's compiled 1-token step (fast where our kernels run); False: the plain forward pass over
     mlx-lm's growing KVCache (the reference), or over `cache` as given; None (default): False on
-    the portable path (kernels.portable), else True.
+    the portable path (forms.compiled_decode), else True.
     prefill_step: prompt tokens per prefill chunk (mlx-lm's default), bounding attention scratch.
     cache: a cache from make_cache that already holds earlier tokens (a chat's previous turns):
     only `prompt` is prefilled after them. Compiled, it must be a StaticKVCache with room for
@@ -134,7 +134,7 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
     every token fed to the model (its offset counts them: the last token yielded may be missing)."""
     sampler = sampler or make_sampler(0.0)
     if compiled is None:
-        compiled = not kernels.portable()
+        compiled = forms.compiled_decode()
     if cache is None:
         cache = make_cache(model, cache_capacity(model, prompt.size + max_tokens) if compiled else None)
     elif compiled and cache[0].offset + prompt.size + max_tokens > cache[0].capacity:

@@ -11,12 +11,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .errors import UserError
-from . import kernels
+from . import flashnorm, forms, kernels
 from .concat import concatenate
+from .errors import UserError
+from .forms import NORMS
 from .kernels import row_parallel
-from .nn import plain_norms
 from .models import ARCHITECTURES
+from .nn import plain_norms
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 DTYPE_CHOICES = ("auto", *DTYPES)  # what the commands' --dtype takes
@@ -41,7 +42,8 @@ def resolve_dtype(dtype, config=None):
 def _emulated_note(dtype):
     print(f"note: MLX emulates {dtype} on the CPU, which is slow; float32 (or --dtype auto) runs "
           "faster here", file=sys.stderr)
-NORMS = ("rms", "flash", "none")
+
+
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
 OPENELM_TOKENIZER_HINT = "OpenELM uses the Llama-2 tokenizer: e.g. --tokenizer meta-llama/Llama-2-7b-hf"
 
@@ -389,11 +391,9 @@ def prepare(model, norm="rms", bits=None, group_size=64, head_bits=None, concat=
             dequantize(model, _float_dtype(model))
     quantized = bool(bits) or "quantization" in model.config
     head = head_path(model)  # before FlashNorm replaces the head: the tied embedding or lm_head
-    if kernels.use_gpu():  # before FlashNorm chooses its form (kernels.portable)
+    if forms.use_gpu():  # before FlashNorm chooses its form (forms.flash_form)
         kernels.self_check()  # once per process: a kernel that fails falls back, with a warning
     if norm != "rms":
-        from . import flashnorm
-
         flashnorm.apply(model, fold=not quantized) if norm == "flash" else flashnorm.remove_norms(model)
     if bits:
         quantize(model, bits, group_size,

@@ -13,7 +13,7 @@ pre-norm layers needs one fused add+norm per layer (see ``normalize``'s docstrin
 With ``c = sqrt(d)`` (the default, ``c=None``) this is RMSNorm (center off) or
 LayerNorm (center on): ``normalize(x, weight=w, eps=e)[0] == mx.fast.rms_norm(x, w, e)``.
 
-Forward runs a fused add+norm kernel (``kernels.make_kernel``: Metal or CUDA) when the
+Forward runs the fused add+norm kernel (``kernels.normalize``: Metal or CUDA) when the
 default device is a GPU, and otherwise the plain MLX composition on ``mx.fast.rms_norm`` /
 ``mx.fast.layer_norm``; the modules at inference take the kernel for one row (a decode step)
 and the composition for a prompt's rows, where host time decides.  Backward is the closed form
@@ -25,194 +25,11 @@ from functools import lru_cache
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import kernels
-from .kernels import CUDA_DTYPES, float_bits
+from . import forms
+from .forms import available_backends, select_backend  # noqa: F401  (the norm kernel paths, read here by tests)
+from .kernels.normalize import compose, fused, kernel_ok
 
-__all__ = ["normalize", "RMSNorm", "LayerNorm", "DyT", "BACKEND", "select_backend",
-           "available_backends"]
-
-# "auto" picks the kernel of the default device's GPU backend for a fused residual add, else
-# "fallback" (a lone norm is one mx.fast kernel already).
-# Tests and benchmarks force a path with "fallback", "metal" or "cuda" (here or per call).
-BACKEND = "auto"
-
-_KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
-_MAX_KERNEL_DIM = 65536
-
-
-def available_backends():
-    """Backends that can run here: "fallback" always, plus the GPU kernel if any."""
-    gpu = kernels.gpu_backend()
-    return ["fallback"] + ([gpu] if gpu else [])
-
-
-def select_backend(backend=None):
-    """Resolve ``backend`` (None means the module flag BACKEND) to the path that runs."""
-    backend = BACKEND if backend is None else backend
-    if backend == "auto":  # the GPU's kernel, unless kernels are off or it failed its self-check
-        return kernels.gpu_backend() if kernels.use_gpu("normalize") else "fallback"
-    if backend not in ("fallback", "metal", "cuda"):
-        raise ValueError(f"unknown backend {backend!r}")
-    return backend
-
-
-# ----------------------------------------------------------------------------------
-# Plain MLX composition: the fallback forward and the reference for the tests.
-
-def _compose(x, residual, weight, bias, scale, center, eps):
-    """(o, p) from mx ops; ``scale`` is c / sqrt(d)."""
-    p = x if residual is None else x + residual
-    w = weight
-    if scale != 1.0 and w is not None:
-        w = w * scale
-    if center:
-        o = mx.fast.layer_norm(p, w, bias, eps)
-    else:
-        o = mx.fast.rms_norm(p, w, eps)
-        if bias is not None:
-            o = o + bias
-    if scale != 1.0 and weight is None:
-        o = o * scale if bias is None else (o - bias) * scale + bias
-    return o, p
-
-
-# ----------------------------------------------------------------------------------
-# Fused add+norm kernel: one threadgroup (block) per row, each thread keeps its (at
-# most PER) values of p in registers, so memory is read once; the mean (center) and
-# the sum of squares are two exact passes over the registers.  D and the block size
-# are read at run time, so one compiled kernel serves every width up to PER * block.
-
-_CUDA_HEADER = CUDA_DTYPES + """
-__device__ inline float fnorm_block_sum(float v, float* buf, int tid, int nwarps) {
-  for (int k = 16; k > 0; k >>= 1) v += __shfl_xor_sync(0xffffffff, v, k);
-  __syncthreads();  // buf may still be read by the previous block sum
-  if ((tid & 31) == 0) buf[tid >> 5] = v;
-  __syncthreads();
-  float s = 0.0f;
-  for (int i = 0; i < nwarps; ++i) s += buf[i];
-  return s;
-}
-"""
-
-_METAL_HEADER = """
-template <typename U> inline float fn_f(U v) { return static_cast<float>(v); }
-template <typename U> inline U fn_cast(float v) { return static_cast<U>(v); }
-
-inline float fnorm_block_sum(float v, threadgroup float* buf, int tid, int nwarps) {
-  v = simd_sum(v);  // Apple GPUs: 32-wide SIMD groups
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  if ((tid & 31) == 0) buf[tid >> 5] = v;
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  float s = 0.0f;
-  for (int i = 0; i < nwarps; ++i) s += buf[i];
-  return s;
-}
-"""
-
-_LANG = {
-    "cuda": dict(header=_CUDA_HEADER, row="blockIdx.x", tid="threadIdx.x", nthreads="blockDim.x",
-                 shared="__shared__", as_float="__int_as_float", rsqrt="rsqrtf"),
-    "metal": dict(header=_METAL_HEADER, row="threadgroup_position_in_grid.x",
-                  tid="thread_position_in_threadgroup.x", nthreads="threads_per_threadgroup.x",
-                  shared="threadgroup",
-                  as_float="as_type<float>", rsqrt="metal::rsqrt"),
-}
-
-_BODY = """
-  const int row = {row};
-  const int tid = {tid};
-  const int block = {nthreads};
-  const int D = x_shape[x_ndim - 1];
-  {shared} float buf[32];
-  const long base = long(row) * D;
-  float v[PER];
-  float s = 0.0f;
-  #pragma unroll
-  for (int k = 0; k < PER; ++k) {{
-    const int i = tid + k * block;
-    float t = 0.0f;
-    if (i < D) {{
-      {load_p}
-    }}
-    v[k] = t;
-    s += t;
-  }}
-  {center}
-  float ss = 0.0f;
-  #pragma unroll
-  for (int k = 0; k < PER; ++k) ss += v[k] * v[k];
-  const float inv = {rsqrt}(fnorm_block_sum(ss, buf, tid, block / 32) / D + {as_float}(EPS_BITS));
-  const float scale = {as_float}(SCALE_BITS) * inv;
-  #pragma unroll
-  for (int k = 0; k < PER; ++k) {{
-    const int i = tid + k * block;
-    if (i < D) {{
-      o[base + i] = fn_cast<T>(v[k] * scale{mul_w}{add_b});
-    }}
-  }}
-"""
-
-# p is rounded to T before the statistics, as the composition does (x + residual in T).
-_LOAD_P = "t = fn_f(x[base + i]);"
-_LOAD_P_RES = """const T tp = fn_cast<T>(fn_f(x[base + i]) + fn_f(res[base + i]));
-      p[base + i] = tp;
-      t = fn_f(tp);"""
-_CENTER = """const float mean = fnorm_block_sum(s, buf, tid, block / 32) / D;
-  #pragma unroll
-  for (int k = 0; k < PER; ++k) v[k] = (tid + k * block < D) ? v[k] - mean : 0.0f;"""
-
-
-@lru_cache(maxsize=None)
-def _kernel(backend, has_res, has_w, has_b, center):
-    lang = _LANG[backend]
-    source = _BODY.format(
-        row=lang["row"], tid=lang["tid"], nthreads=lang["nthreads"], shared=lang["shared"],
-        as_float=lang["as_float"], rsqrt=lang["rsqrt"],
-        load_p=_LOAD_P_RES if has_res else _LOAD_P,
-        center=_CENTER if center else "",
-        mul_w=" * fn_f(w[i])" if has_w else "",
-        add_b=" + fn_f(b[i])" if has_b else "")
-    inputs = ["x"] + ["res"] * has_res + ["w"] * has_w + ["b"] * has_b
-    outputs = ["o"] + ["p"] * has_res
-    flags = "".join(f for f, on in zip("rwbc", (has_res, has_w, has_b, center)) if on)
-    name = "flashnorm_" + flags
-    return kernels.make_kernel(name, inputs, outputs, source, lang["header"])
-
-
-def _pow2_at_least(n):
-    return 1 << max(0, n - 1).bit_length()
-
-
-def _block_size(d):
-    """About 8 values a thread: 32..1024 threads, a power of two, and the registers
-    each thread keeps (a power of two >= 8, so few kernels are compiled)."""
-    block = min(1024, max(32, _pow2_at_least(math.ceil(d / 8))))
-    return block, max(8, _pow2_at_least(math.ceil(d / block)))
-
-
-def _kernel_ok(x, residual, weight, bias):
-    arrays = [a for a in (x, residual, weight, bias) if a is not None]
-    return (x.dtype in _KERNEL_DTYPES and all(a.dtype == x.dtype for a in arrays)
-            and 0 < x.shape[-1] <= _MAX_KERNEL_DIM and x.size > 0)
-
-
-def _fused(backend, x, residual, weight, bias, scale, center, eps):
-    """(o, p) from one kernel launch; the caller checked ``_kernel_ok``."""
-    d = x.shape[-1]
-    block, per = _block_size(d)
-    rows = x.size // d
-    kernel = _kernel(backend, residual is not None, weight is not None, bias is not None,
-                     center)
-    inputs = [x] + [mx.broadcast_to(a, x.shape) for a in (residual,) if a is not None]
-    inputs += [a for a in (weight, bias) if a is not None]
-    n_out = 1 + (residual is not None)
-    outs = kernel(inputs=inputs,
-                  template=[("T", x.dtype), ("PER", per),
-                            ("EPS_BITS", float_bits(eps)),
-                            ("SCALE_BITS", float_bits(scale))],
-                  grid=(rows * block, 1, 1), threadgroup=(block, 1, 1),
-                  output_shapes=[x.shape] * n_out, output_dtypes=[x.dtype] * n_out)
-    return outs[0], (outs[1] if residual is not None else x)
+__all__ = ["normalize", "RMSNorm", "LayerNorm", "DyT", "plain_norms"]
 
 
 # ----------------------------------------------------------------------------------
@@ -220,15 +37,15 @@ def _fused(backend, x, residual, weight, bias, scale, center, eps):
 
 def _forward(path, x, residual, weight, bias, scale, center, eps):
     """(o, p) by the kernel of ``path`` where it takes the inputs, else by the composition."""
-    if path != "fallback" and _kernel_ok(x, residual, weight, bias):
-        return _fused(path, x, residual, weight, bias, scale, center, eps)
-    return _compose(x, residual, weight, bias, scale, center, eps)
+    if path != "fallback" and kernel_ok(x, residual, weight, bias):
+        return fused(path, x, residual, weight, bias, scale, center, eps)
+    return compose(x, residual, weight, bias, scale, center, eps)
 
 
 def _path(backend, residual):
     """select_backend(backend), but "fallback" for a lone norm under "auto": with nothing to fuse,
     mx.fast.rms_norm / layer_norm is one kernel already."""
-    if residual is None and (BACKEND if backend is None else backend) == "auto":
+    if residual is None and (forms.BACKEND if backend is None else backend) == "auto":
         return "fallback"
     return select_backend(backend)
 
@@ -295,7 +112,7 @@ def normalize(x, residual=None, weight=None, bias=None, c=None, center=False, ep
     - ``vjp=False`` skips the custom-VJP wrapper (two graph nodes per call, and a
       StopGradient per input): for inference. The composition path stays differentiable by
       MLX's own rules; the GPU kernel then has no gradient. Modules pass ``self.training``.
-    - ``backend``: None uses the module flag ``BACKEND``; "auto", "fallback", "metal"
+    - ``backend``: None uses ``forms.BACKEND``; "auto", "fallback", "metal"
       or "cuda" (the kernel runs only for float32/float16/bfloat16 inputs of one dtype).
 
     Fused residual over a stack of pre-norm layers f_1..f_n (equal to the naive
@@ -364,9 +181,9 @@ class _Norm(nn.Module):
             path = _path(None, r) if x.size == self._last else "fallback"
             if self.center or "bias" in self:
                 o, p = _forward(path, x, r, w, self.get("bias"), 1.0, self.center, eps)
-            elif path != "fallback" and _kernel_ok(x, r, w, None):
-                o, p = _fused(path, x, r, w, None, 1.0, False, eps)
-            else:  # _compose's RMSNorm case, without its frames
+            elif path != "fallback" and kernel_ok(x, r, w, None):
+                o, p = fused(path, x, r, w, None, 1.0, False, eps)
+            else:  # compose's RMSNorm case, without its frames
                 p = x if r is None else x + r
                 o = mx.fast.rms_norm(p, w, eps)
             return o if residual is _ALONE else (o, p)
@@ -414,7 +231,7 @@ class PlainRMSNorm(RMSNorm):
 
 
 def plain_norms(model):
-    """Where no norm kernel can run (the CPU; the portable path, kernels.portable()), make every
+    """Where no norm kernel can run (the CPU; the portable path, forms.portable()), make every
     RMSNorm of model over one axis a PlainRMSNorm, in place (the same weights and names; only the
     class changes). Decided at load, as FlashNorm's form is; a model keeps its classes after."""
     if select_backend() != "fallback":

@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from mlx_flashnorm.bench.decode import LLAMA_3_2_1B, SHAPES, TINY, main, round_order
+from mlx_flashnorm.bench.cli import main
+from mlx_flashnorm.bench.decode import LLAMA_3_2_1B, SHAPES, TINY, round_order
 from mlx_flashnorm.loader import model_args
 
 from conftest import cli

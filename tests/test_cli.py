@@ -16,7 +16,7 @@ from mlx_flashnorm.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMAND_MODULES = ["mlx_flashnorm.generate", "mlx_flashnorm.verify", "mlx_flashnorm.convert",
-                   "mlx_flashnorm.quantize", "mlx_flashnorm.perplexity", "mlx_flashnorm.bench.decode"]
+                   "mlx_flashnorm.quantize", "mlx_flashnorm.perplexity", "mlx_flashnorm.bench.cli"]
 
 
 def readme_blocks(language):
@@ -147,7 +147,7 @@ def test_bench_scripts_answer_help_without_running(module):
 
 
 def test_bench_tiny_runs_with_its_defaults(tmp_path):
-    from mlx_flashnorm.bench.decode import main
+    from mlx_flashnorm.bench.cli import main
 
     main(["--tiny", "--reps", "1", "--modes", "rms", "--out", str(tmp_path)])  # default --pp, --tg
     assert (tmp_path / "bench.png").stat().st_size > 0

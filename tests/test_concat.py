@@ -10,6 +10,7 @@ import pytest
 
 from conftest import TINY_LLAMA, f32_tol, random_weights, rel
 from mlx_flashnorm import concat, flashnorm, kernels, loader
+from mlx_flashnorm.kernels import cpu
 from mlx_flashnorm.bench.step_graph import step_ops
 from mlx_flashnorm.generate import generate_step
 
@@ -60,8 +61,8 @@ def test_concatenated_equals_separate(arch, norm, bits):
         assert ("scales" in attn.qkv_proj) == (bits is not None)
     assert rel(joined(TOKENS), separate(TOKENS)) < TOL
     # one decode step: 3 matmuls fewer per layer (q, k, v -> 1; gate, up -> 1), quantized ones
-    # counted as the CPU runs them (row blocks on kernels.CPU_STREAMS streams)
-    per_linear = kernels.CPU_STREAMS if bits else 1
+    # counted as the CPU runs them (row blocks on cpu.CPU_STREAMS streams)
+    per_linear = cpu.CPU_STREAMS if bits else 1
     assert matmuls(separate) - matmuls(joined) == 3 * per_linear * len(joined.layers)
 
 

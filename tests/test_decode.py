@@ -7,6 +7,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_flashnorm import kernels
+from mlx_flashnorm.kernels import build, nvrtc
 from mlx_flashnorm.bench.step_graph import step_ops
 from mlx_flashnorm import cache as cache_module
 from mlx_flashnorm.cache import make_cache
@@ -191,14 +192,14 @@ def test_warmup_traces_the_step_and_changes_no_token(model, monkeypatch):
 def test_requests_compile_no_new_kernels(model):
     """Sizes (prompt length, cache capacity) reach the kernels at run time, not as template
     constants: after a first request, others of new lengths launch no new kernel variant and
-    compile no new binary (kernels.cuda_binary: one per distinct CUDA file)."""
+    compile no new binary (nvrtc.cuda_binary: one per distinct CUDA file)."""
     for n, (length, steps) in enumerate([(6, 4), (41, 9), (300, 5)]):
         prompt = mx.random.randint(0, model.args.vocab_size, (length,), key=mx.random.key(n))
         list(generate_step(prompt, model, max_tokens=steps))
         if n == 0:
-            first, binaries = set(kernels.VARIANTS), kernels.cuda_binary.cache_info().currsize
-        assert kernels.VARIANTS == first
-        assert kernels.cuda_binary.cache_info().currsize == binaries
+            first, binaries = set(build.VARIANTS), nvrtc.cuda_binary.cache_info().currsize
+        assert build.VARIANTS == first
+        assert nvrtc.cuda_binary.cache_info().currsize == binaries
 
 
 def test_changed_model_gets_a_new_step(model):

@@ -3,6 +3,7 @@
 On this CPU the functions run their fallbacks; on a CUDA machine (the device runs this file
 too) the same tests check the CUDA kernels, and the `cuda` tests compare kernel and fallback."""
 import importlib.util
+import json
 import math
 import shutil
 import subprocess
@@ -12,12 +13,15 @@ import mlx.core as mx
 import mlx.nn as mlx_nn
 import pytest
 
-from mlx_flashnorm import kernels
+from mlx_flashnorm import forms, kernels
 from mlx_flashnorm import nn as fnn
+from mlx_flashnorm.kernels import attention, build, matvec, normalize, nvrtc, scale
+from mlx_flashnorm.kernels import rope as rope_kernel
+from mlx_flashnorm.kernels import check as checks
 
 from conftest import f32_tol
 
-CUDA = kernels.use_gpu()
+CUDA = forms.use_gpu()
 RTOL = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}  # max |a - b| / max |b|
 
 
@@ -121,12 +125,12 @@ def test_cuda_kernels_equal_their_fallbacks():
     x, r = rand((4, 1280), 4), rand((4, 1280), 5)
     outs = []
     for enabled in (True, False):
-        kernels.ENABLED = enabled
+        forms.ENABLED = enabled
         try:
             outs.append([kernels.decode_attention(q, k, v, mx.array(76), 0.125),
                          *kernels.add_rss(x, 1e-5, r=r)])
         finally:
-            kernels.ENABLED = True
+            forms.ENABLED = True
     for a, b in zip(*outs):
         assert (a is None) == (b is None)
         if a is not None:
@@ -174,61 +178,77 @@ def test_loaded_quantized_models_use_it(tiny_llama_dir):
     for norm in ("rms", "flash"):
         model, _ = load(tiny_llama_dir, norm=norm, bits=4, group_size=32, progress=False)
         kinds = {type(m) for _, m in model.named_modules()}
-        assert kernels.QuantizedLinear in kinds and kernels.QuantizedEmbedding in kinds
-        assert mlx_nn.QuantizedLinear not in kinds  # every plain one was swapped
+        if CPU:
+            assert kernels.QuantizedLinear in kinds and kernels.QuantizedEmbedding in kinds
+            assert mlx_nn.QuantizedLinear not in kinds  # every plain one was swapped
+        else:  # elsewhere quantized_matmul is MLX's own: the classes stay MLX's
+            assert kernels.QuantizedLinear not in kinds and mlx_nn.QuantizedLinear in kinds
 
 
 def test_self_check_disables_a_wrong_kernel(monkeypatch, capsys, tmp_path):
     """The self-check path with a deliberately wrong kernel (here on any device: the kernel
     dispatch is forced on and the add_rss launcher replaced by one that writes zeros): one warning
     line naming the kernel, and add_rss falls back to the MLX composition for the process."""
-    monkeypatch.setattr(kernels, "CACHE_DIR", tmp_path)
-    monkeypatch.setattr(kernels, "DISABLED", set())
-    monkeypatch.setattr(kernels, "_CHECKED", set())
-    monkeypatch.setattr(kernels, "use_gpu", lambda name=None: name not in kernels.DISABLED)
+    monkeypatch.setattr(nvrtc, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr(forms, "DISABLED", set())
+    monkeypatch.setattr(checks, "_CHECKED", set())
+    monkeypatch.setattr(forms, "use_gpu", lambda name=None: name not in forms.DISABLED)
 
     def zeros(*flags):
         return lambda inputs, output_shapes, output_dtypes, **kw: [
             mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
 
-    monkeypatch.setattr(kernels, "_add_rss_kernel", zeros)
+    monkeypatch.setattr(scale, "add_rss_kernel", zeros)
     assert kernels.self_check(["add_rss"]) is False
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("warning: kernel add_rss failed its self-check"), err
-    assert kernels.DISABLED == {"add_rss"}
+    assert forms.DISABLED == {"add_rss"}
     x = rand((2, 64), 1)
     p, pg, s = kernels.add_rss(x, 1e-6, g=mx.full((64,), 8.0))  # sqrt(64): pg * s = RMSNorm(x)
     assert mx.allclose(pg * s, x / mx.sqrt(mx.mean(x * x, axis=-1, keepdims=True) + 1e-6), atol=1e-5).item()
-    monkeypatch.setattr(kernels, "_add_rss_kernel", lambda *flags: 1 / 0)  # a compile error
-    monkeypatch.setattr(kernels, "_CHECKED", set())
-    kernels.DISABLED.clear()
+    monkeypatch.setattr(scale, "add_rss_kernel", lambda *flags: 1 / 0)  # a compile error
+    monkeypatch.setattr(checks, "_CHECKED", set())
+    forms.DISABLED.clear()
     assert kernels.self_check(["add_rss"]) is False
-    assert "ZeroDivisionError" in capsys.readouterr().err and kernels.DISABLED == {"add_rss"}
+    assert "ZeroDivisionError" in capsys.readouterr().err and forms.DISABLED == {"add_rss"}
     assert not list(tmp_path.glob("*.json"))  # a failure is never kept
 
 
 def test_self_check_keeps_what_passed(monkeypatch, tmp_path):
     """A kernel that passed is not checked again in a later process (same code, MLX, device); a
     different MLX version or device (another cache key) checks it again."""
-    monkeypatch.setattr(kernels, "CACHE_DIR", tmp_path)
-    monkeypatch.setattr(kernels, "DISABLED", set())
+    monkeypatch.setattr(nvrtc, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr(forms, "DISABLED", set())
     runs = []
-    check, tol = kernels.CHECKS["add_rss"]
-    monkeypatch.setitem(kernels.CHECKS, "add_rss", (lambda: runs.append(1) or check(), tol))
+    check, tol = checks.CHECKS["add_rss"]
+    monkeypatch.setitem(checks.CHECKS, "add_rss", (lambda: runs.append(1) or check(), tol))
     for process in range(2):
-        monkeypatch.setattr(kernels, "_CHECKED", set())  # a new process
+        monkeypatch.setattr(checks, "_CHECKED", set())  # a new process
         assert kernels.self_check(["add_rss"])
     assert len(runs) == 2 and len(list(tmp_path.glob("self-check-*.json"))) == 1  # kernel, fallback
-    monkeypatch.setattr(kernels.mx, "__version__", "0.0.0-other")
-    monkeypatch.setattr(kernels, "_CHECKED", set())
+    monkeypatch.setattr(mx, "__version__", "0.0.0-other")
+    monkeypatch.setattr(checks, "_CHECKED", set())
     assert kernels.self_check(["add_rss"]) and len(runs) == 4
+
+
+@pytest.mark.parametrize("content", ['{"add_rss": true}', "5", '["add_rss", 3]', "null", "\x00\xff"])
+def test_self_check_file_of_any_content_is_absent(monkeypatch, tmp_path, content):
+    """A kept self-check file holding anything but a JSON list of names (valid JSON of the wrong
+    type included: it raised TypeError) counts as absent: the check runs and rewrites it."""
+    monkeypatch.setattr(nvrtc, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr(forms, "DISABLED", set())
+    monkeypatch.setattr(checks, "_CHECKED", set())
+    file = checks._passed_file()
+    file.write_text(content)
+    assert checks.self_check(["add_rss"])
+    assert json.loads(file.read_text()) == ["add_rss"]
 
 
 def test_self_check_passes_on_this_device(monkeypatch, tmp_path):
     """Every kernel (on CUDA) or its fallback (elsewhere) passes its own check."""
-    monkeypatch.setattr(kernels, "CACHE_DIR", tmp_path)
-    kernels._CHECKED.clear()
-    assert kernels.self_check() and not kernels.DISABLED
+    monkeypatch.setattr(nvrtc, "CACHE_DIR", tmp_path)
+    checks._CHECKED.clear()
+    assert kernels.self_check() and not forms.DISABLED
 
 
 def test_metal_spelling_leaves_no_cuda():
@@ -236,8 +256,8 @@ def test_metal_spelling_leaves_no_cuda():
     survives (the Metal kernels themselves never ran here; they check themselves at first use)."""
     import re
 
-    for body in (getattr(kernels, name) for name in SIGNATURES):
-        metal = kernels.spell(body, "metal")
+    for body in [getattr(MODULE_OF[name], name) for name in SIGNATURES] + [normalize._BODY]:
+        metal = build.spell(body, "metal")
         assert "threadgroup_position_in_grid" in metal or "thread_position_in_threadgroup" in metal
         left = re.findall(r"\b(?:__\w+|blockIdx|threadIdx|blockDim|rsqrtf|exp2f|expf|fmaxf|sinf|cosf|sincosf)\b",
                           metal)
@@ -255,8 +275,8 @@ def test_rope_qkv_mlx_form(qk_norm):
     c = D**-0.25
     table = lambda g: mx.stack([c * math.sqrt(D) * g, mx.concatenate([c * math.sqrt(D) * g[D // 2:],
                                                                        c * math.sqrt(D) * g[:D // 2]])])
-    q, k, v = kernels._rope_qkv_mlx(qkv, qkv, qkv, s, off, theta, Hq, Hkv,
-                                    (table(gq), table(gk)) if qk_norm else None, eps, c)
+    q, k, v = rope_kernel.rope_qkv_mlx(qkv, qkv, qkv, s, off, theta, Hq, Hkv,
+                                       (table(gq), table(gk)) if qk_norm else None, eps, c)
     x = qkv.reshape(B, L, -1, D).transpose(0, 2, 1, 3)
     rope = lambda a: mx.fast.rope(a, D, traditional=False, base=10000.0, scale=1.0, offset=off)
     if qk_norm:
@@ -357,10 +377,10 @@ def test_quantized_flash_decode_uses_fused_kernels(arch):
         logits.append(model(mx.array([[7]]), cache=cache))
     assert rel(logits[1], logits[0]) < f32_tol(1e-4)
     if CUDA:
-        assert {name for name, _ in kernels.VARIANTS} >= {"fn_qkv_rope", "fn_gate_up"}
+        assert {name for name, _ in build.VARIANTS} >= {"fn_qkv_rope", "fn_gate_up"}
 
 
-# Every kernel body of kernels.py: its inputs (dtype, ndim), outputs and template arguments.
+# Every kernel body of the kernels package: its inputs (dtype, ndim), outputs and template arguments.
 F16, F32, I32, U32 = mx.float16, mx.float32, mx.int32, mx.uint32
 SIGNATURES = {
     "_ATTENTION": ([("q", F16, 4), ("k", F16, 4), ("v", F16, 4), ("start", I32, 1)],
@@ -385,28 +405,32 @@ SIGNATURES = {
 }
 
 
+MODULE_OF = {"_ATTENTION": attention, "_COMBINE": attention, "_ADD_RSS": scale, "_ROPE_QKV": rope_kernel,
+             "_QKV_ROPE": matvec, "_GATE_UP": matvec}  # the file holding each body
+
+
 def signature_source(body, name):
-    """kernels.cuda_source of the kernel body `body` (a SIGNATURES key) as kernel `name`."""
+    """build.cuda_source of the kernel body `body` (a SIGNATURES key) as kernel `name`."""
     inputs, outputs, template = SIGNATURES[body]
-    return kernels.cuda_source(name, [n for n, _, _ in inputs], [n for n, _ in outputs], getattr(kernels, body),
-                               kernels._HEADERS["cuda"], [(d, nd) for _, d, nd in inputs], [d for _, d in outputs],
+    return build.cuda_source(name, [n for n, _, _ in inputs], [n for n, _ in outputs], getattr(MODULE_OF[body], body),
+                               build.HEADERS["cuda"], [(d, nd) for _, d, nd in inputs], [d for _, d in outputs],
                                template)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs the CUDA compiler (this CPU machine has one)")
 def test_cuda_sources_compile(tmp_path):
-    """Every CUDA kernel, as kernels.cuda_source writes the file that NVRTC compiles on a GPU
-    (kernels.py's bodies, and nn.py's add + norm kernel in each of its forms), compiles to a
+    """Every CUDA kernel, as build.cuda_source writes the file that NVRTC compiles on a GPU
+    (the kernel bodies, and the norm modules' add + norm kernel in each of its forms), compiles to a
     cubin: a syntax error shows here, without a GPU."""
     files = [signature_source(body, f"k{body}") for body in SIGNATURES]
     for has_res, has_w, has_b, center in ((True, True, False, False), (False, False, True, True)):
         captured = {}
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(kernels, "make_kernel", lambda *a: captured.setdefault("args", a))
-            fnn._kernel.__wrapped__("cuda", has_res, has_w, has_b, center)
+            mp.setattr(normalize, "make_kernel", lambda *a: captured.setdefault("args", a))
+            normalize.kernel.__wrapped__("cuda", has_res, has_w, has_b, center)
         name, inputs, outputs, body, header = captured["args"]
         types = [(mx.float16, 3 if n in ("x", "res") else 1) for n in inputs]  # (batch, length, dim)
-        files.append(kernels.cuda_source(name, inputs, outputs, body, header, types, [mx.float16] * len(outputs),
+        files.append(build.cuda_source(name, inputs, outputs, body, header, types, [mx.float16] * len(outputs),
                                          [("T", mx.float16), ("PER", 8), ("EPS_BITS", 1), ("SCALE_BITS", 2)]))
     for i, code in enumerate(files):
         (tmp_path / f"k{i}.cu").write_text(code)
@@ -418,15 +442,15 @@ def test_cuda_sources_compile(tmp_path):
 @pytest.mark.skipif(not CUDA, reason="compiles with MLX's NVRTC on a CUDA GPU")
 def test_cuda_binaries_are_kept_on_disk(monkeypatch, tmp_path):
     """A kernel compiled once is read back from CACHE_DIR by a later process, without NVRTC."""
-    monkeypatch.setattr(kernels, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr(nvrtc, "CACHE_DIR", tmp_path)
     code = signature_source("_COMBINE", "k_combine")
-    kernels.cuda_binary.cache_clear()
-    binary = kernels.cuda_binary("k_combine", code)
+    nvrtc.cuda_binary.cache_clear()
+    binary = nvrtc.cuda_binary("k_combine", code)
     assert len(list((tmp_path / "cuda").glob("k_combine-*.cubin"))) == 1
-    kernels.cuda_binary.cache_clear()  # a new process, whose NVRTC would fail
-    monkeypatch.setattr(kernels, "_nvrtc", lambda version=kernels._nvrtc()[1]: (None, version))
-    assert kernels.cuda_binary("k_combine", code) == binary
-    kernels.cuda_binary.cache_clear()
+    nvrtc.cuda_binary.cache_clear()  # a new process, whose NVRTC would fail
+    monkeypatch.setattr(nvrtc, "_nvrtc", lambda version=nvrtc._nvrtc()[1]: (None, version))
+    assert nvrtc.cuda_binary("k_combine", code) == binary
+    nvrtc.cuda_binary.cache_clear()
 
 
 def test_cuda_launch_passes_sizes_and_keeps_its_file(monkeypatch):
@@ -434,10 +458,10 @@ def test_cuda_launch_passes_sizes_and_keeps_its_file(monkeypatch):
     device): the sizes of the inputs the body reads go as int arguments after the outputs; a new
     size reuses the same CUDA file (one compile), a new dtype makes another."""
     calls, files = [], []
-    monkeypatch.setattr(kernels, "gpu_backend", lambda: "cuda")
-    monkeypatch.setattr(kernels, "cuda_binary", lambda name, code: files.append(code) or b"cubin")
-    monkeypatch.setattr(kernels.mx.fast, "precompiled_cuda_kernel", lambda **kw: calls.append(kw) or ["o"])
-    launch = kernels._kernel("fn_combine_test", ["part"], ["o"], kernels._COMBINE)
+    monkeypatch.setattr(build, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(build, "cuda_binary", lambda name, code: files.append(code) or b"cubin")
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", lambda **kw: calls.append(kw) or ["o"])
+    launch = build.kernel("fn_combine_test", ["part"], ["o"], attention._COMBINE)
     for heads, splits, dtype in ((4, 3, mx.float16), (6, 5, mx.float16), (6, 5, mx.bfloat16)):
         launch(inputs=[mx.zeros((heads, splits, 66))], template=[("T", dtype), ("D", 64)],
                grid=(heads * 256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(1, heads, 1, 64)],

@@ -206,7 +206,7 @@ def test_vjp_matches_autodiff_of_composition(center, use_res, use_w, use_b, c):
                          backend="fallback")
 
     def plain(*a):
-        return fnn._compose(*split(a, use_res, use_w, use_b), scale, center, 1e-5)
+        return fnn.compose(*split(a, use_res, use_w, use_b), scale, center, 1e-5)
 
     argnums = tuple(range(len(arrays)))
     g_custom = mx.grad(loss_of(fused, cot_o, cot_p, use_res), argnums)(*arrays)
@@ -315,7 +315,7 @@ def test_backend_path(backend):
         assert fnn.select_backend() == "fallback"
         x, res, w, b = make()
         o, p = normalize(x, res, w, b, eps=1e-5)
-        o_ref, p_ref = fnn._compose(x, res, w, b, 1.0, False, 1e-5)
+        o_ref, p_ref = fnn.compose(x, res, w, b, 1.0, False, 1e-5)
         assert mx.array_equal(o, o_ref) and mx.array_equal(p, p_ref)
         return
     mx.set_default_device(mx.gpu)
@@ -357,9 +357,9 @@ def test_module_runs_the_kernel_for_one_row_only(monkeypatch):
 
     def spy(backend, x, residual, weight, bias, scale, center, eps):
         launched.append(x.shape)
-        return fnn._compose(x, residual, weight, bias, scale, center, eps)
+        return fnn.compose(x, residual, weight, bias, scale, center, eps)
 
-    monkeypatch.setattr(fnn, "_fused", spy)
+    monkeypatch.setattr(fnn, "fused", spy)
     monkeypatch.setattr(fnn, "select_backend", lambda backend=None: "cuda")
     norm = RMSNorm(D, eps=1e-5)
     norm.eval()
@@ -367,7 +367,7 @@ def test_module_runs_the_kernel_for_one_row_only(monkeypatch):
         x, r, w, _ = make((1, rows, D))
         norm.weight = w
         o, p = norm(x, r)
-        want, p_want = fnn._compose(x, r, w, None, 1.0, False, 1e-5)
+        want, p_want = fnn.compose(x, r, w, None, 1.0, False, 1e-5)
         assert mx.array_equal(o, want) and mx.array_equal(p, p_want)
     assert launched == [(1, 1, D)]
 
@@ -388,7 +388,7 @@ def test_plain_norms_where_no_kernel_runs(monkeypatch):
         (o, p), (o_ref, p_ref) = model.a(x, res), ref(x, res)
         assert mx.array_equal(o, o_ref) and mx.array_equal(p, p_ref)
     gx = mx.grad(lambda x_: (model.a(x_, r)[0] ** 2).sum())(x)  # training: mx.fast.rms_norm's vjp
-    want = mx.grad(lambda x_: (fnn._compose(x_, r, w, None, 1.0, False, 1e-5)[0] ** 2).sum())(x)
+    want = mx.grad(lambda x_: (fnn.compose(x_, r, w, None, 1.0, False, 1e-5)[0] ** 2).sum())(x)
     assert rel_err(gx, want) < 1e-5
     kept = nn_container()
     monkeypatch.setattr(fnn, "select_backend", lambda backend=None: "cuda")

@@ -1,13 +1,13 @@
 """The portable path (a GPU where our kernels do not run: Metal today, MLX_FLASHNORM_KERNELS=0):
 FlashNorm takes its weightless form (Sec. 1, Fig. 1(b)) on MLX's own primitives, and decoding runs
-eagerly over the filled cache, as mlx-lm does. Here kernels.portable() is forced on the CPU.
+eagerly over the filled cache, as mlx-lm does. Here forms.portable() is forced on the CPU.
 float32; error measure max|a - b| / max|b| over the logits."""
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
 from conftest import OPENELM_270M, TINY_LLAMA, f32_tol, random_weights, rel
-from mlx_flashnorm import flashnorm, kernels, loader
+from mlx_flashnorm import flashnorm, forms, kernels, loader
 from mlx_flashnorm.bench.step_graph import step_ops
 from mlx_flashnorm.generate import generate_step
 
@@ -24,7 +24,7 @@ CONFIGS = {"llama": dict(TINY_LLAMA, vocab_size=512, max_position_embeddings=256
 
 @pytest.fixture
 def portable(monkeypatch):
-    monkeypatch.setattr(kernels, "portable", lambda: True)
+    monkeypatch.setattr(forms, "portable", lambda: True)
 
 
 def build(config, norm, bits=None):
@@ -74,7 +74,7 @@ def test_decoding_is_eager_and_matches_compiled(portable):
 
 def test_deferred_form_stays_the_default_here():
     """On the CPU (no GPU at all) FlashNorm keeps its deferred form: the tests' reference."""
-    assert not kernels.portable()
+    assert not forms.portable()
     model = build(CONFIGS["llama"], "flash")
     assert isinstance(model.layers[0].input_layernorm, flashnorm.DeferredNorm)
     assert isinstance(model.layers[0].self_attn, flashnorm.FlashAttention)
@@ -95,7 +95,7 @@ def test_step_has_no_more_operations_than_mlx_lm(name, portable, monkeypatch, tm
     """Issue 11: on the portable path our eager decode step (rms, and so flash, its weightless
     form) builds no more operations than mlx-lm's own model on the same 4-bit weights (Llama: one
     concatenated q/k/v and gate/up matmul each instead of five), so what is left between the two
-    there is Python (bench/RESULTS.md, "Eighth pass"). kernels.ENABLED is off, so no CPU
+    there is Python (bench/RESULTS.md, "Eighth pass"). forms.ENABLED is off, so no CPU
     row-parallel split adds operations; float32, so no CPU-only half-precision casts."""
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_model, quantize_model
@@ -103,7 +103,7 @@ def test_step_has_no_more_operations_than_mlx_lm(name, portable, monkeypatch, tm
     from conftest import make_checkpoint
     from mlx_flashnorm.cache import make_cache
 
-    monkeypatch.setattr(kernels, "ENABLED", False)
+    monkeypatch.setattr(forms, "ENABLED", False)
     folder, _ = make_checkpoint(tmp_path / name, CONFIGS[name])
     ours = loader.prepare(loader.build_model(loader.read_config(folder), loader.read_safetensors(folder),
                                              progress=False), norm="rms", bits=4)

@@ -1,4 +1,4 @@
 from ..errors import run_cli
-from .decode import main
+from .cli import main
 
 run_cli(main)

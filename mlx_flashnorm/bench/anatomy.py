@@ -9,7 +9,7 @@ trace (its first call) and its first evaluations, then the same request again.
 Otherwise, for each mode in one process after a warm-up, medians of --reps:
 - prefill: one forward pass over --pp tokens into a fresh cache, split into building the graph
   (Python), submitting it (MLX encodes every kernel on this thread) and waiting for the device;
-  for our modes also with each of our kernels switched off in turn (kernels.DISABLED), which
+  for our modes also with each of our kernels switched off in turn (forms.DISABLED), which
   shows what each costs or saves.
 - decode step (one token, the cache filled to --pp): build, submit, wait, each alone, and the
   time per token of a pipelined loop (the next step submitted before waiting, as generate_step
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .. import kernels
+from .. import forms
 from ..cache import make_cache
 from ..errors import HelpFormatter, run_cli
 from ..generate import cache_capacity, compiled_decode, decode_offset
@@ -69,7 +69,7 @@ def prefill_fn(model, mode, prompt):
 def decode_loop(model, mode, prompt):
     """(step(y) -> next token array, first token) with the cache filled by prompt; eager (as
     generate_step runs it) for mlx-lm and on the portable path, else our compiled step."""
-    if mode == PEER or kernels.portable():
+    if mode == PEER or forms.portable():
         cache = peer_cache(model) if mode == PEER else make_cache(model)
         model(prompt[None, :-1], cache=cache)
         mx.eval([c.state for c in cache])
@@ -194,11 +194,11 @@ def main(argv=None):
         print("\n| prefill | kernels off | build | submit | wait |\n| --- | --- | ---: | ---: | ---: |")
         for m in modes:
             print(f"| {m} | - | {ms(profile_prefill(models[m], m, prompt, args.reps))} |", flush=True)
-            if m != PEER and kernels.use_gpu():
+            if m != PEER and forms.use_gpu():
                 for k in KERNELS:
-                    kernels.DISABLED.add(k)
+                    forms.DISABLED.add(k)
                     print(f"| {m} | {k} | {ms(profile_prefill(models[m], m, prompt, args.reps))} |", flush=True)
-                    kernels.DISABLED.discard(k)
+                    forms.DISABLED.discard(k)
         for m in modes:  # a round untimed, as long as the timed one: else the first mode timed pays
             profile_decode(models[m], m, prompt, args.reps)  # for MLX's first pass over the longer
             # cache (17 against 2.7 ms a pipelined token in the ninth pass; bench/RESULTS.md)

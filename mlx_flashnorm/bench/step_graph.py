@@ -14,7 +14,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .. import kernels
+from .. import forms
 from ..cache import StaticKVCache
 from ..errors import HelpFormatter
 from ..generate import decode_offset, position
@@ -31,7 +31,7 @@ def step_ops(model, prompt=8):
     model(mx.arange(prompt)[None], cache=cache)
     mx.eval([c.state for c in cache])
     for c in cache:
-        c.offset = c.offset if kernels.portable() else position(decode_offset(prompt))  # as generate's
+        c.offset = c.offset if forms.portable() else position(decode_offset(prompt))  # as generate's
     return graph_ops(model(mx.array([[3]]), cache=cache), *[a for c in cache for a in c.state])
 
 

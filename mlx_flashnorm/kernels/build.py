@@ -1,0 +1,179 @@
+"""The kernels' build system: one body per kernel in CUDA spelling, respelled for Metal
+(METAL_SPELLING) with each backend's shared header (HEADERS); make_kernel turns a body into a
+launcher, on CUDA through a CUDA file per variant (cuda_source) compiled once per machine
+(nvrtc.cuda_binary), on Metal through mx.fast.metal_kernel (never run here: no Apple hardware)."""
+import struct
+from functools import lru_cache
+
+import mlx.core as mx
+
+from ..forms import gpu_backend
+from .nvrtc import cuda_binary
+
+
+def float_bits(value):
+    return struct.unpack("<i", struct.pack("<f", float(value)))[0]
+
+
+# One body per kernel, written in CUDA; the Metal form is the same body respelled by this table
+# (identifiers CUDA and Metal name differently) with its own header. Each kernel checks itself
+# against its fallback (self_check), on whichever backend it runs.
+CUDA_DTYPES = """
+__device__ inline float fn_f(float v) { return v; }
+__device__ inline float fn_f(__half v) { return __half2float(v); }
+__device__ inline float fn_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename U> __device__ inline U fn_cast(float v) { return v; }
+template <> __device__ inline __half fn_cast<__half>(float v) { return __float2half(v); }
+template <> __device__ inline __nv_bfloat16 fn_cast<__nv_bfloat16>(float v) {
+  return __float2bfloat16(v);
+}
+"""  # float <-> T for T = float, __half, __nv_bfloat16 (also nn.py's kernel)
+
+HEADERS = {
+    "cuda": CUDA_DTYPES + """__device__ inline float fn_warp_sum(float v) {
+  for (int k = 16; k > 0; k >>= 1) v += __shfl_xor_sync(0xffffffff, v, k);
+  return v;
+}
+__device__ inline float fn_warp_max(float v) {
+  for (int k = 16; k > 0; k >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, k));
+  return v;
+}
+__device__ inline float fn_shfl_xor(float v, int k) { return __shfl_xor_sync(0xffffffff, v, k); }
+template <typename U, int N> __device__ inline void fn_load(const U* p, float* out) {
+  const uint4 w = *reinterpret_cast<const uint4*>(p);  // N values of U, 16 bytes, in one load
+  const U* e = reinterpret_cast<const U*>(&w);
+  for (int i = 0; i < N; ++i) out[i] = fn_f(e[i]);
+}
+""",
+    "metal": """
+template <typename U> inline float fn_f(U v) { return static_cast<float>(v); }
+template <typename U> inline U fn_cast(float v) { return static_cast<U>(v); }
+inline float fn_warp_sum(float v) { return simd_sum(v); }  // Apple GPUs: 32-wide SIMD groups
+inline float fn_warp_max(float v) { return simd_max(v); }
+inline float fn_shfl_xor(float v, int k) { return simd_shuffle_xor(v, ushort(k)); }
+template <typename U, int N> inline void fn_load(const device U* p, thread float* out) {
+  for (int i = 0; i < N; ++i) out[i] = static_cast<float>(p[i]);
+}
+""",
+}
+
+METAL_SPELLING = {
+    "blockIdx.x": "threadgroup_position_in_grid.x", "threadIdx.x": "thread_position_in_threadgroup.x",
+    "blockDim.x": "threads_per_threadgroup.x", "__shared__": "threadgroup",
+    "__syncthreads()": "threadgroup_barrier(mem_flags::mem_threadgroup)",
+    "__int_as_float": "as_type<float>", "__float_as_int": "as_type<int>", "rsqrtf(": "metal::rsqrt(",
+    "exp2f(": "metal::exp2(", "expf(": "metal::exp(", "fmaxf(": "metal::fmax(", "sinf(": "metal::sin(", "cosf(": "metal::cos(",
+}
+
+
+def spell(source, backend):
+    """A CUDA kernel body in the backend's spelling."""
+    if backend == "metal":
+        for cuda, metal in METAL_SPELLING.items():
+            source = source.replace(cuda, metal)
+    return source
+
+
+@lru_cache(maxsize=None)
+def constant(dtype, *values):
+    """A small array of run-time sizes or flags for a kernel, made once per distinct value: no
+    new array per call, and inside mx.compile one constant of the graph. Padded to 16 bytes: MLX's
+    CUDA backend keeps arrays of 8 bytes or less in one managed-memory page that the host touches
+    every decode step, and a kernel reading from it waited up to 20 us (bench/RESULTS.md, "Fifth
+    pass")."""
+    a = mx.array(values + (0,) * (4 - len(values)), dtype)
+    mx.eval(a)
+    return a
+
+
+def position_array(offset):
+    """A kernel's position input: the decode step's view of its offset as it is, an int as a
+    constant (16 bytes, made once per position): mx.array(offset) would be a new 4-byte array in
+    MLX's managed small-array pool at every call, which the kernel's warps then read slowly."""
+    return (offset if isinstance(offset, mx.array) else constant(mx.int32, offset)).astype(mx.int32).reshape(-1)
+
+
+# (kernel name, template arguments) of every launch so far: each distinct pair is one compiled
+# variant (tests check that requests add none).
+VARIANTS = set()
+
+
+def make_kernel(name, input_names, output_names, source, header):
+    """A kernel of body `source` (CUDA spelling) as a function of mx.fast.cuda_kernel's keyword
+    arguments (inputs, template, grid, threadgroup, output_shapes, output_dtypes); header: the
+    backend's own. On Metal mx.fast.metal_kernel runs the respelled body. On CUDA the body is
+    compiled here (cuda_binary) and run with mx.fast.precompiled_cuda_kernel: MLX compiles a
+    cuda_kernel with NVRTC in every process (1.5-2 s each on an H100, bench/RESULTS.md), a binary
+    kept on disk loads in milliseconds."""
+    backend = gpu_backend()
+    if backend == "metal":
+        kernel = mx.fast.metal_kernel(name=name, input_names=input_names, output_names=output_names,
+                                      source=spell(source, backend), header=header)
+    shaped = [i for i, n in enumerate(input_names) if reads_shape(n, source)]
+    binaries = {}  # (input dtypes and ranks, output dtypes, template) -> cubin (None on Metal)
+
+    def launch(*, inputs: list, template, grid, threadgroup, output_shapes, output_dtypes):
+        # Python work here is host time of every eager launch (prefill): kept to a dict lookup
+        key = (*[(a.dtype, a.ndim) for a in inputs], *output_dtypes, *template)
+        binary = binaries.get(key, False)
+        if binary is False:  # a variant not launched before
+            VARIANTS.add((name, tuple((k, str(v)) for k, v in template)))
+            binaries[key] = binary = None if backend == "metal" else cuda_binary(name, cuda_source(
+                name, input_names, output_names, source, header, [(a.dtype, a.ndim) for a in inputs],
+                output_dtypes, template))
+        if backend == "metal":
+            return kernel(inputs=inputs, template=template, grid=grid, threadgroup=threadgroup,
+                          output_shapes=output_shapes, output_dtypes=output_dtypes)
+        return mx.fast.precompiled_cuda_kernel(
+            name=name, compiled_source=binary, inputs=inputs, output_shapes=output_shapes,
+            output_dtypes=output_dtypes, scalars=[d for i in shaped for d in inputs[i].shape],
+            grid=grid, threadgroup=threadgroup, ensure_row_contiguous=True)
+
+    return launch
+
+
+def kernel(name, inputs, outputs, source):
+    """make_kernel with the backend's shared header (HEADERS)."""
+    return make_kernel(name, inputs, outputs, source, HEADERS[gpu_backend()])
+
+
+
+CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.int32: "int",
+              mx.uint32: "unsigned int", mx.uint8: "unsigned char", mx.bool_: "bool"}
+CUDA_PRELUDE = """#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+typedef int int32_t;
+typedef unsigned int uint32_t;
+"""
+
+
+def reads_shape(name, body):
+    """Whether a kernel body reads input `name`'s shape (NAME_shape[i] or NAME_ndim)."""
+    return f"{name}_shape" in body or f"{name}_ndim" in body
+
+
+def cuda_source(name, input_names, output_names, body, header, input_types, output_dtypes, template):
+    """The whole CUDA file of one kernel variant: an extern "C" __global__ function of the inputs
+    (input_types: (dtype, ndim) each), the outputs and then, for each input whose shape the body
+    reads, its sizes as int arguments (the launch passes them); template arguments as constants."""
+    params = [f"const {CUDA_TYPES[d]}* {n}" for n, (d, _) in zip(input_names, input_types)]
+    params += [f"{CUDA_TYPES[d]}* {n}" for n, d in zip(output_names, output_dtypes)]
+    lines = []
+    for n, (_, ndim) in zip(input_names, input_types):
+        if reads_shape(n, body):
+            sizes = [f"{n}_shape{i}" for i in range(ndim)]
+            params += [f"int {s}" for s in sizes]
+            lines.append(f"  const int {n}_shape[{max(ndim, 1)}] = {{{', '.join(sizes) or '1'}}};")
+            lines.append(f"  constexpr int {n}_ndim = {ndim};")
+    for k, v in template:
+        if isinstance(v, mx.Dtype):
+            lines.append(f"  using {k} = {CUDA_TYPES[v]};")
+        else:
+            lines.append(f"  constexpr {'bool' if isinstance(v, bool) else 'int'} {k} = {str(v).lower()};")
+    return (f"{CUDA_PRELUDE}{header}\nextern \"C\" __global__ void {name}({', '.join(params)}) {{\n"
+            + "\n".join(lines) + f"\n{body}\n}}\n")
+
+
+# Each kernel's self-check (kernels.check) is a call on small float16 inputs, written beside it.
+def rand(shape, seed, dtype=mx.float16, scale=1.0):
+    return (scale * mx.random.normal(shape, key=mx.random.key(seed))).astype(dtype)

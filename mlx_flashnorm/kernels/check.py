@@ -1,0 +1,93 @@
+"""Each kernel's first-use self-check: at load on a GPU (self_check) every kernel is compared with
+its plain-MLX fallback on small float16 inputs (each kernel file's CHECK); one that fails to compile
+or to match prints a warning line and falls back for the rest of the process (forms.DISABLED). A
+pass is remembered per kernel code, MLX version and device (nvrtc.CACHE_DIR), so later processes
+skip it: a check costs 1.5-4 s per kernel on an H100 even with MLX's kernel cache warm. A changed
+kernel file, MLX or GPU is checked again; a failed check is never kept."""
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+
+from .. import forms
+from . import nvrtc
+from .scale import CHECK as ADD_RSS
+from .attention import CHECK as ATTENTION
+from .matvec import CHECKS as MATVEC
+from .normalize import CHECK as NORMALIZE
+from .rope import CHECK as ROPE_QKV
+
+# name: (a call on small float16 inputs, the largest max |kernel - fallback| / max |fallback|)
+CHECKS = {"add_rss": ADD_RSS, "decode_attention": ATTENTION, "rope_qkv": ROPE_QKV, "normalize": NORMALIZE,
+          **MATVEC}
+
+
+def _passed_file():
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(Path(__file__).parent.glob("*.py"))))
+    key.update(f"{mx.__version__} {forms.gpu_backend()} {mx.default_device()} "
+               f"{mx.device_info().get('device_name', '')}".encode())
+    return nvrtc.CACHE_DIR / f"self-check-{key.hexdigest()[:20]}.json"
+
+
+def _read_passed(file):
+    """The names kept in file; a file of any other content (not a JSON list of names) is treated
+    as absent."""
+    try:
+        names = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return set()
+    return set(names) if isinstance(names, list) and all(isinstance(n, str) for n in names) else set()
+
+
+def _write_passed(file, passed):
+    try:  # a temporary file renamed into place; a read-only cache only costs the next process time
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(sorted(passed)))
+        tmp.replace(file)
+    except OSError:
+        pass
+
+
+def self_check(names=None):
+    """Run each kernel (or those named) once on small inputs against its plain-MLX fallback on the
+    device in use; a kernel that fails to compile or to match prints one warning line and falls
+    back for the rest of the process. Runs once per process (the loader calls it on a GPU); a
+    kernel that passed with the same code, MLX and device before (CACHE_DIR) is not run again."""
+    file = _passed_file()
+    passed = _read_passed(file)
+    known = set(passed)
+    for name in names or CHECKS:
+        if name in _CHECKED:
+            continue
+        _CHECKED.add(name)
+        if name in passed:
+            continue
+        call, tol = CHECKS[name]
+        outputs = lambda: [a for a in (lambda o: o if isinstance(o, (tuple, list)) else [o])(call())
+                           if a is not None]
+        try:
+            got = outputs()
+            forms.DISABLED.add(name)  # the same call through the fallback
+            want = outputs()
+            forms.DISABLED.discard(name)
+            err = max((mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max()
+                       / mx.abs(b.astype(mx.float32)).max()).item() for a, b in zip(got, want))
+            why = None if err <= tol else f"differs from its fallback by {err:.2e} (> {tol:g})"
+        except Exception as e:  # a compile or launch error
+            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else 'no detail'}"
+        if why:
+            forms.DISABLED.add(name)
+            print(f"warning: kernel {name} failed its self-check on {mx.default_device()} ({why}); "
+                  "using the plain MLX fallback", file=sys.stderr)
+        else:
+            passed.add(name)
+    if passed != known:
+        _write_passed(file, passed)
+    return not forms.DISABLED
+
+
+_CHECKED = set()

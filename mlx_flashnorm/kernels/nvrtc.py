@@ -1,0 +1,99 @@
+"""CUDA kernels compiled once per machine: MLX's own NVRTC (through ctypes) turns a CUDA file into
+a cubin kept on disk (CACHE_DIR, a temporary file renamed into place) under a hash of the code, the
+GPU architecture and NVRTC's version. MLX compiles an mx.fast.cuda_kernel with NVRTC in every
+process (1.5-2 s each on an H100); a kept binary loads in milliseconds."""
+import hashlib
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import mlx.core as mx
+
+# Compiled kernels and the self-checks that passed (kernels.check) are kept here.
+CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mlx_flashnorm"
+
+
+@lru_cache(maxsize=None)
+def _nvrtc():
+    """MLX's NVRTC (already loaded into this process by its CUDA backend), through ctypes."""
+    import ctypes
+    import ctypes.util
+
+    with open("/proc/self/maps") as maps:
+        loaded = [line.split()[-1] for line in maps if "/libnvrtc.so" in line]
+    lib = ctypes.CDLL(loaded[0] if loaded else ctypes.util.find_library("nvrtc") or "libnvrtc.so")
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    return lib, f"{major.value}.{minor.value}"
+
+
+@lru_cache(maxsize=None)
+def _cuda_include():
+    """A folder holding cuda_fp16.h (the CUDA headers MLX's own JIT compiles against)."""
+    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    roots += sorted(str(p.parent) for p in (Path(mx.__file__).parents[2] / "nvidia").glob("*/include"))
+    for root in filter(None, roots):
+        for folder in (Path(root) / "include", Path(root)):
+            if (folder / "cuda_fp16.h").is_file():
+                return str(folder)
+    raise RuntimeError("no CUDA headers (cuda_fp16.h) found: set CUDA_HOME")
+
+
+def _cuda_arch():
+    return mx.device_info()["architecture"]  # "sm_90" on an H100
+
+
+@lru_cache(maxsize=None)
+def cuda_binary(name, code):
+    """The cubin of CUDA file `code` for this GPU: read from CACHE_DIR, or compiled with NVRTC and
+    kept there (a temporary file renamed into place) under a hash of the code, the GPU
+    architecture and NVRTC's version."""
+    import ctypes
+
+    lib, version = _nvrtc()
+    arch = _cuda_arch()
+    key = hashlib.sha256(f"{code}\n{arch}\n{version}".encode()).hexdigest()[:24]
+    file = CACHE_DIR / "cuda" / f"{name}-{key}.cubin"
+    try:
+        return file.read_bytes()
+    except OSError:
+        pass
+    prog = ctypes.c_void_p()
+    check = lambda rc, what: None if rc == 0 else _nvrtc_error(lib, prog, rc, what)
+    check(lib.nvrtcCreateProgram(ctypes.byref(prog), code.encode(), f"{name}.cu".encode(), 0, None, None), "create")
+    try:
+        opts = [f"--gpu-architecture={arch}", "--std=c++17", f"--include-path={_cuda_include()}"]
+        check(lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])),
+              "compile")
+        size = ctypes.c_size_t()
+        check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "cubin size")
+        cubin = ctypes.create_string_buffer(size.value)
+        check(lib.nvrtcGetCUBIN(prog, cubin), "cubin")
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    binary = cubin.raw
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(binary)
+        tmp.replace(file)
+    except OSError:  # a read-only cache only costs the next process a compile
+        pass
+    return binary
+
+
+def _nvrtc_error(lib, prog, rc, what):
+    import ctypes
+
+    log = ""
+    if what == "compile":
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        buf = ctypes.create_string_buffer(size.value + 1)
+        lib.nvrtcGetProgramLog(prog, buf)
+        log = buf.value.decode(errors="replace").strip()
+    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+    raise RuntimeError(f"NVRTC {what} failed ({lib.nvrtcGetErrorString(rc).decode()}): {log[:2000]}")
+
+
+# Each kernel's self-check (CHECKS, self_check) is a call on small float16 inputs, written beside it.
