@@ -144,6 +144,7 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
         raise ValueError(f"the cache holds {cache[0].capacity} positions, "
                          f"{cache[0].offset + prompt.size + max_tokens} are needed")
 
+    logits_processors = logits_processors or ()  # (mlx-lm's None too)
     seen = prompt  # the tokens so far, for logits_processors
 
     def pick(logits, normalized=False):

@@ -120,8 +120,8 @@ def logit_bias(body, vocab):
     bias = field(body, "logit_bias", dict, None, need="an object of token ids and numbers")
     if not bias:
         return None
-    if not all(k.isascii() and k.isdigit() and int(k) < vocab and isinstance(v, (int, float)) and not isinstance(v, bool)
-               and -100 <= v <= 100 for k, v in bias.items()):
+    if not all(k.isascii() and k.isdigit() and len(k) < 12 and int(k) < vocab and isinstance(v, (int, float))
+               and not isinstance(v, bool) and -100 <= v <= 100 for k, v in bias.items()):
         raise bad(f"'logit_bias' must map token ids (below {vocab}) to numbers from -100 to 100",
                   "logit_bias")
     return {int(k): float(v) for k, v in bias.items()}

@@ -118,6 +118,7 @@ BAD = [  # (what, request bytes, status, the field the error names)
     ("repetition_penalty 0", completion(repetition_penalty=0), 400, "repetition_penalty"),
     ("logit_bias key not a token id", completion(logit_bias={"a": 1}), 400, "logit_bias"),
     ("logit_bias above 100", completion(logit_bias={"5": 101}), 400, "logit_bias"),
+    ("logit_bias key of 5000 digits", completion(logit_bias={"9" * 5000: 1}), 400, "logit_bias"),
     ("a token id outside the vocabulary", completion(prompt=[10**9]), 400, "prompt"),
     ("an empty prompt", completion(prompt=""), 400, "prompt"),
     ("chat: top_logprobs without logprobs", chat(top_logprobs=2), 400, "top_logprobs"),
