@@ -223,3 +223,19 @@ def test_changed_model_gets_a_new_step(model):
     norm = next(m for _, m in model.named_modules() if "weight" in m)
     norm.weight = norm.weight + 0
     assert compiled_decode(model) is not step
+
+
+def test_a_flash_model_loaded_on_one_thread_decodes_on_another(tiny_llama_dir):
+    """FlashNorm's RoPE angles are no parameters: they are evaluated at load, so a worker thread
+    (the server's one-request worker) can run a model loaded on the main thread (it raised 'There is
+    no Stream(cpu, 0) in current thread')."""
+    import threading
+
+    from mlx_flashnorm import generate, load
+
+    model, tok = load(tiny_llama_dir, norm="flash", progress=False)
+    out = []
+    worker = threading.Thread(target=lambda: out.append(generate(model, tok, "hi", max_tokens=3, chat_template=False)))
+    worker.start()
+    worker.join()
+    assert out == [generate(model, tok, "hi", max_tokens=3, chat_template=False)]

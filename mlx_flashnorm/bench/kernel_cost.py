@@ -21,7 +21,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .. import kernels
+from .. import forms, kernels
+from ..kernels import build, nvrtc
+from ..kernels import check as checks
 from .. import nn as fnn
 from ..errors import HelpFormatter
 from ..generate import decode_offset, position
@@ -46,11 +48,11 @@ def per_call(f, x, n=60, compiled=True):
 
 def check_times():
     with tempfile.TemporaryDirectory() as tmp:
-        kernels.CACHE_DIR = Path(tmp)
+        nvrtc.CACHE_DIR = Path(tmp)
         t = time.perf_counter()
         mx.eval(mx.ones(4) + 1)
         print(f"first MLX op: {time.perf_counter() - t:.3f} s")
-        for name in kernels.CHECKS:
+        for name in checks.CHECKS:
             t = time.perf_counter()
             kernels.self_check([name])
             mx.synchronize()
@@ -76,7 +78,7 @@ def call_costs(dtype=mx.float16):
     w, g = mx.ones((576,), dtype), mx.ones((576,), mx.float32)
     rows = [("add_rss (residual, gain)", lambda x: kernels.add_rss(x, 1e-5, r=r, g=g)[1],
              "add + rms_norm", lambda x: mx.fast.rms_norm(x + r, w, 1e-5)),
-            ("nn.py add + RMSNorm", lambda x: fnn.normalize(x, r, w, eps=1e-5, backend=kernels.gpu_backend(), vjp=False)[0],
+            ("nn.py add + RMSNorm", lambda x: fnn.normalize(x, r, w, eps=1e-5, backend=forms.gpu_backend(), vjp=False)[0],
              "rms_norm alone", lambda x: mx.fast.rms_norm(x, w, 1e-5))]
     for name, ours, peer, theirs in rows:
         a, b = (per_call(ours, x, compiled=c) for c in (True, False))
@@ -100,8 +102,8 @@ _LARGE = _ADD_ONE + """
 
 def launch_costs():
     def kernel(name, body, n_in, n_out):
-        launch = kernels.make_kernel(name, ["x"] + [f"x{j}" for j in range(1, n_in)],
-                                     ["o"] + [f"o{j}" for j in range(1, n_out)], body, kernels._HEADERS[kernels.gpu_backend()])
+        launch = build.make_kernel(name, ["x"] + [f"x{j}" for j in range(1, n_in)],
+                                     ["o"] + [f"o{j}" for j in range(1, n_out)], body, build.HEADERS[forms.gpu_backend()])
         return lambda x: launch(inputs=[x] * n_in, template=[("T", x.dtype)], grid=(x.size, 1, 1),
                                 threadgroup=(192, 1, 1), output_shapes=[x.shape] * n_out,
                                 output_dtypes=[x.dtype] * n_out)[0]
@@ -123,7 +125,7 @@ def main(argv=None):
     p.add_argument("--check", action="store_true", help="time each kernel's self-check instead")
     p.add_argument("--launch", action="store_true", help="time launches by binary size and array count instead")
     args = p.parse_args(argv)
-    if not kernels.use_gpu():
+    if not forms.use_gpu():
         sys.exit("error: the kernels run on a GPU (Metal or CUDA) only; here they fall back to MLX ops")
     print(f"device: {mx.device_info().get('device_name', mx.default_device())} | MLX {mx.__version__}")
     check_times() if args.check else launch_costs() if args.launch else call_costs()

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import mlx.core as mx  # noqa: E402
 
 from mlx_flashnorm import nn as fnn  # noqa: E402
-from mlx_flashnorm import kernels  # noqa: E402
+from mlx_flashnorm import forms  # noqa: E402
 from mlx_flashnorm.errors import HelpFormatter  # noqa: E402
 
 SHAPES = [(1, 1280), (1, 2048), (1, 4096), (512, 1280), (512, 4096)]
@@ -109,7 +109,7 @@ def main():
     parser.add_argument("--samples", type=int, help="default 30 on a GPU, 5 on the CPU")
     parser.add_argument("--calls", type=int, help="default 50 on a GPU, 5 on the CPU")
     args = parser.parse_args()
-    kernel = kernels.gpu_backend() or "fallback"
+    kernel = forms.gpu_backend() or "fallback"
     samples = args.samples or (30 if kernel != "fallback" else 5)
     calls = args.calls or (50 if kernel != "fallback" else 5)
     if kernel != "fallback":

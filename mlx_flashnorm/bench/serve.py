@@ -16,7 +16,6 @@ import argparse
 import http.client
 import json
 import socket
-import statistics
 import subprocess
 import sys
 import threading
