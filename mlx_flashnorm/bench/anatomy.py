@@ -81,7 +81,7 @@ def decode_loop(model, mode, prompt):
     state = {"offset": decode_offset(cache[0].offset), "kv": [c.state for c in cache]}
 
     def step(y):
-        _, logprobs, state["offset"], state["kv"] = decode(y, state["offset"], state["kv"])
+        logprobs, state["offset"], state["kv"] = decode(y, state["offset"], state["kv"])
         return mx.argmax(logprobs, axis=-1)
     return step, prompt[-1:]
 
@@ -152,14 +152,14 @@ def cold(mode, folder, args):
         offset, kv = decode_offset(cache[0].offset), [c.state for c in cache]
         t = now()
         decode = compiled_decode(model)
-        _, logprobs, offset, kv = decode(y, offset, kv)
+        logprobs, offset, kv = decode(y, offset, kv)
         parts.append((f"{round_}: step 1 trace (call)", now() - t))
         t = now()
         mx.eval(logprobs, offset, kv)
         parts.append((f"{round_}: step 1 evaluation", now() - t))
         for i in (2, 3):
             t = now()
-            _, logprobs, offset, kv = decode(mx.argmax(logprobs, axis=-1), offset, kv)
+            logprobs, offset, kv = decode(mx.argmax(logprobs, axis=-1), offset, kv)
             mx.eval(logprobs, offset, kv)
             parts.append((f"{round_}: step {i}", now() - t))
     print(f"cold start, {mode}, {device_name()}, prompt {args.pp}, {args.dtype}, MLX {mx.__version__}")

@@ -169,6 +169,10 @@ def prepare_model(args, folder):
         log(f"building {name} (random weights)...")
         random_checkpoint(folder, config)
         return f"{name} (random weights)", f"Q{bits} group {args.group_size}" if bits else "full", bits, config
+    if args.bits:
+        raise UserError(f"the embedded SmolLM2 GGUF is already quantized: --bits {args.bits} would stack two "
+                        "rounding errors; drop --bits (or --bits 0 for full precision), or choose random "
+                        "weights (--shape, --config, --tiny)")
     label, config = gguf_checkpoint(None, folder, args.bits, args.group_size)  # --bits 0: dequantized
     q = config.get("quantization")
     return label, f"Q{q['bits']} group {q['group_size']}" if q else "full", None, config
