@@ -104,7 +104,7 @@ def test_chat_template_lets_a_tokenizer_without_one_chat(tiny_llama_dir, spm_mod
 
 def test_quantized_kv_cache_8_bit_keeps_the_greedy_tokens(smollm2, monkeypatch):
     """--kv-bits decodes eagerly over mlx-lm's QuantizedKVCache; at 8 bits the embedded model's
-    greedy answer is unchanged (the measured 4-bit agreement and perplexity are in the README)."""
+    greedy answer is unchanged (measured agreement and perplexity: README)."""
     model, tok = smollm2
     made = []
     eager_cache = gen.eager_cache

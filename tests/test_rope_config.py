@@ -27,9 +27,9 @@ def as_v5(config, theta_key="rope_theta"):
     return v5
 
 
-def logits(folder, config, spm_model, **kwargs):
+def logits(folder, config, spm_model, norm="rms", **kwargs):
     (folder / "config.json").write_text(json.dumps(config))
-    model, _ = load(str(folder), tokenizer=str(spm_model), norm="rms", progress=False, **kwargs)
+    model, _ = load(str(folder), tokenizer=str(spm_model), norm=norm, progress=False, **kwargs)
     return model(TOKENS)
 
 
