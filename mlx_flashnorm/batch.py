@@ -30,6 +30,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from . import forms
 from .generate import cache_capacity, compiled_decode, context_length, decode_offset, make_sampler_for, position
+from .loader import materialize
 from .prompt_cache import PromptCache
 from .worker import Ticket, token_of
 
@@ -307,14 +308,6 @@ def log_softmax(logits):
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
-def materialize(model):
-    """Evaluate the model's arrays on this thread (a lazy array evaluates on the thread that made
-    it): its parameters and the arrays its modules keep outside them (FlashNorm's RoPE angles, under
-    names starting with _)."""
-    mx.eval(model.parameters(), [[v for v in m.values() if isinstance(v, (mx.array, tuple))]
-                                 for m in model.modules()])
-
-
 class BatchWorker:
     """The server's generation worker (worker.py's interface: slots, submit(Generation) -> Ticket)
     over a BatchEngine on its own thread: MLX streams belong to the thread that made them, so the
@@ -329,7 +322,7 @@ class BatchWorker:
         self.engine = BatchEngine(model, max_batch, prefill_step, cache)
         self.stop_tokens = frozenset(tokenizer.eos_token_ids)
         self.inbox = queue.Queue()
-        materialize(model)
+        materialize(model)  # lazy arrays evaluate on the thread that made them: this one
         started = queue.Queue()
         threading.Thread(target=self._serve, args=(warm, started), daemon=True).start()
         if (error := started.get()) is not None:

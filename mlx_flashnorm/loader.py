@@ -457,7 +457,18 @@ def prepare(model, norm="rms", bits=None, group_size=64, head_bits=None, concat=
     if concat:
         concatenate(model)
     plain_norms(model)  # where no norm kernel runs: mx.fast.rms_norm alone, no per-call decision
-    return row_parallel(model)  # quantized matmuls over two CPU threads (bit-identical)
+    row_parallel(model)  # quantized matmuls over two CPU threads (bit-identical)
+    return materialize(model)
+
+
+def materialize(model):
+    """Evaluate the model's arrays on this thread, so that another thread (a server's worker) can run
+    it: a lazy array evaluates on the thread that made it. Its parameters and the arrays its modules
+    keep outside them, under names starting with _ (FlashNorm's RoPE angles, mlx-lm's RoPE
+    frequencies). Returns the model."""
+    mx.eval(model.parameters(), [[v for v in m.values() if isinstance(v, (mx.array, tuple))]
+                                 for m in model.modules()])
+    return model
 
 
 def dequantize(model, dtype=mx.float32):

@@ -17,6 +17,7 @@ import numpy as np
 from mlx_lm.sample_utils import make_logits_processors
 
 from .generate import stream_generate, warmup
+from .loader import materialize
 
 
 @dataclass
@@ -101,7 +102,7 @@ class SerialWorker:
         thread, so a warm-up on another thread would not serve it); its exception is raised here."""
         self.model, self.tokenizer = model, tokenizer
         self.queue = queue.Queue()
-        mx.eval(model.parameters())  # lazy arrays evaluate on the thread that made them: this one
+        materialize(model)  # lazy arrays evaluate on the thread that made them: this one
         started = queue.Queue()
         threading.Thread(target=self._serve, args=(warm, started), daemon=True).start()
         if (error := started.get()) is not None:

@@ -62,7 +62,6 @@ class FlashAttention(nn.Module):
         self.traditional = attn.rope.traditional
         self._rope = rope_frequencies(attn.rope)
         self._theta = self._rope[0] * self._rope[1]  # angle per position (kernels.rope_qkv)
-        mx.eval(self._rope[1], self._theta)  # not parameters: evaluated here, on the loading thread
         self.factor = self.head_dim**-0.25  # sqrt of the softmax scale, into q and k each
         self.qkv_bias = any("bias" in attn[p] for p in held(attn, QKV))
 
@@ -117,7 +116,6 @@ class FlashQKNormAttention(nn.Module):
         self.traditional = attn.rope.traditional
         self._rope = rope_frequencies(attn.rope)
         self._theta = self._rope[0] * self._rope[1]  # angle per position (kernels.rope_qkv)
-        mx.eval(self._rope[1], self._theta)  # not parameters: evaluated here, on the loading thread
         self.factor = c = attn.scale**0.5  # sqrt of the softmax scale, into q and k each
         if "q_norm" in attn:
             self.qk_eps = attn.q_norm.eps
