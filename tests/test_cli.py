@@ -140,7 +140,7 @@ def test_generate_help_names_bits_0_and_group_size():
 
 
 @pytest.mark.parametrize("module", ["mlx_flashnorm.bench.flash_exactness", "mlx_flashnorm.bench.flash_head",
-                                    "mlx_flashnorm.bench.step_graph"])
+                                    "mlx_flashnorm.bench.step_graph", "mlx_flashnorm.bench.load_cost"])
 def test_bench_scripts_answer_help_without_running(module):
     r = cli(module, "--help")
     assert r.returncode == 0 and r.stdout.startswith("usage:") and "| input RMS" not in r.stdout, r.stderr
