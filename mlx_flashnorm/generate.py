@@ -1,5 +1,6 @@
 """Text generation: KV-cached decoding, sampling, streaming, and the `generate` command line."""
 import argparse
+import math
 import sys
 import time
 from contextlib import closing
@@ -221,8 +222,8 @@ def warmup(model, compiled=None):
 def make_sampler_for(temp=0.0, top_p=1.0, top_k=0, min_p=0.0):
     """Greedy when temp == 0; else temperature sampling restricted by top-p (1.0: off), top-k (0: off)
     and min-p (0.0: off; keeps the tokens at least min_p times as likely as the likeliest)."""
-    if temp < 0:
-        raise UserError(f"temp must be at least 0 (0 is greedy), not {temp}")
+    if not 0 <= temp < math.inf:  # NaN fails both
+        raise UserError(f"temp must be at least 0 (0 is greedy) and finite, not {temp}")
     if not 0 < top_p <= 1:
         raise UserError(f"top-p must be above 0 and at most 1 (1 is off), not {top_p}")
     if top_k < 0:
@@ -236,8 +237,8 @@ def make_processors(repetition_penalty=None, repetition_context_size=20):
     """mlx-lm's logits processors for a repetition penalty (None or 1.0: off): the logit of each
     token among the last repetition_context_size ones (prompt included) is divided by the penalty
     where positive and multiplied by it where negative."""
-    if repetition_penalty is not None and repetition_penalty <= 0:
-        raise UserError(f"repetition-penalty must be above 0 (1 is off), not {repetition_penalty}")
+    if repetition_penalty is not None and not 0 < repetition_penalty < math.inf:
+        raise UserError(f"repetition-penalty must be above 0 (1 is off) and finite, not {repetition_penalty}")
     if repetition_context_size < 1:
         raise UserError(f"repetition-context-size must be at least 1, not {repetition_context_size}")
     if repetition_penalty in (None, 1.0):

@@ -4,6 +4,7 @@ repetition penalty, --system-prompt, --chat-template, --kv-bits, --max-kv-size,
 import importlib
 import io
 import json
+import math
 
 import mlx.core as mx
 import pytest
@@ -58,8 +59,9 @@ def test_repetition_penalty_matches_mlx_lm_on_both_decode_paths(tiny):
     plain = [t for t, _ in gen.generate_step(prompt, model, max_tokens=16)]
     assert plain != theirs
     assert gen.make_processors(None) == [] and gen.make_processors(1.0) == []
-    with pytest.raises(UserError, match="repetition-penalty must be above 0"):
-        gen.make_processors(0.0)
+    for bad in (0.0, math.nan, math.inf):
+        with pytest.raises(UserError, match="repetition-penalty must be above 0"):
+            gen.make_processors(bad)
 
 
 def test_response_carries_the_logprobs_it_sampled_from(tiny):

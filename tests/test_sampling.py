@@ -59,7 +59,11 @@ def test_temperature_sharpens():
 
 
 def test_bad_sampling_arguments():
-    for kwargs, message in ((dict(temp=-1), "temp must be at least 0 (0 is greedy), not -1"),
+    for kwargs, message in ((dict(temp=-1), "temp must be at least 0 (0 is greedy) and finite, not -1"),
+                            (dict(temp=math.nan), "temp must be at least 0 (0 is greedy) and finite, not nan"),
+                            (dict(temp=math.inf), "temp must be at least 0 (0 is greedy) and finite, not inf"),
+                            (dict(temp=1, top_p=math.nan), "top-p must be above 0 and at most 1 (1 is off), not nan"),
+                            (dict(temp=1, min_p=math.nan), "min-p must be from 0 to 1 (0 is off), not nan"),
                             (dict(temp=1, top_p=0), "top-p must be above 0 and at most 1 (1 is off), not 0"),
                             (dict(temp=1, top_k=-3), "top-k must be at least 0 (0 is off), not -3"),
                             (dict(temp=1, min_p=1.5), "min-p must be from 0 to 1 (0 is off), not 1.5")):
