@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import forms
-from .forms import available_backends, select_backend  # noqa: F401  (the norm kernel paths, read here by tests)
+from .forms import select_backend
 from .kernels.normalize import compose, fused, kernel_ok
 
 __all__ = ["normalize", "RMSNorm", "LayerNorm", "DyT", "plain_norms"]

@@ -10,10 +10,9 @@ from types import SimpleNamespace
 from mlx_flashnorm.batch import BatchEngine, BatchWorker, Request
 from mlx_flashnorm.worker import Generation
 from mlx_flashnorm.generate import generate_step
-from mlx_flashnorm.loader import build_model, model_args, prepare
 from mlx_flashnorm.prompt_cache import PromptCache
 
-from conftest import GEMMA3, QWEN2, QWEN3, TINY_LLAMA, TINY_OPENELM, f32_tol, random_weights
+from conftest import GEMMA3, QWEN2, QWEN3, TINY_LLAMA, TINY_OPENELM, f32_tol, random_model
 
 CONFIGS = {"llama": TINY_LLAMA, "qwen2": QWEN2, "qwen3": QWEN3, "openelm": TINY_OPENELM, "gemma3": GEMMA3}
 STEPS = 12
@@ -25,11 +24,7 @@ TOL = 1e-4  # float32 log-probabilities: a batch sums in another order (padded a
                 ids=lambda p: "-".join(p))
 def model(request):
     name, norm = request.param
-    config = dict(CONFIGS[name], max_position_embeddings=256, max_context_length=256)
-    arch, args = model_args(config)
-    # large weights spread the logits out, so greedy picks are decisive
-    return prepare(build_model(config, random_weights(arch.Model(args), seed=1, scale=0.2), progress=False),
-                   norm=norm)
+    return random_model(dict(CONFIGS[name], max_position_embeddings=256, max_context_length=256), norm)
 
 
 def prompt(model, n, seed=None):
@@ -65,7 +60,6 @@ def test_batched_greedy_equals_single(model):
     requests = [Request(p, max_tokens=5 if i == 1 else STEPS) for i, p in enumerate(prompts)]
     engine = BatchEngine(model, prefill_step=8)
     events = run(engine, requests, joins=[0, 0, 3, 6])
-    batch_sizes = set()
     for r, ev, (tokens, lp) in zip(requests, events, reference):
         assert [e.token for e in ev] == r.generated == tokens[:r.max_tokens]
         got = mx.stack([e.logprobs for e in ev])
@@ -134,10 +128,7 @@ def test_seeded_sampling_equals_single(model):
 
 @pytest.fixture(scope="module")
 def llama():
-    config = dict(TINY_LLAMA, max_position_embeddings=256)
-    arch, args = model_args(config)
-    return prepare(build_model(config, random_weights(arch.Model(args), seed=1, scale=0.2), progress=False),
-                   norm="flash")
+    return random_model(dict(TINY_LLAMA, max_position_embeddings=256), "flash")
 
 
 def test_prompt_cache_lru_bound(llama):

@@ -3,21 +3,16 @@
 process first, module by module (the ranks' partial outputs summed by hand)."""
 import json
 import os
-import re
-import signal
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from mlx.utils import tree_flatten
 
 from mlx_flashnorm import flashnorm, load
 from mlx_flashnorm.chat import Chat
 from mlx_flashnorm.errors import UserError
-from mlx_flashnorm.generate import generate
 from mlx_flashnorm.loader import build_model, prepare, read_config, read_safetensors
 from mlx_flashnorm.shard import split
 

@@ -9,7 +9,7 @@ import math
 import mlx.core as mx
 import pytest
 from conftest import cli
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
+from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
 from mlx_lm.sample_utils import make_logits_processors
 
 from mlx_flashnorm import chat, load

@@ -14,7 +14,6 @@ import mlx.nn as mlx_nn
 import pytest
 
 from mlx_flashnorm import forms, kernels
-from mlx_flashnorm import nn as fnn
 from mlx_flashnorm.kernels import attention, build, matvec, normalize, nvrtc, scale
 from mlx_flashnorm.kernels import rope as rope_kernel
 from mlx_flashnorm.kernels import check as checks

@@ -10,7 +10,6 @@ import signal
 import struct
 import subprocess
 import sys
-import time
 
 import mlx.core as mx
 import numpy as np

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from mlx_flashnorm import forms
 from mlx_flashnorm import nn as fnn
 from mlx_flashnorm.nn import DyT, LayerNorm, RMSNorm, normalize
 
@@ -305,7 +306,7 @@ def test_fused_residual_stack_equals_naive(n):
 KERNEL_SHAPES = [(1, 1280), (2, 3, 2048), (4, 96), (1, 4096), (2, 10000)]
 
 
-@pytest.mark.parametrize("backend", fnn.available_backends())
+@pytest.mark.parametrize("backend", forms.available_backends())
 def test_backend_path(backend):
     """On a machine without a GPU the only backend is the fallback, and "auto" must pick
     it; with Metal or CUDA the kernel runs on the GPU and must match the fallback:

@@ -7,7 +7,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from conftest import OPENELM_270M, TINY_LLAMA, f32_tol, random_weights, rel
-from mlx_flashnorm import flashnorm, forms, kernels, loader
+from mlx_flashnorm import flashnorm, forms, loader
 from mlx_flashnorm.bench.step_graph import step_ops
 from mlx_flashnorm.generate import generate_step
 
