@@ -39,14 +39,16 @@ for m in ${STEP_KERNELS:-}; do
     python3 -m mlx_flashnorm.bench.step_kernels run --mode "$m" > "$OUT/kernels-$m.csv" 2>&1
   python3 -m mlx_flashnorm.bench.step_kernels summary "$OUT/kernels-$m.csv" 2>&1 | tee "$OUT/kernels-$m.md"
 done
-# an argument starting with "latency " runs python -m mlx_flashnorm.bench.latency with the rest;
+# each argument is one bench run: "ARGS" runs python -m mlx_flashnorm.bench ARGS; "NAME ARGS", with
+# NAME a module of mlx_flashnorm/bench (latency, serve, anatomy, ...), runs that module with ARGS;
 # BENCH_TIMEOUT (seconds, default 300) bounds each bench
 i=0
 for args in "$@"; do
   i=$((i + 1))
   echo "== bench $args"
   module=mlx_flashnorm.bench
-  case "$args" in latency\ *) module=mlx_flashnorm.bench.latency; args=${args#latency } ;; esac
+  first=${args%% *}
+  if [ -f "mlx_flashnorm/bench/$first.py" ]; then module=mlx_flashnorm.bench.$first; args=${args#"$first"}; fi
   eval "timeout ${BENCH_TIMEOUT:-300} python3 -m $module $args --out $OUT/bench$i" > "$OUT/bench$i.log" 2>&1
   grep -E "^\||device|rror" "$OUT/bench$i.log" | tail -40
 done
