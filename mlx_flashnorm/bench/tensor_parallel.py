@@ -6,7 +6,8 @@
 Each rank prints one JSON line: its weights (the bytes of its model's parameters), MLX's peak
 memory after loading and after decoding, its peak resident set (RSS, the process's whole
 footprint: Python, MLX and the libraries included), and the greedy decode speed (tokens/s over
-`--tg` tokens after the first, the compiled step; a warm-up generation first)."""
+`--tg` tokens after the first, the compiled step; a warm-up generation first), and under
+mlx.launch the time of one all-sum of a hidden state (a token costs two a layer)."""
 import argparse
 import json
 import resource
@@ -34,6 +35,20 @@ def decode_tps(model, tokens):
     return tokens / (time.perf_counter() - tic)
 
 
+def all_sum_us(group, size, reps=100):
+    """Microseconds of one all-sum of a float32 vector of `size` (a token's hidden state), after
+    a warm-up; None for one process."""
+    if group is None:
+        return None
+    x = mx.ones((1, 1, size))
+    for _ in range(10):
+        mx.eval(mx.distributed.all_sum(x, group=group))
+    tic = time.perf_counter()
+    for _ in range(reps):
+        mx.eval(mx.distributed.all_sum(x, group=group))
+    return round((time.perf_counter() - tic) / reps * 1e6)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.bench.tensor_parallel", description=__doc__,
                                 formatter_class=HelpFormatter)
@@ -51,7 +66,7 @@ def main(argv=None):
         "norm": args.norm, "weights_mb": round(sum(v.nbytes for _, v in tree_flatten(model.parameters())) / MB, 1),
         "peak_after_load_mb": round(loaded / MB, 1), "peak_mb": round(mx.get_peak_memory() / MB, 1),
         "rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "decode_tps": round(tps, 2)}), flush=True)
+        "decode_tps": round(tps, 2), "all_sum_us": all_sum_us(group, getattr(model.args, "hidden_size", None) or model.args.model_dim)}), flush=True)
 
 
 if __name__ == "__main__":
