@@ -39,13 +39,7 @@ FLASHNORM = fn.Mapping(
 
 
 @dataclass
-class ModelArgs:
-    model_type: str
-    hidden_size: int
-    num_hidden_layers: int
-    intermediate_size: int
-    num_attention_heads: int
-    vocab_size: int
+class ModelArgs(llama.BaseArgs):
     head_dim: int = 256
     num_key_value_heads: Optional[int] = None
     rms_norm_eps: float = 1e-6
@@ -62,14 +56,8 @@ class ModelArgs:
     attn_logit_softcapping: Optional[float] = None
     tie_word_embeddings: bool = True
 
-    @property
-    def context_length(self):
-        return self.max_position_embeddings
-
     def __post_init__(self):
-        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("config.json: num_attention_heads must be a multiple of num_key_value_heads")
+        super().__post_init__()
         if self.layer_types is None:
             self.layer_types = ["full_attention" if (i + 1) % self.sliding_window_pattern == 0
                                 else "sliding_attention" for i in range(self.num_hidden_layers)]

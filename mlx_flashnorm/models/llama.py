@@ -25,13 +25,29 @@ FLASHNORM = fn.Mapping(
 
 
 @dataclass
-class ModelArgs:
+class BaseArgs:
+    """The config.json keys every Llama-like file here reads (llama, qwen2, qwen3 and gemma3 each
+    add their own, with num_key_value_heads and max_position_embeddings), the context length and
+    the check of the KV heads (a subclass's __post_init__ calls this one)."""
     model_type: str
     hidden_size: int
     num_hidden_layers: int
     intermediate_size: int
     num_attention_heads: int
     vocab_size: int
+
+    @property
+    def context_length(self):
+        return self.max_position_embeddings
+
+    def __post_init__(self):
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("config.json: num_attention_heads must be a multiple of num_key_value_heads")
+
+
+@dataclass
+class ModelArgs(BaseArgs):
     rms_norm_eps: float = 1e-6
     head_dim: Optional[int] = None
     num_key_value_heads: Optional[int] = None
@@ -43,34 +59,32 @@ class ModelArgs:
     rope_scaling: Optional[Dict[str, Union[float, str]]] = None
     tie_word_embeddings: bool = True
 
-    @property
-    def context_length(self):
-        return self.max_position_embeddings
-
     def __post_init__(self):
-        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        super().__post_init__()
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("config.json: num_attention_heads must be a multiple of num_key_value_heads")
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, head_dim=None, qkv_bias=None, o_bias=None):
+        """head_dim and the biases (of q/k/v_proj, of o_proj) are args' where not given (Qwen 2's
+        config.json states neither)."""
         super().__init__()
-        dim, h = args.hidden_size, args.head_dim
+        dim, h = args.hidden_size, args.head_dim if head_dim is None else head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, h
         self.scale = h**-0.5
-        bias = args.attention_bias
+        bias = args.attention_bias if qkv_bias is None else qkv_bias
         self.q_proj = nn.Linear(dim, self.n_heads * h, bias=bias)
         self.k_proj = nn.Linear(dim, self.n_kv_heads * h, bias=bias)
         self.v_proj = nn.Linear(dim, self.n_kv_heads * h, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * h, dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * h, dim, bias=bias if o_bias is None else o_bias)
         self.rope = initialize_rope(h, args.rope_theta, args.rope_traditional, args.rope_scaling,
                                     args.max_position_embeddings)
 
     def __call__(self, x, mask=None, cache=None):
         B, L, _ = x.shape
         q, k, v = heads(self, x)  # (B, heads, L, head_dim) each
+        if "q_norm" in self:  # QK-norm (Qwen 3's attention): per head, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
         offset = cache.offset if cache is not None else 0
         q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
         if cache is not None:

@@ -3,36 +3,21 @@ on the q, k and v projections (none on o_proj or the MLP), and tied or untied em
 from dataclasses import dataclass
 from typing import Dict, Optional, Union
 
-import mlx.nn as nn
-from mlx_lm.models.rope_utils import initialize_rope
-
-from .. import flashnorm as fn
 from . import llama
-from ..cache import scaled_dot_product_attention
-from ..concat import heads
 from ..errors import UserError
 
 MODEL_TYPES = ("qwen2",)
 GGUF_ARCHITECTURE = "qwen2"  # llama.cpp's name (from_gguf below)
 
-# FlashNorm on this architecture: both pre-norms go (input_layernorm folded into q/k/v_proj with
-# Sec. 3; their biases take the deferred 1/RMS before the bias, q/k outside RoPE's cos/sin;
-# post_attention_layernorm into gate/up_proj with Sec. 2.2); the final norm goes into the LM head.
-# No norm is left.
-FLASHNORM = fn.Mapping(
-    pairs=(fn.Pair("input_layernorm", "self_attn", fn.FlashAttention, ("q_proj", "k_proj", "v_proj")),
-           fn.Pair("post_attention_layernorm", "mlp", fn.FlashSwiGLU, ("gate_proj", "up_proj"))),
-    trunk="model", tie_key="tie_word_embeddings")
+# FlashNorm on this architecture: Llama's (both pre-norms go: input_layernorm folded into
+# q/k/v_proj with Sec. 3; their biases take the deferred 1/RMS before the bias, q/k outside RoPE's
+# cos/sin; post_attention_layernorm into gate/up_proj with Sec. 2.2); the final norm goes into the
+# LM head. No norm is left.
+FLASHNORM = llama.FLASHNORM
 
 
 @dataclass
-class ModelArgs:
-    model_type: str
-    hidden_size: int
-    num_hidden_layers: int
-    intermediate_size: int
-    num_attention_heads: int
-    vocab_size: int
+class ModelArgs(llama.BaseArgs):
     num_key_value_heads: Optional[int] = None
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 32768
@@ -43,42 +28,19 @@ class ModelArgs:
     tie_word_embeddings: bool = True
     mlp_bias: bool = False  # llama.MLP's; Qwen's MLP has no biases
 
-    @property
-    def context_length(self):
-        return self.max_position_embeddings
-
     def __post_init__(self):
-        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
-        self.rope_theta = self.rope_theta or 1000000.0
         if self.use_sliding_window:
             raise ValueError("config.json: use_sliding_window=true Qwen 2 variants are not supported")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("config.json: num_attention_heads must be a multiple of num_key_value_heads")
+        super().__post_init__()
+        self.rope_theta = self.rope_theta or 1000000.0
 
 
-class Attention(nn.Module):
+class Attention(llama.Attention):
+    """Llama's, with biases on q/k/v_proj only and head_dim = hidden_size / heads (config.json
+    states neither)."""
+
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        dim = args.hidden_size
-        self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
-        self.head_dim = h = dim // self.n_heads
-        self.scale = h**-0.5
-        self.q_proj = nn.Linear(dim, self.n_heads * h, bias=True)
-        self.k_proj = nn.Linear(dim, self.n_kv_heads * h, bias=True)
-        self.v_proj = nn.Linear(dim, self.n_kv_heads * h, bias=True)
-        self.o_proj = nn.Linear(self.n_heads * h, dim, bias=False)
-        self.rope = initialize_rope(h, args.rope_theta, args.rope_traditional, args.rope_scaling,
-                                    args.max_position_embeddings)
-
-    def __call__(self, x, mask=None, cache=None):
-        B, L, _ = x.shape
-        q, k, v = heads(self, x)  # (B, heads, L, head_dim) each
-        offset = cache.offset if cache is not None else 0
-        q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        o = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
-        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        super().__init__(args, args.hidden_size // args.num_attention_heads, qkv_bias=True, o_bias=False)
 
 
 class Model(llama.Model):

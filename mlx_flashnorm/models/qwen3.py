@@ -4,13 +4,8 @@ head_dim, optional attention biases and tied embeddings."""
 from dataclasses import dataclass
 from typing import Dict, Optional, Union
 
-import mlx.nn as nn
-from mlx_lm.models.rope_utils import initialize_rope
-
 from .. import flashnorm as fn
 from . import llama, qwen2
-from ..cache import scaled_dot_product_attention
-from ..concat import heads
 from ..nn import RMSNorm
 
 MODEL_TYPES = ("qwen3",)
@@ -27,13 +22,7 @@ FLASHNORM = fn.Mapping(
 
 
 @dataclass
-class ModelArgs:
-    model_type: str
-    hidden_size: int
-    num_hidden_layers: int
-    intermediate_size: int
-    num_attention_heads: int
-    vocab_size: int
+class ModelArgs(llama.BaseArgs):
     num_key_value_heads: Optional[int] = None
     head_dim: int = 128
     rms_norm_eps: float = 1e-6
@@ -43,42 +32,20 @@ class ModelArgs:
     rope_scaling: Optional[Dict[str, Union[float, str]]] = None
     tie_word_embeddings: bool = True
     mlp_bias: bool = False  # llama.MLP's; Qwen's MLP has no biases
-
-    @property
-    def context_length(self):
-        return self.max_position_embeddings
+    rope_traditional = False  # llama.Attention's; not a field (no annotation): not read from config.json
 
     def __post_init__(self):
-        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        super().__post_init__()
         self.rope_theta = self.rope_theta or 10000.0
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("config.json: num_attention_heads must be a multiple of num_key_value_heads")
 
 
-class Attention(nn.Module):
+class Attention(llama.Attention):
+    """Llama's, with per-head QK-RMSNorm (q_norm/k_norm over head_dim, before RoPE)."""
+
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        dim, h, bias = args.hidden_size, args.head_dim, args.attention_bias
-        self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, h
-        self.scale = h**-0.5
-        self.q_proj = nn.Linear(dim, self.n_heads * h, bias=bias)
-        self.k_proj = nn.Linear(dim, self.n_kv_heads * h, bias=bias)
-        self.v_proj = nn.Linear(dim, self.n_kv_heads * h, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * h, dim, bias=bias)
-        self.q_norm = RMSNorm(h, eps=args.rms_norm_eps)
-        self.k_norm = RMSNorm(h, eps=args.rms_norm_eps)
-        self.rope = initialize_rope(h, args.rope_theta, False, args.rope_scaling, args.max_position_embeddings)
-
-    def __call__(self, x, mask=None, cache=None):
-        B, L, _ = x.shape
-        q, k, v = heads(self, x)  # (B, heads, L, head_dim) each
-        q, k = self.q_norm(q), self.k_norm(k)
-        offset = cache.offset if cache is not None else 0
-        q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        o = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
-        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        super().__init__(args)
+        self.q_norm = RMSNorm(args.head_dim, eps=args.rms_norm_eps)
+        self.k_norm = RMSNorm(args.head_dim, eps=args.rms_norm_eps)
 
 
 class Model(llama.Model):
