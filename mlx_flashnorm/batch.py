@@ -19,7 +19,6 @@ go).
 The engine is synchronous (BatchEngine.step); BatchWorker runs one on its own thread for the
 server."""
 import queue
-import threading
 from collections import deque
 from dataclasses import dataclass, field
 from typing import List, NamedTuple, Optional
@@ -30,9 +29,8 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from . import forms
 from .generate import cache_capacity, compiled_decode, context_length, decode_offset, make_sampler_for, position
-from .loader import materialize
 from .prompt_cache import PromptCache
-from .worker import Ticket, token_of
+from .worker import Ticket, serve_on_thread, token_of
 
 
 @dataclass(eq=False)
@@ -322,11 +320,7 @@ class BatchWorker:
         self.engine = BatchEngine(model, max_batch, prefill_step, cache)
         self.stop_tokens = frozenset(tokenizer.eos_token_ids)
         self.inbox = queue.Queue()
-        materialize(model)  # lazy arrays evaluate on the thread that made them: this one
-        started = queue.Queue()
-        threading.Thread(target=self._serve, args=(warm, started), daemon=True).start()
-        if (error := started.get()) is not None:
-            raise error
+        serve_on_thread(model, self._serve, self.engine.warmup if warm else None)
 
     def submit(self, generation):
         ticket = Ticket(generation)
@@ -342,13 +336,7 @@ class BatchWorker:
         return Request(g.tokens, g.max_tokens, g.temp, g.top_p, g.top_k, g.min_p, g.seed, self.stop_tokens,
                        g.logits_processors(), ticket=ticket)
 
-    def _serve(self, warm, started):
-        try:
-            if warm:
-                self.engine.warmup()
-        except Exception as e:
-            return started.put(e)
-        started.put(None)
+    def _serve(self):
         while True:
             self._admit(block=not self.engine.busy)
             for r in self.engine.requests():

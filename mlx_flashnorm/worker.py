@@ -91,6 +91,28 @@ def token_of(r, top_logprobs):
     return Token(r.token, r.finish_reason, float(lp[r.token]), [(int(i), float(lp[i])) for i in top])
 
 
+def serve_on_thread(model, serve, warm_up=None):
+    """Run serve() on a new daemon thread, after warm_up() there (None: no warm-up); return once the
+    warm-up is done, raising its exception here. The model's arrays are evaluated first, on this
+    thread (lazy arrays evaluate on the thread that made them); MLX streams belong to their thread,
+    so the model then runs on the new one's."""
+    materialize(model)
+    started = queue.Queue()
+
+    def warm_then_serve():
+        try:
+            if warm_up is not None:
+                warm_up()
+        except Exception as e:
+            return started.put(e)
+        started.put(None)
+        serve()
+
+    threading.Thread(target=warm_then_serve, daemon=True).start()
+    if (error := started.get()) is not None:
+        raise error
+
+
 class SerialWorker:
     """One thread runs the model, one request at a time, taking them from a queue in order, so
     requests never share a cache or interleave their steps. MLX streams belong to their thread, so
@@ -102,11 +124,7 @@ class SerialWorker:
         thread, so a warm-up on another thread would not serve it); its exception is raised here."""
         self.model, self.tokenizer = model, tokenizer
         self.queue = queue.Queue()
-        materialize(model)  # lazy arrays evaluate on the thread that made them: this one
-        started = queue.Queue()
-        threading.Thread(target=self._serve, args=(warm, started), daemon=True).start()
-        if (error := started.get()) is not None:
-            raise error
+        serve_on_thread(model, self._serve, (lambda: warmup(model)) if warm else None)
 
     def submit(self, generation):
         ticket = Ticket(generation)
@@ -120,13 +138,7 @@ class SerialWorker:
                                  logits_processors=g.logits_processors()):
             yield token_of(r, g.top_logprobs)
 
-    def _serve(self, warm, started):
-        try:
-            if warm:
-                warmup(self.model)
-        except Exception as e:
-            return started.put(e)
-        started.put(None)
+    def _serve(self):
         while True:
             ticket = self.queue.get()
             if ticket.cancelled:
