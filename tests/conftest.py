@@ -4,6 +4,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 # float32 comparisons in float32: MLX's CUDA matmuls otherwise run float32 as TF32 (10-bit mantissa),
@@ -15,31 +17,10 @@ import mlx.core as mx  # noqa: E402
 import pytest
 from mlx.utils import tree_flatten
 
-# apple/OpenELM-270M config.json (the keys our loader and mlx-lm read).
-OPENELM_270M = {
-    "model_type": "openelm",
-    "model_dim": 1280,
-    "num_transformer_layers": 16,
-    "head_dim": 64,
-    "num_query_heads": [12, 12, 12, 12, 12, 16, 16, 16, 16, 16, 16, 16, 20, 20, 20, 20],
-    "num_kv_heads": [3, 3, 3, 3, 3, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5],
-    "ffn_multipliers": [0.5, 0.73, 0.97, 1.2, 1.43, 1.67, 1.9, 2.13, 2.37, 2.6, 2.83, 3.07, 3.3, 3.53,
-                        3.77, 4.0],
-    "ffn_dim_divisor": 256,
-    "ffn_with_glu": True,
-    "normalize_qk_projections": True,
-    "share_input_output_layers": True,
-    "rope_freq_constant": 10000,
-    "rope_max_length": 4096,
-    "max_context_length": 2048,
-    "vocab_size": 32000,
-    "qkv_multipliers": [0.5, 1.0],
-    "num_gqa_groups": 4,
-    "normalization_layer_name": "rms_norm",
-    "activation_fn_name": "swish",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
+from mlx_flashnorm.bench import decode
+
+# apple/OpenELM-270M config.json (the keys our loader and mlx-lm read; the bench's), with its token ids.
+OPENELM_270M = dict(decode.OPENELM_270M, bos_token_id=1, eos_token_id=2)
 
 TINY_LLAMA = {
     "model_type": "llama",
@@ -90,6 +71,16 @@ def random_weights(model, seed=0, scale=0.02):
     return weights
 
 
+def random_model(config, norm):
+    """A model of config with random weights, prepared with norm (mlx_flashnorm.loader.prepare): the
+    weights larger than a checkpoint's (scale 0.2) spread the logits out, so greedy picks are decisive."""
+    from mlx_flashnorm.loader import build_model, model_args, prepare
+
+    arch, args = model_args(config)
+    return prepare(build_model(config, random_weights(arch.Model(args), seed=1, scale=0.2), progress=False),
+                   norm=norm)
+
+
 def count_traces(model, monkeypatch):
     """A list that grows by one each time the decode step is traced: the one time the model runs
     a step with an array offset (compiled_decode) in Python, on any thread."""
@@ -129,6 +120,28 @@ def cli(*args, env=None, stdin=None):
     full_env = dict(os.environ, **(env or {}))
     return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=600,
                           env=full_env, input=stdin)
+
+
+@contextmanager
+def serving(server):
+    """server (an mlx_flashnorm.server.Server) answering on a daemon thread for the with block;
+    shut down, closed and its thread joined after it."""
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=30)
+
+
+def openai_client(server):
+    """The official openai client for a serving Server on 127.0.0.1 (no API key, no retries)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="none",
+                         max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="session")

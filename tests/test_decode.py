@@ -15,7 +15,8 @@ from mlx_flashnorm.generate import (StaticKVCache, decode_offset, generate_step,
                                     warmup)
 from mlx_flashnorm.loader import build_model, model_args, prepare
 
-from conftest import GEMMA3, QWEN2, QWEN3, TINY_LLAMA, TINY_OPENELM, count_traces, f32_tol, random_weights
+from conftest import (GEMMA3, QWEN2, QWEN3, TINY_LLAMA, TINY_OPENELM, count_traces, f32_tol, random_model,
+                      random_weights)
 
 CONFIGS = {"llama": TINY_LLAMA, "qwen2": QWEN2, "qwen3": QWEN3, "openelm": TINY_OPENELM,
            "gemma3": dict(GEMMA3, sliding_window=32)}  # 6 of its 7 layers: a window of 32 positions
@@ -33,11 +34,7 @@ RTOL = 1e-4  # float32; the compiled graph fuses element-wise ops, so sums may r
                 ids=lambda p: "-".join(p))
 def model(request):
     name, norm = request.param
-    config = dict(CONFIGS[name], max_position_embeddings=2048, max_context_length=2048)
-    arch, args = model_args(config)
-    # larger weights than a checkpoint's make the logits spread out, so greedy picks are decisive
-    model = build_model(config, random_weights(arch.Model(args), seed=1, scale=0.2), progress=False)
-    return prepare(model, norm=norm)
+    return random_model(dict(CONFIGS[name], max_position_embeddings=2048, max_context_length=2048), norm)
 
 
 def run(model, compiled, sampler=None, length=PROMPT):

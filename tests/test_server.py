@@ -21,7 +21,7 @@ from mlx_flashnorm.openai_api import Call, Transcript
 from mlx_flashnorm.server import Server
 from mlx_flashnorm.worker import Generation, SerialWorker, Token
 
-from conftest import count_traces
+from conftest import count_traces, openai_client, serving
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 GERMANY = [{"role": "user", "content": "What is the capital of Germany?"}]
@@ -45,19 +45,13 @@ class CountingWorker(SerialWorker):
 
 @pytest.fixture(scope="module")
 def server(smollm2):
-    server = Server(*smollm2, "smol", port=0, worker=CountingWorker(*smollm2))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
-    thread.join(timeout=30)
+    with serving(Server(*smollm2, "smol", port=0, worker=CountingWorker(*smollm2))) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="none",
-                         max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 def test_models(client):

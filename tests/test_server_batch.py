@@ -7,7 +7,6 @@ import socket
 import threading
 import time
 
-import openai
 import pytest
 
 from mlx_flashnorm import load
@@ -15,7 +14,7 @@ from mlx_flashnorm.batch import BatchWorker
 from mlx_flashnorm.generate import generate
 from mlx_flashnorm.server import Server
 
-from conftest import cli
+from conftest import cli, openai_client, serving
 
 COUNTING = "1, 2, 3, 4,"  # SmolLM2 counts on for as long as it may
 QUESTIONS = ["What is the capital of France?", "What is the capital of Germany?", "Name a color.",
@@ -36,19 +35,13 @@ class WatchedWorker(BatchWorker):
 
 @pytest.fixture(scope="module")
 def server(smollm2):
-    server = Server(*smollm2, "smol", port=0, worker=WatchedWorker(*smollm2, prompt_cache_bytes=2**26))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
-    thread.join(timeout=30)
+    with serving(Server(*smollm2, "smol", port=0, worker=WatchedWorker(*smollm2, prompt_cache_bytes=2**26))) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="none",
-                         max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 def test_default_worker_batches():

@@ -14,6 +14,8 @@ from mlx_flashnorm.batch import BatchWorker
 from mlx_flashnorm.server import Server
 from mlx_flashnorm.worker import SerialWorker
 
+from conftest import serving
+
 KEY = "test-key-1234"
 ORIGIN = "http://app.example"  # allowed by --cors-origin
 TIMEOUT = 2.0  # seconds: the server's --timeout
@@ -22,14 +24,9 @@ MAX_BODY = 2**18  # bytes: room for JSON nested 100,000 deep
 
 @pytest.fixture(scope="module")
 def server(smollm2):
-    server = Server(*smollm2, "smol", port=0, api_key=KEY, cors_origins=[ORIGIN], max_queue=1,
-                    max_body=MAX_BODY, timeout=TIMEOUT, worker=BatchWorker(*smollm2, max_batch=1))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
-    thread.join(timeout=30)
+    with serving(Server(*smollm2, "smol", port=0, api_key=KEY, cors_origins=[ORIGIN], max_queue=1,
+                        max_body=MAX_BODY, timeout=TIMEOUT, worker=BatchWorker(*smollm2, max_batch=1))) as server:
+        yield server
 
 
 def connect(server, timeout=60):
@@ -276,10 +273,7 @@ class FailingWorker(SerialWorker):
 
 
 def test_a_failing_worker_gets_a_500_and_the_server_goes_on(smollm2):
-    failing = Server(*smollm2, "smol", port=0, worker=FailingWorker(*smollm2))
-    thread = threading.Thread(target=failing.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with serving(Server(*smollm2, "smol", port=0, worker=FailingWorker(*smollm2))) as failing:
         status, _, body = exchange(failing, completion())
         assert status == 500 and body["error"]["message"] == "generation failed: the device fell over"
         with connect(failing) as sock:
@@ -289,7 +283,3 @@ def test_a_failing_worker_gets_a_500_and_the_server_goes_on(smollm2):
                 data += chunk
         assert data.startswith(b"HTTP/1.0 200") and b'data: {"error": {"message": "generation failed' in data
         assert exchange(failing, request("GET", "/health"))[2]["requests"] == 0
-    finally:
-        failing.shutdown()
-        failing.server_close()
-        thread.join(timeout=30)
