@@ -16,6 +16,7 @@ import numpy as np
 
 from . import validate_gguf
 from .errors import UserError
+from .models import GGUF_ARCHITECTURES, llama
 from .pretokenizers import pre_tokenizer
 
 MLX_TYPES = {"F32", "F16", "Q4_0", "Q4_1", "Q8_0"}  # what mx.load reads exactly
@@ -234,12 +235,13 @@ def read_gguf(path, bits=None, group_size=64):
     tensors, meta, dequantized = read_tensors(path, bits, group_size)
     arch = _scalar(meta, "general.architecture", "unknown")
     if arch != "llama":
-        from .models import GGUF_ARCHITECTURES
-
         if arch not in GGUF_ARCHITECTURES:
             raise UserError(f"{path}: GGUF architecture '{arch}' is not supported; GGUF files of "
                             f"{', '.join(['llama', *GGUF_ARCHITECTURES])} load")
-        config, weights = GGUF_ARCHITECTURES[arch].from_gguf(tensors, lambda *a: _scalar(meta, *a))
+        try:
+            config, weights = GGUF_ARCHITECTURES[arch].from_gguf(tensors, lambda *a: _scalar(meta, *a))
+        except UserError as e:
+            raise UserError(f"{path}: {e}") from None
         return _with_quantization(config, weights, group_size if dequantized else 32), weights, meta, dequantized
     p = "llama."
     n_heads = int(_scalar(meta, p + "attention.head_count"))
@@ -262,12 +264,11 @@ def read_gguf(path, bits=None, group_size=64):
         "bos_token_id": _scalar(meta, "tokenizer.ggml.bos_token_id", -1),
         "eos_token_id": _scalar(meta, "tokenizer.ggml.eos_token_id", -1),
     }
-    scaling = _scalar(meta, p + "rope.scaling.type", "none")
-    if scaling == "linear":
-        config["rope_scaling"] = {"rope_type": "linear", "factor": float(_scalar(meta, p + "rope.scaling.factor"))}
-    elif scaling != "none" or "rope_freqs.weight" in tensors:
-        raise UserError(f"{path}: GGUF RoPE scaling '{'llama3 (rope_freqs)' if scaling == 'none' else scaling}' "
-                        "is not supported; use the model's Hugging Face checkpoint")
+    try:
+        if scaling := llama.gguf_rope_scaling(lambda *a: _scalar(meta, *a), "llama", "rope_freqs.weight" in tensors):
+            config["rope_scaling"] = scaling
+    except UserError as e:
+        raise UserError(f"{path}: {e}") from None
     weights = {}
     for name, w in tensors.items():
         hf = _hf_name(name)

@@ -12,6 +12,7 @@ from mlx_flashnorm import load  # noqa: E402
 from mlx_flashnorm.errors import UserError  # noqa: E402
 from mlx_flashnorm.gguf import _unpermute_rows, read_gguf, read_tensors  # noqa: E402
 from mlx_flashnorm.loader import build_model, model_args  # noqa: E402
+from mlx_flashnorm.models import GGUF_ARCHITECTURES  # noqa: E402
 
 # k-quants need rows that are multiples of 256 values.
 CONFIG = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2, "intermediate_size": 512,
@@ -187,3 +188,17 @@ def test_linear_rope_scaling_is_read(tmp_path):
     write_llama_gguf(path, lambda name: T.F32, metadata=[("add_rope_scaling_type", gguf.RopeScalingType.YARN)])
     with pytest.raises(UserError, match="GGUF RoPE scaling 'yarn' is not supported"):
         read_gguf(path)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen2", "qwen3"])
+def test_unsupported_rope_scaling_is_refused_for_every_architecture(arch):
+    """A RoPE scaling other than linear is an error, not a model computing with unscaled positions
+    (Gemma 3's mapping ignored it)."""
+    meta = {f"{arch}.{k}": v for k, v in dict(embedding_length=64, block_count=2, feed_forward_length=128,
+                                                **{"attention.head_count": 4, "rope.scaling.type": "yarn"}).items()}
+    tensors = {"token_embd.weight": mx.zeros((8, 64))}
+    with pytest.raises(UserError, match=f"GGUF RoPE scaling 'yarn' is not supported for {arch}"):
+        GGUF_ARCHITECTURES[arch].from_gguf(tensors, lambda key, default=None: meta.get(key, default))
+    meta[f"{arch}.rope.scaling.type"], meta[f"{arch}.rope.scaling.factor"] = "linear", 8.0
+    config, _ = GGUF_ARCHITECTURES[arch].from_gguf(tensors, lambda key, default=None: meta.get(key, default))
+    assert config["rope_scaling"] == {"rope_type": "linear", "factor": 8.0}

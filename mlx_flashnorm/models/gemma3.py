@@ -240,8 +240,8 @@ def from_gguf(tensors, scalar):
         "bos_token_id": scalar("tokenizer.ggml.bos_token_id", -1),
         "eos_token_id": scalar("tokenizer.ggml.eos_token_id", -1),
     }
-    if scalar(p + "rope.scaling.type", "none") == "linear":
-        config["rope_scaling"] = {"rope_type": "linear", "factor": float(scalar(p + "rope.scaling.factor"))}
+    if scaling := llama.gguf_rope_scaling(scalar, "gemma3"):
+        config["rope_scaling"] = scaling
     weights = {}
     for name, w in tensors.items():
         parts = name.split(".")

@@ -11,6 +11,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 from .. import flashnorm as fn
 from ..cache import scaled_dot_product_attention
 from ..concat import heads, project
+from ..errors import UserError
 from ..nn import RMSNorm
 
 MODEL_TYPES = ("llama", "mistral")  # config.json model_type values this file serves
@@ -173,3 +174,17 @@ class Model(nn.Module):
         if self.args.tie_word_embeddings:
             weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
         return weights
+
+
+def gguf_rope_scaling(scalar, arch, llama3_table=False):
+    """config.json's rope_scaling from a GGUF's `ARCH.rope.scaling.*` metadata (scalar(key, default)
+    reads a value): None or linear. Any other type (yarn, longrope), or llama3's frequency table
+    (llama3_table: the file holds rope_freqs.weight), is a UserError rather than a model that
+    would silently compute with unscaled positions."""
+    scaling = scalar(f"{arch}.rope.scaling.type", "none")
+    if scaling == "linear":
+        return {"rope_type": "linear", "factor": float(scalar(f"{arch}.rope.scaling.factor"))}
+    if scaling == "none" and not llama3_table:
+        return None
+    raise UserError(f"GGUF RoPE scaling '{'llama3 (rope_freqs)' if scaling == 'none' else scaling}' is not "
+                    f"supported for {arch}; use the model's Hugging Face checkpoint")

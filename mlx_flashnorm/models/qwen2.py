@@ -80,12 +80,8 @@ def gguf_config(tensors, scalar, arch):
         "bos_token_id": scalar("tokenizer.ggml.bos_token_id", -1),
         "eos_token_id": scalar("tokenizer.ggml.eos_token_id", -1),
     }
-    scaling = scalar(p + "rope.scaling.type", "none")
-    if scaling == "linear":
-        config["rope_scaling"] = {"rope_type": "linear", "factor": float(scalar(p + "rope.scaling.factor"))}
-    elif scaling != "none":
-        raise UserError(f"GGUF RoPE scaling '{scaling}' is not supported for {arch}; use the model's "
-                         "Hugging Face checkpoint")
+    if scaling := llama.gguf_rope_scaling(scalar, arch):
+        config["rope_scaling"] = scaling
     return config
 
 
