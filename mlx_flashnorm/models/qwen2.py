@@ -4,7 +4,6 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Union
 
 from . import llama
-from ..errors import UserError
 
 MODEL_TYPES = ("qwen2",)
 GGUF_ARCHITECTURE = "qwen2"  # llama.cpp's name (from_gguf below)
