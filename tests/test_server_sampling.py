@@ -1,18 +1,16 @@
 """The server's sampling fields against mlx-lm's generate_step (eager, over its growing KVCache) on
 the embedded SmolLM2, greedy: logprobs/top_logprobs are the log-softmax of the model's logits, and
 the penalties and logit bias act as mlx-lm's logits processors do."""
-import threading
 
 import mlx.core as mx
 import numpy as np
-import openai
 import pytest
 from mlx_lm.generate import generate_step as mlx_lm_generate_step
 from mlx_lm.sample_utils import make_logits_processors
 
 from mlx_flashnorm.server import Server
 
-from conftest import f32_tol
+from conftest import f32_tol, openai_client, serving
 
 COUNTING = "1, 2, 3, 4,"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -22,14 +20,8 @@ STEPS = 6
 
 @pytest.fixture(scope="module")
 def client(smollm2):
-    server = Server(*smollm2, "smol", port=0)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="none",
-                        max_retries=0, timeout=120)
-    server.shutdown()
-    server.server_close()
-    thread.join(timeout=30)
+    with serving(Server(*smollm2, "smol", port=0)) as server:
+        yield openai_client(server)
 
 
 def reference(model, tokenizer, prompt, steps, processors=None):
