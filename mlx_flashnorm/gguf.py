@@ -190,19 +190,6 @@ def _check_readable(path, name, qtype):
                         "(the gguf package does not decode it); use a file of another type "
                         "(e.g. Q4_K_M, Q8_0)")
 
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
 
 def _scalar(meta, key, default=None):
     if key not in meta:
@@ -211,14 +198,6 @@ def _scalar(meta, key, default=None):
         return default
     v = meta[key]
     return v.item() if hasattr(v, "item") else v
-
-
-def _hf_name(name):
-    parts = name.split(".")
-    if parts[0] == "blk":
-        base = f"model.layers.{parts[1]}.{_LAYER_NAMES.get(parts[2], parts[2])}"
-        return ".".join([base] + parts[3:])
-    return ".".join([_TOP_NAMES.get(parts[0], parts[0])] + parts[1:])
 
 
 def _unpermute_rows(w, n_heads):
@@ -271,7 +250,7 @@ def read_gguf(path, bits=None, group_size=64):
         raise UserError(f"{path}: {e}") from None
     weights = {}
     for name, w in tensors.items():
-        hf = _hf_name(name)
+        hf = llama.gguf_name(name)
         if ".q_proj." in hf:
             w = _unpermute_rows(w, n_heads)
         elif ".k_proj." in hf:

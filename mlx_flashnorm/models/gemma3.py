@@ -208,7 +208,6 @@ _GGUF_LAYER_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "post_ffw_norm": "post_feedforward_layernorm",
 }
-_GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
 def from_gguf(tensors, scalar):
@@ -244,12 +243,7 @@ def from_gguf(tensors, scalar):
         config["rope_scaling"] = scaling
     weights = {}
     for name, w in tensors.items():
-        parts = name.split(".")
-        if parts[0] == "blk":
-            hf = f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES.get(parts[2], parts[2])}"
-            hf = ".".join([hf] + parts[3:])
-        else:
-            hf = ".".join([_GGUF_TOP_NAMES.get(parts[0], parts[0])] + parts[1:])
+        hf = llama.gguf_name(name, _GGUF_LAYER_NAMES)
         if hf.endswith("norm.weight"):
             w = (w.astype(mx.float32) - 1.0).astype(w.dtype)
         weights[hf] = w

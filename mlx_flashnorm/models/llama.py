@@ -188,3 +188,23 @@ def gguf_rope_scaling(scalar, arch, llama3_table=False):
         return None
     raise UserError(f"GGUF RoPE scaling '{'llama3 (rope_freqs)' if scaling == 'none' else scaling}' is not "
                     f"supported for {arch}; use the model's Hugging Face checkpoint")
+
+
+# llama.cpp's tensor names -> Hugging Face's, for Llama-like files (Qwen 2/3 share them; q_norm and
+# k_norm are Qwen 3's); gemma3.py passes its own layer table.
+GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def gguf_name(name, layer_names=GGUF_LAYER_NAMES):
+    """A GGUF tensor's Hugging Face name (blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight;
+    the quantized parts .scales/.biases follow their weight)."""
+    parts = name.split(".")
+    if parts[0] == "blk":
+        return ".".join([f"model.layers.{parts[1]}.{layer_names.get(parts[2], parts[2])}"] + parts[3:])
+    return ".".join([GGUF_TOP_NAMES.get(parts[0], parts[0])] + parts[1:])

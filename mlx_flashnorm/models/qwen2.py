@@ -49,16 +49,6 @@ class Model(llama.Model):
     attention = Attention
 
 
-# GGUF (llama.cpp) tensor names -> HF names, for Qwen 2 and Qwen 3 (q_norm/k_norm).
-GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
-GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
-
 def gguf_config(tensors, scalar, arch):
     """The config.json keys Qwen 2 and Qwen 3 share, from a GGUF's metadata under `arch.`. llama.cpp
     keeps Qwen's q/k rows as Hugging Face has them (rotate-half RoPE: nothing to unpermute)."""
@@ -85,16 +75,8 @@ def gguf_config(tensors, scalar, arch):
 
 
 def gguf_weights(tensors):
-    """GGUF tensor names -> HF names (the quantized parts .scales/.biases follow their weight)."""
-    weights = {}
-    for name, w in tensors.items():
-        parts = name.split(".")
-        if parts[0] == "blk":
-            hf = ".".join([f"model.layers.{parts[1]}.{GGUF_LAYER_NAMES.get(parts[2], parts[2])}"] + parts[3:])
-        else:
-            hf = ".".join([GGUF_TOP_NAMES.get(parts[0], parts[0])] + parts[1:])
-        weights[hf] = w
-    return weights
+    """GGUF tensor names -> HF names (llama.gguf_name)."""
+    return {llama.gguf_name(name): w for name, w in tensors.items()}
 
 
 def from_gguf(tensors, scalar):
