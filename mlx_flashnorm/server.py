@@ -12,7 +12,11 @@ one-request path (worker.SerialWorker: our fused kernels where they run, no prom
 Under load: at most the worker's slots plus --max-queue requests are taken at once, the rest get
 503 with Retry-After; a request (headers and body) must arrive within --timeout seconds and be at
 most --max-body bytes; a client that hangs up, streaming or not, is noticed at the next token (or
-within POLL seconds while its request waits) and its request dropped by the worker at its next step."""
+within POLL seconds while its request waits) and its request dropped by the worker at its next step.
+
+Under `mlx.launch -n N` the model is split over the N processes (shard.py): rank 0 serves, one
+request at a time (SerialWorker hands each to the other ranks, whose worker.follow() generates it
+in lockstep), and the other ranks listen on no port."""
 import argparse
 import hmac
 import json
@@ -21,6 +25,7 @@ import queue
 import select
 import signal
 import socket
+import sys
 import threading
 import time
 from http import HTTPStatus
@@ -32,8 +37,9 @@ from .errors import UserError, run_cli
 from .generate import context_length, load_from_args, make_sampler_for
 from .openai_api import Answer, HTTPError, Transcript, bad, parse_call, parse_json
 from .batch import BatchWorker
+from .lockstep import leads
 from .shard import world
-from .worker import SerialWorker
+from .worker import SerialWorker, follow
 
 POLL = 0.1  # seconds between checks that a client waiting for its first token is still there
 RETRY_AFTER = 1  # seconds, in a 503's Retry-After
@@ -149,6 +155,8 @@ class Server(ThreadingHTTPServer):
         super().server_close()
         if hasattr(self, "reaper"):
             self.reaper.stopped.set()
+        if hasattr(getattr(self, "worker", None), "close"):  # (none yet if its start failed)
+            self.worker.close()
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -430,10 +438,14 @@ def main(argv=None):
         raise UserError("--max-queue must be at least 0, --max-body at least 1 and --timeout above 0")
     if args.max_concurrent < 1 or not args.prompt_cache_size >= 0:
         raise UserError("--max-concurrent must be at least 1 and --prompt-cache-size (MB) at least 0")
-    if world() is not None:  # the batched worker has no lockstep with other ranks yet
-        raise UserError("the server does not run under mlx.launch yet: serve from one process "
-                        "(generate, chat and load() run tensor-parallel)")
+    if world() is not None and args.max_concurrent != 1:  # the batched worker keeps no lockstep
+        if leads():
+            print("note: under mlx.launch the server generates one request at a time (--max-concurrent 1)",
+                  file=sys.stderr)
+        args.max_concurrent = 1
     model, tokenizer = load_from_args(args, warm=False)  # the worker thread warms up
+    if not leads():  # under mlx.launch: rank 0 serves, this rank generates its requests with it
+        return follow(model, tokenizer, warm=wants_warmup(args))
     model_id = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
     try:
         server = Server(model, tokenizer, model_id, args.host, args.port, args.max_tokens, args.temp,

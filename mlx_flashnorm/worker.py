@@ -5,11 +5,16 @@ This is the one piece of the server that runs the model. Anything with the same 
 replace SerialWorker (a batching engine, say): `slots` (how many requests it generates at once),
 `submit(generation) -> Ticket`, and tokens put on the ticket as they come. The server counts
 requests against slots for its queue limit, cancels the ticket of a client that hangs up, and turns
-tokens into text, stop strings and log-probabilities itself."""
+tokens into text, stop strings and log-probabilities itself.
+
+Under `mlx.launch -n N` (a tensor-parallel model, shard.py) rank 0 serves with a SerialWorker, which
+hands each request to the other ranks (lockstep.broadcast); each of them runs follow(), generating
+the same requests step for step (lockstep.lockstep), until rank 0's worker closes."""
 import queue
+import random
 import threading
 from contextlib import closing
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
 import mlx.core as mx
@@ -18,6 +23,8 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from .generate import stream_generate, warmup
 from .loader import materialize
+from .lockstep import broadcast, lockstep
+from .shard import world
 
 
 @dataclass
@@ -35,6 +42,22 @@ class Generation:
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[dict] = None  # token id -> added to its logit
     top_logprobs: Optional[int] = None  # None: no log-probabilities; k: the chosen token's and k likeliest
+
+    @classmethod
+    def shared(cls, generation=None):
+        """Rank 0's generation on every rank (lockstep.broadcast; None once rank 0's worker closes);
+        the followers pass nothing. Rank 0 draws a seed for a request without one (each process,
+        and each thread, has its own random state); alone, the generation as it is."""
+        if world() is None:
+            return generation
+        if generation is not None and generation.seed is None:
+            generation = replace(generation, seed=random.SystemRandom().randrange(2**63))
+        d = broadcast(None if generation is None else asdict(generation))
+        if d is None:
+            return None
+        if d["logit_bias"] is not None:  # JSON made its token ids strings
+            d["logit_bias"] = {int(k): v for k, v in d["logit_bias"].items()}
+        return cls(**d)
 
     def logits_processors(self):
         """mlx-lm's processors for the penalties and logit bias (each penalty over the last 20 tokens,
@@ -124,6 +147,7 @@ class SerialWorker:
         thread, so a warm-up on another thread would not serve it); its exception is raised here."""
         self.model, self.tokenizer = model, tokenizer
         self.queue = queue.Queue()
+        self.closed = threading.Event()
         serve_on_thread(model, self._serve, (lambda: warmup(model)) if warm else None)
 
     def submit(self, generation):
@@ -131,20 +155,27 @@ class SerialWorker:
         self.queue.put(ticket)
         return ticket
 
+    def close(self, timeout=30):
+        """Stop the worker after the request it generates; under mlx.launch the other ranks' follow()
+        ends too (waited for up to timeout seconds)."""
+        self.queue.put(None)
+        if world() is not None:
+            self.closed.wait(timeout)
+
     def tokens(self, g):
         """Yield g's Tokens: the request's whole generation, on the worker thread."""
-        for r in stream_generate(self.model, self.tokenizer, g.tokens, g.max_tokens, temp=g.temp,
-                                 top_p=g.top_p, top_k=g.top_k, min_p=g.min_p, seed=g.seed,
-                                 logits_processors=g.logits_processors()):
-            yield token_of(r, g.top_logprobs)
+        return tokens(self.model, self.tokenizer, g)
 
     def _serve(self):
         while True:
             ticket = self.queue.get()
+            if ticket is None:
+                Generation.shared(None)
+                return self.closed.set()
             if ticket.cancelled:
                 continue
             try:
-                with closing(self.tokens(ticket.generation)) as tokens:
+                with closing(self.tokens(Generation.shared(ticket.generation))) as tokens:
                     for token in tokens:
                         if ticket.cancelled:
                             break
@@ -153,3 +184,23 @@ class SerialWorker:
             except Exception as e:  # handed to the request's thread, which answers with an error
                 ticket.put(e)
             mx.synchronize()  # the step queued ahead: work left pending on a thread's streams aborts at exit
+
+
+def tokens(model, tokenizer, g):
+    """Yield Generation g's Tokens (under mlx.launch in lockstep with the other ranks: a consumer
+    that stops stops them all)."""
+    with closing(lockstep(stream_generate(model, tokenizer, g.tokens, g.max_tokens, temp=g.temp, top_p=g.top_p,
+                                          top_k=g.top_k, min_p=g.min_p, seed=g.seed,
+                                          logits_processors=g.logits_processors()))) as responses:
+        for r in responses:
+            yield token_of(r, g.top_logprobs)
+
+
+def follow(model, tokenizer, warm=False):
+    """A follower rank of a server under mlx.launch: rank 0's warm-up (warm) and then each request
+    its SerialWorker hands on, generated in lockstep with it, until that worker closes."""
+    if warm:
+        warmup(model)
+    while (g := Generation.shared()) is not None:
+        for _ in tokens(model, tokenizer, g):
+            pass

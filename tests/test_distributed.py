@@ -3,20 +3,24 @@
 process first, module by module (the ranks' partial outputs summed by hand)."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import mlx.core as mx
+import openai
 import pytest
 
 from mlx_flashnorm import flashnorm, load
 from mlx_flashnorm.chat import Chat
 from mlx_flashnorm.errors import UserError
+from mlx_flashnorm.server import Server
 from mlx_flashnorm.loader import build_model, prepare, read_config, read_safetensors
 from mlx_flashnorm.shard import split
 
-from conftest import GEMMA3, QWEN2, QWEN3, TINY_LLAMA, TINY_OPENELM, make_checkpoint, rel
+from conftest import GEMMA3, QWEN2, QWEN3, TINY_LLAMA, TINY_OPENELM, make_checkpoint, openai_client, rel, serving
 
 ROOT = Path(__file__).resolve().parent.parent
 TOL = 2e-5  # float32: the ranks' partial sums add in another order than one matmul's
@@ -168,16 +172,41 @@ def test_three_processes_run_the_embedded_smollm2(tmp_path):
         assert got["n_heads"] == [3] * 30
 
 
+def ask(client):
+    """A greedy chat answer of 5 tokens."""
+    return client.chat.completions.create(model="m", messages=[{"role": "user", "content": "w1 w2"}],
+                                          max_tokens=5).choices[0].message.content
+
+
 def test_server_and_chat_under_mlx_launch(checkpoints, tmp_path):
-    """`server` under mlx.launch -n 2 refuses with one line (its batched worker keeps no lockstep
-    with other ranks yet); `chat` under -n 2: rank 0 reads the lines and prints the replies once,
-    as one process does."""
+    """`server` under mlx.launch -n 2: rank 0 serves (the other rank listens nowhere), a greedy
+    answer is one process's, a streamed request whose client hangs up after its first chunk stops
+    both ranks' generation (the next request is answered as before), and Ctrl-C ends every rank
+    quietly. `chat` under -n 2: rank 0 reads the lines and prints the replies once, as one process
+    does."""
     folder = checkpoints["llama"]
     model, tok = load(folder, distributed=False)
-    served = run_launch(2, "-m", "mlx_flashnorm.server", "--model", str(folder), "--port", "0")
-    # (the launcher's own exit code does not tell: it ended 0 with a rank that exited 2)
-    assert "error: the server does not run under mlx.launch yet" in served.stderr
-    assert "Traceback" not in served.stderr and "serving" not in served.stdout
+    with serving(Server(model, tok, "m", port=0, max_concurrent=1)) as alone:  # one process's answer
+        want = ask(openai_client(alone))
+    cmd, env = launch(2, "-m", "mlx_flashnorm.server", "--model", str(folder), "--port", "0")
+    server = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True)
+    try:
+        line = server.stdout.readline()
+        assert line.startswith("serving "), line + server.stderr.read()
+        url = line.split()[-1]
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
+        assert ask(client) == want
+        stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "w3"}],
+                                                max_tokens=50, stream=True)
+        next(iter(stream))
+        stream.close()  # hangs up: rank 0 stops, and rank 1 with it
+        assert ask(client) == want
+        assert urllib.request.urlopen(url.replace("/v1", "/health"), timeout=30).status == 200
+    finally:
+        os.killpg(server.pid, signal.SIGINT)  # Ctrl-C in a terminal reaches every process
+        _, err = server.communicate(timeout=60)
+    assert "mlx_flashnorm" not in err, err[-3000:]  # no traceback of ours (mlx.launch prints its own)
 
     chat = Chat(model, tok, max_tokens=5)
     want = "".join(f"{''.join(chat.reply(line))}\n" for line in ("w1 w2", "w3"))
