@@ -11,8 +11,12 @@ Each attention's heads and each FFN's hidden columns are split over the ranks:
 - row-parallel (split + connect): o_proj/out_proj, down_proj/proj_2 keep their input columns of
   the same share and sum their partial products over the ranks (all_sum) before any deferred
   scale and bias, which are applied once, after the sum.
-The attention modules' n_heads and n_kv_heads become the local counts. The embedding, the LM
-head and every norm stay whole: the residual stream is full on every rank.
+The attention modules' n_heads and n_kv_heads become the local counts. Every norm stays whole:
+the residual stream is full on every rank. Where the vocabulary divides over the ranks, the
+embedding and an untied LM head are split by vocabulary rows too (vocab-parallel): a rank looks up
+the tokens of its rows and the ranks sum the lookups (the others add zeros: exact), and each rank
+computes its rows' logits, gathered in rank order (a tied head is the embedding's as_linear); so a
+rank holds about 1/N of all the weights, not only of the blocks'.
 
 FlashNorm needs nothing more: the deferred 1/RMS is one scalar per token, computed from the full
 residual stream that every rank holds, so the column-parallel shards apply it locally, and the
@@ -146,6 +150,12 @@ def split(model, rank, size, group_size=None):
             split_attention(m, rank, size, path, group_size)
         elif "down_proj" in m or "proj_2" in m:
             split_ffn(m, rank, size, path, group_size)
+    vocab = model.args.vocab_size
+    if vocab % size == 0 and model.embed_tokens["weight"].shape[0] == vocab:
+        rows = [(rank * vocab // size, vocab // size)]
+        _rows(model.embed_tokens, rows)
+        if "lm_head" in model:
+            _rows(model.lm_head, rows)
     return model
 
 
@@ -177,14 +187,62 @@ def all_sum_linear(linear, group):
     return linear
 
 
+def gathered(y, group):
+    """The whole last axis of y from each rank's slice of it, in rank order."""
+    return mx.moveaxis(mx.distributed.all_gather(mx.moveaxis(y, -1, 0), group=group), 0, -1)
+
+
+class _VocabRows:
+    """An embedding holding the vocabulary rows [start, start + its rows): a lookup of the tokens
+    outside them gives zeros, and the ranks' lookups are summed; as a linear (a tied head) it gives
+    its rows' logits, gathered from every rank."""
+
+    group, start = None, 0
+
+    def __call__(self, x):
+        local = x - self.start
+        inside = (local >= 0) & (local < self["weight"].shape[0])
+        h = super().__call__(mx.where(inside, local, 0))
+        return mx.distributed.all_sum(mx.where(inside[..., None], h, 0), group=self.group)
+
+    def as_linear(self, x):
+        return gathered(super().as_linear(x), self.group)
+
+
+@lru_cache(maxsize=None)
+def _vocab_rows_class(cls):
+    """cls (nn.Embedding, nn.QuantizedEmbedding or the CPU's kernels.QuantizedEmbedding) holding
+    vocabulary rows."""
+    return type(f"VocabRows{cls.__name__}", (_VocabRows, cls), {})
+
+
+class GatheredHead(nn.Module):
+    """An untied LM head holding the vocabulary rows of its rank: its logits gathered from every rank."""
+
+    def __init__(self, head, group):
+        super().__init__()
+        self.head, self.group = head, group
+
+    def __call__(self, x):
+        return gathered(self.head(x), self.group)
+
+
 def connect(model, group):
-    """Make every row-parallel linear (ROW) of a split model sum over group, in place, and seed
-    every rank's random generator with rank 0's seed: the logits are the same on every rank (the
-    sums are), so sampling then draws the same tokens everywhere. Returns the model."""
+    """Make every row-parallel linear (ROW) of a split model sum over group, a vocab-split
+    embedding and LM head gather over it, in place, and seed every rank's random generator with
+    rank 0's seed: the logits are the same on every rank (the sums are), so sampling then draws the
+    same tokens everywhere. Returns the model."""
     for _, m in model.named_modules():
         for name in ROW:
             if name in m and isinstance(m[name], nn.Module) and not isinstance(m[name], _AllSum):
                 m[name] = all_sum_linear(m[name], group)
+    rows, embedding = model.embed_tokens["weight"].shape[0], model.embed_tokens
+    if rows < model.args.vocab_size and not isinstance(embedding, _VocabRows):
+        embedding.__class__ = _vocab_rows_class(type(embedding))
+        embedding.group, embedding.start = group, group.rank() * rows
+        head = model.get("lm_head")
+        if isinstance(head, nn.Module) and "weight" in head and head["weight"].shape[0] == rows:
+            model.lm_head = GatheredHead(head, group)
     seed = mx.random.randint(0, 2**31 - 1, (1,)) if group.rank() == 0 else mx.zeros((1,), mx.int32)
     mx.random.seed(mx.distributed.all_sum(seed.astype(mx.int32), group=group).item())
     return model

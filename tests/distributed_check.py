@@ -19,11 +19,12 @@ from mlx_flashnorm.loader import load
 from mlx_flashnorm.shard import shard, world
 
 
-SPLIT = re.compile(r"(q|k|v|qkv|o|out|gate|up|gate_up|down)_proj\.|proj_[12]\.")  # the split linears
+# the split linears, and the embedding and LM head (split by vocabulary rows)
+SPLIT = re.compile(r"(q|k|v|qkv|o|out|gate|up|gate_up|down)_proj\.|proj_[12]\.|embed_tokens\.|token_embeddings\.|lm_head\.")
 
 
 def split_bytes(model):
-    """The bytes of the split linears' weights (their bias of a row-parallel linear stays whole)."""
+    """The bytes of the split arrays (the bias of a row-parallel linear stays whole)."""
     return sum(v.nbytes for k, v in tree_flatten(model.parameters()) if SPLIT.search(k) and not k.endswith(".bias"))
 
 
@@ -55,6 +56,8 @@ def main():
                 "tokens": tokens, "ref_tokens": ref_tokens,
                 "checksum": mx.sum(logits * mx.arange(logits.size).reshape(logits.shape) % 97).item(),
                 "split_bytes": split_bytes(sharded), "ref_split_bytes": split_bytes(whole),
+                "bytes": sum(v.nbytes for _, v in tree_flatten(sharded.parameters())),
+                "ref_bytes": sum(v.nbytes for _, v in tree_flatten(whole.parameters())),
                 "n_heads": [m.n_heads for _, m in sharded.named_modules() if hasattr(m, "n_heads")],
                 "ref_n_heads": [m.n_heads for _, m in whole.named_modules() if hasattr(m, "n_heads")],
             }

@@ -143,7 +143,8 @@ def launched(checkpoints, tmp_path_factory):
 def test_two_processes_match_one(launched, arch, norm):
     """load() under mlx.launch -n 2: the logits of a prompt within float32 tolerance of one
     process's, bitwise the same on both ranks, the same greedy tokens from the compiled decode
-    loop, and each rank holding exactly half of every split linear's weights; shard.shard on a
+    loop, and each rank holding exactly half of every split linear's weights, the embedding's and
+    the LM head's (about half of all); shard.shard on a
     model loaded whole gives the same logits."""
     rank0, rank1 = (r[f"{arch}/{norm}"] for r in launched)
     assert launched[0]["size"] == 2
@@ -153,13 +154,15 @@ def test_two_processes_match_one(launched, arch, norm):
     assert rank0["tokens"] == rank0["ref_tokens"] == rank1["tokens"]
     assert len(rank0["tokens"]) == NEW
     assert rank0["split_bytes"] * 2 == rank0["ref_split_bytes"] == rank1["split_bytes"] * 2
+    assert rank0["bytes"] < 0.55 * rank0["ref_bytes"]  # the norms (and row-parallel biases) stay whole
     assert [2 * h for h in rank0["n_heads"]] == rank0["ref_n_heads"]
 
 
 def test_three_processes_run_the_embedded_smollm2(tmp_path):
     """The embedded SmolLM2 (Q4_1; 9 heads, 3 KV heads, FFN 1536) over 3 ring processes, flash (on
     its quantized weights, the gain kept on the activations): the same greedy tokens and logits
-    within float32 tolerance of one process, a third of its blocks' weights per rank. (rms takes
+    within float32 tolerance of one process, a third of the weights per rank (blocks, embedding
+    and tied head). (rms takes
     the same split: the architectures' test above runs both; this one is the slowest here.)"""
     p = run_launch(3, str(ROOT / "tests" / "distributed_check.py"), str(tmp_path), "4", "3", "flash",
                    "embedded")
@@ -169,6 +172,7 @@ def test_three_processes_run_the_embedded_smollm2(tmp_path):
         assert got["rel"] < 1e-4, r  # 4-bit weights, float32 activations: 30 layers of sums
         assert got["tokens"] == got["ref_tokens"] and len(got["tokens"]) == 3
         assert got["split_bytes"] * 3 == got["ref_split_bytes"]
+        assert got["bytes"] < 0.34 * got["ref_bytes"]  # a third of all the weights: only norms stay whole
         assert got["n_heads"] == [3] * 30
 
 
