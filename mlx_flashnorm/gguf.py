@@ -11,8 +11,10 @@ them back so the model is an ordinary HF Llama.
 import mmap
 import struct
 
+import gguf
 import mlx.core as mx
 import numpy as np
+from gguf.constants import GGML_QUANT_SIZES
 
 from . import validate_gguf
 from .errors import UserError
@@ -138,8 +140,6 @@ def read_tensors(path, bits=None, group_size=64):
     except (ValueError, struct.error, UnicodeDecodeError) as e:
         raise UserError(f"{path}: cannot read GGUF file ({e}); it is truncated or corrupt")
     validate_gguf.check(header, path)  # the tensor directory and the metadata, before any data
-    import gguf
-
     types = {name: gguf.GGMLQuantizationType(kind).name for name, _, kind, _ in header.tensors}
     if set(types.values()) <= MLX_TYPES:
         try:
@@ -167,8 +167,6 @@ def read_tensors(path, bits=None, group_size=64):
 def _dequantize(header, shape, kind, offset):
     """One tensor as a float32 numpy array (the gguf package decodes the quantized types); its
     byte range was checked by validate_gguf.check."""
-    import gguf
-
     qtype = gguf.GGMLQuantizationType(kind)
     rows = int(np.prod(shape[:-1]))
     raw = np.frombuffer(header.buf, np.uint8, validate_gguf.nbytes(shape, kind), header.data_start + offset)
@@ -178,9 +176,6 @@ def _dequantize(header, shape, kind, offset):
 
 
 def _check_readable(path, name, qtype):
-    import gguf
-    from gguf.constants import GGML_QUANT_SIZES
-
     if qtype.name in _FLOAT_TYPES:
         return
     try:
