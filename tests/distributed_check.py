@@ -5,8 +5,9 @@ decode loop, and the bytes of the weights each form holds; and the logits of the
 split after loading (shard.shard).
 
 usage: distributed_check.py OUT PROMPT_LENGTH NEW_TOKENS NORMS FOLDER... (FOLDER "embedded": the
-embedded SmolLM2)"""
+embedded SmolLM2); the activation dtype is $DTYPE (default: auto, float32 on the CPU)."""
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -30,7 +31,7 @@ def split_bytes(model):
 
 def run(model, prompt, new_tokens):
     logits = model(prompt[None])[0].astype(mx.float32)
-    tokens = [t for t, _ in generate_step(prompt, model, max_tokens=new_tokens)]
+    tokens = [t for t, _ in generate_step(prompt, model, max_tokens=new_tokens)] if new_tokens else []
     return logits, tokens
 
 
@@ -42,14 +43,16 @@ def main():
     for folder in folders:
         for norm in norms:
             path = None if folder == "embedded" else folder
-            sharded, _ = load(path, norm=norm, progress=False)
-            whole, _ = load(path, norm=norm, progress=False, distributed=False)
+            dtype = os.environ.get("DTYPE", "auto")
+            sharded, _ = load(path, norm=norm, dtype=dtype, progress=False)
+            whole, _ = load(path, norm=norm, dtype=dtype, progress=False, distributed=False)
             prompt = mx.arange(3, 3 + length) * 7 % whole.args.vocab_size
             logits, tokens = run(sharded, prompt, new_tokens)
             ref_logits, ref_tokens = run(whole, prompt, new_tokens)
             late_logits = ref_logits  # the embedded model: not loaded a third time
             if path is not None:  # split once loaded
-                late_logits = shard(load(path, norm=norm, progress=False, distributed=False)[0])(prompt[None])[0]
+                late_logits = shard(load(path, norm=norm, dtype=dtype, progress=False,
+                                         distributed=False)[0])(prompt[None])[0].astype(mx.float32)
             results[f"{Path(folder).name}/{norm}"] = {
                 "rel": (mx.abs(logits - ref_logits).max() / mx.abs(ref_logits).max()).item(),
                 "late_rel": (mx.abs(late_logits - ref_logits).max() / mx.abs(ref_logits).max()).item(),

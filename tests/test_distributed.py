@@ -55,16 +55,17 @@ def checkpoints(tmp_path_factory):
     return folders
 
 
-def launch(n, *args, **kwargs):
-    """`mlx.launch -n n --backend ring python args...` from the worktree (its mlx_flashnorm)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+def launch(n, *args, env=None):
+    """`mlx.launch -n n --backend ring python args...` from the worktree (its mlx_flashnorm), with
+    the variables of env added to this process's."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
     cmd = [sys.executable, "-c", "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())",
            "-n", str(n), "--backend", "ring", sys.executable, *args]  # what the mlx.launch script runs
     return cmd, env
 
 
-def run_launch(n, *args, stdin=None, timeout=300):
-    cmd, env = launch(n, *args)
+def run_launch(n, *args, stdin=None, timeout=300, env=None):
+    cmd, env = launch(n, *args, env=env)
     return subprocess.run(cmd, env=env, input=stdin, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
@@ -156,6 +157,24 @@ def test_two_processes_match_one(launched, arch, norm):
     assert rank0["split_bytes"] * 2 == rank0["ref_split_bytes"] == rank1["split_bytes"] * 2
     assert rank0["bytes"] < 0.55 * rank0["ref_bytes"]  # the norms (and row-parallel biases) stay whole
     assert [2 * h for h in rank0["n_heads"]] == rank0["ref_n_heads"]
+
+
+@pytest.mark.parametrize("dtype, tol", [("float16", 2e-2), ("bfloat16", 8e-2)])
+def test_two_processes_in_half_precision(checkpoints, tmp_path, dtype, tol):
+    """The split in half precision (rms and flash, Llama and Gemma 3: the sandwich norms and the
+    scaled embedding): the logits within test_half.py's tolerances (relative to the largest logit)
+    of one process in the same dtype, bitwise the same on both ranks. (MLX emulates half precision
+    on this CPU, and compiles kernels for each dtype and shape on first use: one short prompt's
+    forward pass; the compiled decode loop's split is checked in float32 above.)"""
+    p = run_launch(2, str(ROOT / "tests" / "distributed_check.py"), str(tmp_path), "6", "0", ",".join(NORMS),
+                   str(checkpoints["llama"]), str(checkpoints["gemma3"]), env={"DTYPE": dtype})
+    assert p.returncode == 0, p.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for key in ranks[0]:
+        if key != "size":
+            assert ranks[0][key]["rel"] < tol and ranks[0][key]["late_rel"] < tol, key
+            assert ranks[0][key]["checksum"] == ranks[1][key]["checksum"], key
+            assert ranks[0][key]["rel"] > 0 or dtype == "float32"  # it ran in half precision
 
 
 def test_three_processes_run_the_embedded_smollm2(tmp_path):
