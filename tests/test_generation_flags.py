@@ -8,12 +8,13 @@ import math
 
 import mlx.core as mx
 import pytest
-from conftest import cli
+from conftest import QWEN2, cli
 from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
 from mlx_lm.sample_utils import make_logits_processors
 
 from mlx_flashnorm import chat, load
 from mlx_flashnorm.errors import UserError
+from mlx_flashnorm.loader import model_args
 
 gen = importlib.import_module("mlx_flashnorm.generate")  # the module (the package attribute is the function)
 
@@ -161,3 +162,12 @@ def test_prompt_from_standard_input(tiny_llama_dir):
     assert piped.stdout.split(" tokens,")[0] == given.stdout.split(" tokens,")[0]  # the text, the prompt's size
     empty = cli(*base, "-p", "-", stdin="")
     assert empty.returncode == 2 and "standard input was empty" in empty.stderr
+
+
+def test_kv_group_size_must_divide_a_head_size_the_config_does_not_state():
+    """Qwen 2's config has no head_dim: its head size (hidden / heads = 16 here) is still checked,
+    so --kv-group-size 32 is a one-line error, not mx.quantize's at the first step."""
+    arch, args = model_args(QWEN2)
+    assert getattr(args, "head_dim", None) is None
+    with pytest.raises(UserError, match=r"divide the head size \(16\), not 32"):
+        gen.eager_cache(arch.Model(args), kv_bits=8, kv_group_size=32)

@@ -33,7 +33,6 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
 
 from ..errors import HelpFormatter, UserError, run_cli
 from ..generate import KV_BITS, eager_cache, stream_generate
@@ -82,16 +81,14 @@ class ThroughCache:
 
 
 def kinds(model, bits, group_size):
-    """(label, new_cache) per cache: the float one first (labelled with the dtype its keys get),
-    then one per bit width. The head size is read off a 1-token probe (a config need not state
-    it), so that a group size that does not divide it is a one-line error, not mx.quantize's."""
-    probe = [KVCache() for _ in model.layers]
+    """(label, new_cache) per cache: the float one first (labelled with the dtype its keys get, read
+    off a 1-token probe), then one per bit width. eager_cache checks the group size against the
+    model's head size here, before anything is measured."""
+    probe = eager_cache(model)
     model(mx.array([[0]]), cache=probe)
-    keys = probe[0].keys
-    if keys.shape[-1] % group_size:
-        raise UserError(f"--kv-group-size {group_size} does not divide the model's head size "
-                        f"({keys.shape[-1]}); pass one of {', '.join(map(str, GROUP_SIZES))} that does")
-    out = [(str(keys.dtype).removeprefix("mlx.core."), lambda: eager_cache(model))]
+    for b in bits:
+        eager_cache(model, kv_bits=b, kv_group_size=group_size)
+    out = [(str(probe[0].keys.dtype).removeprefix("mlx.core."), lambda: eager_cache(model))]
     out += [(f"{b}-bit", lambda b=b: eager_cache(model, kv_bits=b, kv_group_size=group_size)) for b in bits]
     return out
 
