@@ -262,8 +262,7 @@ def eager_cache(model, max_kv_size=None, kv_bits=None, kv_group_size=64):
             raise UserError(f"max-kv-size must be at least 8 positions, not {max_kv_size}")
         return [RotatingKVCache(max_size=max_kv_size, keep=4) for _ in model.layers]
     if kv_bits is not None:
-        args = model.args  # Qwen 2's config states no head_dim
-        head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+        head_dim = model.args.head_dim
         if kv_bits not in KV_BITS:
             raise UserError(f"kv-bits must be one of {', '.join(map(str, KV_BITS))}, not {kv_bits}")
         if kv_group_size not in (32, 64, 128) or head_dim % kv_group_size:

@@ -66,11 +66,11 @@ class ModelArgs(BaseArgs):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, head_dim=None, qkv_bias=None, o_bias=None):
-        """head_dim and the biases (of q/k/v_proj, of o_proj) are args' where not given (Qwen 2's
-        config.json states neither)."""
+    def __init__(self, args: ModelArgs, qkv_bias=None, o_bias=None):
+        """The biases (of q/k/v_proj, of o_proj) are args.attention_bias where not given (Qwen 2's
+        config.json does not state them)."""
         super().__init__()
-        dim, h = args.hidden_size, args.head_dim if head_dim is None else head_dim
+        dim, h = args.hidden_size, args.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, h
         self.scale = h**-0.5
         bias = args.attention_bias if qkv_bias is None else qkv_bias

@@ -33,13 +33,16 @@ class ModelArgs(llama.BaseArgs):
         super().__post_init__()
         self.rope_theta = self.rope_theta or 1000000.0
 
+    @property
+    def head_dim(self):  # not a field: config.json does not state it
+        return self.hidden_size // self.num_attention_heads
+
 
 class Attention(llama.Attention):
-    """Llama's, with biases on q/k/v_proj only and head_dim = hidden_size / heads (config.json
-    states neither)."""
+    """Llama's, with biases on q/k/v_proj only (config.json does not state them)."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__(args, args.hidden_size // args.num_attention_heads, qkv_bias=True, o_bias=False)
+        super().__init__(args, qkv_bias=True, o_bias=False)
 
 
 class Model(llama.Model):
