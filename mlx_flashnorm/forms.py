@@ -15,7 +15,7 @@ pass, the loader, the decode loop); nothing else keeps a switch.
                                                                     tests' reference), compiled decode
 
 The switches: MLX_FLASHNORM_KERNELS=0 in the environment (or ``forms.ENABLED = False``) turns our
-kernels off; a kernel that fails its first-use self-check (kernels.check) is added to DISABLED for
+kernels off, MLX_FLASHNORM_DISABLE=NAME,... the kernels named; a kernel that fails its first-use self-check (kernels.check) is added to DISABLED for
 the rest of the process; BACKEND forces the norm kernel's path ("auto", "fallback", "cuda",
 "metal"; tests and benchmarks)."""
 import os
@@ -24,7 +24,9 @@ from functools import lru_cache
 import mlx.core as mx
 
 ENABLED = os.environ.get("MLX_FLASHNORM_KERNELS", "1") != "0"
-DISABLED = set()  # kernels that failed their self-check in this process (they fall back)
+# kernels that failed their self-check in this process (they fall back), and those named in
+# MLX_FLASHNORM_DISABLE (comma-separated, e.g. "decode_layers": the step's per-sublayer kernels)
+DISABLED = set(filter(None, os.environ.get("MLX_FLASHNORM_DISABLE", "").split(",")))
 BACKEND = "auto"  # the norm kernel's path: "auto" picks the GPU's kernel for a fused residual add
 
 NORMS = ("rms", "flash", "none")  # the norm modes every command and load() take

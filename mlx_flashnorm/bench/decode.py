@@ -25,6 +25,7 @@ from ..loader import DTYPES, build_model, load, model_args, prepare, read_config
 NORM_MODES = ("rms", "flash", "none")
 PEER = "mlx-lm"
 EAGER = "-eager"  # suffix: our runner without the compiled decode step, to measure that lever
+SUBLAYER = "-sublayer"  # suffix: without the whole-step kernel (kernels.decode_layers), one per sublayer
 RATIOS = ", order rotating, ratios paired per round"  # how this version measures (the settings line)
 
 # apple/OpenELM-270M's config.json
@@ -123,9 +124,15 @@ def load_mlx_lm(folder, bits, dtype, group_size):
     return model
 
 
-def our_runner(model, compiled):
+def our_runner(model, compiled, without=()):
+    """Our generate_step on model; without: kernels kept off while it runs (forms.DISABLED)."""
     def run(prompt, max_tokens):
-        return generate_step(prompt, model, max_tokens=max_tokens, compiled=compiled)
+        added = set(without) - forms.DISABLED
+        forms.DISABLED.update(added)
+        try:
+            yield from generate_step(prompt, model, max_tokens=max_tokens, compiled=compiled)
+        finally:
+            forms.DISABLED.difference_update(added)
     return run
 
 
@@ -197,9 +204,10 @@ def bench(modes, folder, label, bits, dtype, pp, tg, reps, group_size=64, seed=0
             model = load_mlx_lm(folder, bits, dtype, group_size)
             runners[mode] = mlx_lm_runner(model)
         else:
-            norm = mode.removesuffix(EAGER)
+            norm = mode.removesuffix(EAGER).removesuffix(SUBLAYER)
             model = load_ours(folder, norm, bits, dtype, group_size)
-            runners[mode] = our_runner(model, compiled=False if mode.endswith(EAGER) else None)
+            runners[mode] = our_runner(model, compiled=False if mode.endswith(EAGER) else None,
+                                       without={"decode_layers"} if mode.endswith(SUBLAYER) else ())
         sizes[mode] = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     n_params = sum(v.size for v in mx.load(str(next(folder.glob("*.safetensors")))).values()) \
         if len(list(folder.glob("*.safetensors"))) == 1 else None
@@ -311,7 +319,7 @@ def write_atomic(path, text):
 
 def parse_modes(text):
     modes = [m.strip() for m in text.split(",") if m.strip()]
-    valid = NORM_MODES + tuple(m + EAGER for m in NORM_MODES) + (PEER,)
+    valid = NORM_MODES + tuple(m + EAGER for m in NORM_MODES) + ("flash" + SUBLAYER, PEER)
     bad = [m for m in modes if m not in valid]
     if not modes or bad:
         raise UserError(f"unknown mode '{bad[0] if bad else text}'; --modes takes a comma-separated list "

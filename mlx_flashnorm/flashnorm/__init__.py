@@ -16,13 +16,14 @@ equal those of the reference exactly). One class or function per paper section:
     FlashAttention                     Sec. 3: 1/RMS and 1/sqrt(h) fused into RoPE's cos/sin
     FlashQKNormAttention               Sec. 4: QK-norm (OpenELM, Qwen 3, Gemma 3), norm weights
                                        fused into cos/sin
+    decode_stack                       Sec. 5 for a whole decode step: every block in one kernel
     FlashHead, TiedFlashHead           final norm + LM head (untied: folded or input gain; tied:
                                        kept scale vector)
     FlashLayerNormLinear, DyTLinear    Sec. 1.1: LayerNorm / DyT bias moved into the next linear
     merge_mean_centering               Sec. 1.2: mean centering merged into a preceding linear
 
 Files: norm.py (the deferred scale and what carries it), ffn.py, attention.py, head.py (the forms
-the models use), paper.py (the forms no model uses). This file: the whole-model passes.
+the models use), stack.py (the whole decode step's kernel), paper.py (the forms no model uses). This file: the whole-model passes.
 
 apply(model, fold=...) rewrites a whole model following the Mapping its model file states
 (models/*.py: FLASHNORM, a Pair per pre-norm); remove_norms(model) drops every norm
@@ -49,9 +50,10 @@ from .ffn import FlashFusedSwiGLU, FlashGeGLU, FlashSwiGLU
 from .head import FlashHead, TiedFlashHead
 from .norm import (Deferred, DeferredLinear, DeferredNorm, Pending, QuantizedDeferredLinear, deferred, fold_weight,
                    norm_gain, norm_weight, rss_scale, weightless)
+from .stack import decode_stack
 from .paper import DyTLinear, FlashDyT, FlashGLU, FlashLayerNormLinear, FlashReLUFFN, merge_mean_centering
 
-__all__ = ["apply", "remove_norms", "make_weightless", "mapping", "Mapping", "Pair", "NoNorm", "HEADS",
+__all__ = ["apply", "remove_norms", "decode_stack", "make_weightless", "mapping", "Mapping", "Pair", "NoNorm", "HEADS",
            "DEFAULT_HEAD", "FlashAttention", "FlashQKNormAttention", "FlashSwiGLU", "FlashGeGLU",
            "FlashFusedSwiGLU", "FlashHead", "TiedFlashHead", "Deferred", "DeferredLinear", "DeferredNorm",
            "Pending", "QuantizedDeferredLinear", "deferred", "fold_weight", "norm_gain", "norm_weight",

@@ -100,7 +100,8 @@ VARIANTS = set()
 
 def make_kernel(name, input_names, output_names, source, header):
     """A kernel of body `source` (CUDA spelling) as a function of mx.fast.cuda_kernel's keyword
-    arguments (inputs, template, grid, threadgroup, output_shapes, output_dtypes); header: the
+    arguments (inputs, template, grid, threadgroup, output_shapes, output_dtypes; shared_memory:
+    dynamic shared bytes, CUDA only); header: the
     backend's own. On Metal mx.fast.metal_kernel runs the respelled body. On CUDA the body is
     compiled here (cuda_binary) and run with mx.fast.precompiled_cuda_kernel: MLX compiles a
     cuda_kernel with NVRTC in every process (1.5-2 s each on an H100, bench/RESULTS.md, "Compile
@@ -112,7 +113,7 @@ def make_kernel(name, input_names, output_names, source, header):
     shaped = [i for i, n in enumerate(input_names) if reads_shape(n, source)]
     binaries = {}  # (input dtypes and ranks, output dtypes, template) -> cubin (None on Metal)
 
-    def launch(*, inputs: list, template, grid, threadgroup, output_shapes, output_dtypes):
+    def launch(*, inputs: list, template, grid, threadgroup, output_shapes, output_dtypes, shared_memory=0):
         # Python work here is host time of every eager launch (prefill): kept to a dict lookup
         key = (*[(a.dtype, a.ndim) for a in inputs], *output_dtypes, *template)
         binary = binaries.get(key, False)
@@ -127,7 +128,7 @@ def make_kernel(name, input_names, output_names, source, header):
         return mx.fast.precompiled_cuda_kernel(
             name=name, compiled_source=binary, inputs=inputs, output_shapes=output_shapes,
             output_dtypes=output_dtypes, scalars=[d for i in shaped for d in inputs[i].shape],
-            grid=grid, threadgroup=threadgroup, ensure_row_contiguous=True)
+            grid=grid, threadgroup=threadgroup, shared_memory=shared_memory, ensure_row_contiguous=True)
 
     return launch
 

@@ -19,10 +19,11 @@ from .attention import CHECK as ATTENTION
 from .matvec import CHECKS as MATVEC
 from .normalize import CHECK as NORMALIZE
 from .rope import CHECK as ROPE_QKV
+from .step import CHECK as DECODE_LAYERS
 
 # name: (a call on small float16 inputs, the largest max |kernel - fallback| / max |fallback|)
 CHECKS = {"add_rss": ADD_RSS, "decode_attention": ATTENTION, "rope_qkv": ROPE_QKV, "normalize": NORMALIZE,
-          **MATVEC}
+          **MATVEC, "decode_layers": DECODE_LAYERS}
 
 
 def _passed_file():

@@ -1,0 +1,83 @@
+"""Sec. 5 for a whole decode step: every block of a Llama-family stack (FlashAttention or Qwen 3's
+FlashQKNormAttention, FlashSwiGLU, DeferredNorm pre-norms, 4/8-bit weights) in one kernel launch,
+kernels.decode_layers, where it runs; the model's own loop over its blocks everywhere else."""
+import mlx.core as mx
+import mlx.nn as nn
+
+from .. import kernels
+from ..cache import StaticKVCache
+from .attention import FlashAttention, FlashQKNormAttention
+from .ffn import FlashSwiGLU
+from .norm import DeferredNorm, QuantizedDeferredLinear, deferred_output
+
+
+def _quantized(linear, *classes):
+    """A bias-free affine quantized linear of exactly one of classes (a sharded one, summing over
+    ranks, is another class)."""
+    return (type(linear) in classes and linear.mode == "affine" and "bias" not in linear and "biases" in linear)
+
+
+def _arrays(linear):
+    return linear["weight"], linear["scales"], linear["biases"]
+
+
+def _spec(layers):
+    """The arguments decode_layers takes for these blocks, or None where a block is not of the
+    forms it computes (any other module, a bias, a sharded linear, mixed quantization)."""
+    first = layers[0]
+    attn = first.self_attn
+    if not isinstance(attn, (FlashAttention, FlashQKNormAttention)) or "qkv_proj" not in attn:
+        return None
+    qk_norm = isinstance(attn, FlashQKNormAttention)
+    if qk_norm and ("q_gain" not in attn or attn.out_name != "o_proj"):
+        return None
+    eps = first.input_layernorm.eps
+    mats, gains, qk_gains = [], [], []
+    for layer in layers:
+        a, f = layer.self_attn, layer.mlp
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if (type(a) is not type(attn) or type(f) is not FlashSwiGLU or not f.late or "gate_up_proj" not in f
+                or any(type(m) is not DeferredNorm or not m.fuse or m.eps != eps for m in norms)
+                or (not qk_norm and a.qkv_bias) or a.traditional or a.factor != attn.factor
+                or a.n_heads != attn.n_heads or a.n_kv_heads != attn.n_kv_heads
+                or not _quantized(a.qkv_proj, QuantizedDeferredLinear) or not _quantized(a.o_proj, nn.QuantizedLinear, kernels.QuantizedLinear)
+                or not _quantized(f.gate_up_proj, QuantizedDeferredLinear)
+                or not _quantized(f.down_proj, QuantizedDeferredLinear)):
+            return None
+        linears = (a.qkv_proj, a.o_proj, f.gate_up_proj, f.down_proj)
+        if any((m.bits, m.group_size) != (attn.qkv_proj.bits, attn.qkv_proj.group_size) for m in linears):
+            return None
+        if any(("gain" in m) != ("gain" in norms[0]) for m in norms):
+            return None
+        mats.append(tuple(_arrays(m) for m in linears))
+        if "gain" in norms[0]:
+            gains.append(mx.stack([m.gain.astype(mx.float32) for m in norms]))
+        if qk_norm:
+            qk_gains.append(mx.stack([a.q_gain, a.k_gain]).astype(mx.float32))
+    # made once per trace of the compiled step (not from traced inputs: a constant of its graph)
+    gains = mx.stack(gains) if gains else None
+    qk_gains = mx.stack(qk_gains) if qk_gains else None
+    mx.eval([a for a in (gains, qk_gains) if a is not None])
+    return dict(layers=mats, gains=gains, qk_gains=qk_gains, theta=attn._theta, eps=eps, factor=attn.factor,
+                qk_eps=attn.qk_eps if qk_norm else 0.0, n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads,
+                group_size=attn.qkv_proj.group_size, bits=attn.qkv_proj.bits)
+
+
+def decode_stack(layers, h, cache):
+    """The input of the final norm, (x, residual), after every block for one decode row h (an
+    embedding, (1, 1, K)) through kernels.decode_layers, with the caches' new k and v written;
+    None where that kernel does not take these blocks (then the model runs its loop): a prefill,
+    an eager step, the CPU, the portable path, another architecture."""
+    if (not layers or not cache or h.size != h.shape[-1] or not isinstance(cache[0], StaticKVCache)
+            or isinstance(cache[0].offset, int) or not kernels.use_decode_layers()):
+        return None
+    spec = _spec(layers)
+    kv = [(c.keys, c.values) for c in cache]
+    if spec is None or spec["theta"].shape[0] * 2 != kv[0][0].shape[-1] or not kernels.decode_layers_supported(
+            h, spec["layers"], kv, spec["n_heads"], spec["n_kv_heads"], spec["group_size"], spec["bits"]):
+        return None
+    y, ys, p, kv = kernels.decode_layers(h, cache[0].offset, caches=kv, **spec)
+    for c, (k, v) in zip(cache, kv):
+        c.keys, c.values = k, v
+    return deferred_output(layers[-1].mlp, y, ys), p
+

@@ -1,0 +1,147 @@
+"""kernels.decode_layers (every layer of a decode step in one CUDA launch): its plain-MLX
+reference against the model's own blocks (on any device), the kernel against both on a CUDA GPU
+(float16, bfloat16, the real SmolLM2 weights), and its CUDA source through nvcc here."""
+import shutil
+import subprocess
+
+import mlx.core as mx
+import pytest
+
+from mlx_flashnorm import forms, kernels, load
+from mlx_flashnorm.flashnorm import stack
+from mlx_flashnorm.generate import generate_step
+from mlx_flashnorm.kernels import build, step
+from mlx_flashnorm.loader import build_model, model_args, prepare
+
+from conftest import random_weights
+
+CUDA = forms.use_gpu() and forms.gpu_backend() == "cuda"
+# the kernel's shapes: head size 64, 2 query heads per kv head, sizes in whole 4-bit chunks
+SHAPE = dict(hidden_size=256, num_hidden_layers=2, intermediate_size=384, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=512, rms_norm_eps=1e-5,
+             tie_word_embeddings=True)
+CONFIGS = {"llama": dict(SHAPE, model_type="llama", rope_theta=10000.0),
+           "qwen3": dict(SHAPE, model_type="qwen3", rope_theta=1000000.0, attention_bias=False)}
+
+
+def quantized_model(name, dtype=mx.float32, bits=4):
+    arch, args = model_args(CONFIGS[name])
+    model = build_model(CONFIGS[name], random_weights(arch.Model(args), seed=3, scale=0.2), progress=False)
+    model.set_dtype(dtype)
+    return prepare(model, norm="flash", bits=bits, group_size=64)
+
+
+def greedy(model, steps=12):
+    prompt = mx.random.randint(0, model.args.vocab_size, (40,), key=mx.random.key(5))
+    out = list(generate_step(prompt, model, max_tokens=steps))
+    return [t for t, _ in out], mx.stack([lp for _, lp in out])
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("bits", [4, 8])
+def test_reference_matches_the_blocks(monkeypatch, name, bits):
+    """The compiled decode step through decode_layers' plain-MLX reference (its spec read from the
+    model's FlashNorm modules: Sec. 3 for Llama, Sec. 4's QK-norm for Qwen 3) gives the greedy
+    tokens of the model's own blocks, log-probabilities within float32 rounding. Where the CUDA
+    kernel runs (a GPU), the reference is forced by disabling it."""
+    model = quantized_model(name, bits=bits)
+    want_tokens, want = greedy(model)
+    called = []
+    monkeypatch.setattr(kernels, "use_decode_layers", lambda: True)
+    monkeypatch.setattr(kernels, "decode_layers_supported", lambda *a: called.append(1) or True)
+    monkeypatch.setattr(forms, "DISABLED", forms.DISABLED | {"decode_layers"})  # the kernel itself off
+    model._compiled_decode = None  # a new trace
+    tokens, got = greedy(model)
+    assert called, "the step did not go through decode_layers"
+    assert tokens == want_tokens
+    assert mx.allclose(got, want, rtol=2e-4, atol=2e-4).item(), mx.abs(got - want).max().item()
+
+
+def test_other_blocks_keep_their_loop():
+    """A stack decode_layers does not compute (full-precision weights, a quantized o_proj with a
+    bias-free Qwen 2 stand-in aside) is left to the model's loop: _spec says None."""
+    arch, args = model_args(CONFIGS["llama"])
+    model = prepare(build_model(CONFIGS["llama"], random_weights(arch.Model(args), seed=3), progress=False),
+                    norm="flash")
+    assert stack._spec(model.layers) is None  # not quantized
+    assert stack._spec(quantized_model("llama").layers) is not None
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs the CUDA compiler (this CPU machine has one)")
+def test_cuda_source_compiles(tmp_path):
+    """The kernel as NVRTC compiles it on a GPU, for each activation dtype, both bit widths and
+    head sizes: a syntax or type error shows here."""
+    L = 3
+    names = [f"{a}{layer}" for layer in range(L) for a in step.ARRAYS]
+    for i, (T, bits, D) in enumerate([(mx.float16, 4, 64), (mx.bfloat16, 8, 128), (mx.float32, 4, 128)]):
+        types = [(T, 3), (mx.int32, 1), (mx.int32, 1), (mx.float32, 1), (mx.float32, 3), (mx.float32, 4),
+                 (mx.uint32, 1)] + ([(mx.uint32, 2), (T, 2), (T, 2)] * 4 + [(T, 4)] * 2) * L
+        code = build.cuda_source("fn_decode_layers", ["x", "off", "dims", "theta", "gains", "qkg", "sync"] + names,
+                                 ["y", "p", "ys", "work"], step._STEP.replace("TABLE", step._table(L)),
+                                 build.HEADERS["cuda"] + step._HEADER, types, [T, T, mx.float32, mx.float32],
+                                 [("T", T), ("BITS", bits), ("D", D), ("GQ", 4), ("NL", L), ("SMAX", step.SMAX)])
+        (tmp_path / f"s{i}.cu").write_text(code)
+        done = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-o", str(tmp_path / f"s{i}.cubin"),
+                               str(tmp_path / f"s{i}.cu")], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")
+@pytest.mark.parametrize("dtype,tol", [(mx.float16, 1e-2), (mx.bfloat16, 5e-2)])
+def test_kernel_matches_reference(dtype, tol):
+    """The launch against the reference on a random two-layer stack at 41 and 700 positions (one
+    and several attention splits), Sec. 3 and Sec. 4: outputs and the cache rows written."""
+    L, K, HQ, HKV, D, I, C = 2, 256, 4, 2, 64, 384, 1024
+    theta = mx.exp(-mx.arange(D // 2, dtype=mx.float32) * 0.3)
+    x = build.rand((1, 1, K), 51).astype(dtype)
+    gains = 16 * (1 + 0.3 * build.rand((L, 2, K), 52, mx.float32))
+    for pos in (40, 700):
+        layers, caches = step._random_stack(L, K, HQ, HKV, D, I, C, pos, 60)
+        layers = [tuple((w, s.astype(dtype), b.astype(dtype)) for w, s, b in m) for m in layers]
+        caches = [tuple(a.astype(dtype) for a in c) for c in caches]
+        for qk in (None, 1 + 0.3 * build.rand((L, 2, 2, D), 53, mx.float32)):
+            args = (theta, 1e-5, D**-0.25, 1e-6 if qk is not None else 0.0, HQ, HKV, 64, 4)
+            assert step.supported(x, layers, caches, HQ, HKV, 64, 4)
+            got = step.decode_layers(x, pos, layers, [tuple(mx.array(a) + 0 for a in c) for c in caches], gains,
+                                     qk, *args)
+            want = step._reference(x, pos, layers, caches, gains, qk, *args)
+            for a, b in zip(got[:3], want[:3]):
+                assert (mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max()
+                        <= tol * mx.abs(b.astype(mx.float32)).max()).item()
+            for (ka, va), (kb, vb) in zip(got[3], want[3]):
+                for a, b in ((ka, kb), (va, vb)):
+                    a, b = a.astype(mx.float32), b.astype(mx.float32)
+                    assert (mx.abs(a - b).max() <= tol * mx.abs(b).max()).item()
+
+
+@pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_kernel_decodes_like_the_blocks(monkeypatch, name, dtype):
+    """Greedy decoding with the kernel gives the tokens of the per-sublayer kernels (the kernel
+    disabled) in half precision, log-probabilities within test_half.py's tolerances."""
+    model = quantized_model(name, dtype)
+    tokens, got = greedy(model, 24)
+    with monkeypatch.context() as m:
+        m.setattr(forms, "DISABLED", forms.DISABLED | {"decode_layers"})
+        model._compiled_decode = None
+        want_tokens, want = greedy(model, 24)
+    assert tokens == want_tokens
+    tol = 2e-2 if dtype == mx.float16 else 8e-2
+    assert (mx.abs(got - want).max() <= tol * mx.abs(want).max()).item()
+
+
+@pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_kernel_on_real_weights(monkeypatch, dtype):
+    """SmolLM2 (the shipped Q4_1 GGUF): 40 greedy tokens with the kernel equal those without it,
+    and the step launches it (its graph holds one decode_layers node for 30 layers)."""
+    model, tok = load(None, norm="flash", dtype=dtype, progress=False)
+    assert stack._spec(model.layers) is not None
+    prompt = mx.array(tok.encode("The capital of France is Paris. The capital of Germany is"))
+    tokens = [t for t, _ in generate_step(prompt, model, max_tokens=40)]
+    with monkeypatch.context() as m:
+        m.setattr(forms, "DISABLED", forms.DISABLED | {"decode_layers"})
+        model._compiled_decode = None
+        want = [t for t, _ in generate_step(prompt, model, max_tokens=40)]
+    assert tokens == want
