@@ -5,16 +5,21 @@ sampling (temperature, top-p, min-p, top-k, seed, logits processors), stop token
 max_tokens. A newcomer's prompt is prefilled on its own (one row, mlx-lm's KVCache) in chunks of
 at most `prefill_step` tokens per engine step, between the others' decode steps, so a long prompt
 delays the running streams by one chunk a step rather than by its whole length. Once only its
-last token is left it joins the batch: the batch's cache is one mlx-lm BatchKVCache per layer, its
-rows left-padded to a common length, each with its own position (the models' per-row RoPE
-offsets) and a mask hiding the padding. A prompt cache (prompt_cache.py) spares a newcomer the
-prefix an earlier request already read.
+last token is left it takes a slot of the batch's static cache (batch_cache.Slots: one buffer per
+layer, a slot per row, each row at its own position) and the compiled batched step decodes it
+with the others; the host work of a step does not grow with the rows (one compiled call, one
+argmax for the greedy rows; only sampled rows and rows with logits processors add operations).
+A prompt cache (prompt_cache.py) spares a newcomer the prefix an earlier request already read.
+
+Pipelining, as generate_step: step n+1 is queued (mx.async_eval) before step n's tokens are read,
+its input the tokens step n samples on the device. A row that finishes at step n is noticed when
+step n is read, so step n+1 computed one token too many for it (thrown away); a newcomer joins
+the step queued after it was prefilled.
 
 Exactness: every row's result is the one-request computation (a norm's deferred 1/RMS is per
-row), up to the summation order of a batched matmul and of attention over the padded length. Our
-fused GPU kernels take one row: a batch of more runs the plain composition of MLX operations, and
-the decode step runs eagerly (no compiled step: the batch's cache changes shape as rows come and
-go).
+row), up to the summation order of a batched matmul and of attention over the whole capacity
+(masked positions count zero). Our fused GPU kernels take one row: a batch of more runs the plain
+composition of MLX operations; a bucket of one slot runs the one-request compiled step.
 
 The engine is synchronous (BatchEngine.step); BatchWorker runs one on its own thread for the
 server."""
@@ -24,11 +29,12 @@ from dataclasses import dataclass, field
 from typing import List, NamedTuple, Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import KVCache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from . import forms
-from .generate import cache_capacity, compiled_decode, context_length, decode_offset, make_sampler_for, position
+from .batch_cache import Slots, bucket, kv_layout, needed_capacity
+from .generate import context_length, make_sampler_for
 from .prompt_cache import PromptCache
 from .worker import Ticket, serve_on_thread, token_of
 
@@ -48,8 +54,11 @@ class Request:
     generated: List[int] = field(default_factory=list)
     cached: int = 0  # prompt tokens taken from the prompt cache
     cancelled: bool = False  # set by the caller (a stop string, a client gone): it leaves at the next step
-    next: Optional[int] = None  # the token the next decode step feeds
+    next: Optional[int] = None  # the last token read
     ticket: Optional[Ticket] = None  # BatchWorker: where its tokens go
+    slot: Optional[int] = None  # its slot of the batch's cache while it decodes
+    queued: int = 0  # decode steps queued for it
+    seen: Optional[mx.array] = None  # its tokens so far, on the device (for its logits processors)
 
     def __post_init__(self):
         self.sampler = make_sampler_for(self.temp, self.top_p, self.top_k, self.min_p)
@@ -97,30 +106,12 @@ def one_row_cache(keys, values):
     return c
 
 
-class Solo:
-    """A batch of one row decoded by the compiled one-request step (generate.compiled_decode, over
-    static buffers: our fused kernels where they run), as generate_step decodes a lone request;
-    made from the row's keys and values and turned back into them when a newcomer joins."""
-
-    def __init__(self, model, request, kv):
-        n = kv[0][0].shape[2]
-        capacity = cache_capacity(model, n + request.max_tokens - len(request.generated) + 1)
-        self.kv = []
-        for k, v in kv:
-            pad = [(0, 0), (0, 0), (0, capacity - n), (0, 0)]
-            self.kv.append((mx.pad(k, pad), mx.pad(v, pad)))
-        self.offset = decode_offset(n)
-        self.normalized = not request.logits_processors  # the step's log-softmax, or raw logits
-        self.decode = compiled_decode(model, logits=not self.normalized)
-
-    def step(self, token):
-        """The (1, vocab) log-probabilities (raw logits where the row has processors) after token."""
-        out, self.offset, self.kv = self.decode(mx.array([token], mx.uint32), self.offset, self.kv)
-        return out
-
-    def pairs(self):
-        n = position(self.offset).item()
-        return [(k[..., :n, :], v[..., :n, :]) for k, v in self.kv]
+class Step(NamedTuple):
+    """A queued decode step: the rows it decodes [(slot, request)], its tokens (slots,) and the
+    log-probabilities (slots, vocab) they were drawn from."""
+    rows: list
+    tokens: mx.array
+    logprobs: mx.array
 
 
 class BatchEngine:
@@ -128,18 +119,19 @@ class BatchEngine:
 
     max_batch: requests decoded together at most (more wait their turn). prefill_step: prompt
     tokens prefilled per step at most. prompt_cache: a PromptCache, or None. prefilled counts the
-    prompt tokens the model computed (cache hits excluded). A batch of one row runs the compiled
-    one-request step (Solo) where generate_step would (forms.compiled_decode), else the eager
-    batched step."""
+    prompt tokens the model computed (cache hits excluded). The batch is a batch_cache.Slots
+    (self.slots, None while empty) of bucket(rows) slots: more rows than slots grow it, few rows
+    shrink it (to a quarter, or one row: the one-request compiled step, `solo`)."""
 
     def __init__(self, model, max_batch=32, prefill_step=256, prompt_cache=None):
         self.model, self.max_batch, self.prefill_step = model, max_batch, prefill_step
         self.prompt_cache = prompt_cache
         self.waiting = deque()
         self.filling = []
-        self.rows = []  # requests in the batch, in the cache's row order
-        self.cache = None  # one BatchKVCache per layer while rows (and no solo)
-        self.solo = None  # a Solo while one row runs alone
+        self.joining = []  # (request, [(keys, values)] per layer) prefilled, taking a slot next step
+        self.slots = None
+        self.pending = None  # the Step queued and not read yet
+        self.layout = None  # batch_cache.kv_layout, read once
         self.prefilled = 0
 
     def add(self, request):
@@ -154,50 +146,80 @@ class BatchEngine:
     def warmup(self, prompt=16, steps=3):
         """Play one throwaway greedy request (a prompt of `prompt` tokens, `steps` tokens), outside
         the prompt cache and the prefill count, so that a first real request finds MLX's kernels
-        compiled (generate.warmup's reason). Call it on the thread that will step the engine."""
+        compiled (generate.warmup's reason); then trace the batched step of every bucket up to
+        max_batch, at the first capacity. Call it on the thread that will step the engine."""
         kept, self.prompt_cache, counted = self.prompt_cache, None, self.prefilled
         try:
             self.add(Request([i % self.model.args.vocab_size for i in range(prompt)], max_tokens=steps))
             while self.busy:
                 self.step()
+            size = 2
+            while size <= bucket(self.max_batch):
+                self._layout()
+                slots = Slots(self.model, self.layout, size, needed_capacity(self.model, [Request([0], 1)]))
+                mx.eval(slots.step())
+                size *= 2
         finally:
             self.prompt_cache, self.prefilled = kept, counted
 
     @property
+    def rows(self):
+        """The requests in the batch, in slot order."""
+        return [r for _, r in self.slots.live()] if self.slots is not None else []
+
+    @property
+    def solo(self):
+        """Whether the batch runs the one-request compiled step (a bucket of one slot)."""
+        return self.slots is not None and self.slots.solo
+
+    @property
     def busy(self):
-        return bool(self.waiting or self.filling or self.rows)
+        return bool(self.waiting or self.filling or self.joining or self.rows)
 
     def requests(self):
         """Every request added and not finished: waiting, under prefill or in the batch."""
-        return list(self.waiting) + [f.request for f in self.filling] + self.rows
+        return list(self.waiting) + [f.request for f in self.filling] + [r for r, _ in self.joining] + self.rows
 
     def clear(self):
         """Drop every request (after a failed step)."""
-        self.waiting, self.filling, self.rows, self.cache, self.solo = deque(), [], [], None, None
+        self.waiting, self.filling, self.joining, self.slots, self.pending = deque(), [], [], None, None
 
     def step(self):
-        """Drop cancelled requests, prefill up to prefill_step prompt tokens, then decode one
-        token for every row of the batch. Returns that step's Events."""
+        """Drop cancelled requests, prefill up to prefill_step prompt tokens, give the prefilled
+        newcomers slots, queue the next decode step, and read the one queued before it. Returns
+        that step's Events (one per row it decoded that is still in the batch)."""
         self._drop_cancelled()
         self._prefill()
-        return self._decode() if self.rows else []
+        self._place()
+        if self.pending is None and self.rows:
+            self.pending = self._queue()
+        if self.pending is None:
+            return []
+        more = any(r.queued < r.max_tokens for r in self.rows)
+        ahead = self._queue() if more else None
+        events = self._read(self.pending)
+        self.pending = ahead if self.rows else None
+        if not self.rows and not self.joining:
+            self.slots = None
+        return events
 
     def _drop_cancelled(self):
         self.waiting = deque(r for r in self.waiting if not r.cancelled)
         self.filling = [f for f in self.filling if not f.request.cancelled]
-        gone = [i for i, r in enumerate(self.rows) if r.cancelled]
-        if gone:
-            self._remove(gone)
+        self.joining = [(r, kv) for r, kv in self.joining if not r.cancelled]
+        for r in self.rows:
+            if r.cancelled:
+                self._release(r)
 
     def _prefill(self):
-        while self.waiting and len(self.rows) + len(self.filling) < self.max_batch:
+        while self.waiting and len(self.rows) + len(self.filling) + len(self.joining) < self.max_batch:
             self.filling.append(self._start(self.waiting.popleft()))
         budget = self.prefill_step
         for f in list(self.filling):
             n = min(budget, len(f.todo))
             if n:
                 self.model(mx.array(f.todo[:n])[None], cache=f.cache)
-                mx.eval([(c.keys, c.values) for c in f.cache])
+                mx.async_eval([(c.keys, c.values) for c in f.cache])
                 del f.todo[:n]
                 budget -= n
                 self.prefilled += n
@@ -212,94 +234,97 @@ class BatchEngine:
         return Filling(request, cache, list(request.tokens[n:-1]))
 
     def _join(self, f):
-        """Move a prefilled request into the batch; its last prompt token runs in the next decode."""
+        """A prefilled request waits for a slot; its last prompt token runs in its first step."""
         self.filling.remove(f)
         r = f.request
+        kv = [(c.keys[..., :c.offset, :], c.values[..., :c.offset, :]) for c in f.cache if c.keys is not None]
         if self.prompt_cache is not None and r.cached < len(r.tokens) - 1:
-            self.prompt_cache.store(r.tokens[:-1], [(c.keys[..., :c.offset, :], c.values[..., :c.offset, :])
-                                                    for c in f.cache])
-        rows = [BatchKVCache.merge([c]) for c in f.cache]
-        if self.solo is not None:  # back to the batched step
-            self.cache = [BatchKVCache.merge([one_row_cache(k, v)]) for k, v in self.solo.pairs()]
-            self.solo = None
-        if self.cache is None:
-            self.cache = rows
-        else:
-            for c, new in zip(self.cache, rows):
-                c.extend(new)
-        self.rows.append(r)
-        r.next = r.tokens[-1]
+            self.prompt_cache.store(r.tokens[:-1], kv)
+        self.joining.append((r, kv))
         self.prefilled += 1  # the last prompt token, computed in the decode step
 
-    def _decode(self):
-        # a lone row goes solo once its cache holds keys (a one-token prompt's first step runs
-        # batched: the static buffers take the cache's shape)
-        if (len(self.rows) == 1 and self.solo is None and self.cache[0].keys is not None
-                and forms.compiled_decode()):
-            self.solo = Solo(self.model, self.rows[0], self._kv(0))
-            self.cache = None
-        if self.solo is not None:
-            out = self.solo.step(self.rows[0].next)
-            logprobs = out if self.solo.normalized else log_softmax(self._process(out))
-        else:
-            y = mx.array([[r.next] for r in self.rows], mx.int32)
-            logprobs = log_softmax(self._process(self.model(y, cache=self.cache)[:, -1, :]))
-        tokens = self._sample(logprobs)
-        mx.eval(tokens, logprobs)
-        events, done = [], []
-        for i, (r, t) in enumerate(zip(self.rows, tokens.tolist())):
+    def _layout(self):
+        if self.layout is None:
+            self.layout = kv_layout(self.model)
+        return self.layout
+
+    def _place(self):
+        """Give the joining requests slots: a new or resized Slots where the bucket changes."""
+        if not self.joining and not self.rows:
+            return
+        rows = self.rows + [r for r, _ in self.joining]
+        size, capacity = bucket(len(rows)), needed_capacity(self.model, rows)
+        s = self.slots
+        if s is None or not self.rows:
+            self.slots = Slots(self.model, self._layout(), size, capacity)
+        elif (size > s.size or capacity > s.capacity
+              or size < s.size and (size == 1 and forms.compiled_decode() or 4 * size <= s.size)):
+            self.slots = s.resized(size, capacity)
+            for i, r in self.slots.live():
+                r.slot = i
+        for r, kv in self.joining:
+            r.slot = self.slots.insert(r, kv, r.tokens[-1])
+            if r.logits_processors:
+                r.seen = mx.array(r.tokens)
+        self.joining = []
+
+    def _queue(self):
+        """Queue one decode step of every row in the slots; its tokens feed the step after."""
+        s = self.slots
+        rows = s.live()
+        raw = any(r.logits_processors for _, r in rows)
+        out, tokens = s.step(logits=raw)
+        logprobs = out
+        if raw:
+            logprobs = log_softmax(self._process(out, rows))
+            tokens = mx.argmax(logprobs, axis=-1)
+        sampled = [(i, r) for i, r in rows if not r.greedy]
+        if sampled:
+            drawn = [r.sample(logprobs[i:i + 1]).reshape(1) for i, r in sampled]
+            tokens[mx.array([i for i, _ in sampled])] = mx.concatenate(drawn).astype(tokens.dtype)
+        for i, r in rows:
+            r.queued += 1
+            if r.logits_processors:
+                r.seen = mx.concatenate([r.seen, tokens[i:i + 1].astype(r.seen.dtype)])
+        s.tokens = tokens
+        mx.async_eval(tokens, logprobs)
+        return Step(rows, tokens, logprobs)
+
+    def _read(self, step):
+        """Events of a queued step's rows still in the batch (waiting for its tokens)."""
+        events = []
+        tokens = step.tokens.tolist()
+        for i, r in step.rows:  # i: its slot when the step was queued
+            if r.slot is None:  # it left after this step was queued
+                continue
+            t = tokens[i]
             r.generated.append(t)
             r.next = t
             finish = "stop" if t in r.stop_tokens else ("length" if len(r.generated) >= r.max_tokens else None)
-            events.append(Event(r, t, logprobs[i], finish))
+            events.append(Event(r, t, step.logprobs[i], finish))
             if finish:
-                done.append(i)
-        if done:
-            self._remove(done)
+                self._release(r)
         return events
 
-    def _process(self, logits):
+    def _process(self, logits, rows):
         """Each row's logits processors (penalties), given its tokens so far."""
-        if not any(r.logits_processors for r in self.rows):
-            return logits
-        rows = []
-        for i, r in enumerate(self.rows):
+        ruled = [(i, r) for i, r in rows if r.logits_processors]
+        out = []
+        for i, r in ruled:
             row = logits[i:i + 1]
-            if r.logits_processors:
-                seen = mx.array(r.tokens + r.generated)
-                for p in r.logits_processors:
-                    row = p(seen, row)
-            rows.append(row)
-        return mx.concatenate(rows)
+            for p in r.logits_processors:
+                row = p(r.seen, row)
+            out.append(row)
+        logits[mx.array([i for i, _ in ruled])] = mx.concatenate(out).astype(logits.dtype)
+        return logits
 
-    def _sample(self, logprobs):
-        """(rows,) tokens: one argmax over the batch for greedy rows, each other row's sampler."""
-        greedy = mx.argmax(logprobs, axis=-1)
-        if all(r.greedy for r in self.rows):
-            return greedy
-        return mx.stack([greedy[i] if r.greedy else r.sample(logprobs[i:i + 1]).reshape(())
-                         for i, r in enumerate(self.rows)])
-
-    def _kv(self, i):
-        """Row i's keys and values per layer, (1, kv_heads, tokens read, head_dim) each."""
-        if self.solo is not None:
-            return self.solo.pairs()
-        return [(c.keys, c.values) for c in (layer.extract(i) for layer in self.cache)]
-
-    def _remove(self, indices):
-        """Take rows out of the batch, keeping what they read in the prompt cache."""
+    def _release(self, r):
+        """Take a row out of the batch, keeping what it read in the prompt cache."""
         if self.prompt_cache is not None:
-            for i in indices:
-                r = self.rows[i]
-                read = (r.tokens + r.generated)[:-1]  # the last token sampled was never fed
-                self.prompt_cache.store(read, self._kv(i))
-        keep = [i for i in range(len(self.rows)) if i not in set(indices)]
-        self.rows = [self.rows[i] for i in keep]
-        if not keep:
-            self.cache = self.solo = None
-            return
-        for c in self.cache:
-            c.filter(mx.array(keep))
+            read = (r.tokens + r.generated)[:-1]  # the last token sampled was never fed
+            self.prompt_cache.store(read, self.slots.pairs(r.slot, len(read)))
+        self.slots.release(r.slot)
+        r.slot = None
 
 
 def log_softmax(logits):

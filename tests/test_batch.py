@@ -66,7 +66,7 @@ def test_batched_greedy_equals_single(model):
         assert mx.allclose(got, lp[:len(ev)], rtol=f32_tol(TOL), atol=f32_tol(TOL)).item()
         assert [e.finish_reason for e in ev] == [None] * (len(ev) - 1) + ["length"]
     assert len(set(reference[0][0])) > STEPS // 2  # a real sequence, not one token repeated
-    assert engine.prefilled == sum(LENGTHS) and engine.cache is None and not engine.rows
+    assert engine.prefilled == sum(LENGTHS) and engine.slots is None and not engine.rows
 
 
 def test_rows_share_steps(model):
@@ -244,7 +244,7 @@ def test_solo_row_takes_the_compiled_step_and_back(model):
         if step == 3:
             engine.add(second)
         engine.step()
-        modes.append("solo" if engine.solo is not None else len(engine.rows))
+        modes.append("solo" if engine.solo else len(engine.rows))
     assert modes[:3] == ["solo"] * 3 and 2 in modes and modes[-2] == "solo" and modes[-1] == 0
     assert first.generated == single(model, a)[0] and second.generated == single(model, b, 4)[0]
     lone = Request(prompt(model, 1), max_tokens=4)  # nothing cached before its first step

@@ -1,0 +1,190 @@
+"""The batch's static KV cache and its compiled decode step (batch.py's engine decodes with them).
+
+Every row of the batch owns a slot: row `i` of one preallocated buffer per layer, of shape
+(slots, kv_heads, capacity, head_dim), holding its keys and values from position 0 on, so rows of
+different lengths share the buffers without padding. Each row has its own position (an int32
+array of one entry per slot): RoPE takes it per row, the step writes the new key and value at it
+(one scatter), and the attention's mask covers positions 0..position of that row (and, on a
+sliding-window layer, only the last window of them). A free slot is idle: its position stays where
+it is (the step adds `inc`, 0 for it), its token and result are thrown away, and its mask still
+covers one position, so its softmax has something to normalize (no NaN; rows never mix anyway).
+
+The shapes are fixed per (slots, capacity) bucket: slots in BUCKETS, capacity in multiples of
+generate.CAPACITY_STEP (generate.cache_capacity). mx.compile traces the step once per bucket; a row
+joining or leaving inside the bucket only changes arrays (positions, inc, tokens), never the graph.
+A bucket of one slot decodes with the one-request compiled step (generate.compiled_decode: our
+fused one-row kernels where they run), where generate_step would use it."""
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from . import forms
+from .generate import CompiledStep, cache_capacity, compiled_decode, decode_offset
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # slots a batch is padded to; beyond, multiples of the last
+
+
+def bucket(n):
+    """The number of slots for n rows."""
+    for b in BUCKETS:
+        if n <= b:
+            return b
+    return -(-n // BUCKETS[-1]) * BUCKETS[-1]
+
+
+class RowsKVCache:
+    """One layer's cache inside the batched step: keys and values (slots, heads, capacity, dim),
+    offset (slots,) the position each row's new token takes."""
+
+    def __init__(self, keys, values, offset):
+        self.keys, self.values, self.offset = keys, values, offset
+
+    def update_and_fetch(self, keys, values):
+        at = mx.broadcast_to(self.offset.reshape(-1, 1, 1, 1), keys.shape)  # one token per row
+        self.keys = mx.put_along_axis(self.keys, at, keys, axis=2)
+        self.values = mx.put_along_axis(self.values, mx.broadcast_to(at, values.shape), values, axis=2)
+        return self.keys, self.values
+
+    def make_mask(self, N, return_array=False, window_size=None):
+        """(slots, 1, 1, capacity) booleans: the positions each row's token attends to."""
+        j = mx.arange(self.keys.shape[2])[None]
+        pos = self.offset[:, None]
+        valid = j <= pos
+        if window_size is not None:
+            valid = valid & (j > pos - window_size)
+        return valid[:, None, None, :]
+
+    @property
+    def state(self):
+        return self.keys, self.values
+
+
+def batched_decode(model, logits=False):
+    """The batch's 1-token step as one compiled function of (tokens (slots,) uint32, positions
+    (slots,) int32, inc (slots,) int32, kv buffers), kept on the model as compiled_decode keeps
+    its own. Returns (log-probabilities (slots, vocab), their argmax, positions + inc, kv);
+    logits: the raw logits instead of log-probabilities (for logits processors)."""
+    name = "_batched_logits" if logits else "_batched_decode"
+    kept = getattr(model, name, None)
+    if kept is None or not kept.current():
+        def step(tokens, offset, inc, kv):
+            cache = [RowsKVCache(k, v, offset) for k, v in kv]
+            out = model(tokens[:, None], cache=cache)[:, -1, :]
+            if not logits:
+                out = out - mx.logsumexp(out, axis=-1, keepdims=True)
+            return out, mx.argmax(out, axis=-1), offset + inc, [c.state for c in cache]
+
+        setattr(model, name, CompiledStep(model, mx.compile(step)))
+    return getattr(model, name).step
+
+
+def kv_layout(model):
+    """[(kv_heads, head_dim, dtype)] per layer, read off the graph of a one-token forward pass over
+    mlx-lm's cache (built, never evaluated)."""
+    cache = [KVCache() for _ in model.layers]
+    model(mx.zeros((1, 1), mx.uint32), cache=cache)
+    return [(c.keys.shape[1], c.keys.shape[3], c.keys.dtype) for c in cache]
+
+
+class Slots:
+    """The batch's buffers and, per slot, its request (None: free), position and next token.
+
+    Host side: rows and pos (positions as ints, for the bookkeeping); device side: kv, offset,
+    inc and tokens, rebuilt from the host lists only when rows join or leave (dirty). tokens is
+    the last queued step's sampled tokens, so the next step can be queued before they are read."""
+
+    def __init__(self, model, layout, size, capacity):
+        self.model, self.layout, self.size, self.capacity = model, layout, size, capacity
+        self.kv = [(mx.zeros((size, h, capacity, d), t), mx.zeros((size, h, capacity, d), t)) for h, d, t in layout]
+        self.rows = [None] * size
+        self.pos = [0] * size
+        self.fresh = {}  # slot -> host token it feeds next (a newcomer)
+        self.tokens = None  # (size,) uint32 device array: the last step's tokens
+        self.dirty = True
+        self.offset = self.inc = None
+
+    @property
+    def solo(self):
+        """Whether this bucket decodes with the one-request compiled step."""
+        return self.size == 1 and forms.compiled_decode()
+
+    def live(self):
+        return [(i, r) for i, r in enumerate(self.rows) if r is not None]
+
+    def insert(self, request, kv, token):
+        """Put a prefilled request ([(keys, values)] of its n positions per layer, (1, heads, n,
+        dim)) in a free slot; it feeds `token` next."""
+        i = self.rows.index(None)
+        n = kv[0][0].shape[2] if kv else 0
+        if n:
+            for layer, (k, v) in enumerate(kv):
+                bk, bv = self.kv[layer]
+                bk[i:i + 1, :, :n, :] = k
+                bv[i:i + 1, :, :n, :] = v
+                self.kv[layer] = (bk, bv)
+        self.rows[i], self.pos[i], self.fresh[i] = request, n, token
+        self.dirty = True
+        return i
+
+    def release(self, i):
+        self.rows[i] = None
+        self.fresh.pop(i, None)
+        self.dirty = True
+
+    def pairs(self, i, n):
+        """Slot i's first n positions per layer, (1, heads, n, dim) each."""
+        return [(k[i:i + 1, :, :n, :], v[i:i + 1, :, :n, :]) for k, v in self.kv]
+
+    def resized(self, size, capacity):
+        """A new Slots of (size, capacity) holding the live rows, in order, from slot 0."""
+        live = [i for i, r in enumerate(self.rows) if r is not None]
+        new = Slots.__new__(Slots)
+        new.model, new.layout, new.size, new.capacity = self.model, self.layout, size, capacity
+        idx = mx.array(live, mx.int32)
+        new.kv = [(fit(k[idx], size, capacity), fit(v[idx], size, capacity)) for k, v in self.kv]
+        new.rows = [self.rows[i] for i in live] + [None] * (size - len(live))
+        new.pos = [self.pos[i] for i in live] + [0] * (size - len(live))
+        new.fresh = {j: self.fresh[i] for j, i in enumerate(live) if i in self.fresh}
+        new.tokens = None if self.tokens is None else mx.pad(self.tokens[idx], [(0, size - len(live))])
+        new.dirty, new.offset, new.inc = True, None, None
+        return new
+
+    def inputs(self):
+        """(tokens, offset, inc) of the next step, rebuilt on the device where rows changed."""
+        if self.dirty:
+            if self.tokens is None or self.fresh:
+                host = mx.array([self.fresh.get(i, 0) for i in range(self.size)], mx.uint32)
+                is_new = mx.array([i in self.fresh or self.tokens is None for i in range(self.size)])
+                self.tokens = host if self.tokens is None else mx.where(is_new, host, self.tokens)
+                self.fresh = {}
+            self.offset = decode_offset(self.pos[0]) if self.solo else mx.array(self.pos, mx.int32)
+            self.inc = mx.array([int(r is not None) for r in self.rows], mx.int32)
+            self.dirty = False
+        return self.tokens, self.offset, self.inc
+
+    def step(self, logits=False):
+        """Queue one decode step over every slot: (out (size, vocab), argmax (size,)); the
+        positions and buffers advance (lazily). The caller sets self.tokens to the tokens it
+        samples."""
+        tokens, offset, inc = self.inputs()
+        if self.solo:
+            out, self.offset, self.kv = compiled_decode(self.model, logits)(tokens, offset, self.kv)
+            greedy = mx.argmax(out, axis=-1)
+        else:
+            out, greedy, self.offset, self.kv = batched_decode(self.model, logits)(tokens, offset, inc, self.kv)
+        for i, r in enumerate(self.rows):
+            if r is not None:
+                self.pos[i] += 1
+        return out, greedy
+
+
+def fit(x, size, capacity):
+    """x (rows, heads, positions, dim) padded with zeros (or cut) to (size, heads, capacity, dim)."""
+    if x.shape[2] > capacity:
+        x = x[:, :, :capacity, :]
+    return mx.pad(x, [(0, size - x.shape[0]), (0, 0), (0, capacity - x.shape[2]), (0, 0)])
+
+
+def needed_capacity(model, rows):
+    """The static capacity for rows (requests): each writes positions up to its prompt + max_tokens
+    (one more than it keeps: a step queued before its last token was read)."""
+    return cache_capacity(model, max(len(r.tokens) + r.max_tokens for r in rows))
