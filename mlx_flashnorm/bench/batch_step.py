@@ -11,11 +11,15 @@ costs. For each row count, after the rows joined and the step was traced:
 - engine step: the median wall time of BatchEngine.step() in its steady state (pipelined: the
   next step queued before this one is read), with the events handed out.
 
-    python -m mlx_flashnorm.bench.batch_step [--model PATH] [--narrow] [--rows 1,8,32]
+    python -m mlx_flashnorm.bench.batch_step [--model PATH] [--narrow] [--rows 1,8,32] [--capacity-step N]
 
---narrow: a random model of SmolLM2-135M's depth (30 layers) and 64 wide, where the device work
-is small beside the host's: its engine step is the host cost per step."""
+Requests: prompts of 20 + i tokens, 64 new tokens (bench.serve's shape). --narrow: a random model
+of SmolLM2-135M's depth (30 layers) and 64 wide, where the device work is small beside the
+host's: its engine step is close to the host cost per step. --capacity-step: the static caches'
+capacity bucket (generate.CAPACITY_STEP, 1024): on the CPU the attention over the whole capacity
+is real work, which a GPU does in a fraction of a millisecond."""
 import argparse
+import importlib
 import statistics
 import tempfile
 import time
@@ -29,6 +33,7 @@ from ..loader import load
 from .decode import SMOLLM2_135M, load_ours, random_checkpoint
 from .step_graph import VIEWS, graph_ops
 
+generate = importlib.import_module("..generate", __package__)  # the module (the package exports a function of its name)
 NARROW = dict(SMOLLM2_135M, hidden_size=64, intermediate_size=128, num_attention_heads=2,
               num_key_value_heads=1, head_dim=32, vocab_size=512)
 
@@ -37,7 +42,7 @@ def engine_with(model, rows):
     """A BatchEngine decoding `rows` greedy requests (prompts of 20.. tokens), every row joined."""
     engine = BatchEngine(model, max_batch=max(rows, 1), prefill_step=1 << 16)
     for i in range(rows):
-        engine.add(Request([(7 * i + j) % 500 + 10 for j in range(20 + i)], max_tokens=1000))
+        engine.add(Request([(7 * i + j) % 500 + 10 for j in range(20 + i)], max_tokens=64))
     while len(engine.rows) < rows:
         engine.step()
     engine.step()  # traced
@@ -90,10 +95,13 @@ def main(argv=None):
     p.add_argument("--model", help="checkpoint, repo or .gguf (default: the embedded SmolLM2-135M)")
     p.add_argument("--narrow", action="store_true", help="a random 30-layer model 64 wide instead")
     p.add_argument("--rows", default="1,8,32", help="row counts, comma-separated")
-    p.add_argument("--reps", type=int, default=10, help="steps timed per row count")
+    p.add_argument("--reps", type=int, default=10, help="steps timed per row count (at most 20)")
+    p.add_argument("--capacity-step", type=int, default=generate.CAPACITY_STEP,
+                   help="static cache capacity bucket, in positions")
     args = p.parse_args(argv)
+    generate.CAPACITY_STEP = args.capacity_step
     rows = [int(x) for x in args.rows.split(",")]
-    print(f"device {mx.default_device()}")
+    print(f"device {mx.default_device()}, capacity step {args.capacity_step}")
     print("| model | rows | build ms | submit ms | wait ms | ops | non-view | engine step ms |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     if args.narrow:
