@@ -342,6 +342,16 @@ def step_kernel(layers):
                        HEADERS["cuda"] + _HEADER)
 
 
+def shared_bytes(K, xmax, bits, D, GQ, L):
+    """The dynamic shared memory of a launch: the residual row and the matvec input with its chunk
+    sums. Where it and the body's static arrays pass 48 KB, at least 48004 bytes are asked for:
+    only then does MLX raise the kernel's limit (cuFuncSetAttribute), without which the launch
+    is refused."""
+    dynamic = 4 * (K + xmax + xmax // (4 * 32 // bits))
+    static = 4 * 8 + 8 * 14 * L + 4 * GQ * D * (1 + 8) + 4 * 2 * 8 * GQ  # red, tab, qsh + sacc, sm + sl
+    return max(dynamic, 48004) if dynamic + static > 48 * 1024 else dynamic
+
+
 @lru_cache(maxsize=None)
 def sm_count():
     """The GPU's multiprocessors (the grid: one resident block each), from the CUDA driver MLX
@@ -425,7 +435,7 @@ def decode_layers(x, offset, layers, caches, gains, qk_gains, theta, eps, factor
         grid=(blocks * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[x.shape, x.shape, x.shape[:-1] + (1,), (work,)],
         output_dtypes=[x.dtype, x.dtype, mx.float32, mx.float32],
-        shared_memory=4 * (K + xmax + xmax // (4 * 32 // bits)))
+        shared_memory=shared_bytes(K, xmax, bits, D, n_heads // n_kv_heads, L))
     # the caches were written in place: hand them out as depending on the launch, so that reading
     # them runs it first
     flat = mx.depends([a for kv in caches for a in kv], [y])
