@@ -4,7 +4,10 @@ On a fast GPU decoding is bound by per-operation host work, so this count is the
 the levers in bench/RESULTS.md, "Launches per step". Counts the step's (uncompiled) graph by
 operation name:
 
-    python -m mlx_flashnorm.bench.step_graph [--bits 4] [--dtype float16]
+    python -m mlx_flashnorm.bench.step_graph [--shape smollm2-135m] [--bits 4] [--dtype float16]
+
+Modes: rms, flash, none and flash-sublayer (flash without the whole-step kernel,
+kernels.decode_layers: the count before it), each on random weights of --shape.
 """
 import argparse
 import collections
@@ -19,7 +22,7 @@ from .. import forms
 from ..cache import StaticKVCache
 from ..errors import HelpFormatter
 from ..generate import decode_offset, position
-from .decode import NORM_MODES, OPENELM_270M, load_ours, random_checkpoint
+from .decode import NORM_MODES, SHAPES, SUBLAYER, load_ours, random_checkpoint
 
 VIEWS = {"Reshape", "Transpose", "Slice", "Split", "ExpandDims", "Squeeze", "Broadcast", "AsStrided",
          "Flatten", "Unflatten"}  # no kernel: they share the input's buffer (when contiguous)
@@ -51,18 +54,28 @@ def main(argv=None):
     p.add_argument("--bits", type=int, default=4, help="weight bits, 0 for full precision")
     p.add_argument("--dtype", default="float16", help="activation dtype")
     p.add_argument("--layers", type=int, default=16, help="decoder layers")
+    p.add_argument("--shape", choices=list(SHAPES), default="openelm-270m", help="architecture of the random weights")
     args = p.parse_args(argv)
-    config = dict(OPENELM_270M, num_transformer_layers=args.layers,
-                  **{k: OPENELM_270M[k][:args.layers] for k in ("num_query_heads", "num_kv_heads", "ffn_multipliers")})
+    name, config = SHAPES[args.shape]
+    if "num_transformer_layers" in config:  # OpenELM: per-layer lists
+        config = dict(config, num_transformer_layers=args.layers,
+                      **{k: config[k][:args.layers] for k in ("num_query_heads", "num_kv_heads", "ffn_multipliers")})
+    else:
+        config = dict(config, num_hidden_layers=args.layers)
     with tempfile.TemporaryDirectory() as tmp:
         folder = random_checkpoint(Path(tmp) / "m", config)
-        print(f"device {mx.default_device()}, {args.layers} layers, bits {args.bits}, {args.dtype}")
-        for mode in NORM_MODES:
-            ops = step_ops(load_ours(folder, mode, args.bits or None, args.dtype, 64))
+        print(f"device {mx.default_device()}, {name} shape, {args.layers} layers, bits {args.bits}, {args.dtype}")
+        for mode in NORM_MODES + ("flash" + SUBLAYER,):
+            model = load_ours(folder, mode.removesuffix(SUBLAYER), args.bits or None, args.dtype, 64)
+            added = {"decode_layers"} - forms.DISABLED if mode.endswith(SUBLAYER) else set()
+            forms.DISABLED.update(added)
+            try:
+                ops = step_ops(model)
+            finally:
+                forms.DISABLED.difference_update(added)
             counts = collections.Counter(ops)
             kernels = sum(n for op, n in counts.items() if op not in VIEWS)
-            print(f"{mode:6} ops {len(ops):4}  non-view {kernels:4}  {dict(counts.most_common())}")
-
+            print(f"{mode:14} ops {len(ops):4}  non-view {kernels:4}  {dict(counts.most_common())}")
 
 if __name__ == "__main__":
     main()
