@@ -31,9 +31,9 @@ def quantized_model(name, dtype=mx.float32, bits=4):
     return prepare(model, norm="flash", bits=bits, group_size=64)
 
 
-def greedy(model, steps=12):
+def greedy(model, steps=12, compiled=None):
     prompt = mx.random.randint(0, model.args.vocab_size, (40,), key=mx.random.key(5))
-    out = list(generate_step(prompt, model, max_tokens=steps))
+    out = list(generate_step(prompt, model, max_tokens=steps, compiled=compiled))
     return [t for t, _ in out], mx.stack([lp for _, lp in out])
 
 
@@ -119,9 +119,11 @@ def test_kernel_matches_reference(dtype, tol):
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 def test_kernel_decodes_like_the_blocks(monkeypatch, name, dtype):
     """Greedy decoding with the kernel gives the tokens of the per-sublayer kernels (the kernel
-    disabled) in half precision, log-probabilities within test_half.py's tolerances."""
+    disabled) and of the eager forward pass in half precision, log-probabilities within
+    test_half.py's tolerances."""
     model = quantized_model(name, dtype)
     tokens, got = greedy(model, 24)
+    assert greedy(model, 24, compiled=False)[0] == tokens
     with monkeypatch.context() as m:
         m.setattr(forms, "DISABLED", forms.DISABLED | {"decode_layers"})
         model._compiled_decode = None
