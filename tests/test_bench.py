@@ -373,3 +373,18 @@ def test_llama_bench_failures_are_user_errors(cmd, words):
     """A llama-bench that fails, or prints anything but its JSON tests, is a one-line error."""
     with pytest.raises(UserError, match=re.escape(words)):
         llama_bench.run(cmd, log=lambda _: None)
+
+
+def test_parameter_count_unpacks_quantized_weights():
+    """A quantized checkpoint's packed uint32 weights count their values (4 or 8 bits each, as its
+    quantization block says per module), scales and biases none (the bench's params column: the
+    embedded GGUF's export read 28.8 M for SmolLM2's 134.5 M)."""
+    import mlx.core as mx
+
+    from mlx_flashnorm.bench.decode import parameter_count
+
+    weights = {"a.weight": mx.zeros((4, 2), mx.uint32), "a.scales": mx.zeros((4, 1)), "a.biases": mx.zeros((4, 1)),
+               "e.weight": mx.zeros((4, 2), mx.uint32), "e.scales": mx.zeros((4, 1)), "e.biases": mx.zeros((4, 1)),
+               "n.weight": mx.zeros((3,)), "n.biases": mx.zeros((3,))}
+    config = {"quantization": {"bits": 4, "group_size": 16, "e": {"bits": 8, "group_size": 16}}}
+    assert parameter_count(weights, config) == 4 * 16 + 4 * 8 + 3 + 3

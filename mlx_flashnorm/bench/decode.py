@@ -196,6 +196,21 @@ def code_path():
     return "MLX primitives only (portable)" if forms.portable() else "our kernels"
 
 
+def parameter_count(weights, config):
+    """The model's parameters from its checkpoint's arrays: a quantized weight (packed in uint32
+    words, beside its scales) counts its unpacked values; scales and biases are not parameters."""
+    q = config.get("quantization") or {}
+    n = 0
+    for name, v in weights.items():
+        prefix = name.rsplit(".", 1)[0]
+        if name.endswith((".scales", ".biases")) and f"{prefix}.weight" in weights and f"{prefix}.scales" in weights:
+            continue
+        packed = v.dtype == mx.uint32 and f"{prefix}.scales" in weights
+        bits = (q.get(prefix) or {}).get("bits", q.get("bits", 4)) if packed else None
+        n += v.size * 32 // bits if packed else v.size
+    return n
+
+
 def bench(modes, folder, label, bits, dtype, pp, tg, reps, group_size=64, seed=0, log=print):
     config = read_config(folder)
     runners, sizes = {}, {}
@@ -209,8 +224,8 @@ def bench(modes, folder, label, bits, dtype, pp, tg, reps, group_size=64, seed=0
             runners[mode] = our_runner(model, compiled=False if mode.endswith(EAGER) else None,
                                        without={"decode_layers"} if mode.endswith(SUBLAYER) else ())
         sizes[mode] = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    n_params = sum(v.size for v in mx.load(str(next(folder.glob("*.safetensors")))).values()) \
-        if len(list(folder.glob("*.safetensors"))) == 1 else None
+    files = list(folder.glob("*.safetensors"))
+    n_params = parameter_count(mx.load(str(files[0])), config) if len(files) == 1 else None
 
     mx.random.seed(seed)
     prompt = mx.random.randint(0, config.get("vocab_size", 32000), (pp,))
