@@ -5,7 +5,11 @@ decode loop, and the bytes of the weights each form holds; and the logits of the
 split after loading (shard.shard).
 
 usage: distributed_check.py OUT PROMPT_LENGTH NEW_TOKENS NORMS FOLDER... (FOLDER "embedded": the
-embedded SmolLM2); the activation dtype is $DTYPE (default: auto, float32 on the CPU)."""
+embedded SmolLM2); the activation dtypes are $DTYPE, comma-separated (default: auto, float32 on the
+CPU; with several, each result's key ends in /DTYPE). With $REF_ON_RANK0 set only rank 0 loads the
+whole model (the reference is the same on every rank): the other ranks' results lack the ref_ keys,
+and every rank writes its prompt's logits to OUT/rank{r}-{folder}-{norm}.npy (rank 0 also the
+reference's, OUT/ref-{folder}-{norm}.npy) for the test to compare."""
 import json
 import os
 import re
@@ -13,6 +17,7 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 
 from mlx_flashnorm.generate import generate_step
@@ -40,30 +45,41 @@ def main():
         sys.argv[4].split(","), sys.argv[5:]
     group = world()
     results = {"size": group.size()}
-    for folder in folders:
-        for norm in norms:
-            path = None if folder == "embedded" else folder
-            dtype = os.environ.get("DTYPE", "auto")
-            sharded, _ = load(path, norm=norm, dtype=dtype, progress=False)
-            whole, _ = load(path, norm=norm, dtype=dtype, progress=False, distributed=False)
-            prompt = mx.arange(3, 3 + length) * 7 % whole.args.vocab_size
-            logits, tokens = run(sharded, prompt, new_tokens)
-            ref_logits, ref_tokens = run(whole, prompt, new_tokens)
-            late_logits = ref_logits  # the embedded model: not loaded a third time
-            if path is not None:  # split once loaded
-                late_logits = shard(load(path, norm=norm, dtype=dtype, progress=False,
-                                         distributed=False)[0])(prompt[None])[0].astype(mx.float32)
-            results[f"{Path(folder).name}/{norm}"] = {
-                "rel": (mx.abs(logits - ref_logits).max() / mx.abs(ref_logits).max()).item(),
-                "late_rel": (mx.abs(late_logits - ref_logits).max() / mx.abs(ref_logits).max()).item(),
-                "tokens": tokens, "ref_tokens": ref_tokens,
-                "checksum": mx.sum(logits * mx.arange(logits.size).reshape(logits.shape) % 97).item(),
-                "split_bytes": split_bytes(sharded), "ref_split_bytes": split_bytes(whole),
-                "bytes": sum(v.nbytes for _, v in tree_flatten(sharded.parameters())),
-                "ref_bytes": sum(v.nbytes for _, v in tree_flatten(whole.parameters())),
-                "n_heads": [m.n_heads for _, m in sharded.named_modules() if hasattr(m, "n_heads")],
-                "ref_n_heads": [m.n_heads for _, m in whole.named_modules() if hasattr(m, "n_heads")],
-            }
+    dtypes = os.environ.get("DTYPE", "auto").split(",")
+    ref_here = "REF_ON_RANK0" not in os.environ or group.rank() == 0
+    for dtype in dtypes:
+        for folder in folders:
+            for norm in norms:
+                path = None if folder == "embedded" else folder
+                sharded, _ = load(path, norm=norm, dtype=dtype, progress=False)
+                prompt = mx.arange(3, 3 + length) * 7 % sharded.args.vocab_size
+                logits, tokens = run(sharded, prompt, new_tokens)
+                key = f"{Path(folder).name}/{norm}" + (f"/{dtype}" if len(dtypes) > 1 else "")
+                result = results[key] = {
+                    "tokens": tokens,
+                    "checksum": mx.sum(logits * mx.arange(logits.size).reshape(logits.shape) % 97).item(),
+                    "split_bytes": split_bytes(sharded),
+                    "bytes": sum(v.nbytes for _, v in tree_flatten(sharded.parameters())),
+                    "n_heads": [m.n_heads for _, m in sharded.named_modules() if hasattr(m, "n_heads")],
+                }
+                if "REF_ON_RANK0" in os.environ:
+                    np.save(Path(out, f"rank{group.rank()}-{key.replace('/', '-')}.npy"), np.array(logits))
+                if not ref_here:
+                    continue
+                whole, _ = load(path, norm=norm, dtype=dtype, progress=False, distributed=False)
+                ref_logits, ref_tokens = run(whole, prompt, new_tokens)
+                result.update({
+                    "rel": (mx.abs(logits - ref_logits).max() / mx.abs(ref_logits).max()).item(),
+                    "ref_tokens": ref_tokens, "ref_split_bytes": split_bytes(whole),
+                    "ref_bytes": sum(v.nbytes for _, v in tree_flatten(whole.parameters())),
+                    "ref_n_heads": [m.n_heads for _, m in whole.named_modules() if hasattr(m, "n_heads")],
+                })
+                if "REF_ON_RANK0" in os.environ:
+                    np.save(Path(out, f"ref-{key.replace('/', '-')}.npy"), np.array(ref_logits))
+                late_logits = ref_logits  # the embedded model: not split a second time
+                if path is not None:  # split once loaded: the whole model, its reference taken
+                    late_logits = shard(whole)(prompt[None])[0].astype(mx.float32)
+                result["late_rel"] = (mx.abs(late_logits - ref_logits).max() / mx.abs(ref_logits).max()).item()
     Path(out, f"rank{group.rank()}.json").write_text(json.dumps(results))
 
 

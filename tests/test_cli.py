@@ -62,11 +62,16 @@ def test_version_everywhere():
 
 
 def test_console_command_runs_each_subcommand(tiny_llama_dir):
-    r = cli("mlx_flashnorm", "generate", "--model", str(tiny_llama_dir), "-p", "hi", "-m", "3")
+    from concurrent.futures import ThreadPoolExecutor
+
+    commands = [("generate", "--model", str(tiny_llama_dir), "-p", "hi", "-m", "3"), ("sing",)]
+    commands += [(command, "--help") for command in ("verify", "convert", "quantize", "perplexity", "bench")]
+    with ThreadPoolExecutor(len(commands)) as pool:  # independent processes: started together
+        runs = list(pool.map(lambda args: cli("mlx_flashnorm", *args), commands))
+    r = runs[0]
     assert r.returncode == 0 and "Generation: 3 tokens" in r.stdout, r.stderr
-    assert_user_error(cli("mlx_flashnorm", "sing"), "unknown command 'sing'", "generate")
-    for command in ("verify", "convert", "quantize", "perplexity", "bench"):
-        r = cli("mlx_flashnorm", command, "--help")
+    assert_user_error(runs[1], "unknown command 'sing'", "generate")
+    for (command, _), r in zip(commands[2:], runs[2:]):
         assert r.returncode == 0 and "usage:" in r.stdout, (command, r.stderr)
 
 

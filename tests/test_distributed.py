@@ -10,6 +10,7 @@ import urllib.request
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import openai
 import pytest
 
@@ -159,22 +160,27 @@ def test_two_processes_match_one(launched, arch, norm):
     assert [2 * h for h in rank0["n_heads"]] == rank0["ref_n_heads"]
 
 
-@pytest.mark.parametrize("dtype, tol", [("float16", 2e-2), ("bfloat16", 8e-2)])
-def test_two_processes_in_half_precision(checkpoints, tmp_path, dtype, tol):
-    """The split in half precision (rms and flash, Llama and Gemma 3: the sandwich norms and the
-    scaled embedding): the logits within test_half.py's tolerances (relative to the largest logit)
-    of one process in the same dtype, bitwise the same on both ranks. (MLX emulates half precision
-    on this CPU, and compiles kernels for each dtype and shape on first use: one short prompt's
-    forward pass; the compiled decode loop's split is checked in float32 above.)"""
+HALF = {"float16": 2e-2, "bfloat16": 8e-2}  # dtype: tolerance
+
+
+def test_two_processes_in_half_precision(checkpoints, tmp_path):
+    """The split in float16 and in bfloat16 (rms and flash, Llama and Gemma 3: the sandwich norms and
+    the scaled embedding), one launch for both: the logits within test_half.py's tolerances
+    (relative to the largest logit) of one process in the same dtype, bitwise the same on both
+    ranks. (MLX emulates half precision on this CPU, and compiles kernels for each dtype and shape
+    on first use: one short prompt's forward pass; the compiled decode loop's split is checked in
+    float32 above.)"""
     p = run_launch(2, str(ROOT / "tests" / "distributed_check.py"), str(tmp_path), "6", "0", ",".join(NORMS),
-                   str(checkpoints["llama"]), str(checkpoints["gemma3"]), env={"DTYPE": dtype})
+                   str(checkpoints["llama"]), str(checkpoints["gemma3"]), env={"DTYPE": ",".join(HALF)})
     assert p.returncode == 0, p.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    for key in ranks[0]:
-        if key != "size":
-            assert ranks[0][key]["rel"] < tol and ranks[0][key]["late_rel"] < tol, key
-            assert ranks[0][key]["checksum"] == ranks[1][key]["checksum"], key
-            assert ranks[0][key]["rel"] > 0 or dtype == "float32"  # it ran in half precision
+    keys = [k for k in ranks[0] if k != "size"]
+    assert sorted(keys) == sorted(f"{a}/{n}/{d}" for a in ("llama", "gemma3") for n in NORMS for d in HALF)
+    for key in keys:
+        tol = HALF[key.rsplit("/", 1)[1]]
+        assert ranks[0][key]["rel"] < tol and ranks[0][key]["late_rel"] < tol, key
+        assert ranks[0][key]["checksum"] == ranks[1][key]["checksum"], key
+        assert ranks[0][key]["rel"] > 0  # it ran in half precision
 
 
 def test_three_processes_run_the_embedded_smollm2(tmp_path):
@@ -184,15 +190,20 @@ def test_three_processes_run_the_embedded_smollm2(tmp_path):
     and tied head). (rms takes
     the same split: the architectures' test above runs both; this one is the slowest here.)"""
     p = run_launch(3, str(ROOT / "tests" / "distributed_check.py"), str(tmp_path), "4", "3", "flash",
-                   "embedded")
+                   "embedded", env={"REF_ON_RANK0": "1"})  # one process's reference: rank 0 loads it
     assert p.returncode == 0, p.stderr[-3000:]
+    ref = json.loads((tmp_path / "rank0.json").read_text())["embedded/flash"]
+    ref_logits = mx.array(np.load(tmp_path / "ref-embedded-flash.npy"))
+    assert len(ref["ref_tokens"]) == 3
     for r in range(3):
         got = json.loads((tmp_path / f"rank{r}.json").read_text())["embedded/flash"]
-        assert got["rel"] < 1e-4, r  # 4-bit weights, float32 activations: 30 layers of sums
-        assert got["tokens"] == got["ref_tokens"] and len(got["tokens"]) == 3
-        assert got["split_bytes"] * 3 == got["ref_split_bytes"]
-        assert got["bytes"] < 0.34 * got["ref_bytes"]  # a third of all the weights: only norms stay whole
+        logits = mx.array(np.load(tmp_path / f"rank{r}-embedded-flash.npy"))
+        assert rel(logits, ref_logits) < 1e-4, r  # 4-bit weights, float32 activations: 30 layers of sums
+        assert got["tokens"] == ref["ref_tokens"], r
+        assert got["split_bytes"] * 3 == ref["ref_split_bytes"]
+        assert got["bytes"] < 0.34 * ref["ref_bytes"]  # a third of all the weights: only norms stay whole
         assert got["n_heads"] == [3] * 30
+    assert ref["rel"] == rel(mx.array(np.load(tmp_path / "rank0-embedded-flash.npy")), ref_logits)
 
 
 def ask(client):
