@@ -35,6 +35,8 @@ class RowsKVCache:
     """One layer's cache inside the batched step: keys and values (slots, heads, capacity, dim),
     offset (slots,) the position each row's new token takes."""
 
+    static_rows = True  # flashnorm.decode_stack may run every layer of the step in one kernel
+
     def __init__(self, keys, values, offset):
         self.keys, self.values, self.offset = keys, values, offset
 

@@ -25,6 +25,8 @@ class StaticKVCache:
     only the filled part. Once `offset` is an mx.array (decoding), every 1-token step sees buffers
     of the same shapes, so the decode step compiles once and is replayed."""
 
+    static_rows = True  # buffers of every position and an array offset (flashnorm.decode_stack)
+
     def __init__(self, capacity):
         self.capacity = capacity
         self.keys = self.values = None

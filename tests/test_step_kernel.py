@@ -8,6 +8,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_flashnorm import forms, kernels, load
+from mlx_flashnorm.batch import BatchEngine, Request
 from mlx_flashnorm.flashnorm import stack
 from mlx_flashnorm.generate import generate_step
 from mlx_flashnorm.kernels import build, step
@@ -47,14 +48,42 @@ def test_reference_matches_the_blocks(monkeypatch, name, bits):
     model = quantized_model(name, bits=bits)
     want_tokens, want = greedy(model)
     called = []
-    monkeypatch.setattr(kernels, "use_decode_layers", lambda: True)
-    monkeypatch.setattr(kernels, "decode_layers_supported", lambda *a: called.append(1) or True)
+    monkeypatch.setattr(kernels, "use_decode_layers", lambda name="decode_layers": True)
+    monkeypatch.setattr(kernels, "decode_layers_supported", lambda *a, **k: called.append(1) or True)
     monkeypatch.setattr(forms, "DISABLED", forms.DISABLED | {"decode_layers"})  # the kernel itself off
     model._compiled_decode = None  # a new trace
     tokens, got = greedy(model)
     assert called, "the step did not go through decode_layers"
     assert tokens == want_tokens
     assert mx.allclose(got, want, rtol=2e-4, atol=2e-4).item(), mx.abs(got - want).max().item()
+
+
+def batched(model, lengths=(9, 40, 23), steps=(10, 6, 12)):
+    """The greedy tokens of requests decoded together (the compiled batched step, 4 slots)."""
+    requests = [Request([(7 * i + j) % 500 + 3 for j in range(n)], max_tokens=m)
+                for i, (n, m) in enumerate(zip(lengths, steps))]
+    engine = BatchEngine(model)
+    for r in requests:
+        engine.add(r)
+    while engine.busy:
+        engine.step()
+    return [r.generated for r in requests]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_rows_reference_matches_the_blocks(monkeypatch, name):
+    """The batched step (rows at their own positions) through decode_rows' reference gives every
+    request the tokens of the model's own blocks over the same slots (where the CUDA kernel runs,
+    the reference is forced by disabling it)."""
+    model = quantized_model(name)
+    want = batched(model)
+    called = []
+    monkeypatch.setattr(kernels, "use_decode_layers", lambda name="decode_layers": True)
+    monkeypatch.setattr(kernels, "decode_layers_supported", lambda *a, **k: called.append(k.get("name")) or True)
+    monkeypatch.setattr(forms, "DISABLED", forms.DISABLED | {"decode_layers", "decode_rows"})
+    model._batched_decode = model._compiled_decode = None  # new traces
+    assert batched(model) == want
+    assert "decode_rows" in called
 
 
 def test_other_blocks_keep_their_loop():
@@ -69,17 +98,24 @@ def test_other_blocks_keep_their_loop():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs the CUDA compiler (this CPU machine has one)")
 def test_cuda_source_compiles(tmp_path):
-    """The kernel as NVRTC compiles it on a GPU, for each activation dtype, both bit widths and
-    head sizes: a syntax or type error shows here."""
+    """Both kernels (one row, and rows.py's batch with 1 and 8 rows per matvec pass) as NVRTC
+    compiles them on a GPU, for each activation dtype, both bit widths and head sizes: a syntax or
+    type error shows here."""
+    from mlx_flashnorm.kernels import rows
+
     L = 3
     names = [f"{a}{layer}" for layer in range(L) for a in step.ARRAYS]
-    for i, (T, bits, D) in enumerate([(mx.float16, 4, 64), (mx.bfloat16, 8, 128), (mx.float32, 4, 128)]):
+    variants = [(mx.float16, 4, 64, None), (mx.bfloat16, 8, 128, None), (mx.float32, 4, 128, None),
+                (mx.float16, 4, 64, 8), (mx.bfloat16, 8, 128, 1)]
+    for i, (T, bits, D, G) in enumerate(variants):
         types = [(T, 3), (mx.int32, 1), (mx.int32, 1), (mx.float32, 1), (mx.float32, 3), (mx.float32, 4),
                  (mx.uint32, 1)] + ([(mx.uint32, 2), (T, 2), (T, 2)] * 4 + [(T, 4)] * 2) * L
+        body, header = ((step._STEP, step._HEADER) if G is None else (rows._ROWS, step._HEADER + rows._HEADER))
+        template = [("T", T), ("BITS", bits), ("D", D), ("GQ", 4), ("NL", L), ("SMAX", step.SMAX)]
         code = build.cuda_source("fn_decode_layers", ["x", "off", "dims", "theta", "gains", "qkg", "sync"] + names,
-                                 ["y", "p", "ys", "work"], step._STEP.replace("TABLE", step._table(L)),
-                                 build.HEADERS["cuda"] + step._HEADER, types, [T, T, mx.float32, mx.float32],
-                                 [("T", T), ("BITS", bits), ("D", D), ("GQ", 4), ("NL", L), ("SMAX", step.SMAX)])
+                                 ["y", "p", "ys", "work"], body.replace("TABLE", step._table(L)),
+                                 build.HEADERS["cuda"] + header, types, [T, T, mx.float32, mx.float32],
+                                 template + ([("G", G)] if G else []))
         (tmp_path / f"s{i}.cu").write_text(code)
         done = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-o", str(tmp_path / f"s{i}.cubin"),
                                str(tmp_path / f"s{i}.cu")], capture_output=True, text=True)
@@ -112,6 +148,44 @@ def test_kernel_matches_reference(dtype, tol):
                 for a, b in ((ka, kb), (va, vb)):
                     a, b = a.astype(mx.float32), b.astype(mx.float32)
                     assert (mx.abs(a - b).max() <= tol * mx.abs(b).max()).item()
+
+
+@pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")
+@pytest.mark.parametrize("dtype,tol", [(mx.float16, 1e-2), (mx.bfloat16, 5e-2)])
+def test_rows_kernel_matches_reference(dtype, tol):
+    """decode_rows against its reference: three rows at their own positions (one of them past
+    several attention splits), Sec. 3 and Sec. 4, outputs and the rows' cache entries."""
+    from mlx_flashnorm.kernels import rows
+
+    L, K, HQ, HKV, D, I, C = 2, 256, 4, 2, 64, 384, 1024
+    layers, caches = step._random_stack(L, K, HQ, HKV, D, I, C, 700, 70)
+    layers = [tuple((w, s.astype(dtype), b.astype(dtype)) for w, s, b in m) for m in layers]
+    caches = [tuple(mx.concatenate([a, a[:, :, ::-1], a]).astype(dtype) for a in c) for c in caches]
+    positions = mx.array([700, 3, 250], mx.int32)
+    theta = mx.exp(-mx.arange(D // 2, dtype=mx.float32) * 0.3)
+    x = build.rand((3, 1, K), 71).astype(dtype)
+    gains = 16 * (1 + 0.3 * build.rand((L, 2, K), 72, mx.float32))
+    for qk in (None, 1 + 0.3 * build.rand((L, 2, 2, D), 73, mx.float32)):
+        args = (theta, 1e-5, D**-0.25, 1e-6 if qk is not None else 0.0, HQ, HKV, 64, 4)
+        assert step.supported(x, layers, caches, HQ, HKV, 64, 4, name="decode_rows")
+        got = rows.decode_rows(x, positions, layers, [tuple(mx.array(a) + 0 for a in c) for c in caches], gains,
+                               qk, *args)
+        want = rows.reference(x, positions, layers, caches, gains, qk, *args)
+        pairs = list(zip(got[:3], want[:3])) + [(a, b) for g, w in zip(got[3], want[3]) for a, b in zip(g, w)]
+        for a, b in pairs:
+            a, b = a.astype(mx.float32), b.astype(mx.float32)
+            assert (mx.abs(a - b).max() <= tol * mx.abs(b).max()).item()
+
+
+@pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_rows_kernel_batches_like_one_request(name):
+    """With decode_rows on, every request of a batch gets its one-request greedy tokens (float16)."""
+    model = quantized_model(name, mx.float16)
+    got = batched(model)
+    for i, (n, m) in enumerate(zip((9, 40, 23), (10, 6, 12))):
+        prompt = mx.array([(7 * i + j) % 500 + 3 for j in range(n)])
+        assert [t for t, _ in generate_step(prompt, model, max_tokens=m)] == got[i]
 
 
 @pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")

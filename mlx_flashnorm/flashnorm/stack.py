@@ -5,7 +5,6 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import kernels
-from ..cache import StaticKVCache
 from .attention import FlashAttention, FlashQKNormAttention
 from .ffn import FlashSwiGLU
 from .norm import DeferredNorm, QuantizedDeferredLinear, deferred_output
@@ -64,20 +63,25 @@ def _spec(layers):
 
 
 def decode_stack(layers, h, cache):
-    """The input of the final norm, (x, residual), after every block for one decode row h (an
-    embedding, (1, 1, K)) through kernels.decode_layers, with the caches' new k and v written;
-    None where that kernel does not take these blocks (then the model runs its loop): a prefill,
-    an eager step, the CPU, the portable path, another architecture."""
-    if (not layers or not cache or h.size != h.shape[-1] or not isinstance(cache[0], StaticKVCache)
-            or isinstance(cache[0].offset, int) or not kernels.use_decode_layers()):
+    """The input of the final norm, (x, residual), after every block for the decode rows h
+    (embeddings, (B, 1, K)) through one kernel, with the caches' new k and v written: B = 1 over
+    StaticKVCaches, kernels.decode_layers; B rows over a batch's caches (batch_cache.RowsKVCache),
+    kernels.decode_rows. Both kinds of cache say so with `static_rows` (buffers of every position,
+    an array offset per row). None where the kernel does not take these blocks (then the model runs
+    its loop): a prefill, an eager step, the CPU, the portable path, another architecture."""
+    if (not layers or not cache or h.ndim != 3 or h.shape[1] != 1 or not getattr(cache[0], "static_rows", False)
+            or isinstance(cache[0].offset, int)):
+        return None
+    name = "decode_layers" if h.shape[0] == 1 else "decode_rows"
+    if not kernels.use_decode_layers(name):
         return None
     spec = _spec(layers)
     kv = [(c.keys, c.values) for c in cache]
     if spec is None or spec["theta"].shape[0] * 2 != kv[0][0].shape[-1] or not kernels.decode_layers_supported(
-            h, spec["layers"], kv, spec["n_heads"], spec["n_kv_heads"], spec["group_size"], spec["bits"]):
+            h, spec["layers"], kv, spec["n_heads"], spec["n_kv_heads"], spec["group_size"], spec["bits"], name=name):
         return None
-    y, ys, p, kv = kernels.decode_layers(h, cache[0].offset, caches=kv, **spec)
+    run = kernels.decode_layers if name == "decode_layers" else kernels.decode_rows
+    y, ys, p, kv = run(h, cache[0].offset, caches=kv, **spec)
     for c, (k, v) in zip(cache, kv):
         c.keys, c.values = k, v
     return deferred_output(layers[-1].mlp, y, ys), p
-

@@ -7,6 +7,7 @@
                    QK-norm gains fused into cos/sin (Sec. 4)
     matvec.py      qkv_rope, gate_up: Sec. 5, the pre-norm inside its consumer's 4/8-bit matvec
     step.py        decode_layers: every layer of a decode step in one persistent CUDA kernel
+    rows.py        decode_rows: the same for a batch of rows, each at its own position
     normalize.py   the norm modules' fused residual add + RMSNorm/LayerNorm
     cpu.py         the CPU's row-parallel quantized matmul (bit-identical, two threads)
 
@@ -23,9 +24,10 @@ from .cpu import QuantizedEmbedding, QuantizedLinear, quantized_matmul, row_para
 from .matvec import KMAX, fused_supported, gate_up, gated, qkv_rope
 from .rope import rope_qkv, rope_qkv_supported
 from .step import decode_layers, supported as decode_layers_supported, use_decode_layers
+from .rows import decode_rows
 
 __all__ = ["add_rss", "power_of_two_below", "scale_shape", "CHUNK", "SPLIT_ABOVE", "decode_attention",
            "constant", "float_bits", "position_array", "self_check", "QuantizedEmbedding",
            "QuantizedLinear", "quantized_matmul", "row_parallel", "KMAX", "fused_supported", "gate_up",
            "gated", "qkv_rope", "rope_qkv", "rope_qkv_supported", "decode_layers",
-           "decode_layers_supported", "use_decode_layers"]
+           "decode_layers_supported", "use_decode_layers", "decode_rows"]

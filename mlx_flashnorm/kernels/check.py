@@ -20,10 +20,12 @@ from .matvec import CHECKS as MATVEC
 from .normalize import CHECK as NORMALIZE
 from .rope import CHECK as ROPE_QKV
 from .step import CHECK as DECODE_LAYERS
+from .rows import CHECK as DECODE_ROWS
 
 # name: (a call on small float16 inputs, the largest max |kernel - fallback| / max |fallback|)
 CHECKS = {"add_rss": ADD_RSS, "decode_attention": ATTENTION, "rope_qkv": ROPE_QKV, "normalize": NORMALIZE,
-          **MATVEC, "decode_layers": DECODE_LAYERS}
+          **MATVEC, "decode_layers": DECODE_LAYERS,
+          "decode_rows": DECODE_ROWS}
 
 
 def _passed_file():

@@ -30,6 +30,7 @@ from .build import HEADERS, constant, float_bits, make_kernel, position_array, r
 THREADS = 256  # 8 warps a block
 SMAX = 16  # attention splits per kv head, at most
 MAX_LAYERS = 36  # 14 pointers a layer: the kernel's arguments stay within CUDA's 4 KB
+MAX_ROWS = 64  # rows of the batched form (rows.py), at most
 ARRAYS = ("wqkv", "sqkv", "bqkv", "wo", "so", "bo", "wgu", "sgu", "bgu", "wd", "sd", "bd", "kc", "vc")
 
 _HEADER = """
@@ -367,24 +368,27 @@ def sm_count():
 
 
 @lru_cache(maxsize=None)
-def _sync_state():
+def sync_state():
     """The grid barrier's counters (64 uint32, in device memory): zero between launches."""
     a = mx.zeros((64,), mx.uint32)
     mx.eval(a)
     return a
 
 
-def use_decode_layers():
-    """Whether the whole-step kernel may run here (CUDA, our kernels on, its self-check passed)."""
-    return forms.use_gpu("decode_layers") and gpu_backend() == "cuda"
+def use_decode_layers(name="decode_layers"):
+    """Whether the whole-step kernel (name: "decode_layers", one row, or "decode_rows", a batch)
+    may run here (CUDA, our kernels on, its self-check passed)."""
+    return forms.use_gpu(name) and gpu_backend() == "cuda"
 
 
-def supported(x, layers, caches, n_heads, n_kv_heads, group_size, bits):
-    """Whether decode_layers' kernel takes this stack: CUDA with our kernels on, one row, 4 or 8
-    bits, every layer's matrices alike, sizes in whole 16-byte chunks and groups, head size 64 or
-    128, at most 8 query heads per kv head."""
-    if not (use_decode_layers() and x.size == x.shape[-1] and x.dtype in (mx.float16, mx.bfloat16, mx.float32)
-            and bits in (4, 8) and 0 < len(layers) <= MAX_LAYERS):
+def supported(x, layers, caches, n_heads, n_kv_heads, group_size, bits, name="decode_layers"):
+    """Whether the kernel `name` takes this stack: CUDA with our kernels on, x one row ((1, 1, K);
+    decode_rows: (B, 1, K), B <= MAX_ROWS), 4 or 8 bits, every layer's matrices alike, sizes in
+    whole 16-byte chunks and groups, head size 64 or 128, at most 8 query heads per kv head."""
+    B = x.shape[0]
+    if not (use_decode_layers(name) and x.ndim == 3 and x.shape[1] == 1 and (B == 1 if name == "decode_layers" else
+                                                                             B <= MAX_ROWS)
+            and x.dtype in (mx.float16, mx.bfloat16, mx.float32) and bits in (4, 8) and 0 < len(layers) <= MAX_LAYERS):
         return False
     K, D = x.shape[-1], caches[0][0].shape[-1]
     I = layers[0][2][0].shape[0] // 2
@@ -398,7 +402,7 @@ def supported(x, layers, caches, n_heads, n_kv_heads, group_size, bits):
         for (w, s, b), (width, rows) in zip(mats, shapes):
             if w.dtype != mx.uint32 or w.shape != (rows, width) or s.dtype != x.dtype or b.dtype != x.dtype:
                 return False
-        if k.dtype != x.dtype or v.dtype != x.dtype or k.shape != v.shape or k.shape[:2] != (1, n_kv_heads):
+        if k.dtype != x.dtype or v.dtype != x.dtype or k.shape != v.shape or k.shape[:2] != (B, n_kv_heads):
             return False
     return True
 
@@ -429,7 +433,7 @@ def decode_layers(x, offset, layers, caches, gains, qk_gains, theta, eps, factor
     work = (n_heads + 2 * n_kv_heads) * D + n_heads * SMAX * (D + 2) + K + I
     y, p, ys, _ = step_kernel(L)(
         inputs=[x, position_array(offset), constant(mx.int32, *flags), theta,
-                none if gains is None else gains, none if qk_gains is None else qk_gains, _sync_state()] + arrays,
+                none if gains is None else gains, none if qk_gains is None else qk_gains, sync_state()] + arrays,
         template=[("T", x.dtype), ("BITS", bits), ("D", D), ("GQ", n_heads // n_kv_heads), ("NL", L),
                   ("SMAX", SMAX)],
         grid=(blocks * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),

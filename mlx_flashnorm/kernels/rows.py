@@ -1,0 +1,448 @@
+"""decode_rows: kernels.decode_layers for a batch, B rows each at its own position (the batched
+server's step, batch_cache.RowsKVCache), in one persistent CUDA launch.
+
+The one-row kernel's phases (step.py) with every matvec applied to G rows at once: a warp loads a
+16-byte chunk of weights once and multiplies it into the G rows' inputs, so the weights are read
+once per group of rows, and the launch count stays one per step whatever the batch. Rows go in
+groups of G (G in 1, 2, 4, 8: as many as the shared memory holds); the residual stream lives in
+device memory (two buffers, one read and one written per phase), each row's 1/RSSe and deferred
+scale in shared memory. Attention is split over (row, kv head, split of positions). Every row is
+computed as the one-row kernel computes it (the same roundings), so a batched greedy token is the
+one-request token. Its plain-MLX reference runs step._reference row by row.
+
+Written and compile-checked without a GPU (2026-11-26): on CUDA it runs only after its self-check
+(CHECK) passed, and the GPU tests in tests/test_step_kernel.py check it against the reference."""
+from functools import lru_cache
+
+import mlx.core as mx
+
+from .build import HEADERS, constant, float_bits, make_kernel, rand
+from . import step
+
+BMAX = step.MAX_ROWS
+SHARED_MAX = 160 * 1024  # dynamic shared bytes a launch may ask for (227 KB per block on Hopper)
+
+_HEADER = """
+template <typename T, int BITS, int G>
+__device__ inline void fn_qrows(const unsigned int* w, const T* sc, const T* bi, long row, int nc, int gpr, int gs,
+                                const float* xin, const float* xsum, int xstride, int sstride, int rows, int lane,
+                                float* out) {
+  // one row of an affine BITS-bit matrix times the G shared input rows (rows of them in use): the
+  // weights of a chunk are loaded once for all of them
+  constexpr int PER = 32 / BITS, MASK = (1 << BITS) - 1;
+  const uint4* wr = reinterpret_cast<const uint4*>(w) + row * nc;
+  float a[G];
+  #pragma unroll
+  for (int g = 0; g < G; ++g) a[g] = 0.0f;
+  for (int c = lane; c < nc; c += 32) {
+    const uint4 q = __ldg(wr + c);
+    const unsigned int qs[4] = {q.x, q.y, q.z, q.w};
+    const long grp = row * gpr + c * 4 * PER / gs;
+    const float scale = fn_f(sc[grp]), bias = fn_f(bi[grp]);
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+      if (g < rows) {
+        const float* xg = xin + g * xstride;
+        float d = 0.0f;
+        #pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          #pragma unroll
+          for (int j = 0; j < PER; ++j) d += float((qs[u] >> (BITS * j)) & MASK) * xg[(u * PER + j) * nc + c];
+        }
+        a[g] += scale * d + bias * xsum[g * sstride + c];
+      }
+    }
+  }
+  #pragma unroll
+  for (int g = 0; g < G; ++g) out[g] = fn_warp_sum(a[g]);
+}
+"""
+
+_ROWS = """
+  // T, BITS, D, GQ, NL, SMAX, G (rows per matvec group): template constants
+  constexpr int NW = 8, PER = 32 / BITS, CW = 4 * PER, BMAX = 64;
+  constexpr int EPL = 16 / sizeof(T), LPR = D / EPL, RPW = 32 / LPR;
+  const int K = dims[0], GS = dims[1], HQ = dims[2], HKV = dims[3], I = dims[4], C = dims[5], NB = dims[6];
+  const int XMAX = dims[7];
+  const bool has_g = dims[8] != 0, prescale = dims[9] != 0, qk_norm = dims[10] != 0;
+  const float eps = __int_as_float(dims[11]), factor = __int_as_float(dims[12]), qk_eps = __int_as_float(dims[13]);
+  const int B = dims[14];
+  const int KO = HQ * D, NQKV = (HQ + 2 * HKV) * D;
+  const int NCK = K / CW, NCO = KO / CW, NCI = I / CW;
+  const int XS = XMAX, SS = XMAX / CW;  // strides of a row's input and chunk sums in shared memory
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gwarp = blockIdx.x * NW + warp, TW = NB * NW;
+  int S = NB / (B * HKV);  // attention splits per (row, kv head)
+  if (S > SMAX) S = SMAX;
+  if (S < 1) S = 1;
+  unsigned int* bar = const_cast<unsigned int*>(sync);
+  unsigned int target = 0;
+  float* raw = work;                                // B * NQKV
+  float* part = raw + long(B) * NQKV;               // B * HQ * SMAX * (D + 2)
+  float* obuf = part + long(B) * HQ * SMAX * (D + 2);  // B * K
+  float* abuf = obuf + long(B) * K;                 // B * I
+  float* res0 = abuf + long(B) * I;                 // B * K: the stream after a layer (read by phase 1)
+  float* res1 = res0 + long(B) * K;                 // B * K: the stream after phase 1 (read by phase 4)
+  extern __shared__ float smem[];
+  float* xin = smem;                // G * XMAX: the running matvec's input rows
+  float* xsum = xin + G * XMAX;     // G * XMAX / CW: their chunk sums
+  __shared__ float red[NW][G];
+  __shared__ float srow[BMAX], prow[BMAX], xsrow[BMAX];  // per row: 1/RSSe, its power of two, the deferred scale
+  __shared__ const void* tab[14 * NL];
+  __shared__ float qsh[GQ][D], sm[NW][GQ], sl[NW][GQ], sacc[NW][GQ][D];
+  TABLE
+  for (int b = threadIdx.x; b < B; b += blockDim.x) xsrow[b] = 1.0f;
+  __syncthreads();
+  for (int l = 0; l < NL; ++l) {
+    const unsigned int* wqkv = (const unsigned int*)tab[14 * l];
+    const T* sqkv = (const T*)tab[14 * l + 1]; const T* bqkv = (const T*)tab[14 * l + 2];
+    const unsigned int* wo = (const unsigned int*)tab[14 * l + 3];
+    const T* so = (const T*)tab[14 * l + 4]; const T* bo = (const T*)tab[14 * l + 5];
+    const unsigned int* wgu = (const unsigned int*)tab[14 * l + 6];
+    const T* sgu = (const T*)tab[14 * l + 7]; const T* bgu = (const T*)tab[14 * l + 8];
+    const unsigned int* wd = (const unsigned int*)tab[14 * l + 9];
+    const T* sd = (const T*)tab[14 * l + 10]; const T* bd = (const T*)tab[14 * l + 11];
+    T* kc = (T*)tab[14 * l + 12];
+    T* vc = (T*)tab[14 * l + 13];
+    const float* g1 = gains + long(l) * 2 * K;
+    const float* g2 = g1 + K;
+    // 1. per row: p = x * xs + r, s = 1/RSSe(p); the q/k/v rows of p * g, G rows at a time
+    for (int b0 = 0; b0 < B; b0 += G) {
+      const int rows = min(G, B - b0);
+      float ss[G];
+      #pragma unroll
+      for (int g = 0; g < G; ++g) ss[g] = 0.0f;
+      for (int i = threadIdx.x; i < K; i += blockDim.x) {
+        #pragma unroll
+        for (int g = 0; g < G; ++g) {
+          if (g < rows) {
+            const long at = long(b0 + g) * K + i;
+            const float t = l == 0 ? fn_f(x[at]) : fn_f(__ldcg(y + at)) * xsrow[b0 + g] + __ldcg(res0 + at);
+            const float tp = fn_f(fn_cast<T>(t));
+            if (blockIdx.x == 0) res1[at] = tp;
+            ss[g] += tp * tp;
+            fn_put(xin + g * XS, i, has_g ? tp * g1[i] : tp, NCK, PER);
+          }
+        }
+      }
+      #pragma unroll
+      for (int g = 0; g < G; ++g) ss[g] = fn_warp_sum(ss[g]);
+      __syncthreads();
+      if (lane == 0) {
+        #pragma unroll
+        for (int g = 0; g < G; ++g) red[warp][g] = ss[g];
+      }
+      __syncthreads();
+      if (threadIdx.x < rows) {
+        float t = 0.0f;
+        for (int w = 0; w < NW; ++w) t += red[w][threadIdx.x];
+        const float s = rsqrtf(t + K * eps);
+        srow[b0 + threadIdx.x] = s;
+        prow[b0 + threadIdx.x] = prescale ? __int_as_float(__float_as_int(s) & 0x7f800000) : 1.0f;
+      }
+      for (int g = 0; g < rows; ++g) fn_chunk_sums(xin + g * XS, xsum + g * SS, NCK, CW);
+      for (int row = gwarp; row < NQKV; row += TW) {
+        float a[G];
+        fn_qrows<T, BITS, G>(wqkv, sqkv, bqkv, row, NCK, K / GS, GS, xin, xsum, XS, SS, rows, lane, a);
+        if (lane == 0) {
+          #pragma unroll
+          for (int g = 0; g < G; ++g) if (g < rows) raw[long(b0 + g) * NQKV + row] = a[g];
+        }
+      }
+      __syncthreads();
+    }
+    fn_grid_sync(bar, target += NB);
+    // 2. per (row, kv head, split): RoPE, the cache write, attention over the row's positions
+    for (int item = blockIdx.x; item < B * HKV * S; item += NB) {
+      const int b = item / (HKV * S), kvh = (item / S) % HKV, split = item % S;
+      const int pos = off[b], n = pos + 1, chunk = (n + S - 1) / S;
+      const int lo = split * chunk, hi = min(n, lo + chunk);
+      const bool mine = lo <= pos && pos < hi;
+      const float s = srow[b], P = prow[b];
+      const long cbase = long(b * HKV + kvh) * C;
+      for (int vi = warp; vi < GQ + 2; vi += NW) {
+        const bool is_q = vi < GQ, is_k = vi == GQ;
+        if (!is_q && !mine) continue;
+        const int head = is_q ? kvh * GQ + vi : (is_k ? HQ + kvh : HQ + HKV + kvh);
+        const float* r = raw + long(b) * NQKV + head * D;
+        const long at = (cbase + pos) * D;
+        if (!is_q && !is_k) {
+          for (int d = lane; d < D; d += 32) vc[at + d] = fn_cast<T>(__ldcg(r + d) * s);
+          continue;
+        }
+        float inv = factor * s;
+        if (qk_norm) {
+          float hss = 0.0f;
+          for (int d = lane; d < D; d += 32) { const float v = __ldcg(r + d) * P; hss += v * v; }
+          inv = rsqrtf(fn_warp_sum(hss) + D * qk_eps) * P;
+        }
+        const float* gq = qkg + (long(l) * 2 + (is_q ? 0 : 1)) * 2 * D;
+        const float fpos = float(pos);
+        for (int i = lane; i < D / 2; i += 32) {
+          const int j = i + D / 2;
+          const float ri = __ldcg(r + i), rj = __ldcg(r + j);
+          const float sn = sinf(fpos * theta[i]), cs = cosf(fpos * theta[i]);
+          const float gi = qk_norm ? gq[i] : 1.0f, gj = qk_norm ? gq[j] : 1.0f;
+          const float pi = qk_norm ? gq[D + i] : 1.0f, pj = qk_norm ? gq[D + j] : 1.0f;
+          const T yi = fn_cast<T>(inv * (ri * gi * cs - rj * pi * sn)), yj = fn_cast<T>(inv * (rj * gj * cs + ri * pj * sn));
+          if (is_q) { qsh[vi][i] = fn_f(yi); qsh[vi][j] = fn_f(yj); }
+          else { kc[at + i] = yi; kc[at + j] = yj; }
+        }
+      }
+      __syncthreads();
+      const int grp = lane / LPR, sub = lane % LPR;
+      float qv[GQ][EPL], acc[GQ][EPL], m[GQ], lz[GQ];
+      #pragma unroll
+      for (int h = 0; h < GQ; ++h) {
+        #pragma unroll
+        for (int e = 0; e < EPL; ++e) { qv[h][e] = qsh[h][sub * EPL + e] * 1.4426950408889634f; acc[h][e] = 0.0f; }
+        m[h] = -1e30f;
+        lz[h] = 0.0f;
+      }
+      for (int j0 = lo + warp * RPW; j0 < hi; j0 += NW * RPW) {
+        const int j = j0 + grp;
+        const bool ok = j < hi;
+        const long row = (cbase + (ok ? j : j0)) * D + sub * EPL;
+        float kf[EPL], vf[EPL];
+        fn_load<T, EPL>(kc + row, kf);
+        fn_load<T, EPL>(vc + row, vf);
+        #pragma unroll
+        for (int h = 0; h < GQ; ++h) {
+          float t = 0.0f;
+          #pragma unroll
+          for (int e = 0; e < EPL; ++e) t += qv[h][e] * kf[e];
+          #pragma unroll
+          for (int x2 = LPR / 2; x2 > 0; x2 >>= 1) t += fn_shfl_xor(t, x2);
+          if (ok) {
+            const float mn = fmaxf(m[h], t), corr = exp2f(m[h] - mn), w = exp2f(t - mn);
+            lz[h] = lz[h] * corr + w;
+            #pragma unroll
+            for (int e = 0; e < EPL; ++e) acc[h][e] = acc[h][e] * corr + w * vf[e];
+            m[h] = mn;
+          }
+        }
+      }
+      #pragma unroll 1
+      for (int x2 = LPR; x2 < 32; x2 <<= 1) {
+        #pragma unroll
+        for (int h = 0; h < GQ; ++h) {
+          const float m2 = fn_shfl_xor(m[h], x2), mn = fmaxf(m[h], m2);
+          const float c1 = exp2f(m[h] - mn), c2 = exp2f(m2 - mn);
+          lz[h] = lz[h] * c1 + fn_shfl_xor(lz[h], x2) * c2;
+          #pragma unroll
+          for (int e = 0; e < EPL; ++e) acc[h][e] = acc[h][e] * c1 + fn_shfl_xor(acc[h][e], x2) * c2;
+          m[h] = mn;
+        }
+      }
+      if (grp == 0) {
+        #pragma unroll
+        for (int h = 0; h < GQ; ++h) {
+          if (sub == 0) { sm[warp][h] = m[h]; sl[warp][h] = lz[h]; }
+          #pragma unroll
+          for (int e = 0; e < EPL; ++e) sacc[warp][h][sub * EPL + e] = acc[h][e];
+        }
+      }
+      __syncthreads();
+      for (int i = threadIdx.x; i < GQ * (D + 2); i += blockDim.x) {
+        const int h = i / (D + 2), e = i % (D + 2);
+        float M = -1e30f;
+        for (int w = 0; w < NW; ++w) M = fmaxf(M, sm[w][h]);
+        float v = 0.0f;
+        for (int w = 0; w < NW; ++w) {
+          const float c = exp2f(sm[w][h] - M);
+          v += (e == 0 ? 0.0f : (e == 1 ? sl[w][h] : sacc[w][h][e - 2])) * c;
+        }
+        part[((long(b) * HQ + kvh * GQ + h) * SMAX + split) * (D + 2) + e] = e == 0 ? M : v;
+      }
+      __syncthreads();  // qsh and the warps' partials are rewritten by the block's next item
+    }
+    fn_grid_sync(bar, target += NB);
+    // 3. per row: the splits merged into its input row, o_proj
+    for (int b0 = 0; b0 < B; b0 += G) {
+      const int rows = min(G, B - b0);
+      for (int e = threadIdx.x; e < rows * KO; e += blockDim.x) {
+        const int g = e / KO, k = e % KO;
+        const float* ph = part + (long(b0 + g) * HQ + k / D) * SMAX * (D + 2);
+        float M = -1e30f;
+        for (int t = 0; t < S; ++t) M = fmaxf(M, __ldcg(ph + t * (D + 2)));
+        float lzs = 0.0f, o = 0.0f;
+        for (int t = 0; t < S; ++t) {
+          const float c = exp2f(__ldcg(ph + t * (D + 2)) - M);
+          lzs += __ldcg(ph + t * (D + 2) + 1) * c;
+          o += __ldcg(ph + t * (D + 2) + 2 + k % D) * c;
+        }
+        fn_put(xin + g * XS, k, fn_f(fn_cast<T>(o / lzs)), NCO, PER);
+      }
+      for (int g = 0; g < rows; ++g) fn_chunk_sums(xin + g * XS, xsum + g * SS, NCO, CW);
+      for (int row = gwarp; row < K; row += TW) {
+        float a[G];
+        fn_qrows<T, BITS, G>(wo, so, bo, row, NCO, KO / GS, GS, xin, xsum, XS, SS, rows, lane, a);
+        if (lane == 0) {
+          #pragma unroll
+          for (int g = 0; g < G; ++g) if (g < rows) obuf[long(b0 + g) * K + row] = fn_f(fn_cast<T>(a[g]));
+        }
+      }
+      __syncthreads();
+    }
+    fn_grid_sync(bar, target += NB);
+    // 4. per row: p2 = o + p, s2 = 1/RSSe(p2), gate/up rows of p2 * g2, a = silu(gate * s2) * up * P2
+    for (int b0 = 0; b0 < B; b0 += G) {
+      const int rows = min(G, B - b0);
+      float ss[G];
+      #pragma unroll
+      for (int g = 0; g < G; ++g) ss[g] = 0.0f;
+      for (int i = threadIdx.x; i < K; i += blockDim.x) {
+        #pragma unroll
+        for (int g = 0; g < G; ++g) {
+          if (g < rows) {
+            const long at = long(b0 + g) * K + i;
+            const float tp = fn_f(fn_cast<T>(__ldcg(obuf + at) + __ldcg(res1 + at)));
+            if (blockIdx.x == 0) res0[at] = tp;
+            ss[g] += tp * tp;
+            fn_put(xin + g * XS, i, has_g ? tp * g2[i] : tp, NCK, PER);
+          }
+        }
+      }
+      #pragma unroll
+      for (int g = 0; g < G; ++g) ss[g] = fn_warp_sum(ss[g]);
+      __syncthreads();
+      if (lane == 0) {
+        #pragma unroll
+        for (int g = 0; g < G; ++g) red[warp][g] = ss[g];
+      }
+      __syncthreads();
+      if (threadIdx.x < rows) {
+        float t = 0.0f;
+        for (int w = 0; w < NW; ++w) t += red[w][threadIdx.x];
+        const float s2 = rsqrtf(t + K * eps);
+        const float P2 = prescale ? __int_as_float(__float_as_int(s2) & 0x7f800000) : 1.0f;
+        srow[b0 + threadIdx.x] = s2;
+        prow[b0 + threadIdx.x] = P2;
+      }
+      for (int g = 0; g < rows; ++g) fn_chunk_sums(xin + g * XS, xsum + g * SS, NCK, CW);
+      for (int i = gwarp; i < I; i += TW) {
+        float a0[G], a1[G];
+        fn_qrows<T, BITS, G>(wgu, sgu, bgu, i, NCK, K / GS, GS, xin, xsum, XS, SS, rows, lane, a0);
+        fn_qrows<T, BITS, G>(wgu, sgu, bgu, I + i, NCK, K / GS, GS, xin, xsum, XS, SS, rows, lane, a1);
+        if (lane == 0) {
+          #pragma unroll
+          for (int g = 0; g < G; ++g) {
+            if (g >= rows) continue;
+            const float gt = a0[g] * srow[b0 + g];
+            abuf[long(b0 + g) * I + i] = fn_f(fn_cast<T>(gt / (1.0f + expf(-gt)) * a1[g] * prow[b0 + g]));
+          }
+        }
+      }
+      __syncthreads();
+    }
+    for (int b = threadIdx.x; b < B; b += blockDim.x) xsrow[b] = srow[b] / prow[b];
+    fn_grid_sync(bar, target += NB);
+    // 5. per row: down_proj (its scale xsrow deferred to the next layer's add)
+    for (int b0 = 0; b0 < B; b0 += G) {
+      const int rows = min(G, B - b0);
+      for (int e = threadIdx.x; e < rows * I; e += blockDim.x)
+        fn_put(xin + (e / I) * XS, e % I, __ldcg(abuf + long(b0) * I + e), NCI, PER);
+      for (int g = 0; g < rows; ++g) fn_chunk_sums(xin + g * XS, xsum + g * SS, NCI, CW);
+      for (int row = gwarp; row < K; row += TW) {
+        float a[G];
+        fn_qrows<T, BITS, G>(wd, sd, bd, row, NCI, I / GS, GS, xin, xsum, XS, SS, rows, lane, a);
+        if (lane == 0) {
+          #pragma unroll
+          for (int g = 0; g < G; ++g) if (g < rows) y[long(b0 + g) * K + row] = fn_cast<T>(a[g]);
+        }
+      }
+      __syncthreads();
+    }
+    if (l + 1 < NL) fn_grid_sync(bar, target += NB);
+  }
+  if (blockIdx.x == 0) {
+    for (int i = threadIdx.x; i < B * K; i += blockDim.x) p[i] = fn_cast<T>(__ldcg(res0 + i));
+    for (int b = threadIdx.x; b < B; b += blockDim.x) ys[b] = xsrow[b];
+  }
+  fn_grid_exit(bar, NB);
+"""
+
+
+def rows_per_group(B, xmax, bits):
+    """G: the rows one matvec pass takes, 1, 2, 4 or 8, as many as the batch has and the shared
+    memory holds (SHARED_MAX)."""
+    g = 1
+    while g < 8 and g < B and 4 * 2 * g * (xmax + xmax // (4 * 32 // bits)) <= SHARED_MAX:
+        g *= 2
+    return g
+
+
+def shared_bytes(G, xmax, bits, D, GQ, L):
+    """Dynamic shared memory of a launch (G input rows and their chunk sums), at least 48004 bytes
+    where it and the static arrays pass 48 KB (step.shared_bytes says why)."""
+    dynamic = 4 * G * (xmax + xmax // (4 * 32 // bits))
+    static = 4 * 8 * G + 3 * 4 * BMAX + 8 * 14 * L + 4 * GQ * D * (1 + 8) + 4 * 2 * 8 * GQ
+    return max(dynamic, 48004) if dynamic + static > 48 * 1024 else dynamic
+
+
+@lru_cache(maxsize=None)
+def rows_kernel(layers):
+    names = [f"{a}{l}" for l in range(layers) for a in step.ARRAYS]
+    return make_kernel("fn_decode_rows", ["x", "off", "dims", "theta", "gains", "qkg", "sync"] + names,
+                       ["y", "p", "ys", "work"], _ROWS.replace("TABLE", step._table(layers)),
+                       HEADERS["cuda"] + step._HEADER + _HEADER)
+
+
+def decode_rows(x, positions, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads, n_kv_heads,
+                group_size, bits):
+    """step.decode_layers for B rows (x: (B, 1, K), positions: (B,) int32, caches (B, kv heads,
+    capacity, D) per layer): one launch where step.supported says it runs, else the reference."""
+    if not step.supported(x, layers, caches, n_heads, n_kv_heads, group_size, bits, name="decode_rows"):
+        return reference(x, positions, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads,
+                         n_kv_heads, group_size, bits)
+    B, K, L, D = x.shape[0], x.shape[-1], len(layers), theta.shape[0] * 2
+    I = layers[0][2][0].shape[0] // 2
+    C = caches[0][0].shape[2]
+    blocks = step.sm_count()
+    xmax = max(K, n_heads * D, I)
+    G = rows_per_group(B, xmax, bits)
+    none = constant(mx.float32, 0.0)
+    flags = (K, group_size, n_heads, n_kv_heads, I, C, blocks, xmax, gains is not None, x.dtype != mx.float32,
+             qk_gains is not None, float_bits(eps), float_bits(factor), float_bits(qk_eps), B)
+    arrays = [a for mats, kv in zip(layers, caches) for a in (*[t for m in mats for t in m], *kv)]
+    work = B * ((n_heads + 2 * n_kv_heads) * D + n_heads * step.SMAX * (D + 2) + 3 * K + I)
+    y, p, ys, _ = rows_kernel(L)(
+        inputs=[x, positions.astype(mx.int32), constant(mx.int32, *flags), theta,
+                none if gains is None else gains, none if qk_gains is None else qk_gains, step.sync_state()] + arrays,
+        template=[("T", x.dtype), ("BITS", bits), ("D", D), ("GQ", n_heads // n_kv_heads), ("NL", L),
+                  ("SMAX", step.SMAX), ("G", G)],
+        grid=(blocks * step.THREADS, 1, 1), threadgroup=(step.THREADS, 1, 1),
+        output_shapes=[x.shape, x.shape, x.shape[:-1] + (1,), (work,)],
+        output_dtypes=[x.dtype, x.dtype, mx.float32, mx.float32],
+        shared_memory=shared_bytes(G, xmax, bits, D, n_heads // n_kv_heads, L))
+    flat = mx.depends([a for kv in caches for a in kv], [y])
+    return y, ys, p, list(zip(flat[0::2], flat[1::2]))
+
+
+def reference(x, positions, layers, caches, *args):
+    """decode_rows in plain MLX: step._reference row by row (its caches' row b at positions[b])."""
+    outs = [step._reference(x[b:b + 1], positions[b], layers, [(k[b:b + 1], v[b:b + 1]) for k, v in caches], *args)
+            for b in range(x.shape[0])]
+    y, ys, p = (mx.concatenate([o[i] for o in outs]) for i in range(3))
+    kv = [tuple(mx.concatenate([o[3][l][j] for o in outs]) for j in range(2)) for l in range(len(layers))]
+    return y, ys, p, kv
+
+
+def check_decode_rows():
+    """Three rows at positions 40, 5 and 17 of the one-row check's stack, Sec. 3 and Sec. 4."""
+    L, K, HQ, HKV, D, I, C = 2, 256, 4, 2, 64, 384, 64
+    layers, caches = step._random_stack(L, K, HQ, HKV, D, I, C, 41, 40)
+    caches = [tuple(mx.concatenate([a, a[:, :, ::-1], a]) for a in c) for c in caches]  # 3 rows
+    positions = mx.array([40, 5, 17], mx.int32)
+    theta = mx.exp(-mx.arange(D // 2, dtype=mx.float32) * 0.3)
+    x = rand((3, 1, K), 44)
+    gains = 16 * (1 + 0.3 * rand((L, 2, K), 42, mx.float32))
+    qk = 1 + 0.3 * rand((L, 2, 2, D), 43, mx.float32)
+    out = []
+    for qk_gains, qk_eps in ((None, 0.0), (qk, 1e-6)):
+        y, ys, p, kv = decode_rows(x, positions, layers, [tuple(mx.array(a) + 0 for a in c) for c in caches],
+                                gains, qk_gains, theta, 1e-5, D**-0.25, qk_eps, HQ, HKV, 64, 4)
+        out += [y, ys, p] + [mx.take_along_axis(a, positions.reshape(3, 1, 1, 1), axis=2) for c in kv for a in c]
+    return out
+
+
+CHECK = (check_decode_rows, 2e-2)
