@@ -11,7 +11,7 @@ from mlx_flashnorm import forms, kernels, load
 from mlx_flashnorm.batch import BatchEngine, Request
 from mlx_flashnorm.flashnorm import stack
 from mlx_flashnorm.generate import generate_step
-from mlx_flashnorm.kernels import build, step
+from mlx_flashnorm.kernels import build, step, step_source
 from mlx_flashnorm.loader import build_model, model_args, prepare
 
 from conftest import random_weights
@@ -104,16 +104,17 @@ def test_cuda_source_compiles(tmp_path):
     from mlx_flashnorm.kernels import rows
 
     L = 3
-    names = [f"{a}{layer}" for layer in range(L) for a in step.ARRAYS]
+    names = [f"{a}{layer}" for layer in range(L) for a in step_source.ARRAYS]
     variants = [(mx.float16, 4, 64, None), (mx.bfloat16, 8, 128, None), (mx.float32, 4, 128, None),
                 (mx.float16, 4, 64, 8), (mx.bfloat16, 8, 128, 1)]
     for i, (T, bits, D, G) in enumerate(variants):
         types = [(T, 3), (mx.int32, 1), (mx.int32, 1), (mx.float32, 1), (mx.float32, 3), (mx.float32, 4),
                  (mx.uint32, 1)] + ([(mx.uint32, 2), (T, 2), (T, 2)] * 4 + [(T, 4)] * 2) * L
-        body, header = ((step._STEP, step._HEADER) if G is None else (rows._ROWS, step._HEADER + rows._HEADER))
+        body, header = ((step_source.STEP, step_source.HEADER) if G is None else
+                        (rows._ROWS, step_source.HEADER + rows._HEADER))
         template = [("T", T), ("BITS", bits), ("D", D), ("GQ", 4), ("NL", L), ("SMAX", step.SMAX)]
         code = build.cuda_source("fn_decode_layers", ["x", "off", "dims", "theta", "gains", "qkg", "sync"] + names,
-                                 ["y", "p", "ys", "work"], body.replace("TABLE", step._table(L)),
+                                 ["y", "p", "ys", "work"], body.replace("TABLE", step_source.table(L)),
                                  build.HEADERS["cuda"] + header, types, [T, T, mx.float32, mx.float32],
                                  template + ([("G", G)] if G else []))
         (tmp_path / f"s{i}.cu").write_text(code)

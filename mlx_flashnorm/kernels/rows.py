@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from .build import HEADERS, constant, float_bits, make_kernel, rand
 from . import step
+from .step_source import ARRAYS, ATTEND, HEADER, table
 
 BMAX = step.MAX_ROWS
 SHARED_MAX = 160 * 1024  # dynamic shared bytes a launch may ask for (227 KB per block on Hopper)
@@ -58,7 +59,7 @@ __device__ inline void fn_qrows(const unsigned int* w, const T* sc, const T* bi,
 }
 """
 
-_ROWS = """
+_ROWS_BODY = """
   // T, BITS, D, GQ, NL, SMAX, G (rows per matvec group): template constants
   constexpr int NW = 8, PER = 32 / BITS, CW = 4 * PER, BMAX = 64;
   constexpr int EPL = 16 / sizeof(T), LPR = D / EPL, RPW = 32 / LPR;
@@ -158,102 +159,9 @@ _ROWS = """
       const int lo = split * chunk, hi = min(n, lo + chunk);
       const bool mine = lo <= pos && pos < hi;
       const float s = srow[b], P = prow[b];
-      const long cbase = long(b * HKV + kvh) * C;
-      for (int vi = warp; vi < GQ + 2; vi += NW) {
-        const bool is_q = vi < GQ, is_k = vi == GQ;
-        if (!is_q && !mine) continue;
-        const int head = is_q ? kvh * GQ + vi : (is_k ? HQ + kvh : HQ + HKV + kvh);
-        const float* r = raw + long(b) * NQKV + head * D;
-        const long at = (cbase + pos) * D;
-        if (!is_q && !is_k) {
-          for (int d = lane; d < D; d += 32) vc[at + d] = fn_cast<T>(__ldcg(r + d) * s);
-          continue;
-        }
-        float inv = factor * s;
-        if (qk_norm) {
-          float hss = 0.0f;
-          for (int d = lane; d < D; d += 32) { const float v = __ldcg(r + d) * P; hss += v * v; }
-          inv = rsqrtf(fn_warp_sum(hss) + D * qk_eps) * P;
-        }
-        const float* gq = qkg + (long(l) * 2 + (is_q ? 0 : 1)) * 2 * D;
-        const float fpos = float(pos);
-        for (int i = lane; i < D / 2; i += 32) {
-          const int j = i + D / 2;
-          const float ri = __ldcg(r + i), rj = __ldcg(r + j);
-          const float sn = sinf(fpos * theta[i]), cs = cosf(fpos * theta[i]);
-          const float gi = qk_norm ? gq[i] : 1.0f, gj = qk_norm ? gq[j] : 1.0f;
-          const float pi = qk_norm ? gq[D + i] : 1.0f, pj = qk_norm ? gq[D + j] : 1.0f;
-          const T yi = fn_cast<T>(inv * (ri * gi * cs - rj * pi * sn)), yj = fn_cast<T>(inv * (rj * gj * cs + ri * pj * sn));
-          if (is_q) { qsh[vi][i] = fn_f(yi); qsh[vi][j] = fn_f(yj); }
-          else { kc[at + i] = yi; kc[at + j] = yj; }
-        }
-      }
-      __syncthreads();
-      const int grp = lane / LPR, sub = lane % LPR;
-      float qv[GQ][EPL], acc[GQ][EPL], m[GQ], lz[GQ];
-      #pragma unroll
-      for (int h = 0; h < GQ; ++h) {
-        #pragma unroll
-        for (int e = 0; e < EPL; ++e) { qv[h][e] = qsh[h][sub * EPL + e] * 1.4426950408889634f; acc[h][e] = 0.0f; }
-        m[h] = -1e30f;
-        lz[h] = 0.0f;
-      }
-      for (int j0 = lo + warp * RPW; j0 < hi; j0 += NW * RPW) {
-        const int j = j0 + grp;
-        const bool ok = j < hi;
-        const long row = (cbase + (ok ? j : j0)) * D + sub * EPL;
-        float kf[EPL], vf[EPL];
-        fn_load<T, EPL>(kc + row, kf);
-        fn_load<T, EPL>(vc + row, vf);
-        #pragma unroll
-        for (int h = 0; h < GQ; ++h) {
-          float t = 0.0f;
-          #pragma unroll
-          for (int e = 0; e < EPL; ++e) t += qv[h][e] * kf[e];
-          #pragma unroll
-          for (int x2 = LPR / 2; x2 > 0; x2 >>= 1) t += fn_shfl_xor(t, x2);
-          if (ok) {
-            const float mn = fmaxf(m[h], t), corr = exp2f(m[h] - mn), w = exp2f(t - mn);
-            lz[h] = lz[h] * corr + w;
-            #pragma unroll
-            for (int e = 0; e < EPL; ++e) acc[h][e] = acc[h][e] * corr + w * vf[e];
-            m[h] = mn;
-          }
-        }
-      }
-      #pragma unroll 1
-      for (int x2 = LPR; x2 < 32; x2 <<= 1) {
-        #pragma unroll
-        for (int h = 0; h < GQ; ++h) {
-          const float m2 = fn_shfl_xor(m[h], x2), mn = fmaxf(m[h], m2);
-          const float c1 = exp2f(m[h] - mn), c2 = exp2f(m2 - mn);
-          lz[h] = lz[h] * c1 + fn_shfl_xor(lz[h], x2) * c2;
-          #pragma unroll
-          for (int e = 0; e < EPL; ++e) acc[h][e] = acc[h][e] * c1 + fn_shfl_xor(acc[h][e], x2) * c2;
-          m[h] = mn;
-        }
-      }
-      if (grp == 0) {
-        #pragma unroll
-        for (int h = 0; h < GQ; ++h) {
-          if (sub == 0) { sm[warp][h] = m[h]; sl[warp][h] = lz[h]; }
-          #pragma unroll
-          for (int e = 0; e < EPL; ++e) sacc[warp][h][sub * EPL + e] = acc[h][e];
-        }
-      }
-      __syncthreads();
-      for (int i = threadIdx.x; i < GQ * (D + 2); i += blockDim.x) {
-        const int h = i / (D + 2), e = i % (D + 2);
-        float M = -1e30f;
-        for (int w = 0; w < NW; ++w) M = fmaxf(M, sm[w][h]);
-        float v = 0.0f;
-        for (int w = 0; w < NW; ++w) {
-          const float c = exp2f(sm[w][h] - M);
-          v += (e == 0 ? 0.0f : (e == 1 ? sl[w][h] : sacc[w][h][e - 2])) * c;
-        }
-        part[((long(b) * HQ + kvh * GQ + h) * SMAX + split) * (D + 2) + e] = e == 0 ? M : v;
-      }
-      __syncthreads();  // qsh and the warps' partials are rewritten by the block's next item
+      const float* rbase = raw + long(b) * NQKV;
+      const long cbase = long(b * HKV + kvh) * C, head0 = long(b) * HQ + kvh * GQ;
+ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by the block's next item
     }
     fn_grid_sync(bar, target += NB);
     // 3. per row: the splits merged into its input row, o_proj
@@ -360,6 +268,7 @@ _ROWS = """
   }
   fn_grid_exit(bar, NB);
 """
+_ROWS = _ROWS_BODY.replace("ATTEND", ATTEND)
 
 
 def rows_per_group(B, xmax, bits):
@@ -381,10 +290,10 @@ def shared_bytes(G, xmax, bits, D, GQ, L):
 
 @lru_cache(maxsize=None)
 def rows_kernel(layers):
-    names = [f"{a}{l}" for l in range(layers) for a in step.ARRAYS]
+    names = [f"{a}{l}" for l in range(layers) for a in ARRAYS]
     return make_kernel("fn_decode_rows", ["x", "off", "dims", "theta", "gains", "qkg", "sync"] + names,
-                       ["y", "p", "ys", "work"], _ROWS.replace("TABLE", step._table(layers)),
-                       HEADERS["cuda"] + step._HEADER + _HEADER)
+                       ["y", "p", "ys", "work"], _ROWS.replace("TABLE", table(layers)),
+                       HEADERS["cuda"] + HEADER + _HEADER)
 
 
 def decode_rows(x, positions, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads, n_kv_heads,

@@ -1,0 +1,317 @@
+"""The whole-step kernels' CUDA (step.py's decode_layers, rows.py's decode_rows): the device
+functions both use (the grid barrier, the shared input row of a matvec, a row of a packed matrix),
+the attention phase both run (ATTEND) and the one-row kernel's body (STEP), its layers' arrays
+read through a pointer table (table)."""
+
+ARRAYS = ("wqkv", "sqkv", "bqkv", "wo", "so", "bo", "wgu", "sgu", "bgu", "wd", "sd", "bd", "kc", "vc")
+
+HEADER = """
+__device__ inline void fn_grid_sync(unsigned int* bar, unsigned int target) {
+  // every block of the grid arrives before any leaves (all blocks are resident: one per SM);
+  // the count only grows within a launch, and the last block out resets it (fn_grid_exit)
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(bar, 1u);
+    unsigned int seen;
+    long long spins = 0;
+    while (true) {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(bar) : "memory");
+      if (seen >= target) break;
+      if (++spins > (1LL << 31)) __trap();  // a block that never came: fail, never hang
+    }
+    __threadfence();
+  }
+  __syncthreads();
+}
+__device__ inline void fn_grid_exit(unsigned int* bar, unsigned int blocks) {
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(bar + 32, 1u) == blocks - 1) { atomicExch(bar, 0u); atomicExch(bar + 32, 0u); }
+  }
+}
+__device__ inline void fn_put(float* xin, int i, float v, int nc, int per) {
+  // element i of a matvec's input row into shared memory, chunk-major: lane c reads chunk c's
+  // values at consecutive addresses (no bank conflicts); a chunk is 16 bytes of packed weights
+  const int wd = i / per;
+  xin[((wd & 3) * per + i % per) * nc + (wd >> 2)] = v;
+}
+__device__ inline void fn_chunk_sums(const float* xin, float* xsum, int nc, int cw) {
+  __syncthreads();
+  for (int c = threadIdx.x; c < nc; c += blockDim.x) {
+    float t = 0.0f;
+    for (int k = 0; k < cw; ++k) t += xin[k * nc + c];
+    xsum[c] = t;
+  }
+  __syncthreads();
+}
+__device__ inline float fn_block_sum(float v, float* red) {
+  v = fn_warp_sum(v);
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
+  __syncthreads();
+  float t = 0.0f;
+  for (int w = 0; w < int(blockDim.x / 32); ++w) t += red[w];
+  return t;
+}
+template <typename T, int BITS>
+__device__ inline float fn_qrow(const unsigned int* w, const T* sc, const T* bi, long row, int nc, int gpr,
+                                int gs, const float* xin, const float* xsum, int lane) {
+  // one row of an affine BITS-bit matrix (nc 16-byte chunks, gpr groups of gs values) times the
+  // shared input row: a group adds scale * (q . x) + bias * sum(x); lanes take the chunks in turn
+  constexpr int PER = 32 / BITS, MASK = (1 << BITS) - 1;
+  const uint4* wr = reinterpret_cast<const uint4*>(w) + row * nc;
+  float a = 0.0f;
+  for (int c = lane; c < nc; c += 32) {
+    const uint4 q = __ldg(wr + c);
+    const unsigned int qs[4] = {q.x, q.y, q.z, q.w};
+    float d = 0.0f;
+    #pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      #pragma unroll
+      for (int j = 0; j < PER; ++j) d += float((qs[u] >> (BITS * j)) & MASK) * xin[(u * PER + j) * nc + c];
+    }
+    const long g = row * gpr + c * 4 * PER / gs;
+    a += fn_f(sc[g]) * d + fn_f(bi[g]) * xsum[c];
+  }
+  return fn_warp_sum(a);
+}
+"""
+
+# Phase 2 of a (row, kv head, split of the positions) in both whole-step kernels (this one and
+# rows.py's): RoPE, the cache write by the split that holds the new position, attention over the
+# split, its partial state in `part`. The body around it names the row: rbase (its raw q/k/v),
+# cbase (its kv head's first cache row), head0 (its first query head among all rows' heads), pos,
+# lo, hi, mine, s and P.
+ATTEND = """      for (int vi = warp; vi < GQ + 2; vi += NW) {
+        const bool is_q = vi < GQ, is_k = vi == GQ;
+        if (!is_q && !mine) continue;
+        const int head = is_q ? kvh * GQ + vi : (is_k ? HQ + kvh : HQ + HKV + kvh);
+        const float* r = rbase + head * D;
+        const long at = (cbase + pos) * D;
+        if (!is_q && !is_k) {
+          for (int d = lane; d < D; d += 32) vc[at + d] = fn_cast<T>(__ldcg(r + d) * s);
+          continue;
+        }
+        float inv = factor * s;
+        if (qk_norm) {
+          float hss = 0.0f;
+          for (int d = lane; d < D; d += 32) { const float v = __ldcg(r + d) * P; hss += v * v; }
+          inv = rsqrtf(fn_warp_sum(hss) + D * qk_eps) * P;
+        }
+        const float* gq = qkg + (long(l) * 2 + (is_q ? 0 : 1)) * 2 * D;
+        const float fpos = float(pos);
+        for (int i = lane; i < D / 2; i += 32) {
+          const int j = i + D / 2;
+          const float ri = __ldcg(r + i), rj = __ldcg(r + j);
+          const float sn = sinf(fpos * theta[i]), cs = cosf(fpos * theta[i]);
+          const float gi = qk_norm ? gq[i] : 1.0f, gj = qk_norm ? gq[j] : 1.0f;
+          const float pi = qk_norm ? gq[D + i] : 1.0f, pj = qk_norm ? gq[D + j] : 1.0f;
+          const T yi = fn_cast<T>(inv * (ri * gi * cs - rj * pi * sn)), yj = fn_cast<T>(inv * (rj * gj * cs + ri * pj * sn));
+          if (is_q) { qsh[vi][i] = fn_f(yi); qsh[vi][j] = fn_f(yj); }
+          else { kc[at + i] = yi; kc[at + j] = yj; }
+        }
+      }
+      __syncthreads();
+      // softmax(q k) v over [lo, hi): the scale is in q and k already (Sec. 3); exp2 domain
+      const int grp = lane / LPR, sub = lane % LPR;
+      float qv[GQ][EPL], acc[GQ][EPL], m[GQ], lz[GQ];
+      #pragma unroll
+      for (int h = 0; h < GQ; ++h) {
+        #pragma unroll
+        for (int e = 0; e < EPL; ++e) { qv[h][e] = qsh[h][sub * EPL + e] * 1.4426950408889634f; acc[h][e] = 0.0f; }
+        m[h] = -1e30f;
+        lz[h] = 0.0f;
+      }
+      for (int j0 = lo + warp * RPW; j0 < hi; j0 += NW * RPW) {  // the same trip count for a warp
+        const int j = j0 + grp;
+        const bool ok = j < hi;
+        const long row = (cbase + (ok ? j : j0)) * D + sub * EPL;
+        float kf[EPL], vf[EPL];
+        fn_load<T, EPL>(kc + row, kf);
+        fn_load<T, EPL>(vc + row, vf);
+        #pragma unroll
+        for (int h = 0; h < GQ; ++h) {
+          float t = 0.0f;
+          #pragma unroll
+          for (int e = 0; e < EPL; ++e) t += qv[h][e] * kf[e];
+          #pragma unroll
+          for (int x2 = LPR / 2; x2 > 0; x2 >>= 1) t += fn_shfl_xor(t, x2);
+          if (ok) {
+            const float mn = fmaxf(m[h], t), corr = exp2f(m[h] - mn), w = exp2f(t - mn);
+            lz[h] = lz[h] * corr + w;
+            #pragma unroll
+            for (int e = 0; e < EPL; ++e) acc[h][e] = acc[h][e] * corr + w * vf[e];
+            m[h] = mn;
+          }
+        }
+      }
+      #pragma unroll 1
+      for (int x2 = LPR; x2 < 32; x2 <<= 1) {  // the row groups of a warp
+        #pragma unroll
+        for (int h = 0; h < GQ; ++h) {
+          const float m2 = fn_shfl_xor(m[h], x2), mn = fmaxf(m[h], m2);
+          const float c1 = exp2f(m[h] - mn), c2 = exp2f(m2 - mn);
+          lz[h] = lz[h] * c1 + fn_shfl_xor(lz[h], x2) * c2;
+          #pragma unroll
+          for (int e = 0; e < EPL; ++e) acc[h][e] = acc[h][e] * c1 + fn_shfl_xor(acc[h][e], x2) * c2;
+          m[h] = mn;
+        }
+      }
+      if (grp == 0) {
+        #pragma unroll
+        for (int h = 0; h < GQ; ++h) {
+          if (sub == 0) { sm[warp][h] = m[h]; sl[warp][h] = lz[h]; }
+          #pragma unroll
+          for (int e = 0; e < EPL; ++e) sacc[warp][h][sub * EPL + e] = acc[h][e];
+        }
+      }
+      __syncthreads();
+      for (int i = threadIdx.x; i < GQ * (D + 2); i += blockDim.x) {  // the warps merged
+        const int h = i / (D + 2), e = i % (D + 2);
+        float M = -1e30f;
+        for (int w = 0; w < NW; ++w) M = fmaxf(M, sm[w][h]);
+        float v = 0.0f;
+        for (int w = 0; w < NW; ++w) {
+          const float c = exp2f(sm[w][h] - M);
+          v += (e == 0 ? 0.0f : (e == 1 ? sl[w][h] : sacc[w][h][e - 2])) * c;
+        }
+        part[((head0 + h) * SMAX + split) * (D + 2) + e] = e == 0 ? M : v;
+      }
+"""
+
+_STEP_BODY = """
+  // T, BITS, D (head size), GQ (query heads per kv head), NL (layers), SMAX: template constants
+  constexpr int NW = 8, PER = 32 / BITS, CW = 4 * PER;  // warps; values per word, per 16-byte chunk
+  constexpr int EPL = 16 / sizeof(T), LPR = D / EPL, RPW = 32 / LPR;  // attention: a row's lanes
+  const int K = dims[0], GS = dims[1], HQ = dims[2], HKV = dims[3], I = dims[4], C = dims[5], NB = dims[6];
+  const int XMAX = dims[7];
+  const bool has_g = dims[8] != 0, prescale = dims[9] != 0, qk_norm = dims[10] != 0;
+  const float eps = __int_as_float(dims[11]), factor = __int_as_float(dims[12]), qk_eps = __int_as_float(dims[13]);
+  const int KO = HQ * D, NQKV = (HQ + 2 * HKV) * D;
+  const int NCK = K / CW, NCO = KO / CW, NCI = I / CW;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gwarp = blockIdx.x * NW + warp, TW = NB * NW;
+  const int pos = off[0], n = pos + 1;
+  int S = (n + 31) / 32;  // attention splits per kv head: about 32 positions or more each
+  if (S > SMAX) S = SMAX;
+  if (S > NB / HKV) S = NB / HKV;
+  if (S < 1) S = 1;
+  const int chunk = (n + S - 1) / S;
+  unsigned int* bar = const_cast<unsigned int*>(sync);
+  unsigned int target = 0;
+  float* raw = work;                        // NQKV: the q/k/v rows before RoPE
+  float* part = raw + NQKV;                 // HQ * SMAX * (D + 2): per split max, sum, values
+  float* obuf = part + HQ * SMAX * (D + 2); // K: o_proj's output
+  float* abuf = obuf + K;                   // I: SwiGLU's output
+  extern __shared__ float smem[];
+  float* pres = smem;        // K: this block's copy of the residual stream (T-rounded)
+  float* xin = pres + K;     // XMAX: the running matvec's input row
+  float* xsum = xin + XMAX;  // XMAX / CW: its chunk sums
+  __shared__ float red[NW];
+  __shared__ const void* tab[14 * NL];
+  __shared__ float qsh[GQ][D], sm[NW][GQ], sl[NW][GQ], sacc[NW][GQ][D];
+  // the layers' arrays: one pointer table per block
+  TABLE
+  __syncthreads();
+  float xs = 1.0f;  // the deferred scale of the layer's input (the previous down_proj's)
+  for (int l = 0; l < NL; ++l) {
+    const unsigned int* wqkv = (const unsigned int*)tab[14 * l];
+    const T* sqkv = (const T*)tab[14 * l + 1]; const T* bqkv = (const T*)tab[14 * l + 2];
+    const unsigned int* wo = (const unsigned int*)tab[14 * l + 3];
+    const T* so = (const T*)tab[14 * l + 4]; const T* bo = (const T*)tab[14 * l + 5];
+    const unsigned int* wgu = (const unsigned int*)tab[14 * l + 6];
+    const T* sgu = (const T*)tab[14 * l + 7]; const T* bgu = (const T*)tab[14 * l + 8];
+    const unsigned int* wd = (const unsigned int*)tab[14 * l + 9];
+    const T* sd = (const T*)tab[14 * l + 10]; const T* bd = (const T*)tab[14 * l + 11];
+    T* kc = (T*)tab[14 * l + 12];
+    T* vc = (T*)tab[14 * l + 13];
+    const float* g1 = gains + long(l) * 2 * K;
+    const float* g2 = g1 + K;
+    // 1. p = x * xs + r, s = 1/RSSe(p), the q/k/v rows of p * g
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < K; i += blockDim.x) {
+      const float t = l == 0 ? fn_f(x[i]) : fn_f(__ldcg(y + i)) * xs + pres[i];
+      const float tp = fn_f(fn_cast<T>(t));
+      pres[i] = tp;
+      ss += tp * tp;
+      fn_put(xin, i, has_g ? tp * g1[i] : tp, NCK, PER);
+    }
+    const float s = rsqrtf(fn_block_sum(ss, red) + K * eps);
+    const float P = prescale ? __int_as_float(__float_as_int(s) & 0x7f800000) : 1.0f;
+    fn_chunk_sums(xin, xsum, NCK, CW);
+    for (int row = gwarp; row < NQKV; row += TW) {
+      const float a = fn_qrow<T, BITS>(wqkv, sqkv, bqkv, row, NCK, K / GS, GS, xin, xsum, lane);
+      if (lane == 0) raw[row] = a;
+    }
+    fn_grid_sync(bar, target += NB);
+    // 2. RoPE, the cache write and attention: block (kv head, split of the positions)
+    const int kvh = blockIdx.x / S, split = blockIdx.x % S;
+    if (kvh < HKV) {
+      const int lo = split * chunk, hi = min(n, lo + chunk);
+      const bool mine = lo <= pos && pos < hi;  // this block writes the new k and v
+      const float* rbase = raw;
+      const long cbase = long(kvh) * C, head0 = long(kvh) * GQ;
+ATTEND    }
+    fn_grid_sync(bar, target += NB);
+    // 3. the splits merged (every block, into its input row), o_proj
+    for (int e = threadIdx.x; e < KO; e += blockDim.x) {
+      const float* ph = part + long(e / D) * SMAX * (D + 2);
+      float M = -1e30f;
+      for (int t = 0; t < S; ++t) M = fmaxf(M, __ldcg(ph + t * (D + 2)));
+      float lzs = 0.0f, o = 0.0f;
+      for (int t = 0; t < S; ++t) {
+        const float c = exp2f(__ldcg(ph + t * (D + 2)) - M);
+        lzs += __ldcg(ph + t * (D + 2) + 1) * c;
+        o += __ldcg(ph + t * (D + 2) + 2 + e % D) * c;
+      }
+      fn_put(xin, e, fn_f(fn_cast<T>(o / lzs)), NCO, PER);
+    }
+    fn_chunk_sums(xin, xsum, NCO, CW);
+    for (int row = gwarp; row < K; row += TW) {
+      const float a = fn_qrow<T, BITS>(wo, so, bo, row, NCO, KO / GS, GS, xin, xsum, lane);
+      if (lane == 0) obuf[row] = fn_f(fn_cast<T>(a));
+    }
+    fn_grid_sync(bar, target += NB);
+    // 4. p2 = o + p, s2 = 1/RSSe(p2), gate/up rows of p2 * g2, a = silu(gate * s2) * up * P2
+    ss = 0.0f;
+    for (int i = threadIdx.x; i < K; i += blockDim.x) {
+      const float tp = fn_f(fn_cast<T>(__ldcg(obuf + i) + pres[i]));
+      pres[i] = tp;
+      ss += tp * tp;
+      fn_put(xin, i, has_g ? tp * g2[i] : tp, NCK, PER);
+    }
+    const float s2 = rsqrtf(fn_block_sum(ss, red) + K * eps);
+    const float P2 = prescale ? __int_as_float(__float_as_int(s2) & 0x7f800000) : 1.0f;
+    fn_chunk_sums(xin, xsum, NCK, CW);
+    for (int i = gwarp; i < I; i += TW) {
+      const float a0 = fn_qrow<T, BITS>(wgu, sgu, bgu, i, NCK, K / GS, GS, xin, xsum, lane);
+      const float a1 = fn_qrow<T, BITS>(wgu, sgu, bgu, I + i, NCK, K / GS, GS, xin, xsum, lane);
+      if (lane == 0) {
+        const float gt = a0 * s2;
+        abuf[i] = fn_f(fn_cast<T>(gt / (1.0f + expf(-gt)) * a1 * P2));
+      }
+    }
+    xs = s2 / P2;
+    fn_grid_sync(bar, target += NB);
+    // 5. down_proj (its scale xs deferred to the next layer's add)
+    for (int e = threadIdx.x; e < I; e += blockDim.x) fn_put(xin, e, __ldcg(abuf + e), NCI, PER);
+    fn_chunk_sums(xin, xsum, NCI, CW);
+    for (int row = gwarp; row < K; row += TW) {
+      const float a = fn_qrow<T, BITS>(wd, sd, bd, row, NCI, I / GS, GS, xin, xsum, lane);
+      if (lane == 0) y[row] = fn_cast<T>(a);
+    }
+    if (l + 1 < NL) fn_grid_sync(bar, target += NB);
+  }
+  if (blockIdx.x == 0) {
+    for (int i = threadIdx.x; i < K; i += blockDim.x) p[i] = fn_cast<T>(pres[i]);
+    if (threadIdx.x == 0) ys[0] = xs;
+  }
+  fn_grid_exit(bar, NB);
+"""
+STEP = _STEP_BODY.replace("ATTEND", ATTEND)
+
+
+def table(layers):
+    """The body's pointer table: thread l of each block copies layer l's arrays into shared memory."""
+    return "\n".join(f"  if (threadIdx.x == {l}) {{ " + " ".join(f"tab[{14 * l + k}] = {a}{l};" for k, a in
+                                                               enumerate(ARRAYS)) + " }" for l in range(layers))
