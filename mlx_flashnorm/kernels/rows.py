@@ -18,12 +18,33 @@ import mlx.core as mx
 
 from .build import HEADERS, constant, float_bits, make_kernel, rand
 from . import step
-from .step_source import ARRAYS, ATTEND, HEADER, table
+from .step_source import ARRAYS, ATTEND, HEADER, LAYER, table
 
 BMAX = step.MAX_ROWS
 SHARED_MAX = 160 * 1024  # dynamic shared bytes a launch may ask for (227 KB per block on Hopper)
 
 _HEADER = """
+template <int G>
+__device__ inline void fn_row_scales(float* ss, float (*red)[G], float* srow, float* prow, int rows, float keps,
+                                     bool prescale) {
+  // each row's 1/RSSe from the threads' partial sums of squares ss (G rows, rows of them in
+  // use), and its power of two P (half precision), into srow and prow
+  #pragma unroll
+  for (int g = 0; g < G; ++g) ss[g] = fn_warp_sum(ss[g]);
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) {
+    #pragma unroll
+    for (int g = 0; g < G; ++g) red[threadIdx.x / 32][g] = ss[g];
+  }
+  __syncthreads();
+  if (threadIdx.x < rows) {
+    float t = 0.0f;
+    for (int w = 0; w < int(blockDim.x / 32); ++w) t += red[w][threadIdx.x];
+    const float s = rsqrtf(t + keps);
+    srow[threadIdx.x] = s;
+    prow[threadIdx.x] = prescale ? __int_as_float(__float_as_int(s) & 0x7f800000) : 1.0f;
+  }
+}
 template <typename T, int BITS, int G>
 __device__ inline void fn_qrows(const unsigned int* w, const T* sc, const T* bi, long row, int nc, int gpr, int gs,
                                 const float* xin, const float* xsum, int xstride, int sstride, int rows, int lane,
@@ -94,18 +115,7 @@ _ROWS_BODY = """
   for (int b = threadIdx.x; b < B; b += blockDim.x) xsrow[b] = 1.0f;
   __syncthreads();
   for (int l = 0; l < NL; ++l) {
-    const unsigned int* wqkv = (const unsigned int*)tab[14 * l];
-    const T* sqkv = (const T*)tab[14 * l + 1]; const T* bqkv = (const T*)tab[14 * l + 2];
-    const unsigned int* wo = (const unsigned int*)tab[14 * l + 3];
-    const T* so = (const T*)tab[14 * l + 4]; const T* bo = (const T*)tab[14 * l + 5];
-    const unsigned int* wgu = (const unsigned int*)tab[14 * l + 6];
-    const T* sgu = (const T*)tab[14 * l + 7]; const T* bgu = (const T*)tab[14 * l + 8];
-    const unsigned int* wd = (const unsigned int*)tab[14 * l + 9];
-    const T* sd = (const T*)tab[14 * l + 10]; const T* bd = (const T*)tab[14 * l + 11];
-    T* kc = (T*)tab[14 * l + 12];
-    T* vc = (T*)tab[14 * l + 13];
-    const float* g1 = gains + long(l) * 2 * K;
-    const float* g2 = g1 + K;
+LAYER
     // 1. per row: p = x * xs + r, s = 1/RSSe(p); the q/k/v rows of p * g, G rows at a time
     for (int b0 = 0; b0 < B; b0 += G) {
       const int rows = min(G, B - b0);
@@ -125,21 +135,7 @@ _ROWS_BODY = """
           }
         }
       }
-      #pragma unroll
-      for (int g = 0; g < G; ++g) ss[g] = fn_warp_sum(ss[g]);
-      __syncthreads();
-      if (lane == 0) {
-        #pragma unroll
-        for (int g = 0; g < G; ++g) red[warp][g] = ss[g];
-      }
-      __syncthreads();
-      if (threadIdx.x < rows) {
-        float t = 0.0f;
-        for (int w = 0; w < NW; ++w) t += red[w][threadIdx.x];
-        const float s = rsqrtf(t + K * eps);
-        srow[b0 + threadIdx.x] = s;
-        prow[b0 + threadIdx.x] = prescale ? __int_as_float(__float_as_int(s) & 0x7f800000) : 1.0f;
-      }
+      fn_row_scales<G>(ss, red, srow + b0, prow + b0, rows, K * eps, prescale);
       for (int g = 0; g < rows; ++g) fn_chunk_sums(xin + g * XS, xsum + g * SS, NCK, CW);
       for (int row = gwarp; row < NQKV; row += TW) {
         float a[G];
@@ -210,22 +206,7 @@ ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by th
           }
         }
       }
-      #pragma unroll
-      for (int g = 0; g < G; ++g) ss[g] = fn_warp_sum(ss[g]);
-      __syncthreads();
-      if (lane == 0) {
-        #pragma unroll
-        for (int g = 0; g < G; ++g) red[warp][g] = ss[g];
-      }
-      __syncthreads();
-      if (threadIdx.x < rows) {
-        float t = 0.0f;
-        for (int w = 0; w < NW; ++w) t += red[w][threadIdx.x];
-        const float s2 = rsqrtf(t + K * eps);
-        const float P2 = prescale ? __int_as_float(__float_as_int(s2) & 0x7f800000) : 1.0f;
-        srow[b0 + threadIdx.x] = s2;
-        prow[b0 + threadIdx.x] = P2;
-      }
+      fn_row_scales<G>(ss, red, srow + b0, prow + b0, rows, K * eps, prescale);
       for (int g = 0; g < rows; ++g) fn_chunk_sums(xin + g * XS, xsum + g * SS, NCK, CW);
       for (int i = gwarp; i < I; i += TW) {
         float a0[G], a1[G];
@@ -268,7 +249,7 @@ ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by th
   }
   fn_grid_exit(bar, NB);
 """
-_ROWS = _ROWS_BODY.replace("ATTEND", ATTEND)
+_ROWS = _ROWS_BODY.replace("ATTEND", ATTEND).replace("LAYER\n", LAYER)
 
 
 def rows_per_group(B, xmax, bits):

@@ -78,6 +78,21 @@ __device__ inline float fn_qrow(const unsigned int* w, const T* sc, const T* bi,
 }
 """
 
+# Layer l's arrays from the pointer table (the body's TABLE, see table), in both kernels.
+LAYER = """    const unsigned int* wqkv = (const unsigned int*)tab[14 * l];
+    const T* sqkv = (const T*)tab[14 * l + 1]; const T* bqkv = (const T*)tab[14 * l + 2];
+    const unsigned int* wo = (const unsigned int*)tab[14 * l + 3];
+    const T* so = (const T*)tab[14 * l + 4]; const T* bo = (const T*)tab[14 * l + 5];
+    const unsigned int* wgu = (const unsigned int*)tab[14 * l + 6];
+    const T* sgu = (const T*)tab[14 * l + 7]; const T* bgu = (const T*)tab[14 * l + 8];
+    const unsigned int* wd = (const unsigned int*)tab[14 * l + 9];
+    const T* sd = (const T*)tab[14 * l + 10]; const T* bd = (const T*)tab[14 * l + 11];
+    T* kc = (T*)tab[14 * l + 12];
+    T* vc = (T*)tab[14 * l + 13];
+    const float* g1 = gains + long(l) * 2 * K;
+    const float* g2 = g1 + K;
+"""
+
 # Phase 2 of a (row, kv head, split of the positions) in both whole-step kernels (this one and
 # rows.py's): RoPE, the cache write by the split that holds the new position, attention over the
 # split, its partial state in `part`. The body around it names the row: rbase (its raw q/k/v),
@@ -215,18 +230,7 @@ _STEP_BODY = """
   __syncthreads();
   float xs = 1.0f;  // the deferred scale of the layer's input (the previous down_proj's)
   for (int l = 0; l < NL; ++l) {
-    const unsigned int* wqkv = (const unsigned int*)tab[14 * l];
-    const T* sqkv = (const T*)tab[14 * l + 1]; const T* bqkv = (const T*)tab[14 * l + 2];
-    const unsigned int* wo = (const unsigned int*)tab[14 * l + 3];
-    const T* so = (const T*)tab[14 * l + 4]; const T* bo = (const T*)tab[14 * l + 5];
-    const unsigned int* wgu = (const unsigned int*)tab[14 * l + 6];
-    const T* sgu = (const T*)tab[14 * l + 7]; const T* bgu = (const T*)tab[14 * l + 8];
-    const unsigned int* wd = (const unsigned int*)tab[14 * l + 9];
-    const T* sd = (const T*)tab[14 * l + 10]; const T* bd = (const T*)tab[14 * l + 11];
-    T* kc = (T*)tab[14 * l + 12];
-    T* vc = (T*)tab[14 * l + 13];
-    const float* g1 = gains + long(l) * 2 * K;
-    const float* g2 = g1 + K;
+LAYER
     // 1. p = x * xs + r, s = 1/RSSe(p), the q/k/v rows of p * g
     float ss = 0.0f;
     for (int i = threadIdx.x; i < K; i += blockDim.x) {
@@ -308,7 +312,7 @@ ATTEND    }
   }
   fn_grid_exit(bar, NB);
 """
-STEP = _STEP_BODY.replace("ATTEND", ATTEND)
+STEP = _STEP_BODY.replace("ATTEND", ATTEND).replace("LAYER\n", LAYER)
 
 
 def table(layers):
