@@ -71,10 +71,13 @@ def batched(model, lengths=(9, 40, 23), steps=(10, 6, 12)):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_rows_reference_matches_the_blocks(monkeypatch, name):
+def test_rows_reference_matches_the_blocks(monkeypatch, tmp_path, name):
     """The batched step (rows at their own positions) through decode_rows' reference gives every
     request the tokens of the model's own blocks over the same slots (where the CUDA kernel runs,
     the reference is forced by disabling it)."""
+    from mlx_flashnorm.kernels import nvrtc
+
+    monkeypatch.setattr(nvrtc, "CACHE_DIR", tmp_path)  # where the self-check would note a pass
     model = quantized_model(name)
     want = batched(model)
     called = []
@@ -222,3 +225,21 @@ def test_kernel_on_real_weights(monkeypatch, dtype):
         model._compiled_decode = None
         want = [t for t, _ in generate_step(prompt, model, max_tokens=40)]
     assert tokens == want
+
+
+def test_batched_kernel_is_checked_where_first_needed(monkeypatch, tmp_path):
+    """decode_rows is left out of the load-time self-check (kernels.check.LAZY) and checked by
+    name, as decode_stack does before its first batch."""
+    from mlx_flashnorm.kernels import check as checks, nvrtc
+
+    monkeypatch.setattr(nvrtc, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr(forms, "DISABLED", set())
+    monkeypatch.setattr(checks, "_CHECKED", set())
+    runs = []
+    for name in list(checks.CHECKS):
+        call, tol = checks.CHECKS[name]
+        monkeypatch.setitem(checks.CHECKS, name, (lambda n=name: runs.append(n) or [mx.zeros(2) + 1], tol))
+    kernels.self_check()
+    assert "decode_rows" not in runs and "decode_layers" in runs
+    kernels.self_check(["decode_rows"])
+    assert "decode_rows" in runs

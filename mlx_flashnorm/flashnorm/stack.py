@@ -73,6 +73,8 @@ def decode_stack(layers, h, cache):
             or isinstance(cache[0].offset, int)):
         return None
     name = "decode_layers" if h.shape[0] == 1 else "decode_rows"
+    if name == "decode_rows" and kernels.use_decode_layers(name):
+        kernels.self_check([name])  # checked on first use (kernels.check.LAZY)
     if not kernels.use_decode_layers(name):
         return None
     spec = _spec(layers)
