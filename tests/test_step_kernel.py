@@ -243,3 +243,47 @@ def test_batched_kernel_is_checked_where_first_needed(monkeypatch, tmp_path):
     assert "decode_rows" not in runs and "decode_layers" in runs
     kernels.self_check(["decode_rows"])
     assert "decode_rows" in runs
+
+
+def test_launches_pass_every_array(monkeypatch):
+    """Both whole-step launches as they reach MLX's precompiled launcher (stubbed, with the
+    compiler, so on any device): every layer's 14 arrays after the 7 shared inputs, the caches
+    written in place among them, outputs sized for the rows, one block per SM, shared memory for
+    the row groups, and the variant's template (rows per matvec pass for a batch)."""
+    from mlx_flashnorm.kernels import rows
+
+    calls, files = [], []
+    monkeypatch.setattr(build, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(step, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(forms, "use_gpu", lambda name=None: True)
+    monkeypatch.setattr(step, "sm_count", lambda: 132)
+    monkeypatch.setattr(build, "cuda_binary", lambda name, code: files.append(code) or b"cubin")
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", lambda **kw: calls.append(kw) or
+                        [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])])
+    step.step_kernel.cache_clear()
+    rows.rows_kernel.cache_clear()
+    L, K, HQ, HKV, D, I, C = 3, 256, 4, 2, 64, 384, 64
+    layers, caches = step._random_stack(L, K, HQ, HKV, D, I, C, 9, 80)
+    layers = [tuple((w, s.astype(mx.float16), b.astype(mx.float16)) for w, s, b in m) for m in layers]
+    theta = mx.zeros((D // 2,))
+    for B in (1, 5):
+        kv = [tuple(mx.concatenate([a.astype(mx.float16)] * B) for a in c) for c in caches]
+        x = mx.zeros((B, 1, K), mx.float16)
+        args = (layers, kv, None, None, theta, 1e-5, 0.5, 0.0, HQ, HKV, 64, 4)
+        if B == 1:
+            y, ys, p, out = step.decode_layers(x, mx.array([9, 9, 9, 9], mx.int32)[:1].reshape(()), *args)
+        else:
+            y, ys, p, out = rows.decode_rows(x, mx.arange(B, dtype=mx.int32), *args)
+        call = calls[-1]
+        assert len(call["inputs"]) == 7 + 14 * L
+        assert [a is b for a, b in zip(call["inputs"][7 + 12::14], [k for k, _ in kv])] == [True] * L
+        assert call["output_shapes"][:3] == [(B, 1, K), (B, 1, K), (B, 1, 1)]
+        assert call["grid"] == (132 * 256, 1, 1) and call["threadgroup"] == (256, 1, 1)
+        assert y.shape == (B, 1, K) and ys.shape == (B, 1, 1) and [a.shape for a in out[0]] == [kv[0][0].shape] * 2
+    assert calls[0]["name"] == "fn_decode_layers" and calls[1]["name"] == "fn_decode_rows"
+    # 5 rows in one pass of 8 (the next power of two), each an input row of max(K, HQ * D, I) floats
+    # and its sums over 16-byte chunks of 4-bit weights (32 values)
+    assert calls[1]["shared_memory"] == 4 * 8 * (I + I // 32)
+    assert "constexpr int G = 8;" in files[1] and "constexpr int NL = 3;" in files[0]
+    step.step_kernel.cache_clear()
+    rows.rows_kernel.cache_clear()
