@@ -90,8 +90,8 @@ def test_rows_reference_matches_the_blocks(monkeypatch, tmp_path, name):
 
 
 def test_other_blocks_keep_their_loop():
-    """A stack decode_layers does not compute (full-precision weights, a quantized o_proj with a
-    bias-free Qwen 2 stand-in aside) is left to the model's loop: _spec says None."""
+    """A stack of full-precision weights is not one the whole-step kernels compute (their matvecs
+    read 4- or 8-bit words): _spec says None and the model runs its loop; quantized, it is."""
     arch, args = model_args(CONFIGS["llama"])
     model = prepare(build_model(CONFIGS["llama"], random_weights(arch.Model(args), seed=3), progress=False),
                     norm="flash")
@@ -287,3 +287,14 @@ def test_launches_pass_every_array(monkeypatch):
     assert "constexpr int G = 8;" in files[1] and "constexpr int NL = 3;" in files[0]
     step.step_kernel.cache_clear()
     rows.rows_kernel.cache_clear()
+
+
+def test_a_sharded_stack_keeps_its_loop():
+    """A tensor-parallel model (its o_proj and down_proj summing over the ranks, shard.connect)
+    is not a stack the whole-step kernels compute: _spec says None, so each rank runs the blocks."""
+    from mlx_flashnorm import shard
+
+    model = quantized_model("llama")
+    assert stack._spec(model.layers) is not None
+    shard.connect(model, mx.distributed.init())
+    assert stack._spec(model.layers) is None
