@@ -41,7 +41,10 @@ python3 -c "import mlx.core as mx; print(mx.__version__, mx.default_device(), mx
 TESTS=${TESTS:-tests/test_nn.py tests/test_kernels.py tests/test_decode.py}
 [ "$TESTS" = none ] || timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider $TESTS > "$OUT/tests.log" 2>&1
 [ "$TESTS" = none ] || tail -25 "$OUT/tests.log"
-python3 -m mlx_flashnorm.bench.step_graph 2>&1 | tee "$OUT/graph.log" | cut -c1-400
+# STEP_GRAPH_SHAPES: the shapes whose decode step's operations are counted (bench.step_graph --shape)
+for shape in ${STEP_GRAPH_SHAPES:-openelm-270m}; do
+  python3 -m mlx_flashnorm.bench.step_graph --shape "$shape" 2>&1 | tee -a "$OUT/graph.log" | cut -c1-400
+done
 # STEP_KERNELS: modes whose decode step is timed kernel by kernel under ncu (e.g. "flash mlx-lm";
 # bench.step_kernels, one process per mode)
 for m in ${STEP_KERNELS:-}; do
