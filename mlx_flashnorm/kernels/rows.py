@@ -24,11 +24,31 @@ BMAX = step.MAX_ROWS
 SHARED_MAX = 160 * 1024  # dynamic shared bytes a launch may ask for (227 KB per block on Hopper)
 
 _HEADER = """
-template <int G>
-__device__ inline void fn_row_scales(float* ss, float (*red)[G], float* srow, float* prow, int rows, float keps,
-                                     bool prescale) {
-  // each row's 1/RSSe from the threads' partial sums of squares ss (G rows, rows of them in
-  // use), and its power of two P (half precision), into srow and prow
+template <typename T, typename A, int G>
+__device__ inline void fn_row_norms(const A* a, const float* as, const float* r, float* rout, const float* gain,
+                                    long at0, int rows, int K, int nc, int per, float* xin, int xstride,
+                                    float (*red)[G], float* srow, float* prow, float keps, bool prescale) {
+  // for `rows` rows (of G) from element at0: p = a * as + r (as, one per row, and r optional)
+  // rounded to T, into rout (block 0) and, times gain (optional), into the shared input rows; then
+  // each row's 1/RSSe and its power of two P (half precision) into srow and prow
+  float ss[G];
+  #pragma unroll
+  for (int g = 0; g < G; ++g) ss[g] = 0.0f;
+  for (int i = threadIdx.x; i < K; i += blockDim.x) {
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+      if (g < rows) {
+        const long at = at0 + long(g) * K + i;
+        float t = fn_f(__ldcg(a + at));
+        if (as) t *= as[g];
+        if (r) t += __ldcg(r + at);
+        const float tp = fn_f(fn_cast<T>(t));
+        if (blockIdx.x == 0) rout[at] = tp;
+        ss[g] += tp * tp;
+        fn_put(xin + g * xstride, i, gain ? tp * gain[i] : tp, nc, per);
+      }
+    }
+  }
   #pragma unroll
   for (int g = 0; g < G; ++g) ss[g] = fn_warp_sum(ss[g]);
   __syncthreads();
@@ -119,23 +139,9 @@ LAYER
     // 1. per row: p = x * xs + r, s = 1/RSSe(p); the q/k/v rows of p * g, G rows at a time
     for (int b0 = 0; b0 < B; b0 += G) {
       const int rows = min(G, B - b0);
-      float ss[G];
-      #pragma unroll
-      for (int g = 0; g < G; ++g) ss[g] = 0.0f;
-      for (int i = threadIdx.x; i < K; i += blockDim.x) {
-        #pragma unroll
-        for (int g = 0; g < G; ++g) {
-          if (g < rows) {
-            const long at = long(b0 + g) * K + i;
-            const float t = l == 0 ? fn_f(x[at]) : fn_f(__ldcg(y + at)) * xsrow[b0 + g] + __ldcg(res0 + at);
-            const float tp = fn_f(fn_cast<T>(t));
-            if (blockIdx.x == 0) res1[at] = tp;
-            ss[g] += tp * tp;
-            fn_put(xin + g * XS, i, has_g ? tp * g1[i] : tp, NCK, PER);
-          }
-        }
-      }
-      fn_row_scales<G>(ss, red, srow + b0, prow + b0, rows, K * eps, prescale);
+      fn_row_norms<T, T, G>(l == 0 ? x : y, l == 0 ? nullptr : xsrow + b0, l == 0 ? nullptr : res0, res1,
+                            has_g ? g1 : nullptr, long(b0) * K, rows, K, NCK, PER, xin, XS, red, srow + b0,
+                            prow + b0, K * eps, prescale);
       for (int g = 0; g < rows; ++g) fn_chunk_sums(xin + g * XS, xsum + g * SS, NCK, CW);
       for (int row = gwarp; row < NQKV; row += TW) {
         float a[G];
@@ -191,22 +197,8 @@ ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by th
     // 4. per row: p2 = o + p, s2 = 1/RSSe(p2), gate/up rows of p2 * g2, a = silu(gate * s2) * up * P2
     for (int b0 = 0; b0 < B; b0 += G) {
       const int rows = min(G, B - b0);
-      float ss[G];
-      #pragma unroll
-      for (int g = 0; g < G; ++g) ss[g] = 0.0f;
-      for (int i = threadIdx.x; i < K; i += blockDim.x) {
-        #pragma unroll
-        for (int g = 0; g < G; ++g) {
-          if (g < rows) {
-            const long at = long(b0 + g) * K + i;
-            const float tp = fn_f(fn_cast<T>(__ldcg(obuf + at) + __ldcg(res1 + at)));
-            if (blockIdx.x == 0) res0[at] = tp;
-            ss[g] += tp * tp;
-            fn_put(xin + g * XS, i, has_g ? tp * g2[i] : tp, NCK, PER);
-          }
-        }
-      }
-      fn_row_scales<G>(ss, red, srow + b0, prow + b0, rows, K * eps, prescale);
+      fn_row_norms<T, float, G>(obuf, nullptr, res1, res0, has_g ? g2 : nullptr, long(b0) * K, rows, K, NCK, PER,
+                                xin, XS, red, srow + b0, prow + b0, K * eps, prescale);
       for (int g = 0; g < rows; ++g) fn_chunk_sums(xin + g * XS, xsum + g * SS, NCK, CW);
       for (int i = gwarp; i < I; i += TW) {
         float a0[G], a1[G];
