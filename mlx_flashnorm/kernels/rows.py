@@ -171,16 +171,8 @@ ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by th
       const int rows = min(G, B - b0);
       for (int e = threadIdx.x; e < rows * KO; e += blockDim.x) {
         const int g = e / KO, k = e % KO;
-        const float* ph = part + (long(b0 + g) * HQ + k / D) * SMAX * (D + 2);
-        float M = -1e30f;
-        for (int t = 0; t < S; ++t) M = fmaxf(M, __ldcg(ph + t * (D + 2)));
-        float lzs = 0.0f, o = 0.0f;
-        for (int t = 0; t < S; ++t) {
-          const float c = exp2f(__ldcg(ph + t * (D + 2)) - M);
-          lzs += __ldcg(ph + t * (D + 2) + 1) * c;
-          o += __ldcg(ph + t * (D + 2) + 2 + k % D) * c;
-        }
-        fn_put(xin + g * XS, k, fn_f(fn_cast<T>(o / lzs)), NCO, PER);
+        const float o = fn_merged(part + (long(b0 + g) * HQ + k / D) * SMAX * (D + 2), S, D, k % D);
+        fn_put(xin + g * XS, k, fn_f(fn_cast<T>(o)), NCO, PER);
       }
       for (int g = 0; g < rows; ++g) fn_chunk_sums(xin + g * XS, xsum + g * SS, NCO, CW);
       for (int row = gwarp; row < K; row += TW) {

@@ -30,6 +30,19 @@ __device__ inline void fn_grid_exit(unsigned int* bar, unsigned int blocks) {
     if (atomicAdd(bar + 32, 1u) == blocks - 1) { atomicExch(bar, 0u); atomicExch(bar + 32, 0u); }
   }
 }
+__device__ inline float fn_merged(const float* ph, int S, int D, int d) {
+  // value d of a head's attention output from the partial states of its S splits (each D + 2
+  // floats at ph: max, sum, values; written in this launch, so read past L1)
+  float M = -1e30f;
+  for (int t = 0; t < S; ++t) M = fmaxf(M, __ldcg(ph + t * (D + 2)));
+  float lzs = 0.0f, o = 0.0f;
+  for (int t = 0; t < S; ++t) {
+    const float c = exp2f(__ldcg(ph + t * (D + 2)) - M);
+    lzs += __ldcg(ph + t * (D + 2) + 1) * c;
+    o += __ldcg(ph + t * (D + 2) + 2 + d) * c;
+  }
+  return o / lzs;
+}
 __device__ inline void fn_put(float* xin, int i, float v, int nc, int per) {
   // element i of a matvec's input row into shared memory, chunk-major: lane c reads chunk c's
   // values at consecutive addresses (no bank conflicts); a chunk is 16 bytes of packed weights
@@ -259,16 +272,8 @@ ATTEND    }
     fn_grid_sync(bar, target += NB);
     // 3. the splits merged (every block, into its input row), o_proj
     for (int e = threadIdx.x; e < KO; e += blockDim.x) {
-      const float* ph = part + long(e / D) * SMAX * (D + 2);
-      float M = -1e30f;
-      for (int t = 0; t < S; ++t) M = fmaxf(M, __ldcg(ph + t * (D + 2)));
-      float lzs = 0.0f, o = 0.0f;
-      for (int t = 0; t < S; ++t) {
-        const float c = exp2f(__ldcg(ph + t * (D + 2)) - M);
-        lzs += __ldcg(ph + t * (D + 2) + 1) * c;
-        o += __ldcg(ph + t * (D + 2) + 2 + e % D) * c;
-      }
-      fn_put(xin, e, fn_f(fn_cast<T>(o / lzs)), NCO, PER);
+      const float o = fn_merged(part + long(e / D) * SMAX * (D + 2), S, D, e % D);
+      fn_put(xin, e, fn_f(fn_cast<T>(o)), NCO, PER);
     }
     fn_chunk_sums(xin, xsum, NCO, CW);
     for (int row = gwarp; row < K; row += TW) {
