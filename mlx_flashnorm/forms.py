@@ -19,6 +19,7 @@ kernels off, MLX_FLASHNORM_DISABLE=NAME,... the kernels named; a kernel that fai
 the rest of the process; BACKEND forces the norm kernel's path ("auto", "fallback", "cuda",
 "metal"; tests and benchmarks)."""
 import os
+from contextlib import contextmanager
 from functools import lru_cache
 
 import mlx.core as mx
@@ -30,6 +31,17 @@ DISABLED = set(filter(None, os.environ.get("MLX_FLASHNORM_DISABLE", "").split(",
 BACKEND = "auto"  # the norm kernel's path: "auto" picks the GPU's kernel for a fused residual add
 
 NORMS = ("rms", "flash", "none")  # the norm modes every command and load() take
+
+
+@contextmanager
+def without(*names):
+    """The kernels named kept off (DISABLED) inside the block; those off before stay off."""
+    added = set(names) - DISABLED
+    DISABLED.update(added)
+    try:
+        yield
+    finally:
+        DISABLED.difference_update(added)
 
 
 @lru_cache(maxsize=None)

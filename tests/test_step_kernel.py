@@ -298,3 +298,14 @@ def test_a_sharded_stack_keeps_its_loop():
     assert stack._spec(model.layers) is not None
     shard.connect(model, mx.distributed.init())
     assert stack._spec(model.layers) is None
+
+
+def test_without_keeps_kernels_off_for_a_block(monkeypatch):
+    """forms.without (the bench's flash-sublayer mode): the kernels named are off inside the
+    block and back on after it, even when it raises; one off before stays off."""
+    monkeypatch.setattr(forms, "DISABLED", {"gate_up"})
+    with pytest.raises(RuntimeError):
+        with forms.without("decode_layers", "gate_up"):
+            assert forms.DISABLED == {"decode_layers", "gate_up"}
+            raise RuntimeError
+    assert forms.DISABLED == {"gate_up"}

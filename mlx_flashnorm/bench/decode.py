@@ -127,12 +127,8 @@ def load_mlx_lm(folder, bits, dtype, group_size):
 def our_runner(model, compiled, without=()):
     """Our generate_step on model; without: kernels kept off while it runs (forms.DISABLED)."""
     def run(prompt, max_tokens):
-        added = set(without) - forms.DISABLED
-        forms.DISABLED.update(added)
-        try:
+        with forms.without(*without):
             yield from generate_step(prompt, model, max_tokens=max_tokens, compiled=compiled)
-        finally:
-            forms.DISABLED.difference_update(added)
     return run
 
 

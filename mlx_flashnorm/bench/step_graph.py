@@ -67,15 +67,12 @@ def main(argv=None):
         print(f"device {mx.default_device()}, {name} shape, {args.layers} layers, bits {args.bits}, {args.dtype}")
         for mode in NORM_MODES + ("flash" + SUBLAYER,):
             model = load_ours(folder, mode.removesuffix(SUBLAYER), args.bits or None, args.dtype, 64)
-            added = {"decode_layers"} - forms.DISABLED if mode.endswith(SUBLAYER) else set()
-            forms.DISABLED.update(added)
-            try:
+            with forms.without(*(("decode_layers",) if mode.endswith(SUBLAYER) else ())):
                 ops = step_ops(model)
-            finally:
-                forms.DISABLED.difference_update(added)
             counts = collections.Counter(ops)
             kernels = sum(n for op, n in counts.items() if op not in VIEWS)
             print(f"{mode:14} ops {len(ops):4}  non-view {kernels:4}  {dict(counts.most_common())}")
+
 
 if __name__ == "__main__":
     main()
