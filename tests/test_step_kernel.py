@@ -309,3 +309,20 @@ def test_without_keeps_kernels_off_for_a_block(monkeypatch):
             assert forms.DISABLED == {"decode_layers", "gate_up"}
             raise RuntimeError
     assert forms.DISABLED == {"gate_up"}
+
+
+@pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_rows_kernel_on_real_weights(dtype):
+    """SmolLM2 (the shipped Q4_1 GGUF): three requests decoded together (decode_rows, which the
+    batch's steps run) each get the greedy tokens they get alone (decode_layers)."""
+    model, tok = load(None, norm="flash", dtype=dtype, progress=False)
+    texts = ["The capital of France is", "List three colours:", "Water boils at"]
+    requests = [Request(tok.encode(t), max_tokens=24) for t in texts]
+    engine = BatchEngine(model)
+    for r in requests:
+        engine.add(r)
+    while engine.busy:
+        engine.step()
+    for r in requests:
+        assert r.generated == [t for t, _ in generate_step(mx.array(r.tokens), model, max_tokens=24)]
