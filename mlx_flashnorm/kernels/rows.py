@@ -6,9 +6,10 @@ The one-row kernel's phases (step.py) with every matvec applied to G rows at onc
 once per group of rows, and the launch count stays one per step whatever the batch. Rows go in
 groups of G (G in 1, 2, 4, 8: as many as the shared memory holds); the residual stream lives in
 device memory (two buffers, one read and one written per phase), each row's 1/RSSe and deferred
-scale in shared memory. Attention is split over (row, kv head, split of positions). Every row is
-computed as the one-row kernel computes it (the same roundings), so a batched greedy token is the
-one-request token. Its plain-MLX reference runs step._reference row by row.
+scale in shared memory. Attention is split over (row, kv head, split of positions), each row into
+the splits the one-row kernel makes at its position. Every row is computed as the one-row kernel
+computes it (the same roundings), so a batched greedy token is the one-request token. Its
+plain-MLX reference runs step._reference row by row.
 
 Written and compile-checked without a GPU (2026-11-26): on CUDA it runs only after its self-check
 (CHECK) passed, and the GPU tests in tests/test_step_kernel.py check it against the reference."""
@@ -113,9 +114,6 @@ _ROWS_BODY = """
   const int NCK = K / CW, NCO = KO / CW, NCI = I / CW;
   const int XS = XMAX, SS = XMAX / CW;  // strides of a row's input and chunk sums in shared memory
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gwarp = blockIdx.x * NW + warp, TW = NB * NW;
-  int S = NB / (B * HKV);  // attention splits per (row, kv head)
-  if (S > SMAX) S = SMAX;
-  if (S < 1) S = 1;
   unsigned int* bar = const_cast<unsigned int*>(sync);
   unsigned int target = 0;
   float* raw = work;                                // B * NQKV
@@ -131,8 +129,17 @@ _ROWS_BODY = """
   __shared__ float srow[BMAX], prow[BMAX], xsrow[BMAX];  // per row: 1/RSSe, its power of two, the deferred scale
   __shared__ const void* tab[14 * NL];
   __shared__ float qsh[GQ][D], sm[NW][GQ], sl[NW][GQ], sacc[NW][GQ][D];
+  __shared__ int first[BMAX + 1];  // phase 2's items: row b's are first[b] .. first[b + 1] - 1
   TABLE
   for (int b = threadIdx.x; b < B; b += blockDim.x) xsrow[b] = 1.0f;
+  if (threadIdx.x == 0) {  // a row's attention splits: the one-row kernel's rule (the same roundings)
+    int t = 0;
+    for (int b = 0; b < B; ++b) {
+      first[b] = t;
+      t += HKV * max(1, min(min((off[b] + 32) / 32, SMAX), NB / HKV));
+    }
+    first[B] = t;
+  }
   __syncthreads();
   for (int l = 0; l < NL; ++l) {
 LAYER
@@ -155,8 +162,10 @@ LAYER
     }
     fn_grid_sync(bar, target += NB);
     // 2. per (row, kv head, split): RoPE, the cache write, attention over the row's positions
-    for (int item = blockIdx.x; item < B * HKV * S; item += NB) {
-      const int b = item / (HKV * S), kvh = (item / S) % HKV, split = item % S;
+    for (int item = blockIdx.x; item < first[B]; item += NB) {
+      int b = 0;
+      while (first[b + 1] <= item) ++b;
+      const int S = (first[b + 1] - first[b]) / HKV, kvh = (item - first[b]) / S, split = (item - first[b]) % S;
       const int pos = off[b], n = pos + 1, chunk = (n + S - 1) / S;
       const int lo = split * chunk, hi = min(n, lo + chunk);
       const bool mine = lo <= pos && pos < hi;
@@ -170,7 +179,7 @@ ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by th
     for (int b0 = 0; b0 < B; b0 += G) {
       const int rows = min(G, B - b0);
       for (int e = threadIdx.x; e < rows * KO; e += blockDim.x) {
-        const int g = e / KO, k = e % KO;
+        const int g = e / KO, k = e % KO, S = (first[b0 + g + 1] - first[b0 + g]) / HKV;
         const float o = fn_merged(part + (long(b0 + g) * HQ + k / D) * SMAX * (D + 2), S, D, k % D);
         fn_put(xin + g * XS, k, fn_f(fn_cast<T>(o)), NCO, PER);
       }
@@ -249,7 +258,7 @@ def shared_bytes(G, xmax, bits, D, GQ, L):
     """Dynamic shared memory of a launch (G input rows and their chunk sums), at least 48004 bytes
     where it and the static arrays pass 48 KB (step.shared_bytes says why)."""
     dynamic = 4 * G * (xmax + xmax // (4 * 32 // bits))
-    static = 4 * 8 * G + 3 * 4 * BMAX + 8 * 14 * L + 4 * GQ * D * (1 + 8) + 4 * 2 * 8 * GQ
+    static = 4 * 8 * G + 3 * 4 * BMAX + 4 * (BMAX + 1) + 8 * 14 * L + 4 * GQ * D * (1 + 8) + 4 * 2 * 8 * GQ
     return max(dynamic, 48004) if dynamic + static > 48 * 1024 else dynamic
 
 

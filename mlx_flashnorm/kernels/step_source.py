@@ -14,11 +14,13 @@ __device__ inline void fn_grid_sync(unsigned int* bar, unsigned int target) {
     __threadfence();
     atomicAdd(bar, 1u);
     unsigned int seen;
-    long long spins = 0;
+    unsigned long long t0, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
     while (true) {
       asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(bar) : "memory");
       if (seen >= target) break;
-      if (++spins > (1LL << 31)) __trap();  // a block that never came: fail, never hang
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+      if (now - t0 > 2000000000ull) __trap();  // a block that never came within 2 s: fail, never hang
     }
     __threadfence();
   }
