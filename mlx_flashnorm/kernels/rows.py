@@ -7,12 +7,16 @@ once per group of rows, and the launch count stays one per step whatever the bat
 groups of G (G in 1, 2, 4, 8: as many as the shared memory holds); the residual stream lives in
 device memory (two buffers, one read and one written per phase), each row's 1/RSSe and deferred
 scale in shared memory. Attention is split over (row, kv head, split of positions), each row into
-the splits the one-row kernel makes at its position. Every row is computed as the one-row kernel
+the splits the one-row kernel makes at its position; the splits are merged once, over the grid, in
+a phase of their own (the one-row kernel merges in every block: one row's worth). Every block reads
+every row's inputs, so the reads of what the launch wrote are batched (16-byte loads, several in
+flight per thread): read one by one, their latency grew with the batch (2026-11-26, H200: 9.6 ms a
+step at 32 rows, 18.4 at 64, slower than the layer loop there). Every row is computed as the one-row kernel
 computes it (the same roundings), so a batched greedy token is the one-request token. Its
 plain-MLX reference runs step._reference row by row.
 
-Written and compile-checked without a GPU (2026-11-26): on CUDA it runs only after its self-check
-(CHECK) passed, and the GPU tests in tests/test_step_kernel.py check it against the reference."""
+On CUDA it runs only after its self-check (CHECK) passed; the GPU tests in tests/test_step_kernel.py
+check it against the reference and against one-request decoding (bench/RESULTS.md, "GPU tests")."""
 from functools import lru_cache
 
 import mlx.core as mx
@@ -36,13 +40,21 @@ __device__ inline void fn_row_norms(const A* a, const float* as, const float* r,
   #pragma unroll
   for (int g = 0; g < G; ++g) ss[g] = 0.0f;
   for (int i = threadIdx.x; i < K; i += blockDim.x) {
+    float av[G], rv[G];  // the rows' loads issued together, then used
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+      if (g < rows) {
+        av[g] = fn_f(__ldcg(a + at0 + long(g) * K + i));
+        rv[g] = r ? __ldcg(r + at0 + long(g) * K + i) : 0.0f;
+      }
+    }
     #pragma unroll
     for (int g = 0; g < G; ++g) {
       if (g < rows) {
         const long at = at0 + long(g) * K + i;
-        float t = fn_f(__ldcg(a + at));
+        float t = av[g];
         if (as) t *= as[g];
-        if (r) t += __ldcg(r + at);
+        if (r) t += rv[g];
         const float tp = fn_f(fn_cast<T>(t));
         if (blockIdx.x == 0) rout[at] = tp;
         ss[g] += tp * tp;
@@ -64,6 +76,29 @@ __device__ inline void fn_row_norms(const A* a, const float* as, const float* r,
     const float s = rsqrtf(t + keps);
     srow[threadIdx.x] = s;
     prow[threadIdx.x] = prescale ? __int_as_float(__float_as_int(s) & 0x7f800000) : 1.0f;
+  }
+}
+__device__ inline void fn_rows_in(const float* src, int n, int rows, float* xin, int xstride, int nc, int per) {
+  // `rows` rows of n floats (n a multiple of 4, src 16-byte aligned), written in this launch, into
+  // the shared input rows: 16-byte loads, four in flight per thread before their stores
+  const float4* s4 = reinterpret_cast<const float4*>(src);
+  const int total = rows * n / 4;
+  for (int e0 = threadIdx.x; e0 < total; e0 += 4 * blockDim.x) {
+    float4 v[4];
+    #pragma unroll
+    for (int u = 0; u < 4; ++u) if (e0 + u * int(blockDim.x) < total) v[u] = __ldcg(s4 + e0 + u * blockDim.x);
+    #pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int e = e0 + u * blockDim.x;
+      if (e < total) {
+        float* x = xin + (4 * e / n) * xstride;
+        const int k = 4 * e % n;
+        fn_put(x, k, v[u].x, nc, per);
+        fn_put(x, k + 1, v[u].y, nc, per);
+        fn_put(x, k + 2, v[u].z, nc, per);
+        fn_put(x, k + 3, v[u].w, nc, per);
+      }
+    }
   }
 }
 template <typename T, int BITS, int G>
@@ -122,6 +157,7 @@ _ROWS_BODY = """
   float* abuf = obuf + long(B) * K;                 // B * I
   float* res0 = abuf + long(B) * I;                 // B * K: the stream after a layer (read by phase 1)
   float* res1 = res0 + long(B) * K;                 // B * K: the stream after phase 1 (read by phase 4)
+  float* mbuf = res1 + long(B) * K;                 // B * KO: attention's output, the splits merged
   extern __shared__ float smem[];
   float* xin = smem;                // G * XMAX: the running matvec's input rows
   float* xsum = xin + G * XMAX;     // G * XMAX / CW: their chunk sums
@@ -175,14 +211,16 @@ LAYER
 ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by the block's next item
     }
     fn_grid_sync(bar, target += NB);
-    // 3. per row: the splits merged into its input row, o_proj
+    // 3. each row's splits merged, once (spread over the grid), into mbuf
+    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < B * KO; e += NB * blockDim.x) {
+      const int b = e / KO, k = e % KO, S = (first[b + 1] - first[b]) / HKV;
+      mbuf[e] = fn_f(fn_cast<T>(fn_merged(part + (long(b) * HQ + k / D) * SMAX * (D + 2), S, D, k % D)));
+    }
+    fn_grid_sync(bar, target += NB);
+    // 4. per row: o_proj
     for (int b0 = 0; b0 < B; b0 += G) {
       const int rows = min(G, B - b0);
-      for (int e = threadIdx.x; e < rows * KO; e += blockDim.x) {
-        const int g = e / KO, k = e % KO, S = (first[b0 + g + 1] - first[b0 + g]) / HKV;
-        const float o = fn_merged(part + (long(b0 + g) * HQ + k / D) * SMAX * (D + 2), S, D, k % D);
-        fn_put(xin + g * XS, k, fn_f(fn_cast<T>(o)), NCO, PER);
-      }
+      fn_rows_in(mbuf + long(b0) * KO, KO, rows, xin, XS, NCO, PER);
       for (int g = 0; g < rows; ++g) fn_chunk_sums(xin + g * XS, xsum + g * SS, NCO, CW);
       for (int row = gwarp; row < K; row += TW) {
         float a[G];
@@ -195,7 +233,7 @@ ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by th
       __syncthreads();
     }
     fn_grid_sync(bar, target += NB);
-    // 4. per row: p2 = o + p, s2 = 1/RSSe(p2), gate/up rows of p2 * g2, a = silu(gate * s2) * up * P2
+    // 5. per row: p2 = o + p, s2 = 1/RSSe(p2), gate/up rows of p2 * g2, a = silu(gate * s2) * up * P2
     for (int b0 = 0; b0 < B; b0 += G) {
       const int rows = min(G, B - b0);
       fn_row_norms<T, float, G>(obuf, nullptr, res1, res0, has_g ? g2 : nullptr, long(b0) * K, rows, K, NCK, PER,
@@ -218,11 +256,10 @@ ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by th
     }
     for (int b = threadIdx.x; b < B; b += blockDim.x) xsrow[b] = srow[b] / prow[b];
     fn_grid_sync(bar, target += NB);
-    // 5. per row: down_proj (its scale xsrow deferred to the next layer's add)
+    // 6. per row: down_proj (its scale xsrow deferred to the next layer's add)
     for (int b0 = 0; b0 < B; b0 += G) {
       const int rows = min(G, B - b0);
-      for (int e = threadIdx.x; e < rows * I; e += blockDim.x)
-        fn_put(xin + (e / I) * XS, e % I, __ldcg(abuf + long(b0) * I + e), NCI, PER);
+      fn_rows_in(abuf + long(b0) * I, I, rows, xin, XS, NCI, PER);
       for (int g = 0; g < rows; ++g) fn_chunk_sums(xin + g * XS, xsum + g * SS, NCI, CW);
       for (int row = gwarp; row < K; row += TW) {
         float a[G];
@@ -287,7 +324,7 @@ def decode_rows(x, positions, layers, caches, gains, qk_gains, theta, eps, facto
     flags = (K, group_size, n_heads, n_kv_heads, I, C, blocks, xmax, gains is not None, x.dtype != mx.float32,
              qk_gains is not None, float_bits(eps), float_bits(factor), float_bits(qk_eps), B)
     arrays = [a for mats, kv in zip(layers, caches) for a in (*[t for m in mats for t in m], *kv)]
-    work = B * ((n_heads + 2 * n_kv_heads) * D + n_heads * step.SMAX * (D + 2) + 3 * K + I)
+    work = B * ((n_heads + 2 * n_kv_heads) * D + n_heads * step.SMAX * (D + 2) + 3 * K + I + n_heads * D)
     y, p, ys, _ = rows_kernel(L)(
         inputs=[x, positions.astype(mx.int32), constant(mx.int32, *flags), theta,
                 none if gains is None else gains, none if qk_gains is None else qk_gains, step.sync_state()] + arrays,
