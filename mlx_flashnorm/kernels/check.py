@@ -94,6 +94,7 @@ def self_check(names=None):
 
 
 _CHECKED = set()
-# checked where first needed, not at load: decode_rows (the batched server's step, never run on a
-# GPU when written) is checked by flashnorm.decode_stack before its first batch
+# checked where first needed, not at load: decode_rows (the batched server's step: its compile and
+# check cost seconds no one-request user needs) is checked by flashnorm.decode_stack before its
+# first batch
 LAZY = {"decode_rows"}
