@@ -90,7 +90,6 @@ def test_chat_command(tiny_llama_dir):
 def test_ctrl_c_stops_the_answer_not_the_chat(smollm2, monkeypatch, capsys):
     """A real SIGINT while an answer streams stops that answer ("[stopped]"); the message and its
     partial answer are dropped, and the next message is answered as the first of the conversation."""
-    import os
     import signal
 
     model, tokenizer = smollm2
@@ -100,7 +99,7 @@ def test_ctrl_c_stops_the_answer_not_the_chat(smollm2, monkeypatch, capsys):
         for n, out in enumerate(step(*args, **kwargs)):
             if n == 2 and not interrupted_once.done:
                 interrupted_once.done = True
-                os.kill(os.getpid(), signal.SIGINT)
+                signal.raise_signal(signal.SIGINT)  # to this thread (os.kill may land on another one)
             yield out
 
     interrupted_once.done = False
