@@ -11,7 +11,11 @@ the splits the one-row kernel makes at its position; the splits are merged once,
 a phase of their own (the one-row kernel merges in every block: one row's worth). Every block reads
 every row's inputs, so the reads of what the launch wrote are batched (16-byte loads, several in
 flight per thread): read one by one, their latency grew with the batch (2026-11-26, H200: 9.6 ms a
-step at 32 rows, 18.4 at 64, slower than the layer loop there). Every row is computed as the one-row kernel
+step at 32 rows, 18.4 at 64, slower than the layer loop there). For the same reason the chunk sums
+of a group's input rows are one pass between one pair of barriers, not a pair per row (two
+barriers and a chain of shared loads per row, four times a layer: about 2 ms a step at 32 rows by
+that count); this last change and the eight loads in flight were made after the device time ran
+out (2026-11-26) and have not run on a GPU: the self-check guards them. Every row is computed as the one-row kernel
 computes it (the same roundings), so a batched greedy token is the one-request token. Its
 plain-MLX reference runs step._reference row by row.
 
@@ -80,15 +84,15 @@ __device__ inline void fn_row_norms(const A* a, const float* as, const float* r,
 }
 __device__ inline void fn_rows_in(const float* src, int n, int rows, float* xin, int xstride, int nc, int per) {
   // `rows` rows of n floats (n a multiple of 4, src 16-byte aligned), written in this launch, into
-  // the shared input rows: 16-byte loads, four in flight per thread before their stores
+  // the shared input rows: 16-byte loads, eight in flight per thread before their stores
   const float4* s4 = reinterpret_cast<const float4*>(src);
   const int total = rows * n / 4;
-  for (int e0 = threadIdx.x; e0 < total; e0 += 4 * blockDim.x) {
-    float4 v[4];
+  for (int e0 = threadIdx.x; e0 < total; e0 += 8 * blockDim.x) {
+    float4 v[8];
     #pragma unroll
-    for (int u = 0; u < 4; ++u) if (e0 + u * int(blockDim.x) < total) v[u] = __ldcg(s4 + e0 + u * blockDim.x);
+    for (int u = 0; u < 8; ++u) if (e0 + u * int(blockDim.x) < total) v[u] = __ldcg(s4 + e0 + u * blockDim.x);
     #pragma unroll
-    for (int u = 0; u < 4; ++u) {
+    for (int u = 0; u < 8; ++u) {
       const int e = e0 + u * blockDim.x;
       if (e < total) {
         float* x = xin + (4 * e / n) * xstride;
@@ -100,6 +104,19 @@ __device__ inline void fn_rows_in(const float* src, int n, int rows, float* xin,
       }
     }
   }
+}
+__device__ inline void fn_rows_chunk_sums(const float* xin, int xstride, float* xsum, int sstride, int rows, int nc,
+                                          int cw) {
+  // fn_chunk_sums for `rows` input rows at once: one pass over (row, chunk), each chunk's values
+  // summed in the same order, between one pair of barriers (not one pair per row)
+  __syncthreads();
+  for (int e = threadIdx.x; e < rows * nc; e += blockDim.x) {
+    const int g = e / nc, c = e % nc;
+    float t = 0.0f;
+    for (int k = 0; k < cw; ++k) t += xin[g * xstride + k * nc + c];
+    xsum[g * sstride + c] = t;
+  }
+  __syncthreads();
 }
 template <typename T, int BITS, int G>
 __device__ inline void fn_qrows(const unsigned int* w, const T* sc, const T* bi, long row, int nc, int gpr, int gs,
@@ -185,7 +202,7 @@ LAYER
       fn_row_norms<T, T, G>(l == 0 ? x : y, l == 0 ? nullptr : xsrow + b0, l == 0 ? nullptr : res0, res1,
                             has_g ? g1 : nullptr, long(b0) * K, rows, K, NCK, PER, xin, XS, red, srow + b0,
                             prow + b0, K * eps, prescale);
-      for (int g = 0; g < rows; ++g) fn_chunk_sums(xin + g * XS, xsum + g * SS, NCK, CW);
+      fn_rows_chunk_sums(xin, XS, xsum, SS, rows, NCK, CW);
       for (int row = gwarp; row < NQKV; row += TW) {
         float a[G];
         fn_qrows<T, BITS, G>(wqkv, sqkv, bqkv, row, NCK, K / GS, GS, xin, xsum, XS, SS, rows, lane, a);
@@ -221,7 +238,7 @@ ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by th
     for (int b0 = 0; b0 < B; b0 += G) {
       const int rows = min(G, B - b0);
       fn_rows_in(mbuf + long(b0) * KO, KO, rows, xin, XS, NCO, PER);
-      for (int g = 0; g < rows; ++g) fn_chunk_sums(xin + g * XS, xsum + g * SS, NCO, CW);
+      fn_rows_chunk_sums(xin, XS, xsum, SS, rows, NCO, CW);
       for (int row = gwarp; row < K; row += TW) {
         float a[G];
         fn_qrows<T, BITS, G>(wo, so, bo, row, NCO, KO / GS, GS, xin, xsum, XS, SS, rows, lane, a);
@@ -238,7 +255,7 @@ ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by th
       const int rows = min(G, B - b0);
       fn_row_norms<T, float, G>(obuf, nullptr, res1, res0, has_g ? g2 : nullptr, long(b0) * K, rows, K, NCK, PER,
                                 xin, XS, red, srow + b0, prow + b0, K * eps, prescale);
-      for (int g = 0; g < rows; ++g) fn_chunk_sums(xin + g * XS, xsum + g * SS, NCK, CW);
+      fn_rows_chunk_sums(xin, XS, xsum, SS, rows, NCK, CW);
       for (int i = gwarp; i < I; i += TW) {
         float a0[G], a1[G];
         fn_qrows<T, BITS, G>(wgu, sgu, bgu, i, NCK, K / GS, GS, xin, xsum, XS, SS, rows, lane, a0);
@@ -260,7 +277,7 @@ ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by th
     for (int b0 = 0; b0 < B; b0 += G) {
       const int rows = min(G, B - b0);
       fn_rows_in(abuf + long(b0) * I, I, rows, xin, XS, NCI, PER);
-      for (int g = 0; g < rows; ++g) fn_chunk_sums(xin + g * XS, xsum + g * SS, NCI, CW);
+      fn_rows_chunk_sums(xin, XS, xsum, SS, rows, NCI, CW);
       for (int row = gwarp; row < K; row += TW) {
         float a[G];
         fn_qrows<T, BITS, G>(wd, sd, bd, row, NCI, I / GS, GS, xin, xsum, XS, SS, rows, lane, a);
