@@ -138,6 +138,7 @@ def load_round(port, clients, rounds, max_tokens, tag):
     gaps = [g for r in results for g in r[1]]
     tokens = sum(r[2] for r in results)
     return {"clients": clients, "requests": len(results), "errors": len(errors), "tokens": tokens,
+            "error_kinds": sorted(set(e[:120] for e in errors)),
             "wall_s": wall, "tok_s": tokens / wall, "ttft_p50": percentile(ttft, 50),
             "ttft_p99": percentile(ttft, 99), "tpot_p50": percentile(gaps, 50), "tpot_p99": percentile(gaps, 99)}
 
