@@ -2,9 +2,10 @@
 
 A request joins the running batch at any step and leaves it when it finishes, each with its own
 sampling (temperature, top-p, min-p, top-k, seed, logits processors), stop tokens and
-max_tokens. A newcomer's prompt is prefilled on its own (one row, mlx-lm's KVCache) in chunks of
-at most `prefill_step` tokens per engine step, between the others' decode steps, so a long prompt
-delays the running streams by one chunk a step rather than by its whole length. Once only its
+max_tokens. A newcomer's prompt is prefilled (mlx-lm's KVCache) in chunks of at most
+`prefill_step` tokens per engine step, between the others' decode steps, so a long prompt delays
+the running streams by one chunk a step rather than by its whole length; newcomers that arrive
+together and fit the step whole share one call (rows padded at their ends). Once only its
 last token is left it takes a slot of the batch's static cache (batch_cache.Slots: one buffer per
 layer, a slot per row, each row at its own position) and the compiled batched step decodes it
 with the others; the host work of a step does not grow with the rows (one compiled call, one
@@ -119,7 +120,8 @@ class BatchEngine:
 
     max_batch: requests decoded together at most (more wait their turn). prefill_step: prompt
     tokens prefilled per step at most. prompt_cache: a PromptCache, or None. prefilled counts the
-    prompt tokens the model computed (cache hits excluded). The batch is a batch_cache.Slots
+    prompt tokens the model computed (cache hits excluded), prefill_calls the model calls that did
+    it (newcomers arriving together share one: _prefill_together). The batch is a batch_cache.Slots
     (self.slots, None while empty) of bucket(rows) slots: more rows than slots grow it, few rows
     shrink it (to a quarter, or one row: the one-request compiled step, `solo`)."""
 
@@ -133,6 +135,7 @@ class BatchEngine:
         self.pending = None  # the Step queued and not read yet
         self.layout = None  # batch_cache.kv_layout, read once
         self.prefilled = 0
+        self.prefill_calls = 0
 
     def add(self, request):
         """Queue a request; max_tokens is cut to what the model's context leaves."""
@@ -148,7 +151,7 @@ class BatchEngine:
         the prompt cache and the prefill count, so that a first real request finds MLX's kernels
         compiled (generate.warmup's reason); then trace the batched step of every bucket up to
         max_batch, at the first capacity. Call it on the thread that will step the engine."""
-        kept, self.prompt_cache, counted = self.prompt_cache, None, self.prefilled
+        kept, self.prompt_cache, counted = self.prompt_cache, None, (self.prefilled, self.prefill_calls)
         try:
             self.add(Request([i % self.model.args.vocab_size for i in range(prompt)], max_tokens=steps))
             while self.busy:
@@ -160,7 +163,7 @@ class BatchEngine:
                 mx.eval(slots.step())
                 size *= 2
         finally:
-            self.prompt_cache, self.prefilled = kept, counted
+            self.prompt_cache, (self.prefilled, self.prefill_calls) = kept, counted
 
     @property
     def rows(self):
@@ -214,7 +217,7 @@ class BatchEngine:
     def _prefill(self):
         while self.waiting and len(self.rows) + len(self.filling) + len(self.joining) < self.max_batch:
             self.filling.append(self._start(self.waiting.popleft()))
-        budget = self.prefill_step
+        budget = self.prefill_step - self._prefill_together()
         for f in list(self.filling):
             n = min(budget, len(f.todo))
             if n:
@@ -223,8 +226,36 @@ class BatchEngine:
                 del f.todo[:n]
                 budget -= n
                 self.prefilled += n
+                self.prefill_calls += 1
             if not f.todo:
                 self._join(f)
+
+    def _prefill_together(self):
+        """Newcomers with nothing computed yet (no cached prefix, not begun) whose prompts fit the
+        step's budget whole, padded to the longest, prefilled in one model call: on a GPU a call
+        costs its launches more than its tokens. The padding follows each prompt, so causal
+        attention keeps it out of every real position. Returns the tokens the call took (padded)."""
+        group, longest = [], 0
+        for f in self.filling:
+            if f.request.cached == 0 and f.cache[0].keys is None and f.todo:
+                n = max(longest, len(f.todo))
+                if n * (len(group) + 1) <= self.prefill_step:
+                    group.append(f)
+                    longest = n
+        if len(group) < 2:
+            return 0
+        cache = [KVCache() for _ in self.model.layers]
+        self.model(mx.array([f.todo + [0] * (longest - len(f.todo)) for f in group]), cache=cache)
+        for i, f in enumerate(group):
+            n = len(f.todo)
+            for one, c in zip(f.cache, cache):
+                one.keys, one.values, one.offset = c.keys[i:i + 1, :, :n, :], c.values[i:i + 1, :, :n, :], n
+            mx.async_eval([(c.keys, c.values) for c in f.cache])
+            f.todo.clear()
+            self.prefilled += n
+            self._join(f)
+        self.prefill_calls += 1
+        return longest * len(group)
 
     def _start(self, request):
         """The request's one-row caches, filled from the prompt cache where it holds a prefix."""

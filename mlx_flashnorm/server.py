@@ -445,6 +445,9 @@ def main(argv=None):
         args.max_concurrent = 1
     model, tokenizer = load_from_args(args, warm=False)  # the worker thread warms up
     if not leads():  # under mlx.launch: rank 0 serves, this rank generates its requests with it
+        # and ends when rank 0's worker closes (its last broadcast), not on Ctrl-C itself: an
+        # interrupt taken between two collectives would leave rank 0 broadcasting to a rank gone
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         return follow(model, tokenizer, warm=wants_warmup(args))
     model_id = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
     try:
@@ -466,7 +469,8 @@ def main(argv=None):
     except KeyboardInterrupt:
         pass
     finally:
-        server.server_close()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the close short:
+        server.server_close()  # under mlx.launch it ends the other ranks
 
 
 if __name__ == "__main__":

@@ -69,6 +69,21 @@ def test_batched_greedy_equals_single(model):
     assert engine.prefilled == sum(LENGTHS) and engine.slots is None and not engine.rows
 
 
+def test_newcomers_together_share_one_prefill_call(model):
+    """Four requests arriving together, prompts of 3 to 30 tokens, within one step's budget: one
+    prefill call for all of them (each padded at its end), and each gets its one-request tokens
+    and log-probabilities."""
+    prompts = [prompt(model, n, seed=40 + n) for n in (3, 30, 12, 7)]
+    requests = [Request(p, max_tokens=6) for p in prompts]
+    engine = BatchEngine(model, prefill_step=4 * 29)
+    events = run(engine, requests)
+    assert engine.prefill_calls == 1 and engine.prefilled == sum(len(p) for p in prompts)
+    for r, ev in zip(requests, events):
+        tokens, lp = single(model, r.tokens, steps=6)
+        assert r.generated == tokens
+        assert mx.allclose(mx.stack([e.logprobs for e in ev]), lp, rtol=f32_tol(TOL), atol=f32_tol(TOL)).item()
+
+
 def test_rows_share_steps(model):
     """The batch really decodes together: 3 requests of 12 tokens take 12 decode steps + joins,
     not 36."""
