@@ -217,8 +217,11 @@ class BatchEngine:
     def _prefill(self):
         while self.waiting and len(self.rows) + len(self.filling) + len(self.joining) < self.max_batch:
             self.filling.append(self._start(self.waiting.popleft()))
-        budget = self.prefill_step - self._prefill_together()
+        together = self._prefill_together()
+        budget = self.prefill_step - together
         for f in list(self.filling):
+            if together and f.todo and self._fresh(f) and len(f.todo) <= self.prefill_step:
+                continue  # begun now it would go alone; whole, it joins the next step's shared call
             n = min(budget, len(f.todo))
             if n:
                 self.model(mx.array(f.todo[:n])[None], cache=f.cache)
@@ -237,7 +240,7 @@ class BatchEngine:
         attention keeps it out of every real position. Returns the tokens the call took (padded)."""
         group, longest = [], 0
         for f in self.filling:
-            if f.request.cached == 0 and f.cache[0].keys is None and f.todo:
+            if self._fresh(f) and f.todo:
                 n = max(longest, len(f.todo))
                 if n * (len(group) + 1) <= self.prefill_step:
                     group.append(f)
@@ -256,6 +259,11 @@ class BatchEngine:
             self._join(f)
         self.prefill_calls += 1
         return longest * len(group)
+
+    @staticmethod
+    def _fresh(f):
+        """Whether nothing of f's prompt is computed yet (no cached prefix, no chunk run)."""
+        return f.request.cached == 0 and f.cache[0].keys is None
 
     def _start(self, request):
         """The request's one-row caches, filled from the prompt cache where it holds a prefix."""

@@ -84,6 +84,16 @@ def test_newcomers_together_share_one_prefill_call(model):
         assert mx.allclose(mx.stack([e.logprobs for e in ev]), lp, rtol=f32_tol(TOL), atol=f32_tol(TOL)).item()
 
 
+def test_newcomer_left_over_waits_to_be_prefilled_whole(model):
+    """Six newcomers of 9 prompt tokens to prefill, a budget that holds five and 4 tokens more: the
+    sixth is not begun beside the five's call (it would go on alone), so two calls in all."""
+    requests = [Request(prompt(model, 10, seed=60 + i), max_tokens=3) for i in range(6)]
+    engine = BatchEngine(model, prefill_step=5 * 9 + 4)
+    run(engine, requests)
+    assert engine.prefill_calls == 2 and engine.prefilled == 60
+    assert requests[5].generated == single(model, requests[5].tokens, steps=3)[0]
+
+
 def test_rows_share_steps(model):
     """The batch really decodes together: 3 requests of 12 tokens take 12 decode steps + joins,
     not 36."""
