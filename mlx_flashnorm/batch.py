@@ -147,13 +147,19 @@ class BatchEngine:
         self.waiting.append(request)
 
     def warmup(self, prompt=16, steps=3):
-        """Play one throwaway greedy request (a prompt of `prompt` tokens, `steps` tokens), outside
-        the prompt cache and the prefill count, so that a first real request finds MLX's kernels
-        compiled (generate.warmup's reason); then trace the batched step of every bucket up to
-        max_batch, at the first capacity. Call it on the thread that will step the engine."""
+        """Play one throwaway greedy request (a prompt of `prompt` tokens, `steps` tokens), then
+        two together (their shared prefill call), outside the prompt cache and the prefill counts,
+        so that a first real request finds MLX's kernels compiled (generate.warmup's reason); then
+        trace the batched step of every bucket up to max_batch, at the first capacity. Call it on
+        the thread that will step the engine."""
         kept, self.prompt_cache, counted = self.prompt_cache, None, (self.prefilled, self.prefill_calls)
+        vocab = self.model.args.vocab_size
         try:
-            self.add(Request([i % self.model.args.vocab_size for i in range(prompt)], max_tokens=steps))
+            self.add(Request([i % vocab for i in range(prompt)], max_tokens=steps))
+            while self.busy:
+                self.step()
+            for k in (1, 2):
+                self.add(Request([(i + k) % vocab for i in range(prompt)], max_tokens=steps))
             while self.busy:
                 self.step()
             size = 2

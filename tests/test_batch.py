@@ -228,13 +228,17 @@ def test_batch_worker_serves_tickets_concurrently(llama):
 
 
 def test_warmup_leaves_no_trace(llama):
-    """warmup() runs the model but leaves the prompt cache, the count and the batch as they were."""
+    """warmup() runs the model (a shared prefill call among its calls) but leaves the prompt cache,
+    the counts and the batch as they were."""
     engine = BatchEngine(llama, prompt_cache=PromptCache(1 << 24))
+    calls = []
+    engine._prefill_together = lambda f=engine._prefill_together: calls.append(f()) or calls[-1]
     engine.warmup()
-    assert engine.prefilled == 0 and len(engine.prompt_cache) == 0 and not engine.busy
+    assert any(calls) and (engine.prefilled, engine.prefill_calls) == (0, 0)
+    assert len(engine.prompt_cache) == 0 and not engine.busy
     r = Request(prompt(llama, 9), max_tokens=STEPS)
     run(engine, [r])
-    assert r.generated == single(llama, r.tokens)[0] and engine.prefilled == 9
+    assert r.generated == single(llama, r.tokens)[0] and (engine.prefilled, engine.prefill_calls) == (9, 1)
 
 
 def test_logits_processors_per_row(llama):
