@@ -89,9 +89,13 @@ i=0
 for args in "$@"; do
   i=$((i + 1))
   echo "== bench $args"
-  module=mlx_flashnorm.bench
+  module=mlx_flashnorm.bench source=mlx_flashnorm/bench/cli.py
   first=${args%% *}
-  if [ -f "mlx_flashnorm/bench/$first.py" ]; then module=mlx_flashnorm.bench.$first; args=${args#"$first"}; fi
-  eval "timeout ${BENCH_TIMEOUT:-300} python3 -m $module $args --out $OUT/bench$i" > "$OUT/bench$i.log" 2>&1
+  if [ -f "mlx_flashnorm/bench/$first.py" ]; then
+    module=mlx_flashnorm.bench.$first source=mlx_flashnorm/bench/$first.py args=${args#"$first"}
+  fi
+  out=""  # the module's own files under $OUT where it writes any (--out); its table is in the log anyway
+  grep -q '"--out"' "$source" && out="--out $OUT/bench$i"
+  eval "timeout ${BENCH_TIMEOUT:-300} python3 -m $module $args $out" > "$OUT/bench$i.log" 2>&1
   grep -E "^\||device|rror" "$OUT/bench$i.log" | tail -40
 done
