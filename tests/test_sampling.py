@@ -1,5 +1,8 @@
 """Sampling: seeds reproduce, top-k / top-p restrict the support, generation stops at EOS."""
+import json
 import math
+import subprocess
+import sys
 
 import mlx.core as mx
 import pytest
@@ -80,6 +83,26 @@ def test_seed_reproduces_sampled_text(tiny_llama_dir):
     a = tokens(model, tok, temp=1.0, seed=7)
     assert a == tokens(model, tok, temp=1.0, seed=7)
     assert a != tokens(model, tok, temp=1.0, seed=8)  # near-uniform over 49152 tokens: never equal
+
+
+FIRST_DRAWS = """
+import json, sys
+from mlx_flashnorm import load, stream_generate
+model, tok = load(sys.argv[1], norm="rms", progress=False)
+for seed in (5, 5):
+    print(json.dumps([r.token for r in stream_generate(model, tok, "Tell me a story.", max_tokens=8, temp=1.0,
+                                                       top_k=50, seed=seed)]))
+"""
+
+
+def test_seed_reproduces_from_a_process_first_draw(tiny_llama_dir):
+    """In a fresh process the first seeded request (the first call of mlx-lm's compiled sampler,
+    which carries the global random state) draws what the same request draws after it."""
+    done = subprocess.run([sys.executable, "-c", FIRST_DRAWS, str(tiny_llama_dir)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    first, second = (json.loads(line) for line in done.stdout.strip().splitlines()[-2:])
+    assert first == second and len(first) == 8
 
 
 def test_stops_at_eos_and_reports_stats(smollm2):
