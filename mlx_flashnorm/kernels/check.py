@@ -60,12 +60,14 @@ def self_check(names=None):
     device in use; a kernel that fails to compile or to match prints one warning line and falls
     back for the rest of the process. Runs once per process (the loader calls it on a GPU; the LAZY
     ones only when named); a kernel that passed with the same code, MLX and device before (CACHE_DIR) is not run again."""
+    todo = [n for n in dict.fromkeys(names or [n for n in CHECKS if n not in LAZY])
+            if n not in _CHECKED and n not in forms.DISABLED]  # not checked already, nor off anyway
+    if not todo:  # (flashnorm.decode_stack asks at every trace: no file read then)
+        return not forms.DISABLED
     file = _passed_file()
     passed = _read_passed(file)
     known = set(passed)
-    for name in names or [n for n in CHECKS if n not in LAZY]:
-        if name in _CHECKED or name in forms.DISABLED:  # checked already, or off anyway
-            continue
+    for name in todo:
         _CHECKED.add(name)
         if name in passed:
             continue

@@ -25,7 +25,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from .build import HEADERS, constant, float_bits, make_kernel, rand
+from .build import HEADERS, make_kernel, rand
 from . import step
 from .step_source import ARRAYS, ATTEND, HEADER, LAYER, table
 
@@ -331,28 +331,15 @@ def decode_rows(x, positions, layers, caches, gains, qk_gains, theta, eps, facto
     if not step.supported(x, layers, caches, n_heads, n_kv_heads, group_size, bits, name="decode_rows"):
         return reference(x, positions, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads,
                          n_kv_heads, group_size, bits)
-    B, K, L, D = x.shape[0], x.shape[-1], len(layers), theta.shape[0] * 2
-    I = layers[0][2][0].shape[0] // 2
-    C = caches[0][0].shape[2]
-    blocks = step.sm_count()
-    xmax = max(K, n_heads * D, I)
+    B, L = x.shape[0], len(layers)
+    K, D, I, xmax = step.sizes(x, layers, theta, n_heads)
     G = rows_per_group(B, xmax, bits)
-    none = constant(mx.float32, 0.0)
-    flags = (K, group_size, n_heads, n_kv_heads, I, C, blocks, xmax, gains is not None, x.dtype != mx.float32,
-             qk_gains is not None, float_bits(eps), float_bits(factor), float_bits(qk_eps), B)
-    arrays = [a for mats, kv in zip(layers, caches) for a in (*[t for m in mats for t in m], *kv)]
-    work = B * ((n_heads + 2 * n_kv_heads) * D + n_heads * step.SMAX * (D + 2) + 3 * K + I + n_heads * D)
-    y, p, ys, _ = rows_kernel(L)(
-        inputs=[x, positions.astype(mx.int32), constant(mx.int32, *flags), theta,
-                none if gains is None else gains, none if qk_gains is None else qk_gains, step.sync_state()] + arrays,
-        template=[("T", x.dtype), ("BITS", bits), ("D", D), ("GQ", n_heads // n_kv_heads), ("NL", L),
-                  ("SMAX", step.SMAX), ("G", G)],
-        grid=(blocks * step.THREADS, 1, 1), threadgroup=(step.THREADS, 1, 1),
-        output_shapes=[x.shape, x.shape, x.shape[:-1] + (1,), (work,)],
-        output_dtypes=[x.dtype, x.dtype, mx.float32, mx.float32],
-        shared_memory=shared_bytes(G, xmax, bits, D, n_heads // n_kv_heads, L))
-    flat = mx.depends([a for kv in caches for a in kv], [y])
-    return y, ys, p, list(zip(flat[0::2], flat[1::2]))
+    return step.launch(rows_kernel(L), x, positions.astype(mx.int32), layers, caches, gains, qk_gains, theta, eps,
+                       factor, qk_eps, n_heads, n_kv_heads, group_size, bits,
+                       work=B * ((n_heads + 2 * n_kv_heads) * D + n_heads * step.SMAX * (D + 2) + 3 * K + I
+                                 + n_heads * D),
+                       shared_memory=shared_bytes(G, xmax, bits, D, n_heads // n_kv_heads, L), rows=(B,),
+                       template=[("G", G)])
 
 
 def reference(x, positions, layers, caches, *args):
@@ -370,10 +357,8 @@ def check_decode_rows():
     layers, caches = step._random_stack(L, K, HQ, HKV, D, I, C, 41, 40)
     caches = [tuple(mx.concatenate([a, a[:, :, ::-1], a]) for a in c) for c in caches]  # 3 rows
     positions = mx.array([40, 5, 17], mx.int32)
-    theta = mx.exp(-mx.arange(D // 2, dtype=mx.float32) * 0.3)
+    theta, gains, qk = step.check_tables(L, K, D)
     x = rand((3, 1, K), 44)
-    gains = 16 * (1 + 0.3 * rand((L, 2, K), 42, mx.float32))
-    qk = 1 + 0.3 * rand((L, 2, 2, D), 43, mx.float32)
     out = []
     for qk_gains, qk_eps in ((None, 0.0), (qk, 1e-6)):
         y, ys, p, kv = decode_rows(x, positions, layers, [tuple(mx.array(a) + 0 for a in c) for c in caches],

@@ -119,27 +119,39 @@ def decode_layers(x, offset, layers, caches, gains, qk_gains, theta, eps, factor
     if not supported(x, layers, caches, n_heads, n_kv_heads, group_size, bits):
         return _reference(x, offset, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads,
                           n_kv_heads, group_size, bits)
-    K, L, D = x.shape[-1], len(layers), theta.shape[0] * 2
-    I = layers[0][2][0].shape[0] // 2
-    C = caches[0][0].shape[2]
-    blocks = sm_count()
-    xmax = max(K, n_heads * D, I)
+    K, D, I, xmax = sizes(x, layers, theta, n_heads)
+    return launch(step_kernel(len(layers)), x, position_array(offset), layers, caches, gains, qk_gains, theta, eps,
+                  factor, qk_eps, n_heads, n_kv_heads, group_size, bits,
+                  work=(n_heads + 2 * n_kv_heads) * D + n_heads * SMAX * (D + 2) + K + I,
+                  shared_memory=shared_bytes(K, xmax, bits, D, n_heads // n_kv_heads, len(layers)))
+
+
+def sizes(x, layers, theta, n_heads):
+    """(K, D, I, xmax) of a stack: the model width, head size, FFN width and the widest matvec input."""
+    K, D, I = x.shape[-1], theta.shape[0] * 2, layers[0][2][0].shape[0] // 2
+    return K, D, I, max(K, n_heads * D, I)
+
+
+def launch(kernel, x, positions, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads, n_kv_heads,
+           group_size, bits, work, shared_memory, rows=(), template=()):
+    """One launch of a whole-step kernel (this file's; rows.py's adds its row count to the sizes
+    (rows) and its rows per matvec pass to the template): one block per SM, the shared inputs and
+    then every layer's 14 arrays. Returns (y, ys, p, caches); the caches were written in place, so
+    they are handed out as depending on the launch (reading them runs it first)."""
+    K, D, I, xmax = sizes(x, layers, theta, n_heads)
     none = constant(mx.float32, 0.0)
-    flags = (K, group_size, n_heads, n_kv_heads, I, C, blocks, xmax, gains is not None, x.dtype != mx.float32,
-             qk_gains is not None, float_bits(eps), float_bits(factor), float_bits(qk_eps))
+    dims = (K, group_size, n_heads, n_kv_heads, I, caches[0][0].shape[2], sm_count(), xmax, gains is not None,
+            x.dtype != mx.float32, qk_gains is not None, float_bits(eps), float_bits(factor), float_bits(qk_eps),
+            *rows)
     arrays = [a for mats, kv in zip(layers, caches) for a in (*[t for m in mats for t in m], *kv)]
-    work = (n_heads + 2 * n_kv_heads) * D + n_heads * SMAX * (D + 2) + K + I
-    y, p, ys, _ = step_kernel(L)(
-        inputs=[x, position_array(offset), constant(mx.int32, *flags), theta,
-                none if gains is None else gains, none if qk_gains is None else qk_gains, sync_state()] + arrays,
-        template=[("T", x.dtype), ("BITS", bits), ("D", D), ("GQ", n_heads // n_kv_heads), ("NL", L),
-                  ("SMAX", SMAX)],
-        grid=(blocks * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+    y, p, ys, _ = kernel(
+        inputs=[x, positions, constant(mx.int32, *dims), theta, none if gains is None else gains,
+                none if qk_gains is None else qk_gains, sync_state()] + arrays,
+        template=[("T", x.dtype), ("BITS", bits), ("D", D), ("GQ", n_heads // n_kv_heads), ("NL", len(layers)),
+                  ("SMAX", SMAX), *template],
+        grid=(sm_count() * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[x.shape, x.shape, x.shape[:-1] + (1,), (work,)],
-        output_dtypes=[x.dtype, x.dtype, mx.float32, mx.float32],
-        shared_memory=shared_bytes(K, xmax, bits, D, n_heads // n_kv_heads, L))
-    # the caches were written in place: hand them out as depending on the launch, so that reading
-    # them runs it first
+        output_dtypes=[x.dtype, x.dtype, mx.float32, mx.float32], shared_memory=shared_memory)
     flat = mx.depends([a for kv in caches for a in kv], [y])
     return y, ys, p, list(zip(flat[0::2], flat[1::2]))
 
@@ -214,14 +226,18 @@ def _random_stack(L, K, HQ, HKV, D, I, C, pos, seed):
     return layers, caches
 
 
+def check_tables(L, K, D):
+    """The self-checks' RoPE angles, pre-norm gains (about trained models' 16) and QK-norm tables."""
+    theta = mx.exp(-mx.arange(D // 2, dtype=mx.float32) * 0.3)
+    return theta, 16 * (1 + 0.3 * rand((L, 2, K), 42, mx.float32)), 1 + 0.3 * rand((L, 2, 2, D), 43, mx.float32)
+
+
 def check_decode_layers():
     """Two layers, 41 positions (two splits a kv head), Sec. 3 with gains and Sec. 4 (QK-norm)."""
     L, K, HQ, HKV, D, I, C, pos = 2, 256, 4, 2, 64, 384, 64, 40
     layers, caches = _random_stack(L, K, HQ, HKV, D, I, C, pos, 40)
-    theta = mx.exp(-mx.arange(D // 2, dtype=mx.float32) * 0.3)
+    theta, gains, qk = check_tables(L, K, D)
     x = rand((1, 1, K), 41)
-    gains = 16 * (1 + 0.3 * rand((L, 2, K), 42, mx.float32))
-    qk = 1 + 0.3 * rand((L, 2, 2, D), 43, mx.float32)
     out = []
     for qk_gains, qk_eps in ((None, 0.0), (qk, 1e-6)):
         y, ys, p, kv = decode_layers(x, pos, layers, [tuple(mx.array(a) for a in c) for c in caches], gains,
