@@ -84,6 +84,27 @@ def test_newcomers_together_share_one_prefill_call(model):
         assert mx.allclose(mx.stack([e.logprobs for e in ev]), lp, rtol=f32_tol(TOL), atol=f32_tol(TOL)).item()
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_newcomers_together_on_real_weights(dtype):
+    """SmolLM2 (the shipped GGUF) in half precision: three newcomers prefilled in one call get the
+    greedy tokens each gets alone, and log-probabilities within the half-precision tests' 5e-2
+    (relative to the largest)."""
+    from mlx_flashnorm import load
+
+    model, tok = load(None, norm="flash", dtype=dtype, progress=False)
+    requests = [Request(tok.encode(t), max_tokens=2) for t in ("The capital of France is", "Water boils at",
+                                                                "One, two, three,")]
+    engine = BatchEngine(model)
+    events = run(engine, requests)
+    assert engine.prefill_calls == 1
+    for r, ev in zip(requests, events):
+        alone = list(generate_step(mx.array(r.tokens), model, max_tokens=2))
+        assert r.generated == [t for t, _ in alone]
+        want = mx.stack([lp for _, lp in alone]).astype(mx.float32)
+        got = mx.stack([e.logprobs for e in ev]).astype(mx.float32)
+        assert (mx.abs(got - want).max() <= 5e-2 * mx.abs(want).max()).item()
+
+
 def test_newcomer_left_over_waits_to_be_prefilled_whole(model):
     """Six newcomers of 9 prompt tokens to prefill, a budget that holds five and 4 tokens more: the
     sixth is not begun beside the five's call (it would go on alone), so two calls in all."""
