@@ -41,11 +41,14 @@ def test_smollm2_weightless_checkpoint_in_stock_mlx_lm(tmp_path):
 
 
 def test_openelm_weightless_checkpoint_in_stock_mlx_lm(tmp_path):
-    """Random OpenELM-270M shape: pre-norms folded, tied head untied, QK-norm weights kept."""
-    arch, args = loader.model_args(OPENELM_270M)
+    """Random OpenELM-270M shape (its first 4 layers: every layer converts alike): pre-norms folded,
+    tied head untied, QK-norm weights kept."""
+    config = dict(OPENELM_270M, num_transformer_layers=4,
+                  **{k: OPENELM_270M[k][:4] for k in ("num_query_heads", "num_kv_heads", "ffn_multipliers")})
+    arch, args = loader.model_args(config)
     model = arch.Model(args)
     model.load_weights(list(random_weights(model, seed=5).items()))
-    model.config = dict(OPENELM_270M)
+    model.config = config
     tokens = mx.random.randint(0, 32000, (1, 16))
     ref = model(tokens)
     mx.eval(ref)
