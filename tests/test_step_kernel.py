@@ -101,7 +101,7 @@ def test_other_blocks_keep_their_loop():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs the CUDA compiler (this CPU machine has one)")
 def test_cuda_source_compiles(tmp_path):
-    """Both kernels (one row, and rows.py's batch with 1 and 8 rows per matvec pass) as NVRTC
+    """Both kernels (one row, and rows.py's batch with 8, 16 and 32 rows per matvec pass) as NVRTC
     compiles them on a GPU, for each activation dtype, both bit widths and head sizes: a syntax or
     type error shows here."""
     from mlx_flashnorm.kernels import rows
@@ -109,7 +109,7 @@ def test_cuda_source_compiles(tmp_path):
     L = 3
     names = [f"{a}{layer}" for layer in range(L) for a in step_source.ARRAYS]
     variants = [(mx.float16, 4, 64, None), (mx.bfloat16, 8, 128, None), (mx.float32, 4, 128, None),
-                (mx.float16, 4, 64, 8), (mx.bfloat16, 8, 128, 1)]
+                (mx.float16, 4, 64, 8), (mx.bfloat16, 8, 128, 16), (mx.float32, 4, 64, 32)]
     for i, (T, bits, D, G) in enumerate(variants):
         types = [(T, 3), (mx.int32, 1), (mx.int32, 1), (mx.float32, 1), (mx.float32, 3), (mx.float32, 4),
                  (mx.uint32, 1)] + ([(mx.uint32, 2), (T, 2), (T, 2)] * 4 + [(T, 4)] * 2) * L
@@ -156,18 +156,21 @@ def test_kernel_matches_reference(dtype, tol):
 
 @pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")
 @pytest.mark.parametrize("dtype,tol", [(mx.float16, 1e-2), (mx.bfloat16, 5e-2)])
-def test_rows_kernel_matches_reference(dtype, tol):
-    """decode_rows against its reference: three rows at their own positions (one of them past
-    several attention splits), Sec. 3 and Sec. 4, outputs and the rows' cache entries."""
+@pytest.mark.parametrize("B", [3, 12, 37])
+def test_rows_kernel_matches_reference(dtype, tol, B):
+    """decode_rows against its reference: B rows at their own positions (some past several
+    attention splits), in one pass of 8 or 16 rows or in passes of 32 and 5, Sec. 3 and Sec. 4,
+    outputs and the rows' cache entries."""
     from mlx_flashnorm.kernels import rows
 
     L, K, HQ, HKV, D, I, C = 2, 256, 4, 2, 64, 384, 1024
     layers, caches = step._random_stack(L, K, HQ, HKV, D, I, C, 700, 70)
     layers = [tuple((w, s.astype(dtype), b.astype(dtype)) for w, s, b in m) for m in layers]
-    caches = [tuple(mx.concatenate([a, a[:, :, ::-1], a]).astype(dtype) for a in c) for c in caches]
-    positions = mx.array([700, 3, 250], mx.int32)
+    caches = [tuple(mx.concatenate([a, a[:, :, ::-1], a] * (B // 3 + 1))[:B].astype(dtype) for a in c)
+              for c in caches]
+    positions = mx.array([(700, 30, 250)[b % 3] - b // 3 for b in range(B)], mx.int32)
     theta = mx.exp(-mx.arange(D // 2, dtype=mx.float32) * 0.3)
-    x = build.rand((3, 1, K), 71).astype(dtype)
+    x = build.rand((B, 1, K), 71).astype(dtype)
     gains = 16 * (1 + 0.3 * build.rand((L, 2, K), 72, mx.float32))
     for qk in (None, 1 + 0.3 * build.rand((L, 2, 2, D), 73, mx.float32)):
         args = (theta, 1e-5, D**-0.25, 1e-6 if qk is not None else 0.0, HQ, HKV, 64, 4)
@@ -257,6 +260,7 @@ def test_launches_pass_every_array(monkeypatch):
     monkeypatch.setattr(step, "gpu_backend", lambda: "cuda")
     monkeypatch.setattr(forms, "use_gpu", lambda name=None: True)
     monkeypatch.setattr(step, "sm_count", lambda: 132)
+    monkeypatch.setattr(step, "compute_capability", lambda: 9)
     monkeypatch.setattr(build, "cuda_binary", lambda name, code: files.append(code) or b"cubin")
     monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", lambda **kw: calls.append(kw) or
                         [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])])
@@ -281,9 +285,9 @@ def test_launches_pass_every_array(monkeypatch):
         assert call["grid"] == (132 * 256, 1, 1) and call["threadgroup"] == (256, 1, 1)
         assert y.shape == (B, 1, K) and ys.shape == (B, 1, 1) and [a.shape for a in out[0]] == [kv[0][0].shape] * 2
     assert calls[0]["name"] == "fn_decode_layers" and calls[1]["name"] == "fn_decode_rows"
-    # 5 rows in one pass of 8 (the next power of two), each an input row of max(K, HQ * D, I) floats
-    # and its sums over 16-byte chunks of 4-bit weights (32 values)
-    assert calls[1]["shared_memory"] == 4 * 8 * (I + I // 32)
+    # 5 rows in one pass of 8 (the tensor cores' group), each an input row of max(K, HQ * D, I) floats
+    # padded by 4 and its sums over spans of 32 values, and 8 warps' partial sums of two 16 x 8 tiles
+    assert calls[1]["shared_memory"] == 4 * (8 * (I + 4) + 8 * (I // 32) + 2 * 8 * 128)
     assert "constexpr int G = 8;" in files[1] and "constexpr int NL = 3;" in files[0]
     step.step_kernel.cache_clear()
     rows.rows_kernel.cache_clear()

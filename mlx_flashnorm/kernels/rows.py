@@ -1,26 +1,27 @@
 """decode_rows: kernels.decode_layers for a batch, B rows each at its own position (the batched
 server's step, batch_cache.RowsKVCache), in one persistent CUDA launch.
 
-The one-row kernel's phases (step.py) with every matvec applied to G rows at once: a warp loads a
-16-byte chunk of weights once and multiplies it into the G rows' inputs, so the weights are read
-once per group of rows, and the launch count stays one per step whatever the batch. Rows go in
-groups of G (G in 1, 2, 4, 8: as many as the shared memory holds); the residual stream lives in
-device memory (two buffers, one read and one written per phase), each row's 1/RSSe and deferred
-scale in shared memory. Attention is split over (row, kv head, split of positions), each row into
-the splits the one-row kernel makes at its position; the splits are merged once, over the grid, in
-a phase of their own (the one-row kernel merges in every block: one row's worth). Every block reads
-every row's inputs, so the reads of what the launch wrote are batched (16-byte loads, several in
-flight per thread): read one by one, their latency grew with the batch (2026-11-26, H200: 9.6 ms a
-step at 32 rows, 18.4 at 64, slower than the layer loop there). For the same reason the chunk sums
-of a group's input rows are one pass between one pair of barriers, not a pair per row (two
-barriers and a chain of shared loads per row, four times a layer: about 2 ms a step at 32 rows by
-that count); this last change and the eight loads in flight were made after the device time ran
-out (2026-11-26) and have not run on a GPU: the self-check guards them. Every row is computed as the one-row kernel
-computes it (the same roundings), so a batched greedy token is the one-request token. Its
-plain-MLX reference runs step._reference row by row.
+The one-row kernel's phases (step.py) with every matvec on the tensor cores: a block takes a tile
+of 16 weight rows, its 8 warps split the input into spans of 32 values (mma m16n8k8 in tf32, G
+input rows at once), and their partial sums are added in a fixed order. A packed 4- or 8-bit
+value is exact in tf32 and each input is split into two tf32 parts, so a product keeps 21 bits or
+more; the sum's order is the mma's, not the one-row kernel's (the batched step's tokens are the
+one-request tokens where no two logits are within float32 rounding: the GPU tests check it).
+A row's output does not depend on the other rows (each mma column is its own row), so a request
+decodes alike at any batch size. Rows go in passes of G (8, 16 or 32: as many as the shared memory
+holds); the residual stream lives in device memory (two buffers, one read and one written per
+phase), each row's 1/RSSe and deferred scale in shared memory. Attention is split over (row, kv
+head, split of positions), each row into the one-row kernel's splits at its position, capped so
+the batch's items about fill the grid once; the splits are merged once, over the grid, in a phase
+of their own.
 
-On CUDA it runs only after its self-check (CHECK) passed; the GPU tests in tests/test_step_kernel.py
-check it against the reference and against one-request decoding (bench/RESULTS.md, "GPU tests")."""
+Before the tensor cores (2026-11-26, H200), a warp multiplied each weight row into G <= 8 rows on
+the CUDA cores, one shared load per product: 9.6 ms a step at 32 rows, 18.4 at 64, slower than the
+layer loop there. Its plain-MLX reference runs step._reference row by row.
+
+On CUDA (sm_80 on) it runs only after its self-check (CHECK) passed; the GPU tests in
+tests/test_step_kernel.py check it against the reference and against one-request decoding
+(bench/RESULTS.md, "GPU tests")."""
 from functools import lru_cache
 
 import mlx.core as mx
@@ -32,14 +33,15 @@ from .step_source import ARRAYS, ATTEND, HEADER, LAYER, table
 BMAX = step.MAX_ROWS
 SHARED_MAX = 160 * 1024  # dynamic shared bytes a launch may ask for (227 KB per block on Hopper)
 
-_HEADER = """
+_HEADER = r"""
 template <typename T, typename A, int G>
 __device__ inline void fn_row_norms(const A* a, const float* as, const float* r, float* rout, const float* gain,
-                                    long at0, int rows, int K, int nc, int per, float* xin, int xstride,
-                                    float (*red)[G], float* srow, float* prow, float keps, bool prescale) {
+                                    long at0, int rows, int K, float* xin, int xs, float (*red)[G], float* srow,
+                                    float* prow, float keps, bool prescale) {
   // for `rows` rows (of G) from element at0: p = a * as + r (as, one per row, and r optional)
-  // rounded to T, into rout (block 0) and, times gain (optional), into the shared input rows; then
-  // each row's 1/RSSe and its power of two P (half precision) into srow and prow
+  // rounded to T, into rout (block 0) and, times gain (optional), into the shared input rows (row
+  // g at xin + g * xs); then each row's 1/RSSe and its power of two P (half precision) into srow
+  // and prow
   float ss[G];
   #pragma unroll
   for (int g = 0; g < G; ++g) ss[g] = 0.0f;
@@ -62,7 +64,7 @@ __device__ inline void fn_row_norms(const A* a, const float* as, const float* r,
         const float tp = fn_f(fn_cast<T>(t));
         if (blockIdx.x == 0) rout[at] = tp;
         ss[g] += tp * tp;
-        fn_put(xin + g * xstride, i, gain ? tp * gain[i] : tp, nc, per);
+        xin[g * xs + i] = gain ? tp * gain[i] : tp;
       }
     }
   }
@@ -82,11 +84,11 @@ __device__ inline void fn_row_norms(const A* a, const float* as, const float* r,
     prow[threadIdx.x] = prescale ? __int_as_float(__float_as_int(s) & 0x7f800000) : 1.0f;
   }
 }
-__device__ inline void fn_rows_in(const float* src, int n, int rows, float* xin, int xstride, int nc, int per) {
+__device__ inline void fn_rows_in(const float* src, int n, int rows, float* xin, int xs) {
   // `rows` rows of n floats (n a multiple of 4, src 16-byte aligned), written in this launch, into
   // the shared input rows: 16-byte loads, eight in flight per thread before their stores
   const float4* s4 = reinterpret_cast<const float4*>(src);
-  const int total = rows * n / 4;
+  const int per = n / 4, total = rows * per;
   for (int e0 = threadIdx.x; e0 < total; e0 += 8 * blockDim.x) {
     float4 v[8];
     #pragma unroll
@@ -94,68 +96,121 @@ __device__ inline void fn_rows_in(const float* src, int n, int rows, float* xin,
     #pragma unroll
     for (int u = 0; u < 8; ++u) {
       const int e = e0 + u * blockDim.x;
-      if (e < total) {
-        float* x = xin + (4 * e / n) * xstride;
-        const int k = 4 * e % n;
-        fn_put(x, k, v[u].x, nc, per);
-        fn_put(x, k + 1, v[u].y, nc, per);
-        fn_put(x, k + 2, v[u].z, nc, per);
-        fn_put(x, k + 3, v[u].w, nc, per);
-      }
+      if (e < total) *reinterpret_cast<float4*>(xin + (e / per) * xs + 4 * (e % per)) = v[u];
     }
   }
 }
-__device__ inline void fn_rows_chunk_sums(const float* xin, int xstride, float* xsum, int sstride, int rows, int nc,
-                                          int cw) {
-  // fn_chunk_sums for `rows` input rows at once: one pass over (row, chunk), each chunk's values
-  // summed in the same order, between one pair of barriers (not one pair per row)
+__device__ inline void fn_span_sums(const float* xin, int xs, float* xsum, int ss, int rows, int nsp) {
+  // each input row's sums over spans of 32 values (a quantization group's share), between a pair
+  // of barriers; a thread starts its span at its own offset, so a warp's loads meet no bank twice
   __syncthreads();
-  for (int e = threadIdx.x; e < rows * nc; e += blockDim.x) {
-    const int g = e / nc, c = e % nc;
+  for (int e = threadIdx.x; e < rows * nsp; e += blockDim.x) {
+    const int g = e / nsp, sp = e % nsp;
+    const float* x = xin + g * xs + sp * 32;
     float t = 0.0f;
-    for (int k = 0; k < cw; ++k) t += xin[g * xstride + k * nc + c];
-    xsum[g * sstride + c] = t;
+    for (int k = 0; k < 32; ++k) t += x[(k + sp) & 31];
+    xsum[g * ss + sp] = t;
   }
   __syncthreads();
 }
-template <typename T, int BITS, int G>
-__device__ inline void fn_qrows(const unsigned int* w, const T* sc, const T* bi, long row, int nc, int gpr, int gs,
-                                const float* xin, const float* xsum, int xstride, int sstride, int rows, int lane,
-                                float* out) {
-  // one row of an affine BITS-bit matrix times the G shared input rows (rows of them in use): the
-  // weights of a chunk are loaded once for all of them
-  constexpr int PER = 32 / BITS, MASK = (1 << BITS) - 1;
-  const uint4* wr = reinterpret_cast<const uint4*>(w) + row * nc;
-  float a[G];
+template <int BITS>
+__device__ inline unsigned int fn_q_tf32(const unsigned int* q, int e) {
+  // packed value e (0..7) of a thread's words, as a tf32 operand (an exact float: 0 .. 2^BITS - 1)
+  const unsigned int v = BITS == 4 ? (q[0] >> (4 * e)) & 15u : (q[e / 4] >> (8 * (e % 4))) & 255u;
+  return __float_as_uint(__uint_as_float(0x4b000000u | v) - 8388608.0f);
+}
+__device__ inline void fn_mma_tf32(float* c, const unsigned int* a, unsigned int b0, unsigned int b1) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};" : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <typename T, int BITS, int NT>
+__device__ inline void fn_tile(const unsigned int* w, const T* sc, const T* bi, long row0, int nsp, int gpr, int gs,
+                               const float* xin, int xs, const float* xsum, int ss, float (*acc)[4]) {
+  // rows row0 .. row0 + 15 of an affine BITS-bit matrix (nsp spans of 32 values a row) times the
+  // NT * 8 shared input rows, on the tensor cores (mma m16n8k8, tf32): the warp's share of the
+  // spans (warp, warp + 8, ...) into acc, to be added over the warps (fn_tile_put, fn_tile_get).
+  // Lane (gid, tig) holds weight rows gid and gid + 8 and input row gid of each group of 8; it
+  // loads the span's values 8 tig .. 8 tig + 7 of them (one word of 4-bit values, two of 8-bit),
+  // and k-step ks takes values 8 tig + 2 ks (the mma's column tig) and 8 tig + 2 ks + 1 (its
+  // column tig + 4): the order of the sum is the mma's, the same for weights and inputs. An input
+  // is split into two tf32 parts (hi + lo: 21 bits and more); the 4- or 8-bit values are exact.
+  // A span lies in one quantization group: sum(w x) = scale (q . x) + bias sum(x).
+  constexpr int WORDS = BITS / 4;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gid = lane / 4, tig = lane % 4;
+  const long r0 = row0 + gid, r1 = r0 + 8;
   #pragma unroll
-  for (int g = 0; g < G; ++g) a[g] = 0.0f;
-  for (int c = lane; c < nc; c += 32) {
-    const uint4 q = __ldg(wr + c);
-    const unsigned int qs[4] = {q.x, q.y, q.z, q.w};
-    const long grp = row * gpr + c * 4 * PER / gs;
-    const float scale = fn_f(sc[grp]), bias = fn_f(bi[grp]);
+  for (int t = 0; t < NT; ++t) {
     #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      if (g < rows) {
-        const float* xg = xin + g * xstride;
-        float d = 0.0f;
-        #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          #pragma unroll
-          for (int j = 0; j < PER; ++j) d += float((qs[u] >> (BITS * j)) & MASK) * xg[(u * PER + j) * nc + c];
-        }
-        a[g] += scale * d + bias * xsum[g * sstride + c];
+    for (int i = 0; i < 4; ++i) acc[t][i] = 0.0f;
+  }
+  for (int sp = warp; sp < nsp; sp += int(blockDim.x / 32)) {
+    unsigned int q0[WORDS], q1[WORDS];
+    #pragma unroll
+    for (int u = 0; u < WORDS; ++u) {
+      q0[u] = __ldg(w + (r0 * nsp + sp) * BITS + WORDS * tig + u);
+      q1[u] = __ldg(w + (r1 * nsp + sp) * BITS + WORDS * tig + u);
+    }
+    const long g = sp * 32 / gs;
+    const float s0 = fn_f(sc[r0 * gpr + g]), s1 = fn_f(sc[r1 * gpr + g]);
+    const float c0 = fn_f(bi[r0 * gpr + g]), c1 = fn_f(bi[r1 * gpr + g]);
+    float xv[NT][8], ch[NT][4], cl[NT][4];
+    #pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      const float4* xr = reinterpret_cast<const float4*>(xin + (t * 8 + gid) * xs + sp * 32 + 8 * tig);
+      const float4 xa = xr[0], xb = xr[1];
+      xv[t][0] = xa.x; xv[t][1] = xa.y; xv[t][2] = xa.z; xv[t][3] = xa.w;
+      xv[t][4] = xb.x; xv[t][5] = xb.y; xv[t][6] = xb.z; xv[t][7] = xb.w;
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) { ch[t][i] = 0.0f; cl[t][i] = 0.0f; }
+    }
+    #pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      const unsigned int a[4] = {fn_q_tf32<BITS>(q0, 2 * ks), fn_q_tf32<BITS>(q1, 2 * ks),
+                                 fn_q_tf32<BITS>(q0, 2 * ks + 1), fn_q_tf32<BITS>(q1, 2 * ks + 1)};
+      #pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        const unsigned int h0 = __float_as_uint(xv[t][2 * ks]) & 0xffffe000u;
+        const unsigned int h1 = __float_as_uint(xv[t][2 * ks + 1]) & 0xffffe000u;
+        const unsigned int l0 = __float_as_uint(xv[t][2 * ks] - __uint_as_float(h0)) & 0xffffe000u;
+        const unsigned int l1 = __float_as_uint(xv[t][2 * ks + 1] - __uint_as_float(h1)) & 0xffffe000u;
+        fn_mma_tf32(ch[t], a, h0, h1);
+        fn_mma_tf32(cl[t], a, l0, l1);
+      }
+    }
+    #pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) {  // element i: weight row gid + 8 (i / 2), input row 8 t + 2 tig + i % 2
+        const float xs_sum = xsum[(t * 8 + 2 * tig + (i & 1)) * ss + sp];
+        acc[t][i] += (i < 2 ? s0 : s1) * (ch[t][i] + cl[t][i]) + (i < 2 ? c0 : c1) * xs_sum;
       }
     }
   }
+}
+template <int NT>
+__device__ inline void fn_tile_put(float (*acc)[4], float* rb) {
+  // a warp's partial sums of a tile into rb (8 warps x NT x 4 x 32 floats)
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   #pragma unroll
-  for (int g = 0; g < G; ++g) out[g] = fn_warp_sum(a[g]);
+  for (int t = 0; t < NT; ++t) {
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) rb[((warp * NT + t) * 4 + i) * 32 + lane] = acc[t][i];
+  }
+}
+template <int NT>
+__device__ inline float fn_tile_get(const float* rb, int f, int n) {
+  // the tile's output f (its row row0 + f) for input row n: the warps' partial sums, in order
+  const int t = n / 8, m = n % 8, lane = (f % 8) * 4 + m / 2, i = (f / 8) * 2 + m % 2;
+  float v = 0.0f;
+  for (int w = 0; w < int(blockDim.x / 32); ++w) v += rb[((w * NT + t) * 4 + i) * 32 + lane];
+  return v;
 }
 """
 
 _ROWS_BODY = """
-  // T, BITS, D, GQ, NL, SMAX, G (rows per matvec group): template constants
-  constexpr int NW = 8, PER = 32 / BITS, CW = 4 * PER, BMAX = 64;
+  // T, BITS, D, GQ, NL, SMAX, G (rows per matvec pass, 8, 16 or 32): template constants
+  constexpr int NW = 8, BMAX = 64, NT = G / 8;
   constexpr int EPL = 16 / sizeof(T), LPR = D / EPL, RPW = 32 / LPR;
   const int K = dims[0], GS = dims[1], HQ = dims[2], HKV = dims[3], I = dims[4], C = dims[5], NB = dims[6];
   const int XMAX = dims[7];
@@ -163,9 +218,8 @@ _ROWS_BODY = """
   const float eps = __int_as_float(dims[11]), factor = __int_as_float(dims[12]), qk_eps = __int_as_float(dims[13]);
   const int B = dims[14];
   const int KO = HQ * D, NQKV = (HQ + 2 * HKV) * D;
-  const int NCK = K / CW, NCO = KO / CW, NCI = I / CW;
-  const int XS = XMAX, SS = XMAX / CW;  // strides of a row's input and chunk sums in shared memory
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gwarp = blockIdx.x * NW + warp, TW = NB * NW;
+  const int XS = XMAX + 4, SS = XMAX / 32;  // strides of a row's input and span sums in shared memory
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   unsigned int* bar = const_cast<unsigned int*>(sync);
   unsigned int target = 0;
   float* raw = work;                                // B * NQKV
@@ -176,8 +230,10 @@ _ROWS_BODY = """
   float* res1 = res0 + long(B) * K;                 // B * K: the stream after phase 1 (read by phase 4)
   float* mbuf = res1 + long(B) * K;                 // B * KO: attention's output, the splits merged
   extern __shared__ float smem[];
-  float* xin = smem;                // G * XMAX: the running matvec's input rows
-  float* xsum = xin + G * XMAX;     // G * XMAX / CW: their chunk sums
+  float* xin = smem;               // G * XS: the running matvec's input rows
+  float* xsum = xin + G * XS;      // G * SS: their span sums
+  float* rb = xsum + G * SS;       // 2 * NW * NT * 128: the warps' partial sums of a tile (two tiles)
+  float* rb2 = rb + NW * NT * 128;
   __shared__ float red[NW][G];
   __shared__ float srow[BMAX], prow[BMAX], xsrow[BMAX];  // per row: 1/RSSe, its power of two, the deferred scale
   __shared__ const void* tab[14 * NL];
@@ -185,11 +241,12 @@ _ROWS_BODY = """
   __shared__ int first[BMAX + 1];  // phase 2's items: row b's are first[b] .. first[b + 1] - 1
   TABLE
   for (int b = threadIdx.x; b < B; b += blockDim.x) xsrow[b] = 1.0f;
-  if (threadIdx.x == 0) {  // a row's attention splits: the one-row kernel's rule (the same roundings)
-    int t = 0;
+  if (threadIdx.x == 0) {  // a row's attention splits: the one-row kernel's rule, capped so that
+    int t = 0;             // the batch's items about fill the grid once
+    const int cap = max(1, min(NB / HKV, NB / (B * HKV)));
     for (int b = 0; b < B; ++b) {
       first[b] = t;
-      t += HKV * max(1, min(min((off[b] + 32) / 32, SMAX), NB / HKV));
+      t += HKV * max(1, min(min((off[b] + 32) / 32, SMAX), cap));
     }
     first[B] = t;
   }
@@ -200,18 +257,18 @@ LAYER
     for (int b0 = 0; b0 < B; b0 += G) {
       const int rows = min(G, B - b0);
       fn_row_norms<T, T, G>(l == 0 ? x : y, l == 0 ? nullptr : xsrow + b0, l == 0 ? nullptr : res0, res1,
-                            has_g ? g1 : nullptr, long(b0) * K, rows, K, NCK, PER, xin, XS, red, srow + b0,
-                            prow + b0, K * eps, prescale);
-      fn_rows_chunk_sums(xin, XS, xsum, SS, rows, NCK, CW);
-      for (int row = gwarp; row < NQKV; row += TW) {
-        float a[G];
-        fn_qrows<T, BITS, G>(wqkv, sqkv, bqkv, row, NCK, K / GS, GS, xin, xsum, XS, SS, rows, lane, a);
-        if (lane == 0) {
-          #pragma unroll
-          for (int g = 0; g < G; ++g) if (g < rows) raw[long(b0 + g) * NQKV + row] = a[g];
-        }
+                            has_g ? g1 : nullptr, long(b0) * K, rows, K, xin, XS, red, srow + b0, prow + b0, K * eps,
+                            prescale);
+      fn_span_sums(xin, XS, xsum, SS, rows, K / 32);
+      for (int tile = blockIdx.x; tile < NQKV / 16; tile += NB) {
+        float acc[NT][4];
+        fn_tile<T, BITS, NT>(wqkv, sqkv, bqkv, tile * 16, K / 32, K / GS, GS, xin, XS, xsum, SS, acc);
+        fn_tile_put<NT>(acc, rb);
+        __syncthreads();
+        for (int o = threadIdx.x; o < 16 * rows; o += blockDim.x)
+          raw[long(b0 + o / 16) * NQKV + tile * 16 + o % 16] = fn_tile_get<NT>(rb, o % 16, o / 16);
+        __syncthreads();
       }
-      __syncthreads();
     }
     fn_grid_sync(bar, target += NB);
     // 2. per (row, kv head, split): RoPE, the cache write, attention over the row's positions
@@ -237,56 +294,56 @@ ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by th
     // 4. per row: o_proj
     for (int b0 = 0; b0 < B; b0 += G) {
       const int rows = min(G, B - b0);
-      fn_rows_in(mbuf + long(b0) * KO, KO, rows, xin, XS, NCO, PER);
-      fn_rows_chunk_sums(xin, XS, xsum, SS, rows, NCO, CW);
-      for (int row = gwarp; row < K; row += TW) {
-        float a[G];
-        fn_qrows<T, BITS, G>(wo, so, bo, row, NCO, KO / GS, GS, xin, xsum, XS, SS, rows, lane, a);
-        if (lane == 0) {
-          #pragma unroll
-          for (int g = 0; g < G; ++g) if (g < rows) obuf[long(b0 + g) * K + row] = fn_f(fn_cast<T>(a[g]));
-        }
+      fn_rows_in(mbuf + long(b0) * KO, KO, rows, xin, XS);
+      fn_span_sums(xin, XS, xsum, SS, rows, KO / 32);
+      for (int tile = blockIdx.x; tile < K / 16; tile += NB) {
+        float acc[NT][4];
+        fn_tile<T, BITS, NT>(wo, so, bo, tile * 16, KO / 32, KO / GS, GS, xin, XS, xsum, SS, acc);
+        fn_tile_put<NT>(acc, rb);
+        __syncthreads();
+        for (int o = threadIdx.x; o < 16 * rows; o += blockDim.x)
+          obuf[long(b0 + o / 16) * K + tile * 16 + o % 16] = fn_f(fn_cast<T>(fn_tile_get<NT>(rb, o % 16, o / 16)));
+        __syncthreads();
       }
-      __syncthreads();
     }
     fn_grid_sync(bar, target += NB);
     // 5. per row: p2 = o + p, s2 = 1/RSSe(p2), gate/up rows of p2 * g2, a = silu(gate * s2) * up * P2
     for (int b0 = 0; b0 < B; b0 += G) {
       const int rows = min(G, B - b0);
-      fn_row_norms<T, float, G>(obuf, nullptr, res1, res0, has_g ? g2 : nullptr, long(b0) * K, rows, K, NCK, PER,
-                                xin, XS, red, srow + b0, prow + b0, K * eps, prescale);
-      fn_rows_chunk_sums(xin, XS, xsum, SS, rows, NCK, CW);
-      for (int i = gwarp; i < I; i += TW) {
-        float a0[G], a1[G];
-        fn_qrows<T, BITS, G>(wgu, sgu, bgu, i, NCK, K / GS, GS, xin, xsum, XS, SS, rows, lane, a0);
-        fn_qrows<T, BITS, G>(wgu, sgu, bgu, I + i, NCK, K / GS, GS, xin, xsum, XS, SS, rows, lane, a1);
-        if (lane == 0) {
-          #pragma unroll
-          for (int g = 0; g < G; ++g) {
-            if (g >= rows) continue;
-            const float gt = a0[g] * srow[b0 + g];
-            abuf[long(b0 + g) * I + i] = fn_f(fn_cast<T>(gt / (1.0f + expf(-gt)) * a1[g] * prow[b0 + g]));
-          }
+      fn_row_norms<T, float, G>(obuf, nullptr, res1, res0, has_g ? g2 : nullptr, long(b0) * K, rows, K, xin, XS,
+                                red, srow + b0, prow + b0, K * eps, prescale);
+      fn_span_sums(xin, XS, xsum, SS, rows, K / 32);
+      for (int tile = blockIdx.x; tile < I / 16; tile += NB) {
+        float acc[NT][4];
+        fn_tile<T, BITS, NT>(wgu, sgu, bgu, tile * 16, K / 32, K / GS, GS, xin, XS, xsum, SS, acc);
+        fn_tile_put<NT>(acc, rb);
+        fn_tile<T, BITS, NT>(wgu, sgu, bgu, I + tile * 16, K / 32, K / GS, GS, xin, XS, xsum, SS, acc);
+        fn_tile_put<NT>(acc, rb2);
+        __syncthreads();
+        for (int o = threadIdx.x; o < 16 * rows; o += blockDim.x) {
+          const int n = o / 16;
+          const float gt = fn_tile_get<NT>(rb, o % 16, n) * srow[b0 + n], up = fn_tile_get<NT>(rb2, o % 16, n);
+          abuf[long(b0 + n) * I + tile * 16 + o % 16] = fn_f(fn_cast<T>(gt / (1.0f + expf(-gt)) * up * prow[b0 + n]));
         }
+        __syncthreads();
       }
-      __syncthreads();
     }
     for (int b = threadIdx.x; b < B; b += blockDim.x) xsrow[b] = srow[b] / prow[b];
     fn_grid_sync(bar, target += NB);
     // 6. per row: down_proj (its scale xsrow deferred to the next layer's add)
     for (int b0 = 0; b0 < B; b0 += G) {
       const int rows = min(G, B - b0);
-      fn_rows_in(abuf + long(b0) * I, I, rows, xin, XS, NCI, PER);
-      fn_rows_chunk_sums(xin, XS, xsum, SS, rows, NCI, CW);
-      for (int row = gwarp; row < K; row += TW) {
-        float a[G];
-        fn_qrows<T, BITS, G>(wd, sd, bd, row, NCI, I / GS, GS, xin, xsum, XS, SS, rows, lane, a);
-        if (lane == 0) {
-          #pragma unroll
-          for (int g = 0; g < G; ++g) if (g < rows) y[long(b0 + g) * K + row] = fn_cast<T>(a[g]);
-        }
+      fn_rows_in(abuf + long(b0) * I, I, rows, xin, XS);
+      fn_span_sums(xin, XS, xsum, SS, rows, I / 32);
+      for (int tile = blockIdx.x; tile < K / 16; tile += NB) {
+        float acc[NT][4];
+        fn_tile<T, BITS, NT>(wd, sd, bd, tile * 16, I / 32, I / GS, GS, xin, XS, xsum, SS, acc);
+        fn_tile_put<NT>(acc, rb);
+        __syncthreads();
+        for (int o = threadIdx.x; o < 16 * rows; o += blockDim.x)
+          y[long(b0 + o / 16) * K + tile * 16 + o % 16] = fn_cast<T>(fn_tile_get<NT>(rb, o % 16, o / 16));
+        __syncthreads();
       }
-      __syncthreads();
     }
     if (l + 1 < NL) fn_grid_sync(bar, target += NB);
   }
@@ -299,19 +356,20 @@ ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by th
 _ROWS = _ROWS_BODY.replace("ATTEND", ATTEND).replace("LAYER\n", LAYER)
 
 
-def rows_per_group(B, xmax, bits):
-    """G: the rows one matvec pass takes, 1, 2, 4 or 8, as many as the batch has and the shared
-    memory holds (SHARED_MAX)."""
-    g = 1
-    while g < 8 and g < B and 4 * 2 * g * (xmax + xmax // (4 * 32 // bits)) <= SHARED_MAX:
+def rows_per_group(B, xmax):
+    """G: the rows one matvec pass takes, 8, 16 or 32 (the tensor cores' groups of 8), as few as
+    the batch needs and the shared memory holds (SHARED_MAX)."""
+    g = 8
+    while g < 32 and g < B and shared_bytes(2 * g, xmax, 0, 0, 0) <= SHARED_MAX:
         g *= 2
     return g
 
 
-def shared_bytes(G, xmax, bits, D, GQ, L):
-    """Dynamic shared memory of a launch (G input rows and their chunk sums), at least 48004 bytes
-    where it and the static arrays pass 48 KB (step.shared_bytes says why)."""
-    dynamic = 4 * G * (xmax + xmax // (4 * 32 // bits))
+def shared_bytes(G, xmax, D, GQ, L):
+    """Dynamic shared memory of a launch (G input rows, padded, their span sums and the warps'
+    partial sums of two tiles), at least 48004 bytes where it and the static arrays pass 48 KB
+    (step.shared_bytes says why)."""
+    dynamic = 4 * (G * (xmax + 4) + G * (xmax // 32) + 2 * 8 * (G // 8) * 128)
     static = 4 * 8 * G + 3 * 4 * BMAX + 4 * (BMAX + 1) + 8 * 14 * L + 4 * GQ * D * (1 + 8) + 4 * 2 * 8 * GQ
     return max(dynamic, 48004) if dynamic + static > 48 * 1024 else dynamic
 
@@ -333,12 +391,12 @@ def decode_rows(x, positions, layers, caches, gains, qk_gains, theta, eps, facto
                          n_kv_heads, group_size, bits)
     B, L = x.shape[0], len(layers)
     K, D, I, xmax = step.sizes(x, layers, theta, n_heads)
-    G = rows_per_group(B, xmax, bits)
+    G = rows_per_group(B, xmax)
     return step.launch(rows_kernel(L), x, positions.astype(mx.int32), layers, caches, gains, qk_gains, theta, eps,
                        factor, qk_eps, n_heads, n_kv_heads, group_size, bits,
                        work=B * ((n_heads + 2 * n_kv_heads) * D + n_heads * step.SMAX * (D + 2) + 3 * K + I
                                  + n_heads * D),
-                       shared_memory=shared_bytes(G, xmax, bits, D, n_heads // n_kv_heads, L), rows=(B,),
+                       shared_memory=shared_bytes(G, xmax, D, n_heads // n_kv_heads, L), rows=(B,),
                        template=[("G", G)])
 
 

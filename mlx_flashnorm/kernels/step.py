@@ -66,6 +66,20 @@ def sm_count():
 
 
 @lru_cache(maxsize=None)
+def compute_capability():
+    """The GPU's compute capability major number (9 on Hopper), from the CUDA driver; 0 where it
+    cannot be asked."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        value = ctypes.c_int()
+        if lib.cuDeviceGetAttribute(ctypes.byref(value), 75, 0) == 0:
+            return value.value
+    except (OSError, AttributeError):
+        pass
+    return 0
+
+
+@lru_cache(maxsize=None)
 def sync_state():
     """The grid barrier's counters (64 uint32, in device memory): zero between launches."""
     a = mx.zeros((64,), mx.uint32)
@@ -82,7 +96,8 @@ def use_decode_layers(name="decode_layers"):
 def supported(x, layers, caches, n_heads, n_kv_heads, group_size, bits, name="decode_layers"):
     """Whether the kernel `name` takes this stack: CUDA with our kernels on, x one row ((1, 1, K);
     decode_rows: (B, 1, K), B <= MAX_ROWS), 4 or 8 bits, every layer's matrices alike, sizes in
-    whole 16-byte chunks and groups, head size 64 or 128, at most 8 query heads per kv head."""
+    whole 16-byte chunks and groups (decode_rows: spans of 32 values, tensor cores with tf32),
+    head size 64 or 128, at most 8 query heads per kv head."""
     B = x.shape[0]
     if not (use_decode_layers(name) and x.ndim == 3 and x.shape[1] == 1 and (B == 1 if name == "decode_layers" else
                                                                              B <= MAX_ROWS)
@@ -91,6 +106,10 @@ def supported(x, layers, caches, n_heads, n_kv_heads, group_size, bits, name="de
     K, D = x.shape[-1], caches[0][0].shape[-1]
     I = layers[0][2][0].shape[0] // 2
     cw = 4 * 32 // bits
+    if name == "decode_rows":  # the tensor cores' spans: 32 values in one group; tf32 from sm_80 on
+        cw = 32
+        if compute_capability() < 8:
+            return False
     if (D not in (64, 128) or n_heads % n_kv_heads or n_heads // n_kv_heads > 8 or group_size % cw
             or any(v % group_size or v % cw for v in (K, n_heads * D, I))):
         return False
