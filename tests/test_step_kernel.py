@@ -184,15 +184,30 @@ def test_rows_kernel_matches_reference(dtype, tol, B):
             assert (mx.abs(a - b).max() <= tol * mx.abs(b).max()).item()
 
 
+def agree_until_tie(model, prompt, got, steps):
+    """How many of the batched greedy tokens `got` were compared with the lone request's, all equal:
+    up to the first step where the lone request's two likeliest tokens are tied within 4 units of
+    its dtype's last place at 2 (decode_rows sums on the tensor cores in another order than the
+    one-row kernel, so at such a tie either token may be picked, and the sequences part there)."""
+    for s, (t, lp) in enumerate(generate_step(mx.array(prompt), model, max_tokens=steps)):
+        tol = 4 * 2 * float(mx.finfo(lp.dtype).eps)
+        top = mx.sort(lp.astype(mx.float32).reshape(-1))[-2:].tolist()
+        if top[1] - top[0] <= tol:
+            return s
+        assert got[s] == t, f"step {s}: {got[s]} batched, {t} alone (top two {top})"
+    return steps
+
+
 @pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_rows_kernel_batches_like_one_request(name):
-    """With decode_rows on, every request of a batch gets its one-request greedy tokens (float16)."""
+    """With decode_rows on, every request of a batch gets its one-request greedy tokens (float16),
+    up to a tie of its two likeliest tokens (agree_until_tie); at least 2/3 of them compared."""
     model = quantized_model(name, mx.float16)
     got = batched(model)
-    for i, (n, m) in enumerate(zip((9, 40, 23), (10, 6, 12))):
-        prompt = mx.array([(7 * i + j) % 500 + 3 for j in range(n)])
-        assert [t for t, _ in generate_step(prompt, model, max_tokens=m)] == got[i]
+    compared = [agree_until_tie(model, [(7 * i + j) % 500 + 3 for j in range(n)], got[i], m)
+                for i, (n, m) in enumerate(zip((9, 40, 23), (10, 6, 12)))]
+    assert sum(compared) >= 2 * (10 + 6 + 12) // 3, compared
 
 
 @pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")
@@ -319,7 +334,8 @@ def test_without_keeps_kernels_off_for_a_block(monkeypatch):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_rows_kernel_on_real_weights(dtype):
     """SmolLM2 (the shipped Q4_1 GGUF): three requests decoded together (decode_rows, which the
-    batch's steps run) each get the greedy tokens they get alone (decode_layers)."""
+    batch's steps run) each get the greedy tokens they get alone (decode_layers), up to a tie of
+    the two likeliest (agree_until_tie); at least 2/3 of them compared."""
     model, tok = load(None, norm="flash", dtype=dtype, progress=False)
     texts = ["The capital of France is", "List three colours:", "Water boils at"]
     requests = [Request(tok.encode(t), max_tokens=24) for t in texts]
@@ -328,5 +344,5 @@ def test_rows_kernel_on_real_weights(dtype):
         engine.add(r)
     while engine.busy:
         engine.step()
-    for r in requests:
-        assert r.generated == [t for t, _ in generate_step(mx.array(r.tokens), model, max_tokens=24)]
+    compared = [agree_until_tie(model, r.tokens, r.generated, 24) for r in requests]
+    assert sum(compared) >= 2 * 3 * 24 // 3, compared
