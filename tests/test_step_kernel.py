@@ -119,7 +119,8 @@ def test_cuda_source_compiles(tmp_path):
         code = build.cuda_source("fn_decode_layers", ["x", "off", "dims", "theta", "gains", "qkg", "sync"] + names,
                                  ["y", "p", "ys", "work"], body.replace("TABLE", step_source.table(L)),
                                  build.HEADERS["cuda"] + header, types, [T, T, mx.float32, mx.float32],
-                                 template + ([("G", G)] if G else []))
+                                 template + ([("G", G), ("GD", max(8, G // 2)), ("IC", 128 if G == 16 else 384)]
+                                             if G else []))
         (tmp_path / f"s{i}.cu").write_text(code)
         done = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-o", str(tmp_path / f"s{i}.cubin"),
                                str(tmp_path / f"s{i}.cu")], capture_output=True, text=True)
@@ -156,12 +157,16 @@ def test_kernel_matches_reference(dtype, tol):
 
 @pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")
 @pytest.mark.parametrize("dtype,tol", [(mx.float16, 1e-2), (mx.bfloat16, 5e-2)])
-@pytest.mark.parametrize("B", [3, 12, 37])
-def test_rows_kernel_matches_reference(dtype, tol, B):
+@pytest.mark.parametrize("B,chunked", [(3, False), (12, False), (37, False), (12, True)])
+def test_rows_kernel_matches_reference(monkeypatch, dtype, tol, B, chunked):
     """decode_rows against its reference: B rows at their own positions (some past several
-    attention splits), in one pass of 8 or 16 rows or in passes of 32 and 5, Sec. 3 and Sec. 4,
+    attention splits), in one pass of 8 or 16 rows or in passes of 32 and 5, and (chunked)
+    down_proj's input held 128 of its 384 values at a time in passes of 8, Sec. 3 and Sec. 4,
     outputs and the rows' cache entries."""
     from mlx_flashnorm.kernels import rows
+
+    if chunked:
+        monkeypatch.setattr(rows, "rows_per_pass", lambda B, xa, xi: (16, 8, 128))
 
     L, K, HQ, HKV, D, I, C = 2, 256, 4, 2, 64, 384, 1024
     layers, caches = step._random_stack(L, K, HQ, HKV, D, I, C, 700, 70)
@@ -263,6 +268,22 @@ def test_batched_kernel_is_checked_where_first_needed(monkeypatch, tmp_path):
     assert "decode_rows" in runs
 
 
+def test_rows_per_pass():
+    """decode_rows' passes: as few as the batch needs, 32 rows at most, down_proj's wider input
+    (SmolLM2: 576 and 1536 values) in passes of 16 where 32 would pass the shared memory's bound,
+    and held in chunks where one pass of 8 rows would (Llama-3.2-1B: 2048 and 8192)."""
+    from mlx_flashnorm.kernels import rows
+
+    assert [rows.rows_per_pass(B, 576, 1536) for B in (1, 8, 9, 16, 17, 32, 64)] == [
+        (8, 8, 1536), (8, 8, 1536), (16, 16, 1536), (16, 16, 1536), (32, 16, 1536), (32, 16, 1536),
+        (32, 16, 1536)]
+    assert rows.rows_per_pass(64, 256, 384) == (32, 32, 384)
+    assert rows.rows_per_pass(32, 2048, 8192) == (16, 8, 4096)
+    for B in (1, 8, 32, 64):
+        G, GD, IC = rows.rows_per_pass(B, 2048, 8192)
+        assert rows.dynamic_bytes(G, GD, 2048, IC) <= rows.SHARED_MAX and IC % 32 == 0
+
+
 def test_launches_pass_every_array(monkeypatch):
     """Both whole-step launches as they reach MLX's precompiled launcher (stubbed, with the
     compiler, so on any device): every layer's 14 arrays after the 7 shared inputs, the caches
@@ -303,7 +324,8 @@ def test_launches_pass_every_array(monkeypatch):
     # 5 rows in one pass of 8 (the tensor cores' group), each an input row of max(K, HQ * D, I) floats
     # padded by 4 and its sums over spans of 32 values, and 8 warps' partial sums of two 16 x 8 tiles
     assert calls[1]["shared_memory"] == 4 * (8 * (I + 4) + 8 * (I // 32) + 2 * 8 * 128)
-    assert "constexpr int G = 8;" in files[1] and "constexpr int NL = 3;" in files[0]
+    assert all(f"constexpr int {c};" in files[1] for c in ("G = 8", "GD = 8", "IC = 384"))
+    assert "constexpr int NL = 3;" in files[0]
     step.step_kernel.cache_clear()
     rows.rows_kernel.cache_clear()
 

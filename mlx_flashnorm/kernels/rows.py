@@ -9,7 +9,7 @@ more; the sum's order is the mma's, not the one-row kernel's (the batched step's
 one-request tokens where no two logits are within float32 rounding: the GPU tests check it).
 A row's output does not depend on the other rows (each mma column is its own row), so a request
 decodes alike at any batch size. Rows go in passes of G (8, 16 or 32: as many as the shared memory
-holds); the residual stream lives in device memory (two buffers, one read and one written per
+holds; down_proj's wider input in passes of GD <= G); the residual stream lives in device memory (two buffers, one read and one written per
 phase), each row's 1/RSSe and deferred scale in shared memory. Attention is split over (row, kv
 head, split of positions), each row into the one-row kernel's splits at its position, capped so
 the batch's items about fill the grid once; the splits are merged once, over the grid, in a phase
@@ -84,15 +84,18 @@ __device__ inline void fn_row_norms(const A* a, const float* as, const float* r,
     prow[threadIdx.x] = prescale ? __int_as_float(__float_as_int(s) & 0x7f800000) : 1.0f;
   }
 }
-__device__ inline void fn_rows_in(const float* src, int n, int rows, float* xin, int xs) {
-  // `rows` rows of n floats (n a multiple of 4, src 16-byte aligned), written in this launch, into
-  // the shared input rows: 16-byte loads, eight in flight per thread before their stores
+__device__ inline void fn_rows_in(const float* src, int n, int stride, int rows, float* xin, int xs) {
+  // n floats (a multiple of 4, 16-byte aligned) of `rows` rows `stride` apart, written in this
+  // launch, into the shared input rows: 16-byte loads, eight in flight per thread before the stores
   const float4* s4 = reinterpret_cast<const float4*>(src);
   const int per = n / 4, total = rows * per;
   for (int e0 = threadIdx.x; e0 < total; e0 += 8 * blockDim.x) {
     float4 v[8];
     #pragma unroll
-    for (int u = 0; u < 8; ++u) if (e0 + u * int(blockDim.x) < total) v[u] = __ldcg(s4 + e0 + u * blockDim.x);
+    for (int u = 0; u < 8; ++u) {
+      const int e = e0 + u * blockDim.x;
+      if (e < total) v[u] = __ldcg(s4 + (e / per) * (stride / 4) + e % per);
+    }
     #pragma unroll
     for (int u = 0; u < 8; ++u) {
       const int e = e0 + u * blockDim.x;
@@ -125,11 +128,12 @@ __device__ inline void fn_mma_tf32(float* c, const unsigned int* a, unsigned int
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 template <typename T, int BITS, int NT>
-__device__ inline void fn_tile(const unsigned int* w, const T* sc, const T* bi, long row0, int nsp, int gpr, int gs,
-                               const float* xin, int xs, const float* xsum, int ss, float (*acc)[4]) {
-  // rows row0 .. row0 + 15 of an affine BITS-bit matrix (nsp spans of 32 values a row) times the
-  // NT * 8 shared input rows, on the tensor cores (mma m16n8k8, tf32): the warp's share of the
-  // spans (warp, warp + 8, ...) into acc, to be added over the warps (fn_tile_put, fn_tile_get).
+__device__ inline void fn_tile(const unsigned int* w, const T* sc, const T* bi, long row0, int nrow, int sp0, int nsp,
+                               int gpr, int gs, const float* xin, int xs, const float* xsum, int ss, float (*acc)[4]) {
+  // rows row0 .. row0 + 15 of an affine BITS-bit matrix (nrow spans of 32 values a row), spans sp0
+  // .. sp0 + nsp - 1 of them, times the NT * 8 shared input rows (those spans), on the tensor cores
+  // (mma m16n8k8, tf32): the warp's share of the spans (warp, warp + 8, ...) added into acc, to be
+  // added over the warps (fn_tile_put, fn_tile_get).
   // Lane (gid, tig) holds weight rows gid and gid + 8 and input row gid of each group of 8; it
   // loads the span's values 8 tig .. 8 tig + 7 of them (one word of 4-bit values, two of 8-bit),
   // and k-step ks takes values 8 tig + 2 ks (the mma's column tig) and 8 tig + 2 ks + 1 (its
@@ -139,17 +143,13 @@ __device__ inline void fn_tile(const unsigned int* w, const T* sc, const T* bi, 
   constexpr int WORDS = BITS / 4;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gid = lane / 4, tig = lane % 4;
   const long r0 = row0 + gid, r1 = r0 + 8;
-  #pragma unroll
-  for (int t = 0; t < NT; ++t) {
-    #pragma unroll
-    for (int i = 0; i < 4; ++i) acc[t][i] = 0.0f;
-  }
-  for (int sp = warp; sp < nsp; sp += int(blockDim.x / 32)) {
+  for (int j = warp; j < nsp; j += int(blockDim.x / 32)) {
+    const int sp = sp0 + j;
     unsigned int q0[WORDS], q1[WORDS];
     #pragma unroll
     for (int u = 0; u < WORDS; ++u) {
-      q0[u] = __ldg(w + (r0 * nsp + sp) * BITS + WORDS * tig + u);
-      q1[u] = __ldg(w + (r1 * nsp + sp) * BITS + WORDS * tig + u);
+      q0[u] = __ldg(w + (r0 * nrow + sp) * BITS + WORDS * tig + u);
+      q1[u] = __ldg(w + (r1 * nrow + sp) * BITS + WORDS * tig + u);
     }
     const long g = sp * 32 / gs;
     const float s0 = fn_f(sc[r0 * gpr + g]), s1 = fn_f(sc[r1 * gpr + g]);
@@ -157,7 +157,7 @@ __device__ inline void fn_tile(const unsigned int* w, const T* sc, const T* bi, 
     float xv[NT][8], ch[NT][4], cl[NT][4];
     #pragma unroll
     for (int t = 0; t < NT; ++t) {
-      const float4* xr = reinterpret_cast<const float4*>(xin + (t * 8 + gid) * xs + sp * 32 + 8 * tig);
+      const float4* xr = reinterpret_cast<const float4*>(xin + (t * 8 + gid) * xs + j * 32 + 8 * tig);
       const float4 xa = xr[0], xb = xr[1];
       xv[t][0] = xa.x; xv[t][1] = xa.y; xv[t][2] = xa.z; xv[t][3] = xa.w;
       xv[t][4] = xb.x; xv[t][5] = xb.y; xv[t][6] = xb.z; xv[t][7] = xb.w;
@@ -182,7 +182,7 @@ __device__ inline void fn_tile(const unsigned int* w, const T* sc, const T* bi, 
     for (int t = 0; t < NT; ++t) {
       #pragma unroll
       for (int i = 0; i < 4; ++i) {  // element i: weight row gid + 8 (i / 2), input row 8 t + 2 tig + i % 2
-        const float xs_sum = xsum[(t * 8 + 2 * tig + (i & 1)) * ss + sp];
+        const float xs_sum = xsum[(t * 8 + 2 * tig + (i & 1)) * ss + j];
         acc[t][i] += (i < 2 ? s0 : s1) * (ch[t][i] + cl[t][i]) + (i < 2 ? c0 : c1) * xs_sum;
       }
     }
@@ -209,16 +209,19 @@ __device__ inline float fn_tile_get(const float* rb, int f, int n) {
 """
 
 _ROWS_BODY = """
-  // T, BITS, D, GQ, NL, SMAX, G (rows per matvec pass, 8, 16 or 32): template constants
-  constexpr int NW = 8, BMAX = 64, NT = G / 8;
+  // T, BITS, D, GQ, NL, SMAX, G and GD (rows per matvec pass, 8, 16 or 32: of the phases with
+  // inputs of K or HQ * D values, and of down_proj's I), IC (down_proj's input values held at
+  // once, a multiple of 32): template constants
+  constexpr int NW = 8, BMAX = 64, NT = G / 8, NTD = GD / 8;
   constexpr int EPL = 16 / sizeof(T), LPR = D / EPL, RPW = 32 / LPR;
   const int K = dims[0], GS = dims[1], HQ = dims[2], HKV = dims[3], I = dims[4], C = dims[5], NB = dims[6];
-  const int XMAX = dims[7];
   const bool has_g = dims[8] != 0, prescale = dims[9] != 0, qk_norm = dims[10] != 0;
   const float eps = __int_as_float(dims[11]), factor = __int_as_float(dims[12]), qk_eps = __int_as_float(dims[13]);
   const int B = dims[14];
   const int KO = HQ * D, NQKV = (HQ + 2 * HKV) * D;
-  const int XS = XMAX + 4, SS = XMAX / 32;  // strides of a row's input and span sums in shared memory
+  // strides of an input row and its span sums in shared memory (down_proj's: XSD, SSD, for its
+  // input in chunks of IC values where all I do not fit)
+  const int XS = max(K, KO) + 4, SS = max(K, KO) / 32, XSD = min(IC, I) + 4, SSD = min(IC, I) / 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   unsigned int* bar = const_cast<unsigned int*>(sync);
   unsigned int target = 0;
@@ -230,9 +233,9 @@ _ROWS_BODY = """
   float* res1 = res0 + long(B) * K;                 // B * K: the stream after phase 1 (read by phase 4)
   float* mbuf = res1 + long(B) * K;                 // B * KO: attention's output, the splits merged
   extern __shared__ float smem[];
-  float* xin = smem;               // G * XS: the running matvec's input rows
-  float* xsum = xin + G * XS;      // G * SS: their span sums
-  float* rb = xsum + G * SS;       // 2 * NW * NT * 128: the warps' partial sums of a tile (two tiles)
+  float* xin = smem;                               // G * XS or GD * XSD: the running matvec's input rows
+  float* xsum = xin + max(G * XS, GD * XSD);      // G * SS or GD * SSD: their span sums
+  float* rb = xsum + max(G * SS, GD * SSD);       // 2 * NW * NT * 128: the warps' partial sums of a tile (two tiles)
   float* rb2 = rb + NW * NT * 128;
   __shared__ float red[NW][G];
   __shared__ float srow[BMAX], prow[BMAX], xsrow[BMAX];  // per row: 1/RSSe, its power of two, the deferred scale
@@ -261,8 +264,8 @@ LAYER
                             prescale);
       fn_span_sums(xin, XS, xsum, SS, rows, K / 32);
       for (int tile = blockIdx.x; tile < NQKV / 16; tile += NB) {
-        float acc[NT][4];
-        fn_tile<T, BITS, NT>(wqkv, sqkv, bqkv, tile * 16, K / 32, K / GS, GS, xin, XS, xsum, SS, acc);
+        float acc[NT][4] = {};
+        fn_tile<T, BITS, NT>(wqkv, sqkv, bqkv, tile * 16, K / 32, 0, K / 32, K / GS, GS, xin, XS, xsum, SS, acc);
         fn_tile_put<NT>(acc, rb);
         __syncthreads();
         for (int o = threadIdx.x; o < 16 * rows; o += blockDim.x)
@@ -294,11 +297,11 @@ ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by th
     // 4. per row: o_proj
     for (int b0 = 0; b0 < B; b0 += G) {
       const int rows = min(G, B - b0);
-      fn_rows_in(mbuf + long(b0) * KO, KO, rows, xin, XS);
+      fn_rows_in(mbuf + long(b0) * KO, KO, KO, rows, xin, XS);
       fn_span_sums(xin, XS, xsum, SS, rows, KO / 32);
       for (int tile = blockIdx.x; tile < K / 16; tile += NB) {
-        float acc[NT][4];
-        fn_tile<T, BITS, NT>(wo, so, bo, tile * 16, KO / 32, KO / GS, GS, xin, XS, xsum, SS, acc);
+        float acc[NT][4] = {};
+        fn_tile<T, BITS, NT>(wo, so, bo, tile * 16, KO / 32, 0, KO / 32, KO / GS, GS, xin, XS, xsum, SS, acc);
         fn_tile_put<NT>(acc, rb);
         __syncthreads();
         for (int o = threadIdx.x; o < 16 * rows; o += blockDim.x)
@@ -314,11 +317,11 @@ ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by th
                                 red, srow + b0, prow + b0, K * eps, prescale);
       fn_span_sums(xin, XS, xsum, SS, rows, K / 32);
       for (int tile = blockIdx.x; tile < I / 16; tile += NB) {
-        float acc[NT][4];
-        fn_tile<T, BITS, NT>(wgu, sgu, bgu, tile * 16, K / 32, K / GS, GS, xin, XS, xsum, SS, acc);
+        float acc[NT][4] = {}, acc2[NT][4] = {};
+        fn_tile<T, BITS, NT>(wgu, sgu, bgu, tile * 16, K / 32, 0, K / 32, K / GS, GS, xin, XS, xsum, SS, acc);
         fn_tile_put<NT>(acc, rb);
-        fn_tile<T, BITS, NT>(wgu, sgu, bgu, I + tile * 16, K / 32, K / GS, GS, xin, XS, xsum, SS, acc);
-        fn_tile_put<NT>(acc, rb2);
+        fn_tile<T, BITS, NT>(wgu, sgu, bgu, I + tile * 16, K / 32, 0, K / 32, K / GS, GS, xin, XS, xsum, SS, acc2);
+        fn_tile_put<NT>(acc2, rb2);
         __syncthreads();
         for (int o = threadIdx.x; o < 16 * rows; o += blockDim.x) {
           const int n = o / 16;
@@ -330,18 +333,29 @@ ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by th
     }
     for (int b = threadIdx.x; b < B; b += blockDim.x) xsrow[b] = srow[b] / prow[b];
     fn_grid_sync(bar, target += NB);
-    // 6. per row: down_proj (its scale xsrow deferred to the next layer's add)
-    for (int b0 = 0; b0 < B; b0 += G) {
-      const int rows = min(G, B - b0);
-      fn_rows_in(abuf + long(b0) * I, I, rows, xin, XS);
-      fn_span_sums(xin, XS, xsum, SS, rows, I / 32);
+    // 6. per row: down_proj (its scale xsrow deferred to the next layer's add); its input in chunks
+    // of IC values where all I do not fit the shared memory (then each tile loads them anew)
+    for (int b0 = 0; b0 < B; b0 += GD) {
+      const int rows = min(GD, B - b0);
+      if (IC >= I) {
+        fn_rows_in(abuf + long(b0) * I, I, I, rows, xin, XSD);
+        fn_span_sums(xin, XSD, xsum, SSD, rows, I / 32);
+      }
       for (int tile = blockIdx.x; tile < K / 16; tile += NB) {
-        float acc[NT][4];
-        fn_tile<T, BITS, NT>(wd, sd, bd, tile * 16, I / 32, I / GS, GS, xin, XS, xsum, SS, acc);
-        fn_tile_put<NT>(acc, rb);
+        float acc[NTD][4] = {};
+        for (int c0 = 0; c0 < I; c0 += IC) {
+          const int n = min(IC, I - c0);
+          if (IC < I) {
+            fn_rows_in(abuf + long(b0) * I + c0, n, I, rows, xin, XSD);
+            fn_span_sums(xin, XSD, xsum, SSD, rows, n / 32);
+          }
+          fn_tile<T, BITS, NTD>(wd, sd, bd, tile * 16, I / 32, c0 / 32, n / 32, I / GS, GS, xin, XSD, xsum, SSD, acc);
+          if (IC < I) __syncthreads();  // the chunk read before the next is loaded
+        }
+        fn_tile_put<NTD>(acc, rb);
         __syncthreads();
         for (int o = threadIdx.x; o < 16 * rows; o += blockDim.x)
-          y[long(b0 + o / 16) * K + tile * 16 + o % 16] = fn_cast<T>(fn_tile_get<NT>(rb, o % 16, o / 16));
+          y[long(b0 + o / 16) * K + tile * 16 + o % 16] = fn_cast<T>(fn_tile_get<NTD>(rb, o % 16, o / 16));
         __syncthreads();
       }
     }
@@ -356,20 +370,33 @@ ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by th
 _ROWS = _ROWS_BODY.replace("ATTEND", ATTEND).replace("LAYER\n", LAYER)
 
 
-def rows_per_group(B, xmax):
-    """G: the rows one matvec pass takes, 8, 16 or 32 (the tensor cores' groups of 8), as few as
-    the batch needs and the shared memory holds (SHARED_MAX)."""
-    g = 8
-    while g < 32 and g < B and shared_bytes(2 * g, xmax, 0, 0, 0) <= SHARED_MAX:
-        g *= 2
-    return g
+def rows_per_pass(B, xa, xi):
+    """(G, GD, IC): the rows one matvec pass takes, 8, 16 or 32 (the tensor cores' groups of 8),
+    as few as the batch needs and the shared memory holds (SHARED_MAX): G for the inputs of xa
+    values (K or HQ * D), GD (at most G) for down_proj's xi (I), whose input is held IC values at
+    a time (all of them, or the fewest chunks of equal multiples of 32 that fit)."""
+    G = 8
+    while G < 32 and G < B and dynamic_bytes(2 * G, 8, xa, 32) <= SHARED_MAX:
+        G *= 2
+    GD = G
+    while GD > 8 and dynamic_bytes(G, GD, xa, xi) > SHARED_MAX:
+        GD //= 2
+    chunks = 1
+    while dynamic_bytes(G, GD, xa, 32 * -(-xi // (32 * chunks))) > SHARED_MAX:
+        chunks += 1
+    return G, GD, 32 * -(-xi // (32 * chunks))
 
 
-def shared_bytes(G, xmax, D, GQ, L):
-    """Dynamic shared memory of a launch (G input rows, padded, their span sums and the warps'
-    partial sums of two tiles), at least 48004 bytes where it and the static arrays pass 48 KB
-    (step.shared_bytes says why)."""
-    dynamic = 4 * (G * (xmax + 4) + G * (xmax // 32) + 2 * 8 * (G // 8) * 128)
+def dynamic_bytes(G, GD, xa, xi):
+    """A launch's dynamic shared memory: G input rows of xa values (or GD of xi), each padded by 4,
+    their sums over spans of 32, and the warps' partial sums of two 16-row tiles."""
+    return 4 * (max(G * (xa + 4), GD * (xi + 4)) + max(G * xa, GD * xi) // 32 + 2 * 8 * (G // 8) * 128)
+
+
+def shared_bytes(G, GD, xa, xi, D, GQ, L):
+    """dynamic_bytes, at least 48004 where it and the static arrays pass 48 KB (step.shared_bytes
+    says why)."""
+    dynamic = dynamic_bytes(G, GD, xa, xi)
     static = 4 * 8 * G + 3 * 4 * BMAX + 4 * (BMAX + 1) + 8 * 14 * L + 4 * GQ * D * (1 + 8) + 4 * 2 * 8 * GQ
     return max(dynamic, 48004) if dynamic + static > 48 * 1024 else dynamic
 
@@ -390,14 +417,14 @@ def decode_rows(x, positions, layers, caches, gains, qk_gains, theta, eps, facto
         return reference(x, positions, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads,
                          n_kv_heads, group_size, bits)
     B, L = x.shape[0], len(layers)
-    K, D, I, xmax = step.sizes(x, layers, theta, n_heads)
-    G = rows_per_group(B, xmax)
+    K, D, I, _ = step.sizes(x, layers, theta, n_heads)
+    G, GD, IC = rows_per_pass(B, max(K, n_heads * D), I)
     return step.launch(rows_kernel(L), x, positions.astype(mx.int32), layers, caches, gains, qk_gains, theta, eps,
                        factor, qk_eps, n_heads, n_kv_heads, group_size, bits,
                        work=B * ((n_heads + 2 * n_kv_heads) * D + n_heads * step.SMAX * (D + 2) + 3 * K + I
                                  + n_heads * D),
-                       shared_memory=shared_bytes(G, xmax, D, n_heads // n_kv_heads, L), rows=(B,),
-                       template=[("G", G)])
+                       shared_memory=shared_bytes(G, GD, max(K, n_heads * D), IC, D, n_heads // n_kv_heads, L),
+                       rows=(B,), template=[("G", G), ("GD", GD), ("IC", IC)])
 
 
 def reference(x, positions, layers, caches, *args):
