@@ -31,6 +31,7 @@ from . import step
 from .step_source import ARRAYS, ATTEND, HEADER, LAYER, table
 
 BMAX = step.MAX_ROWS
+GMAX = 16  # rows per pass, at most: 32 was slower (H100, 2026-11-26: 3.88 ms a 32-row step against 3.45)
 SHARED_MAX = 160 * 1024  # dynamic shared bytes a launch may ask for (227 KB per block on Hopper)
 
 _HEADER = r"""
@@ -371,12 +372,12 @@ _ROWS = _ROWS_BODY.replace("ATTEND", ATTEND).replace("LAYER\n", LAYER)
 
 
 def rows_per_pass(B, xa, xi):
-    """(G, GD, IC): the rows one matvec pass takes, 8, 16 or 32 (the tensor cores' groups of 8),
+    """(G, GD, IC): the rows one matvec pass takes, 8 or 16 (GMAX; the tensor cores' groups of 8),
     as few as the batch needs and the shared memory holds (SHARED_MAX): G for the inputs of xa
     values (K or HQ * D), GD (at most G) for down_proj's xi (I), whose input is held IC values at
     a time (all of them, or the fewest chunks of equal multiples of 32 that fit)."""
     G = 8
-    while G < 32 and G < B and dynamic_bytes(2 * G, 8, xa, 32) <= SHARED_MAX:
+    while G < GMAX and G < B and dynamic_bytes(2 * G, 8, xa, 32) <= SHARED_MAX:
         G *= 2
     GD = G
     while GD > 8 and dynamic_bytes(G, GD, xa, xi) > SHARED_MAX:
