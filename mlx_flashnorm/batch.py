@@ -226,7 +226,7 @@ class BatchEngine:
         together = self._prefill_together()
         budget = self.prefill_step - together
         for f in list(self.filling):
-            if together and f.todo and self._fresh(f) and len(f.todo) <= self.prefill_step:
+            if together and f.todo and not self._begun(f) and len(f.todo) <= self.prefill_step:
                 continue  # begun now it would go alone; whole, it joins the next step's shared call
             n = min(budget, len(f.todo))
             if n:
@@ -240,36 +240,46 @@ class BatchEngine:
                 self._join(f)
 
     def _prefill_together(self):
-        """Newcomers with nothing computed yet (no cached prefix, not begun) whose prompts fit the
-        step's budget whole, padded to the longest, prefilled in one model call: on a GPU a call
-        costs its launches more than its tokens. The padding follows each prompt, so causal
-        attention keeps it out of every real position. Returns the tokens the call took (padded)."""
-        group, longest = [], 0
+        """Newcomers not begun (nothing run past their cached prefix) whose prompts fit the step's
+        budget, prefilled in one model call: on a GPU a call costs its launches more than its
+        tokens. Each starts from the shortest cached prefix among them (the longer prefixes' extra
+        tokens are computed again: a few), its other tokens padded at their end to the longest, so
+        causal attention keeps the padding out of every real position. Returns the tokens the
+        call took (padded)."""
+        group, longest, start = [], 0, None
         for f in self.filling:
-            if self._fresh(f) and f.todo:
-                n = max(longest, len(f.todo))
-                if n * (len(group) + 1) <= self.prefill_step:
-                    group.append(f)
-                    longest = n
+            if self._begun(f) or not f.todo:
+                continue
+            c = f.request.cached if start is None else min(start, f.request.cached)
+            n = max(longest + (start or 0) - c, len(f.request.tokens) - 1 - c)
+            if n * (len(group) + 1) <= self.prefill_step:
+                group, longest, start = group + [f], n, c
         if len(group) < 2:
             return 0
         cache = [KVCache() for _ in self.model.layers]
-        self.model(mx.array([f.todo + [0] * (longest - len(f.todo)) for f in group]), cache=cache)
-        for i, f in enumerate(group):
-            n = len(f.todo)
+        if start:
+            for layer, c in enumerate(cache):
+                c.keys, c.values = (mx.concatenate([getattr(f.cache[layer], a)[..., :start, :] for f in group])
+                                    for a in ("keys", "values"))
+                c.offset = start
+        todo = [f.request.tokens[start:-1] for f in group]
+        self.model(mx.array([t + [0] * (longest - len(t)) for t in todo]), cache=cache)
+        for i, (f, t) in enumerate(zip(group, todo)):
+            n = start + len(t)
             for one, c in zip(f.cache, cache):
                 one.keys, one.values, one.offset = c.keys[i:i + 1, :, :n, :], c.values[i:i + 1, :, :n, :], n
             mx.async_eval([(c.keys, c.values) for c in f.cache])
             f.todo.clear()
-            self.prefilled += n
+            f.request.cached = start
+            self.prefilled += len(t)
             self._join(f)
         self.prefill_calls += 1
         return longest * len(group)
 
     @staticmethod
-    def _fresh(f):
-        """Whether nothing of f's prompt is computed yet (no cached prefix, no chunk run)."""
-        return f.request.cached == 0 and f.cache[0].keys is None
+    def _begun(f):
+        """Whether a chunk of f's prompt past its cached prefix was run."""
+        return f.cache[0].keys is not None and f.cache[0].offset > f.request.cached
 
     def _start(self, request):
         """The request's one-row caches, filled from the prompt cache where it holds a prefix."""

@@ -105,6 +105,24 @@ def test_newcomers_together_on_real_weights(dtype):
         assert (mx.abs(got - want).max() <= 5e-2 * mx.abs(want).max()).item()
 
 
+def test_newcomers_with_cached_prefixes_share_one_prefill_call(model):
+    """Three newcomers whose prompts begin with a cached one (prefixes of 20, 20 and 24 tokens
+    cached) arriving together: one prefill call from the shortest prefix (the third's 4 more
+    tokens computed again), and each gets its one-request tokens."""
+    system = prompt(model, 20, seed=1)
+    a = system + prompt(model, 6, seed=2)
+    engine = BatchEngine(model, prompt_cache=PromptCache(1 << 24))
+    run(engine, [Request(a, max_tokens=2)])
+    prompts = [system + prompt(model, 5, seed=7), system + prompt(model, 9, seed=8), a[:24] + prompt(model, 3, seed=9)]
+    requests = [Request(p, max_tokens=6) for p in prompts]
+    calls, before = engine.prefill_calls, engine.prefilled
+    run(engine, requests)
+    assert engine.prefill_calls - calls == 1 and [r.cached for r in requests] == [20, 20, 20]
+    assert engine.prefilled - before == sum(len(p) - 20 for p in prompts)
+    for r in requests:
+        assert r.generated == single(model, r.tokens, steps=6)[0]
+
+
 def test_newcomer_left_over_waits_to_be_prefilled_whole(model):
     """Six newcomers of 9 prompt tokens to prefill, a budget that holds five and 4 tokens more: the
     sixth is not begun beside the five's call (it would go on alone), so two calls in all."""
