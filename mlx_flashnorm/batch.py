@@ -5,7 +5,8 @@ sampling (temperature, top-p, min-p, top-k, seed, logits processors), stop token
 max_tokens. A newcomer's prompt is prefilled (mlx-lm's KVCache) in chunks of at most
 `prefill_step` tokens per engine step, between the others' decode steps, so a long prompt delays
 the running streams by one chunk a step rather than by its whole length; newcomers that arrive
-together and fit the step whole share one call (rows padded at their ends). Once only its
+together and fit the step whole share one call (rows padded at their ends, each from the shortest
+of their cached prefixes). Once only its
 last token is left it takes a slot of the batch's static cache (batch_cache.Slots: one buffer per
 layer, a slot per row, each row at its own position) and the compiled batched step decodes it
 with the others; the host work of a step does not grow with the rows (one compiled call, one
@@ -19,8 +20,10 @@ the step queued after it was prefilled.
 
 Exactness: every row's result is the one-request computation (a norm's deferred 1/RMS is per
 row), up to the summation order of a batched matmul and of attention over the whole capacity
-(masked positions count zero). Our fused GPU kernels take one row: a batch of more runs the plain
-composition of MLX operations; a bucket of one slot runs the one-request compiled step.
+(masked positions count zero). On CUDA a step of several rows is one kernel (kernels.decode_rows,
+its matvecs on the tensor cores: another summation order, so a greedy token may differ from the
+one-request token only where two tokens tie); elsewhere the plain composition of MLX operations;
+a bucket of one slot runs the one-request compiled step.
 
 The engine is synchronous (BatchEngine.step); BatchWorker runs one on its own thread for the
 server."""
