@@ -8,9 +8,10 @@ value is exact in tf32 and each input is split into two tf32 parts, so a product
 more; the sum's order is the mma's, not the one-row kernel's (the batched step's tokens are the
 one-request tokens where no two logits are within float32 rounding: the GPU tests check it).
 A row's output does not depend on the other rows (each mma column is its own row), so a request
-decodes alike at any batch size. Rows go in passes of G (8, 16 or 32: as many as the shared memory
-holds; down_proj's wider input in passes of GD <= G); the residual stream lives in device memory (two buffers, one read and one written per
-phase), each row's 1/RSSe and deferred scale in shared memory. Attention is split over (row, kv
+decodes alike at any batch size. Rows go in passes of G (8 or 16, GMAX: as many as the batch needs
+and the shared memory holds; down_proj's wider input in passes of GD <= G, in chunks where even 8
+rows of it do not fit); the residual stream lives in device memory (two buffers, one read and one
+written per phase), each row's 1/RSSe and deferred scale in shared memory. Attention is split over (row, kv
 head, split of positions), each row into the one-row kernel's splits at its position, capped so
 the batch's items about fill the grid once; the splits are merged once, over the grid, in a phase
 of their own.
@@ -210,7 +211,7 @@ __device__ inline float fn_tile_get(const float* rb, int f, int n) {
 """
 
 _ROWS_BODY = """
-  // T, BITS, D, GQ, NL, SMAX, G and GD (rows per matvec pass, 8, 16 or 32: of the phases with
+  // T, BITS, D, GQ, NL, SMAX, G and GD (rows per matvec pass, 8 or 16 (rows.GMAX): of the phases with
   // inputs of K or HQ * D values, and of down_proj's I), IC (down_proj's input values held at
   // once, a multiple of 32): template constants
   constexpr int NW = 8, BMAX = 64, NT = G / 8, NTD = GD / 8;
@@ -247,7 +248,7 @@ _ROWS_BODY = """
   for (int b = threadIdx.x; b < B; b += blockDim.x) xsrow[b] = 1.0f;
   if (threadIdx.x == 0) {  // a row's attention splits: the one-row kernel's rule, capped so that
     int t = 0;             // the batch's items about fill the grid once
-    const int cap = max(1, min(NB / HKV, NB / (B * HKV)));
+    const int cap = max(1, NB / (B * HKV));
     for (int b = 0; b < B; ++b) {
       first[b] = t;
       t += HKV * max(1, min(min((off[b] + 32) / 32, SMAX), cap));
@@ -382,10 +383,11 @@ def rows_per_pass(B, xa, xi):
     GD = G
     while GD > 8 and dynamic_bytes(G, GD, xa, xi) > SHARED_MAX:
         GD //= 2
-    chunks = 1
-    while dynamic_bytes(G, GD, xa, 32 * -(-xi // (32 * chunks))) > SHARED_MAX:
+    chunks, IC = 1, xi
+    while dynamic_bytes(G, GD, xa, IC) > SHARED_MAX:
         chunks += 1
-    return G, GD, 32 * -(-xi // (32 * chunks))
+        IC = 32 * -(-xi // (32 * chunks))
+    return G, GD, IC
 
 
 def dynamic_bytes(G, GD, xa, xi):

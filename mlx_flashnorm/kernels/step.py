@@ -51,32 +51,31 @@ def shared_bytes(K, xmax, bits, D, GQ, L):
     return max(dynamic, 48004) if dynamic + static > 48 * 1024 else dynamic
 
 
-@lru_cache(maxsize=None)
-def sm_count():
-    """The GPU's multiprocessors (the grid: one resident block each), from the CUDA driver MLX
-    loaded; 16 where it cannot be asked."""
+def _device_attribute(number):
+    """A CUDA device attribute of GPU 0 from the driver MLX loaded (cuDeviceGetAttribute), or None
+    where it cannot be asked."""
     try:
         lib = ctypes.CDLL("libcuda.so.1")
         value = ctypes.c_int()
-        if lib.cuDeviceGetAttribute(ctypes.byref(value), 16, 0) == 0 and value.value > 0:
+        if lib.cuDeviceGetAttribute(ctypes.byref(value), number, 0) == 0:
             return value.value
     except (OSError, AttributeError):
         pass
-    return 16
+    return None
+
+
+@lru_cache(maxsize=None)
+def sm_count():
+    """The GPU's multiprocessors (the grid: one resident block each); 16 where they cannot be
+    asked."""
+    n = _device_attribute(16)
+    return n if n and n > 0 else 16
 
 
 @lru_cache(maxsize=None)
 def compute_capability():
-    """The GPU's compute capability major number (9 on Hopper), from the CUDA driver; 0 where it
-    cannot be asked."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        value = ctypes.c_int()
-        if lib.cuDeviceGetAttribute(ctypes.byref(value), 75, 0) == 0:
-            return value.value
-    except (OSError, AttributeError):
-        pass
-    return 0
+    """The GPU's compute capability major number (9 on Hopper); 0 where it cannot be asked."""
+    return _device_attribute(75) or 0
 
 
 @lru_cache(maxsize=None)
