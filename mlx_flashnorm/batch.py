@@ -128,7 +128,7 @@ class BatchEngine:
     (self.slots, None while empty) of bucket(rows) slots: more rows than slots grow it, few rows
     shrink it (to a quarter, or one row: the one-request compiled step, `solo`)."""
 
-    def __init__(self, model, max_batch=32, prefill_step=256, prompt_cache=None):
+    def __init__(self, model, max_batch=32, prefill_step=2048, prompt_cache=None):
         self.model, self.max_batch, self.prefill_step = model, max_batch, prefill_step
         self.prompt_cache = prompt_cache
         self.waiting = deque()
@@ -161,10 +161,11 @@ class BatchEngine:
             self.add(Request([i % vocab for i in range(prompt)], max_tokens=steps))
             while self.busy:
                 self.step()
-            for k in (1, 2):
-                self.add(Request([(i + k) % vocab for i in range(prompt)], max_tokens=steps))
-            while self.busy:
-                self.step()
+            for n in (2, 4):  # shared prefill calls (MLX compiles its quantized matmul for up to 16,
+                for k in range(n):  # 32 and more rows: 15, 30 and 60 here)
+                    self.add(Request([(i + k + n) % vocab for i in range(prompt)], max_tokens=steps))
+                while self.busy:
+                    self.step()
             size = 2
             while size <= bucket(self.max_batch):
                 self._layout()
@@ -397,7 +398,7 @@ class BatchWorker:
     warm: play BatchEngine.warmup on the thread first; its exception is raised here.
     prompt_cache_bytes: the prompt cache's bound (0: none)."""
 
-    def __init__(self, model, tokenizer, warm=False, max_batch=32, prompt_cache_bytes=0, prefill_step=256):
+    def __init__(self, model, tokenizer, warm=False, max_batch=32, prompt_cache_bytes=0, prefill_step=2048):
         self.slots = max_batch
         cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
         self.engine = BatchEngine(model, max_batch, prefill_step, cache)

@@ -48,6 +48,7 @@ DRAIN_PAUSE = 0.2  # seconds: a body of unknown length has ended when none of it
 API_KEY_VARIABLE = "MLX_FLASHNORM_API_KEY"
 MAX_CONCURRENT = 32  # requests decoded together (mlx_lm.server's default)
 PROMPT_CACHE_MB = 512  # the prompt cache's bound
+PREFILL_STEP = 2048  # prompt tokens prefilled per engine step, at most (mlx-lm's prefill step)
 
 
 class ClientGone(Exception):
@@ -107,7 +108,7 @@ class Server(ThreadingHTTPServer):
     def __init__(self, model, tokenizer, model_id, host="127.0.0.1", port=8080, max_tokens=256,
                  temp=0.0, top_p=1.0, top_k=0, warm=False, *, api_key=None, cors_origins=(),
                  max_queue=64, max_body=MAX_BODY, timeout=30.0, max_concurrent=MAX_CONCURRENT,
-                 prompt_cache_bytes=PROMPT_CACHE_MB * 2**20, worker=None):
+                 prompt_cache_bytes=PROMPT_CACHE_MB * 2**20, prefill_step=PREFILL_STEP, worker=None):
         """max_tokens, temp, top_p, top_k: the defaults of requests that leave them out.
         warm: warm the model up on the worker thread before serving.
         api_key: requests must send it as a Bearer token; cors_origins: the web origins whose pages
@@ -125,7 +126,8 @@ class Server(ThreadingHTTPServer):
         self.lock, self.active = threading.Lock(), 0
         try:
             self.worker = worker or (SerialWorker(model, tokenizer, warm) if max_concurrent == 1 else
-                                     BatchWorker(model, tokenizer, warm, max_concurrent, prompt_cache_bytes))
+                                     BatchWorker(model, tokenizer, warm, max_concurrent, prompt_cache_bytes,
+                                                 prefill_step))
         except BaseException:
             self.server_close()
             raise
@@ -339,25 +341,31 @@ class Handler(BaseHTTPRequestHandler):
             return True
 
     def pieces(self, ticket, transcript):
-        """Yield transcript.add's (piece, finish_reason, entries) for each token the worker makes;
-        ClientGone (the ticket cancelled) once the client hangs up."""
+        """Yield transcript.add's (piece, finish_reason, entries) for the tokens the worker makes,
+        those waiting together as one (a stream that fell behind the batch catches up in one event,
+        not one per token); ClientGone (the ticket cancelled) once the client hangs up."""
         while True:
             try:
-                token = ticket.next(timeout=POLL)
+                tokens = ticket.ready(timeout=POLL)
             except queue.Empty:
-                token = ticket
+                tokens = []
             except Exception as e:
                 raise WorkerFailed() from e
             if self.client_gone():
                 ticket.cancel()
                 raise ClientGone()
-            if token is None:
-                return
-            if token is not ticket:
-                piece, finish, entries = transcript.add(token)
-                yield piece, finish, entries
+            text, finish, entries = "", None, []
+            for token in tokens:
+                if token is None:
+                    break
+                piece, finish, got = transcript.add(token)
+                text, entries = text + piece, entries + got
                 if finish:
-                    return
+                    break
+            if text or finish or entries:
+                yield text, finish, entries
+            if finish or tokens and tokens[-1] is None:
+                return
 
     def whole(self, answer, pieces, transcript):
         text, finish, entries = "", None, []
@@ -424,6 +432,10 @@ def arg_parser():
                    help="memory for the KV states of earlier prompts and replies, so that a shared "
                         "prefix (a system prompt, a conversation's earlier turns) is not computed "
                         "again; least recently used go first (0: off)")
+    p.add_argument("--prefill-step-size", type=int, default=PREFILL_STEP,
+                   help="prompt tokens prefilled per step of the batch, at most: a longer prompt goes in "
+                        "chunks, between the running requests' tokens (smaller: shorter stalls for them, "
+                        "later first tokens for newcomers)")
     p.add_argument("--timeout", type=float, default=30.0,
                    help="seconds a request (headers and body) may take to arrive, and a write to a client")
     add_model_args(p)
@@ -436,8 +448,9 @@ def main(argv=None):
     make_sampler_for(args.temp, args.top_p, args.top_k)  # checks the sampling flags
     if args.max_queue < 0 or args.max_body < 1 or not args.timeout > 0:
         raise UserError("--max-queue must be at least 0, --max-body at least 1 and --timeout above 0")
-    if args.max_concurrent < 1 or not args.prompt_cache_size >= 0:
-        raise UserError("--max-concurrent must be at least 1 and --prompt-cache-size (MB) at least 0")
+    if args.max_concurrent < 1 or not args.prompt_cache_size >= 0 or args.prefill_step_size < 1:
+        raise UserError("--max-concurrent and --prefill-step-size must be at least 1 and --prompt-cache-size (MB) "
+                        "at least 0")
     if world() is not None and args.max_concurrent != 1:  # the batched worker keeps no lockstep
         if leads():
             print("note: under mlx.launch the server generates one request at a time (--max-concurrent 1)",
@@ -456,7 +469,8 @@ def main(argv=None):
                         api_key=args.api_key or os.environ.get(API_KEY_VARIABLE) or None,
                         cors_origins=args.cors_origin or (), max_queue=args.max_queue, max_body=args.max_body,
                         timeout=args.timeout, max_concurrent=args.max_concurrent,
-                        prompt_cache_bytes=int(args.prompt_cache_size * 2**20))
+                        prompt_cache_bytes=int(args.prompt_cache_size * 2**20),
+                        prefill_step=args.prefill_step_size)
     except OSError as e:
         raise UserError(f"cannot listen on {args.host}:{args.port}: {e.strerror}")
     host, port = server.server_address[:2]

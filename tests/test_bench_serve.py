@@ -22,6 +22,7 @@ def test_load_round_counts_every_streamed_token(tiny_llama_dir):
     assert (row["requests"], row["errors"], row["error_kinds"]) == (6, 0, [])
     assert 6 <= row["tokens"] <= 24  # usage's completion tokens: at most max_tokens each, an EOS may end one
     assert 0 < row["ttft_p50"] <= row["ttft_p99"] < row["wall_s"]
+    assert math.isnan(row["tpot_p50"]) or 0 < row["tpot_p50"] <= row["tpot_p99"] < row["wall_s"]  # per request
     assert row["tok_s"] == row["tokens"] / row["wall_s"]
     assert "| 3 | 6 |" in table([dict(row, server="ours")])
 

@@ -94,6 +94,31 @@ def test_shared_prefix_is_not_prefilled_again(server, client, smollm2):
     assert text3 == generate(model, tokenizer, c, max_tokens=8)
 
 
+def test_a_stream_behind_the_worker_catches_up_in_one_event(server, client, monkeypatch):
+    """A stream whose handler fell behind the batch (its first write held up 1 s) sends the tokens
+    waiting as one event: fewer events than tokens, the same text and log-probabilities as the
+    answer in one piece."""
+    from mlx_flashnorm import server as served
+
+    write_event, held = served.Handler.write_event, []
+
+    def slow_first(self, obj, gone_ok=False):
+        if not held:
+            held.append(time.sleep(1.0))
+        return write_event(self, obj, gone_ok)
+
+    ask = dict(model="smol", messages=[{"role": "user", "content": COUNTING}], max_tokens=24, logprobs=True)
+    whole = client.chat.completions.create(**ask)
+    monkeypatch.setattr(served.Handler, "write_event", slow_first)
+    chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+    content = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert held and 1 < len(content) < 24
+    assert "".join(c.choices[0].delta.content for c in content) == whole.choices[0].message.content
+    entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in entries] == [(e.token, e.logprob) for e in whole.choices[0].logprobs.content]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 24
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
 def test_disconnected_request_frees_its_row(server, client, stream):
     """A client that hangs up, streaming or waiting for its whole answer, leaves the batch within a
@@ -137,8 +162,8 @@ def test_warm_batch_server_warms_its_worker_thread(tiny_llama_dir, monkeypatch):
 
 
 def test_bad_batch_flags_are_one_line_errors():
-    for flags in (["--max-concurrent", "0"], ["--prompt-cache-size", "-1"]):
+    for flags in (["--max-concurrent", "0"], ["--prompt-cache-size", "-1"], ["--prefill-step-size", "0"]):
         r = cli("mlx_flashnorm.server", *flags)
-        assert r.returncode == 2 and r.stderr.startswith("error: --max-concurrent must be at least 1 and "
-                                                         "--prompt-cache-size (MB) at least 0"), r.stderr
+        assert r.returncode == 2 and r.stderr.startswith("error: --max-concurrent and --prefill-step-size must be "
+                                                         "at least 1 and --prompt-cache-size (MB) at least 0"), r.stderr
         assert "Traceback" not in r.stderr

@@ -6,8 +6,9 @@ streaming chat clients against each at every N of --clients. Each client sends -
 one after another (distinct prompts, greedy, max_tokens each), so requests join and leave a
 running batch. Reported per server and N: aggregate tokens/s (completion tokens of all requests /
 wall time from the first request sent to the last answer's end), time to first token (TTFT) and
-per-token latency (the gaps between a stream's content chunks after its first, pooled over all
-streams) at p50 and p99, as a markdown table.
+time per output token after the first (TPOT: a stream's last content time less its first, over
+its tokens less one; a server may send several tokens in one chunk) at p50 and p99 over the
+requests, as a markdown table.
 
 Without --model the embedded SmolLM2 GGUF is written once as an MLX folder (its quantized weights
 as loaded, mlx-lm's layout, convert.export) under --work, which both servers then load; mlx-lm
@@ -87,8 +88,9 @@ def start(kind, model, extra, log):
 
 
 def stream_chat(port, prompt, max_tokens):
-    """One streamed greedy chat request: (seconds to the first content, gaps between content chunks
-    after it, completion tokens). Tokens come from the final usage chunk, else count chunks."""
+    """One streamed greedy chat request: (seconds to the first content, seconds per token after it
+    (None below two tokens), completion tokens). Tokens come from the final usage chunk, else count
+    chunks."""
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
@@ -110,9 +112,10 @@ def stream_chat(port, prompt, max_tokens):
         if any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
             times.append(time.perf_counter())
     conn.close()
+    tokens = tokens or len(times)
     if not times:
-        return None, [], tokens or 0
-    return times[0] - sent, [b - a for a, b in zip(times, times[1:])], tokens or len(times)
+        return None, None, tokens
+    return times[0] - sent, (times[-1] - times[0]) / (tokens - 1) if tokens > 1 else None, tokens
 
 
 def load_round(port, clients, rounds, max_tokens, tag):
@@ -135,17 +138,17 @@ def load_round(port, clients, rounds, max_tokens, tag):
         t.join()
     wall = time.perf_counter() - t0
     ttft = [r[0] for r in results if r[0] is not None]
-    gaps = [g for r in results for g in r[1]]
+    tpot = [r[1] for r in results if r[1] is not None]
     tokens = sum(r[2] for r in results)
     return {"clients": clients, "requests": len(results), "errors": len(errors), "tokens": tokens,
             "error_kinds": sorted(set(e[:120] for e in errors)),
             "wall_s": wall, "tok_s": tokens / wall, "ttft_p50": percentile(ttft, 50),
-            "ttft_p99": percentile(ttft, 99), "tpot_p50": percentile(gaps, 50), "tpot_p99": percentile(gaps, 99)}
+            "ttft_p99": percentile(ttft, 99), "tpot_p50": percentile(tpot, 50), "tpot_p99": percentile(tpot, 99)}
 
 
 def table(rows):
     lines = ["| server | clients | requests | tokens | aggregate tok/s | TTFT p50 (s) | TTFT p99 (s) "
-             "| per-token p50 (ms) | per-token p99 (ms) |",
+             "| TPOT p50 (ms) | TPOT p99 (ms) |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         errors = f" ({r['errors']} failed)" if r["errors"] else ""

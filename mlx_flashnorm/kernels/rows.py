@@ -10,8 +10,12 @@ one-request tokens where no two logits are within float32 rounding: the GPU test
 A row's output does not depend on the other rows (each mma column is its own row), so a request
 decodes alike at any batch size. Rows go in passes of G (8 or 16, GMAX: as many as the batch needs
 and the shared memory holds; down_proj's wider input in passes of GD <= G, in chunks where even 8
-rows of it do not fit); the residual stream lives in device memory (two buffers, one read and one
-written per phase), each row's 1/RSSe and deferred scale in shared memory. Attention is split over (row, kv
+rows of it do not fit). A matvec phase's items, (pass, tile), are spread over the grid, so that a
+batch of several passes fills more of it at once (before 2026-11-26 each block ran its tiles pass
+after pass: 3.6 ms a step at 32 rows, bench/LOG.md); a block loads a pass's input rows when its
+item is of another pass. The residual stream lives in device memory (two buffers, one read and
+one written per phase), and so do each row's 1/RSSe and deferred scale, written by the block of
+its pass's first tile. Attention is split over (row, kv
 head, split of positions), each row into the one-row kernel's splits at its position, capped so
 the batch's items about fill the grid once; the splits are merged once, over the grid, in a phase
 of their own.
@@ -39,14 +43,17 @@ _HEADER = r"""
 template <typename T, typename A, int G>
 __device__ inline void fn_row_norms(const A* a, const float* as, const float* r, float* rout, const float* gain,
                                     long at0, int rows, int K, float* xin, int xs, float (*red)[G], float* srow,
-                                    float* prow, float keps, bool prescale) {
+                                    float* prow, float keps, bool prescale, bool writer) {
   // for `rows` rows (of G) from element at0: p = a * as + r (as, one per row, and r optional)
-  // rounded to T, into rout (block 0) and, times gain (optional), into the shared input rows (row
-  // g at xin + g * xs); then each row's 1/RSSe and its power of two P (half precision) into srow
-  // and prow
-  float ss[G];
+  // rounded to T, into rout (by the writer: one block) and, times gain (optional), into the shared
+  // input rows (row g at xin + g * xs); then each row's 1/RSSe and its power of two P (half
+  // precision) into srow and prow
+  float ss[G], sc[G];
   #pragma unroll
-  for (int g = 0; g < G; ++g) ss[g] = 0.0f;
+  for (int g = 0; g < G; ++g) {
+    ss[g] = 0.0f;
+    sc[g] = as && g < rows ? __ldcg(as + g) : 1.0f;
+  }
   for (int i = threadIdx.x; i < K; i += blockDim.x) {
     float av[G], rv[G];  // the rows' loads issued together, then used
     #pragma unroll
@@ -61,10 +68,10 @@ __device__ inline void fn_row_norms(const A* a, const float* as, const float* r,
       if (g < rows) {
         const long at = at0 + long(g) * K + i;
         float t = av[g];
-        if (as) t *= as[g];
+        if (as) t *= sc[g];
         if (r) t += rv[g];
         const float tp = fn_f(fn_cast<T>(t));
-        if (blockIdx.x == 0) rout[at] = tp;
+        if (writer) rout[at] = tp;
         ss[g] += tp * tp;
         xin[g * xs + i] = gain ? tp * gain[i] : tp;
       }
@@ -234,18 +241,20 @@ _ROWS_BODY = """
   float* res0 = abuf + long(B) * I;                 // B * K: the stream after a layer (read by phase 1)
   float* res1 = res0 + long(B) * K;                 // B * K: the stream after phase 1 (read by phase 4)
   float* mbuf = res1 + long(B) * K;                 // B * KO: attention's output, the splits merged
+  float* s1g = mbuf + long(B) * KO;                 // B each: per row 1/RSSe and its power of two (phase
+  float* p1g = s1g + B;                             // 1, for attention), down_proj's deferred scale
+  float* xsg = p1g + B;                             // (phase 5, for the next layer's add)
   extern __shared__ float smem[];
   float* xin = smem;                               // G * XS or GD * XSD: the running matvec's input rows
   float* xsum = xin + max(G * XS, GD * XSD);      // G * SS or GD * SSD: their span sums
   float* rb = xsum + max(G * SS, GD * SSD);       // 2 * NW * NT * 128: the warps' partial sums of a tile (two tiles)
   float* rb2 = rb + NW * NT * 128;
   __shared__ float red[NW][G];
-  __shared__ float srow[BMAX], prow[BMAX], xsrow[BMAX];  // per row: 1/RSSe, its power of two, the deferred scale
+  __shared__ float srow[BMAX], prow[BMAX];  // per row of the block's passes: 1/RSSe and its power of two
   __shared__ const void* tab[14 * NL];
   __shared__ float qsh[GQ][D], sm[NW][GQ], sl[NW][GQ], sacc[NW][GQ][D];
   __shared__ int first[BMAX + 1];  // phase 2's items: row b's are first[b] .. first[b + 1] - 1
   TABLE
-  for (int b = threadIdx.x; b < B; b += blockDim.x) xsrow[b] = 1.0f;
   if (threadIdx.x == 0) {  // a row's attention splits: the one-row kernel's rule, capped so that
     int t = 0;             // the batch's items about fill the grid once
     const int cap = max(1, NB / (B * HKV));
@@ -256,24 +265,32 @@ _ROWS_BODY = """
     first[B] = t;
   }
   __syncthreads();
+  // A matvec phase's items, (pass of G rows, tile of 16 weight rows), spread over the grid: a block
+  // loads a pass's input rows (and their norms) when its item is of another pass than the last one
+  const int NP = (B + G - 1) / G, NPD = (B + GD - 1) / GD;
   for (int l = 0; l < NL; ++l) {
 LAYER
-    // 1. per row: p = x * xs + r, s = 1/RSSe(p); the q/k/v rows of p * g, G rows at a time
-    for (int b0 = 0; b0 < B; b0 += G) {
-      const int rows = min(G, B - b0);
-      fn_row_norms<T, T, G>(l == 0 ? x : y, l == 0 ? nullptr : xsrow + b0, l == 0 ? nullptr : res0, res1,
-                            has_g ? g1 : nullptr, long(b0) * K, rows, K, xin, XS, red, srow + b0, prow + b0, K * eps,
-                            prescale);
-      fn_span_sums(xin, XS, xsum, SS, rows, K / 32);
-      for (int tile = blockIdx.x; tile < NQKV / 16; tile += NB) {
-        float acc[NT][4] = {};
-        fn_tile<T, BITS, NT>(wqkv, sqkv, bqkv, tile * 16, K / 32, 0, K / 32, K / GS, GS, xin, XS, xsum, SS, acc);
-        fn_tile_put<NT>(acc, rb);
-        __syncthreads();
-        for (int o = threadIdx.x; o < 16 * rows; o += blockDim.x)
-          raw[long(b0 + o / 16) * NQKV + tile * 16 + o % 16] = fn_tile_get<NT>(rb, o % 16, o / 16);
-        __syncthreads();
+    // 1. per row: p = x * xs + r, s = 1/RSSe(p); the q/k/v rows of p * g
+    for (int item = blockIdx.x, have = -1; item < NP * (NQKV / 16); item += NB) {
+      const int b0 = item / (NQKV / 16) * G, tile = item % (NQKV / 16), rows = min(G, B - b0);
+      if (b0 != have) {
+        fn_row_norms<T, T, G>(l == 0 ? x : y, l == 0 ? nullptr : xsg + b0, l == 0 ? nullptr : res0, res1,
+                              has_g ? g1 : nullptr, long(b0) * K, rows, K, xin, XS, red, srow + b0, prow + b0,
+                              K * eps, prescale, tile == 0);
+        if (tile == 0 && threadIdx.x < rows) {  // for attention, in every block
+          s1g[b0 + threadIdx.x] = srow[b0 + threadIdx.x];
+          p1g[b0 + threadIdx.x] = prow[b0 + threadIdx.x];
+        }
+        fn_span_sums(xin, XS, xsum, SS, rows, K / 32);
+        have = b0;
       }
+      float acc[NT][4] = {};
+      fn_tile<T, BITS, NT>(wqkv, sqkv, bqkv, tile * 16, K / 32, 0, K / 32, K / GS, GS, xin, XS, xsum, SS, acc);
+      fn_tile_put<NT>(acc, rb);
+      __syncthreads();
+      for (int o = threadIdx.x; o < 16 * rows; o += blockDim.x)
+        raw[long(b0 + o / 16) * NQKV + tile * 16 + o % 16] = fn_tile_get<NT>(rb, o % 16, o / 16);
+      __syncthreads();
     }
     fn_grid_sync(bar, target += NB);
     // 2. per (row, kv head, split): RoPE, the cache write, attention over the row's positions
@@ -284,7 +301,7 @@ LAYER
       const int pos = off[b], n = pos + 1, chunk = (n + S - 1) / S;
       const int lo = split * chunk, hi = min(n, lo + chunk);
       const bool mine = lo <= pos && pos < hi;
-      const float s = srow[b], P = prow[b];
+      const float s = __ldcg(s1g + b), P = __ldcg(p1g + b);
       const float* rbase = raw + long(b) * NQKV;
       const long cbase = long(b * HKV + kvh) * C, head0 = long(b) * HQ + kvh * GQ;
 ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by the block's next item
@@ -297,75 +314,77 @@ ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by th
     }
     fn_grid_sync(bar, target += NB);
     // 4. per row: o_proj
-    for (int b0 = 0; b0 < B; b0 += G) {
-      const int rows = min(G, B - b0);
-      fn_rows_in(mbuf + long(b0) * KO, KO, KO, rows, xin, XS);
-      fn_span_sums(xin, XS, xsum, SS, rows, KO / 32);
-      for (int tile = blockIdx.x; tile < K / 16; tile += NB) {
-        float acc[NT][4] = {};
-        fn_tile<T, BITS, NT>(wo, so, bo, tile * 16, KO / 32, 0, KO / 32, KO / GS, GS, xin, XS, xsum, SS, acc);
-        fn_tile_put<NT>(acc, rb);
-        __syncthreads();
-        for (int o = threadIdx.x; o < 16 * rows; o += blockDim.x)
-          obuf[long(b0 + o / 16) * K + tile * 16 + o % 16] = fn_f(fn_cast<T>(fn_tile_get<NT>(rb, o % 16, o / 16)));
-        __syncthreads();
+    for (int item = blockIdx.x, have = -1; item < NP * (K / 16); item += NB) {
+      const int b0 = item / (K / 16) * G, tile = item % (K / 16), rows = min(G, B - b0);
+      if (b0 != have) {
+        fn_rows_in(mbuf + long(b0) * KO, KO, KO, rows, xin, XS);
+        fn_span_sums(xin, XS, xsum, SS, rows, KO / 32);
+        have = b0;
       }
+      float acc[NT][4] = {};
+      fn_tile<T, BITS, NT>(wo, so, bo, tile * 16, KO / 32, 0, KO / 32, KO / GS, GS, xin, XS, xsum, SS, acc);
+      fn_tile_put<NT>(acc, rb);
+      __syncthreads();
+      for (int o = threadIdx.x; o < 16 * rows; o += blockDim.x)
+        obuf[long(b0 + o / 16) * K + tile * 16 + o % 16] = fn_f(fn_cast<T>(fn_tile_get<NT>(rb, o % 16, o / 16)));
+      __syncthreads();
     }
     fn_grid_sync(bar, target += NB);
     // 5. per row: p2 = o + p, s2 = 1/RSSe(p2), gate/up rows of p2 * g2, a = silu(gate * s2) * up * P2
-    for (int b0 = 0; b0 < B; b0 += G) {
-      const int rows = min(G, B - b0);
-      fn_row_norms<T, float, G>(obuf, nullptr, res1, res0, has_g ? g2 : nullptr, long(b0) * K, rows, K, xin, XS,
-                                red, srow + b0, prow + b0, K * eps, prescale);
-      fn_span_sums(xin, XS, xsum, SS, rows, K / 32);
-      for (int tile = blockIdx.x; tile < I / 16; tile += NB) {
-        float acc[NT][4] = {}, acc2[NT][4] = {};
-        fn_tile<T, BITS, NT>(wgu, sgu, bgu, tile * 16, K / 32, 0, K / 32, K / GS, GS, xin, XS, xsum, SS, acc);
-        fn_tile_put<NT>(acc, rb);
-        fn_tile<T, BITS, NT>(wgu, sgu, bgu, I + tile * 16, K / 32, 0, K / 32, K / GS, GS, xin, XS, xsum, SS, acc2);
-        fn_tile_put<NT>(acc2, rb2);
-        __syncthreads();
-        for (int o = threadIdx.x; o < 16 * rows; o += blockDim.x) {
-          const int n = o / 16;
-          const float gt = fn_tile_get<NT>(rb, o % 16, n) * srow[b0 + n], up = fn_tile_get<NT>(rb2, o % 16, n);
-          abuf[long(b0 + n) * I + tile * 16 + o % 16] = fn_f(fn_cast<T>(gt / (1.0f + expf(-gt)) * up * prow[b0 + n]));
-        }
-        __syncthreads();
+    for (int item = blockIdx.x, have = -1; item < NP * (I / 16); item += NB) {
+      const int b0 = item / (I / 16) * G, tile = item % (I / 16), rows = min(G, B - b0);
+      if (b0 != have) {
+        fn_row_norms<T, float, G>(obuf, nullptr, res1, res0, has_g ? g2 : nullptr, long(b0) * K, rows, K, xin, XS,
+                                  red, srow + b0, prow + b0, K * eps, prescale, tile == 0);
+        if (tile == 0 && threadIdx.x < rows)  // down_proj's deferred scale, for the next layer
+          xsg[b0 + threadIdx.x] = srow[b0 + threadIdx.x] / prow[b0 + threadIdx.x];
+        fn_span_sums(xin, XS, xsum, SS, rows, K / 32);
+        have = b0;
       }
+      float acc[NT][4] = {}, acc2[NT][4] = {};
+      fn_tile<T, BITS, NT>(wgu, sgu, bgu, tile * 16, K / 32, 0, K / 32, K / GS, GS, xin, XS, xsum, SS, acc);
+      fn_tile_put<NT>(acc, rb);
+      fn_tile<T, BITS, NT>(wgu, sgu, bgu, I + tile * 16, K / 32, 0, K / 32, K / GS, GS, xin, XS, xsum, SS, acc2);
+      fn_tile_put<NT>(acc2, rb2);
+      __syncthreads();
+      for (int o = threadIdx.x; o < 16 * rows; o += blockDim.x) {
+        const int n = o / 16;
+        const float gt = fn_tile_get<NT>(rb, o % 16, n) * srow[b0 + n], up = fn_tile_get<NT>(rb2, o % 16, n);
+        abuf[long(b0 + n) * I + tile * 16 + o % 16] = fn_f(fn_cast<T>(gt / (1.0f + expf(-gt)) * up * prow[b0 + n]));
+      }
+      __syncthreads();
     }
-    for (int b = threadIdx.x; b < B; b += blockDim.x) xsrow[b] = srow[b] / prow[b];
     fn_grid_sync(bar, target += NB);
-    // 6. per row: down_proj (its scale xsrow deferred to the next layer's add); its input in chunks
-    // of IC values where all I do not fit the shared memory (then each tile loads them anew)
-    for (int b0 = 0; b0 < B; b0 += GD) {
-      const int rows = min(GD, B - b0);
-      if (IC >= I) {
+    // 6. per row: down_proj (its scale xsg deferred to the next layer's add); its input in chunks
+    // of IC values where all I do not fit the shared memory (then each item loads them anew)
+    for (int item = blockIdx.x, have = -1; item < NPD * (K / 16); item += NB) {
+      const int b0 = item / (K / 16) * GD, tile = item % (K / 16), rows = min(GD, B - b0);
+      if (IC >= I && b0 != have) {
         fn_rows_in(abuf + long(b0) * I, I, I, rows, xin, XSD);
         fn_span_sums(xin, XSD, xsum, SSD, rows, I / 32);
+        have = b0;
       }
-      for (int tile = blockIdx.x; tile < K / 16; tile += NB) {
-        float acc[NTD][4] = {};
-        for (int c0 = 0; c0 < I; c0 += IC) {
-          const int n = min(IC, I - c0);
-          if (IC < I) {
-            fn_rows_in(abuf + long(b0) * I + c0, n, I, rows, xin, XSD);
-            fn_span_sums(xin, XSD, xsum, SSD, rows, n / 32);
-          }
-          fn_tile<T, BITS, NTD>(wd, sd, bd, tile * 16, I / 32, c0 / 32, n / 32, I / GS, GS, xin, XSD, xsum, SSD, acc);
-          if (IC < I) __syncthreads();  // the chunk read before the next is loaded
+      float acc[NTD][4] = {};
+      for (int c0 = 0; c0 < I; c0 += IC) {
+        const int n = min(IC, I - c0);
+        if (IC < I) {
+          fn_rows_in(abuf + long(b0) * I + c0, n, I, rows, xin, XSD);
+          fn_span_sums(xin, XSD, xsum, SSD, rows, n / 32);
         }
-        fn_tile_put<NTD>(acc, rb);
-        __syncthreads();
-        for (int o = threadIdx.x; o < 16 * rows; o += blockDim.x)
-          y[long(b0 + o / 16) * K + tile * 16 + o % 16] = fn_cast<T>(fn_tile_get<NTD>(rb, o % 16, o / 16));
-        __syncthreads();
+        fn_tile<T, BITS, NTD>(wd, sd, bd, tile * 16, I / 32, c0 / 32, n / 32, I / GS, GS, xin, XSD, xsum, SSD, acc);
+        if (IC < I) __syncthreads();  // the chunk read before the next is loaded
       }
+      fn_tile_put<NTD>(acc, rb);
+      __syncthreads();
+      for (int o = threadIdx.x; o < 16 * rows; o += blockDim.x)
+        y[long(b0 + o / 16) * K + tile * 16 + o % 16] = fn_cast<T>(fn_tile_get<NTD>(rb, o % 16, o / 16));
+      __syncthreads();
     }
     if (l + 1 < NL) fn_grid_sync(bar, target += NB);
   }
   if (blockIdx.x == 0) {
     for (int i = threadIdx.x; i < B * K; i += blockDim.x) p[i] = fn_cast<T>(__ldcg(res0 + i));
-    for (int b = threadIdx.x; b < B; b += blockDim.x) ys[b] = xsrow[b];
+    for (int b = threadIdx.x; b < B; b += blockDim.x) ys[b] = __ldcg(xsg + b);
   }
   fn_grid_exit(bar, NB);
 """
@@ -425,7 +444,7 @@ def decode_rows(x, positions, layers, caches, gains, qk_gains, theta, eps, facto
     return step.launch(rows_kernel(L), x, positions.astype(mx.int32), layers, caches, gains, qk_gains, theta, eps,
                        factor, qk_eps, n_heads, n_kv_heads, group_size, bits,
                        work=B * ((n_heads + 2 * n_kv_heads) * D + n_heads * step.SMAX * (D + 2) + 3 * K + I
-                                 + n_heads * D),
+                                 + n_heads * D + 3),
                        shared_memory=shared_bytes(G, GD, max(K, n_heads * D), IC, D, n_heads // n_kv_heads, L),
                        rows=(B,), template=[("G", G), ("GD", GD), ("IC", IC)])
 
