@@ -224,6 +224,7 @@ class Transcript:
         self.window = list(call.generation.tokens[-DECODE_CONTEXT:])
         self.begin = 0  # window[begin:seen] decodes to text already counted
         self.seen = len(self.window)
+        self.counted = None  # that text, once decoded (until begin and seen move)
         self.text, self.sent, self.count = "", 0, 0
         self.pending = []  # Entries not yet sent
 
@@ -237,12 +238,14 @@ class Transcript:
         return self.flush(after)
 
     def decoded(self):
-        return decode(self.tokenizer, self.window[self.begin:self.seen])
+        if self.counted is None:
+            self.counted = decode(self.tokenizer, self.window[self.begin:self.seen])
+        return self.counted
 
     def flush(self, after=None):
         """The text of the tokens held so far; they count as decoded from now on."""
         before, after = self.decoded(), decode(self.tokenizer, self.window[self.begin:]) if after is None else after
-        self.begin, self.seen = self.seen, len(self.window)
+        self.begin, self.seen, self.counted = self.seen, len(self.window), None
         return after[len(before):]
 
     def add(self, token):
