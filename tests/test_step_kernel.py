@@ -268,13 +268,14 @@ def test_batched_kernel_is_checked_where_first_needed(monkeypatch, tmp_path):
 
 
 def test_rows_per_pass(monkeypatch):
-    """decode_rows' passes: as few as the batch needs, GMAX rows at most, down_proj's wider input
-    in passes of 16 where 32 would pass the shared memory's bound (SmolLM2: 576 and 1536 values),
-    and held in chunks where one pass of 8 rows would (Llama-3.2-1B: 2048 and 8192)."""
+    """decode_rows' passes: 8 rows up to 16 rows, twice as many beyond twice as many, GMAX rows at
+    most, down_proj's wider input in passes of 16 where 32 would pass the shared memory's bound
+    (SmolLM2: 576 and 1536 values), and held in chunks where one pass of 8 rows would (Llama-3.2-1B:
+    2048 and 8192)."""
     from mlx_flashnorm.kernels import rows
 
     assert [rows.rows_per_pass(B, 576, 1536) for B in (1, 8, 9, 16, 17, 64)] == [
-        (8, 8, 1536), (8, 8, 1536), (16, 16, 1536), (16, 16, 1536), (16, 16, 1536), (16, 16, 1536)]
+        (8, 8, 1536), (8, 8, 1536), (8, 8, 1536), (8, 8, 1536), (16, 16, 1536), (16, 16, 1536)]
     assert rows.rows_per_pass(32, 2048, 8192) == (16, 8, 4096)
     monkeypatch.setattr(rows, "GMAX", 32)
     assert rows.rows_per_pass(64, 576, 1536) == (32, 16, 1536) and rows.rows_per_pass(64, 256, 384) == (32, 32, 384)
