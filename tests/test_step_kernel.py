@@ -101,9 +101,10 @@ def test_other_blocks_keep_their_loop():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs the CUDA compiler (this CPU machine has one)")
 def test_cuda_source_compiles(tmp_path):
-    """Both kernels (one row, and rows.py's batch with 8 and 16 rows per matvec pass) as NVRTC
-    compiles them on a GPU, for each activation dtype, both bit widths and head sizes: a syntax or
-    type error shows here."""
+    """Both kernels (one row, and rows.py's batch with 8 and 16 rows per matvec pass, the latter
+    with bench.rows_phases' clock stamps) as NVRTC compiles them on a GPU, for each activation
+    dtype, both bit widths and head sizes: a syntax or type error shows here."""
+    from mlx_flashnorm.bench import rows_phases
     from mlx_flashnorm.kernels import rows
 
     L = 3
@@ -115,10 +116,14 @@ def test_cuda_source_compiles(tmp_path):
                  (mx.uint32, 1)] + ([(mx.uint32, 2), (T, 2), (T, 2)] * 4 + [(T, 4)] * 2) * L
         body, header = ((step_source.STEP, step_source.HEADER) if G is None else
                         (rows._ROWS, step_source.HEADER + rows._HEADER))
+        body = body.replace("TABLE", step_source.table(L))
         template = [("T", T), ("BITS", bits), ("D", D), ("GQ", 4), ("NL", L), ("SMAX", step.SMAX)]
+        if G == 16:  # with bench.rows_phases' clock stamps (the same kernel, timed)
+            body, template = rows_phases.stamped_source(body), template + [("WORK_", 4096)]
+            assert body.count("globaltimer") == 2 + 5 + 1  # before the layers, at each barrier's site, at the end
         code = build.cuda_source("fn_decode_layers", ["x", "off", "dims", "theta", "gains", "qkg", "sync"] + names,
-                                 ["y", "p", "ys", "work"], body.replace("TABLE", step_source.table(L)),
-                                 build.HEADERS["cuda"] + header, types, [T, T, mx.float32, mx.float32],
+                                 ["y", "p", "ys", "work"], body, build.HEADERS["cuda"] + header, types,
+                                 [T, T, mx.float32, mx.float32],
                                  template + ([("G", G), ("GD", max(8, G // 2)), ("IC", 128 if G == 16 else 384)]
                                              if G else []))
         (tmp_path / f"s{i}.cu").write_text(code)

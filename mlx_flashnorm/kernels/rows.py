@@ -11,11 +11,11 @@ A row's output does not depend on the other rows (each mma column is its own row
 decodes alike at any batch size. Rows go in passes of G (8 or 16, GMAX: as many as the batch needs
 and the shared memory holds; down_proj's wider input in passes of GD <= G, in chunks where even 8
 rows of it do not fit). A matvec phase's items, (pass, tile), are spread over the grid, so that a
-batch of several passes fills more of it at once (before 2026-11-26 each block ran its tiles pass
-after pass: 3.6 ms a step at 32 rows, bench/LOG.md); a block loads a pass's input rows when its
-item is of another pass. The residual stream lives in device memory (two buffers, one read and
-one written per phase), and so do each row's 1/RSSe and deferred scale, written by the block of
-its pass's first tile. Attention is split over (row, kv
+batch of several passes fills more of it at once (when each block ran its tiles pass after pass,
+a 32-row step took 3.6-3.8 ms against 2.4-2.6: bench/RESULTS.md, "The batched step"); a block
+loads a pass's input rows when its item is of another pass. The residual stream lives in device
+memory (two buffers, one read and one written per phase), and so do each row's 1/RSSe and
+deferred scale, written by the block of its pass's first tile. Attention is split over (row, kv
 head, split of positions), each row into the one-row kernel's splits at its position, capped so
 the batch's items about fill the grid once; the splits are merged once, over the grid, in a phase
 of their own.

@@ -1,0 +1,138 @@
+"""GPU time of each phase of kernels.decode_rows (the batched server's step), per layer.
+
+    python -m mlx_flashnorm.bench.rows_phases [--rows 8,16,32,64] [--positions 64,300] [--source FILE ...]
+
+The kernel is one launch with a grid barrier between its phases, so a profiler sees one duration.
+This bench builds a variant of it in which block 0 reads the GPU's nanosecond clock (globaltimer)
+after every barrier and writes the reading past the end of the work buffer; a phase's time is the
+gap between two readings (its own work and the barrier that ends it). It runs the embedded
+SmolLM2-135M in float16 on random caches, every row at the same position, and prints the median
+over --reps launches of each phase's mean over the layers, in microseconds. --source times the
+kernel of another copy of kernels/rows.py (an older form, another GMAX) beside the current one."""
+import argparse
+import importlib.util
+
+import mlx.core as mx
+import numpy as np
+
+from ..errors import HelpFormatter, UserError, run_cli
+from ..flashnorm.stack import _spec
+from ..kernels import rows as current, step
+from ..kernels.build import HEADERS, make_kernel
+from ..kernels.step_source import ARRAYS, HEADER, table
+from ..loader import load
+from .decode import device_name
+
+PHASES = ["qkv", "attention", "merge", "o_proj", "gate_up", "down"]  # five barriers and a layer's end
+STAMP = ("if (blockIdx.x == 0 && threadIdx.x == 0) { unsigned long long t_; "
+         "asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(t_)); "
+         "reinterpret_cast<unsigned long long*>(stamps_)[ti_++] = t_; }")
+
+
+def rows_module(path):
+    """kernels/rows.py, or the copy at path (its relative imports resolved in mlx_flashnorm.kernels)."""
+    if not path:
+        return current
+    spec = importlib.util.spec_from_file_location("mlx_flashnorm.kernels.rows_variant", path)
+    if spec is None:
+        raise UserError(f"{path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def stamped_source(source):
+    """The rows kernel's body with a clock reading before the layers, after every grid barrier and
+    at the end, into the float pairs from work + WORK_ on."""
+    head = "for (int l = 0; l < NL; ++l) {"
+    if head not in source or "fn_grid_sync(bar, target += NB);" not in source:
+        raise UserError("this rows kernel has no layer loop or grid barrier where the stamps go")
+    source = source.replace("fn_grid_sync(bar, target += NB);", "fn_grid_sync(bar, target += NB); " + STAMP)
+    source = source.replace(head, "float* stamps_ = work + WORK_; int ti_ = 0; " + STAMP + "\n  " + head, 1)
+    return source.replace("  fn_grid_exit(bar, NB);", "  " + STAMP + "\n  fn_grid_exit(bar, NB);")
+
+
+def stamped_kernel(module, layers, tag):
+    names = [f"{a}{l}" for l in range(layers) for a in ARRAYS]
+    return make_kernel(f"fn_decode_rows_stamped{tag}", ["x", "off", "dims", "theta", "gains", "qkg", "sync"] + names,
+                       ["y", "p", "ys", "work"], stamped_source(module._ROWS.replace("TABLE", table(layers))),
+                       HEADERS["cuda"] + HEADER + module._HEADER)
+
+
+def phase_times(module, kernel, spec, B, position, reps, capacity=1024):
+    """Median over reps of each phase's mean over the layers (us), and of the whole launch (us)."""
+    L, HQ, HKV = len(spec["layers"]), spec["n_heads"], spec["n_kv_heads"]
+    D = spec["theta"].shape[0] * 2
+    K, I = spec["layers"][0][1][0].shape[0], spec["layers"][0][2][0].shape[0] // 2
+    caches = [tuple(0.5 * mx.random.normal((B, HKV, capacity, D)).astype(mx.float16) for _ in range(2))
+              for _ in range(L)]
+    x = mx.random.normal((B, 1, K)).astype(mx.float16)
+    positions = mx.full((B,), position, mx.int32)
+    G, GD, IC = module.rows_per_pass(B, max(K, HQ * D), I)
+    work = B * ((HQ + 2 * HKV) * D + HQ * step.SMAX * (D + 2) + 3 * K + I + HQ * D + 3)  # the most any form uses
+    stamps = 2 + 6 * L
+    dims = (K, spec["group_size"], HQ, HKV, I, capacity, step.sm_count(), max(K, HQ * D, I),
+            spec["gains"] is not None, True, spec["qk_gains"] is not None, step.float_bits(spec["eps"]),
+            step.float_bits(spec["factor"]), step.float_bits(spec["qk_eps"]), B)
+    none = step.constant(mx.float32, 0.0)
+    arrays = [a for mats, kv in zip(spec["layers"], caches) for a in (*[t for m in mats for t in m], *kv)]
+    inputs = [x, positions, step.constant(mx.int32, *dims), spec["theta"],
+              none if spec["gains"] is None else spec["gains"], none if spec["qk_gains"] is None else spec["qk_gains"],
+              step.sync_state()] + arrays
+    template = [("T", mx.float16), ("BITS", spec["bits"]), ("D", D), ("GQ", HQ // HKV), ("NL", L),
+                ("SMAX", step.SMAX), ("G", G), ("GD", GD), ("IC", IC), ("WORK_", work)]
+
+    def once():
+        out = kernel(inputs=inputs, template=template, grid=(step.sm_count() * step.THREADS, 1, 1),
+                     threadgroup=(step.THREADS, 1, 1),
+                     output_shapes=[x.shape, x.shape, (B, 1, 1), (work + 2 * stamps,)],
+                     output_dtypes=[mx.float16, mx.float16, mx.float32, mx.float32],
+                     shared_memory=module.shared_bytes(G, GD, max(K, HQ * D), IC, D, HQ // HKV, L))
+        mx.eval(out)
+        return np.frombuffer(np.array(out[3][work:]).tobytes(), dtype=np.uint64).astype(np.int64)
+
+    once()  # untimed: the first launch loads the binary
+    t = np.array([once() for _ in range(reps)])
+    per_layer = np.diff(t[:, :1 + 6 * L], axis=1).reshape(reps, L, 6).mean(axis=1) / 1e3
+    return np.median(per_layer, axis=0), float(np.median(t[:, -1] - t[:, 0])) / 1e3, (G, GD, IC)
+
+
+def arg_parser():
+    p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.bench.rows_phases", description=__doc__.split("\n\n")[1],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--rows", default="8,16,32,64", help="comma-separated batch sizes")
+    p.add_argument("--positions", default="64,300", help="comma-separated positions (every row at it)")
+    p.add_argument("--reps", type=int, default=20, help="timed launches per point")
+    p.add_argument("--source", nargs="*", default=[], help="other copies of kernels/rows.py to time beside it")
+    p.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
+    return p
+
+
+def main(argv=None):
+    args = arg_parser().parse_args(argv)
+    if not step.use_decode_layers("decode_rows"):
+        raise UserError("decode_rows runs on CUDA only (sm_80 on, our kernels on): run this on the GPU machine")
+    try:
+        counts = [int(v) for v in args.rows.split(",")]
+        positions = [int(v) for v in args.positions.split(",")]
+    except ValueError:
+        raise UserError("--rows and --positions take whole numbers separated by commas")
+    if min(counts) < 2 or max(counts) > step.MAX_ROWS or min(positions) < 0 or max(positions) >= 1023:
+        raise UserError(f"--rows must lie in 2..{step.MAX_ROWS} and --positions in 0..1022")
+    model, _ = load(None, dtype="float16", progress=False)
+    spec = _spec(model.layers)
+    print(f"{device_name()}, MLX {mx.__version__}, SmolLM2-135M float16, {args.reps} launches a point\n")
+    print("| kernel | rows | position | G, GD | " + " | ".join(PHASES) + " | layer | step |")
+    print("| --- | ---: | ---: | --- |" + " ---: |" * (len(PHASES) + 2))
+    for i, source in enumerate([None] + args.source):
+        module = rows_module(source)
+        kernel = stamped_kernel(module, len(spec["layers"]), i)
+        for B in counts:
+            for position in positions:
+                phases, total, (G, GD, _) = phase_times(module, kernel, spec, B, position, args.reps)
+                print(f"| {source or 'current'} | {B} | {position} | {G}, {GD} | "
+                      + " | ".join(f"{v:.1f}" for v in phases) + f" | {phases.sum():.1f} | {total:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    run_cli(main)
