@@ -75,7 +75,7 @@ class PromptCache:
         size = sum(k.nbytes + v.nbytes for k, v in kv)
         if size > self.max_bytes:
             return
-        mx.eval(kv)
+        mx.async_eval(kv)  # the copies queued, not waited for: the batch's queued step runs on
         self.entries[key] = (np.asarray(key), kv)
         self.nbytes += size
         while self.nbytes > self.max_bytes:
