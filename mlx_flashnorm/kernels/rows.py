@@ -215,6 +215,16 @@ __device__ inline float fn_tile_get(const float* rb, int f, int n) {
   for (int w = 0; w < int(blockDim.x / 32); ++w) v += rb[((w * NT + t) * 4 + i) * 32 + lane];
   return v;
 }
+template <int NT, typename Store>
+__device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store store) {
+  // a tile's outputs, the warps' partial sums added: store(f, n, v) for its row f (0..15) and
+  // input row n (0 .. rows - 1), between barriers (rb and any tile put before are read once all
+  // warps wrote them, and may be rewritten after)
+  fn_tile_put<NT>(acc, rb);
+  __syncthreads();
+  for (int o = threadIdx.x; o < 16 * rows; o += blockDim.x) store(o % 16, o / 16, fn_tile_get<NT>(rb, o % 16, o / 16));
+  __syncthreads();
+}
 """
 
 _ROWS_BODY = """
@@ -286,11 +296,7 @@ LAYER
       }
       float acc[NT][4] = {};
       fn_tile<T, BITS, NT>(wqkv, sqkv, bqkv, tile * 16, K / 32, 0, K / 32, K / GS, GS, xin, XS, xsum, SS, acc);
-      fn_tile_put<NT>(acc, rb);
-      __syncthreads();
-      for (int o = threadIdx.x; o < 16 * rows; o += blockDim.x)
-        raw[long(b0 + o / 16) * NQKV + tile * 16 + o % 16] = fn_tile_get<NT>(rb, o % 16, o / 16);
-      __syncthreads();
+      fn_tile_store<NT>(acc, rb, rows, [&](int f, int n, float v) { raw[long(b0 + n) * NQKV + tile * 16 + f] = v; });
     }
     fn_grid_sync(bar, target += NB);
     // 2. per (row, kv head, split): RoPE, the cache write, attention over the row's positions
@@ -323,11 +329,9 @@ ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by th
       }
       float acc[NT][4] = {};
       fn_tile<T, BITS, NT>(wo, so, bo, tile * 16, KO / 32, 0, KO / 32, KO / GS, GS, xin, XS, xsum, SS, acc);
-      fn_tile_put<NT>(acc, rb);
-      __syncthreads();
-      for (int o = threadIdx.x; o < 16 * rows; o += blockDim.x)
-        obuf[long(b0 + o / 16) * K + tile * 16 + o % 16] = fn_f(fn_cast<T>(fn_tile_get<NT>(rb, o % 16, o / 16)));
-      __syncthreads();
+      fn_tile_store<NT>(acc, rb, rows, [&](int f, int n, float v) {
+        obuf[long(b0 + n) * K + tile * 16 + f] = fn_f(fn_cast<T>(v));
+      });
     }
     fn_grid_sync(bar, target += NB);
     // 5. per row: p2 = o + p, s2 = 1/RSSe(p2), gate/up rows of p2 * g2, a = silu(gate * s2) * up * P2
@@ -343,16 +347,12 @@ ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by th
       }
       float acc[NT][4] = {}, acc2[NT][4] = {};
       fn_tile<T, BITS, NT>(wgu, sgu, bgu, tile * 16, K / 32, 0, K / 32, K / GS, GS, xin, XS, xsum, SS, acc);
-      fn_tile_put<NT>(acc, rb);
       fn_tile<T, BITS, NT>(wgu, sgu, bgu, I + tile * 16, K / 32, 0, K / 32, K / GS, GS, xin, XS, xsum, SS, acc2);
-      fn_tile_put<NT>(acc2, rb2);
-      __syncthreads();
-      for (int o = threadIdx.x; o < 16 * rows; o += blockDim.x) {
-        const int n = o / 16;
-        const float gt = fn_tile_get<NT>(rb, o % 16, n) * srow[b0 + n], up = fn_tile_get<NT>(rb2, o % 16, n);
-        abuf[long(b0 + n) * I + tile * 16 + o % 16] = fn_f(fn_cast<T>(gt / (1.0f + expf(-gt)) * up * prow[b0 + n]));
-      }
-      __syncthreads();
+      fn_tile_put<NT>(acc2, rb2);  // up, read with gate's outputs
+      fn_tile_store<NT>(acc, rb, rows, [&](int f, int n, float gate) {
+        const float gt = gate * srow[b0 + n], up = fn_tile_get<NT>(rb2, f, n);
+        abuf[long(b0 + n) * I + tile * 16 + f] = fn_f(fn_cast<T>(gt / (1.0f + expf(-gt)) * up * prow[b0 + n]));
+      });
     }
     fn_grid_sync(bar, target += NB);
     // 6. per row: down_proj (its scale xsg deferred to the next layer's add); its input in chunks
@@ -374,11 +374,9 @@ ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by th
         fn_tile<T, BITS, NTD>(wd, sd, bd, tile * 16, I / 32, c0 / 32, n / 32, I / GS, GS, xin, XSD, xsum, SSD, acc);
         if (IC < I) __syncthreads();  // the chunk read before the next is loaded
       }
-      fn_tile_put<NTD>(acc, rb);
-      __syncthreads();
-      for (int o = threadIdx.x; o < 16 * rows; o += blockDim.x)
-        y[long(b0 + o / 16) * K + tile * 16 + o % 16] = fn_cast<T>(fn_tile_get<NTD>(rb, o % 16, o / 16));
-      __syncthreads();
+      fn_tile_store<NTD>(acc, rb, rows, [&](int f, int n, float v) {
+        y[long(b0 + n) * K + tile * 16 + f] = fn_cast<T>(v);
+      });
     }
     if (l + 1 < NL) fn_grid_sync(bar, target += NB);
   }
