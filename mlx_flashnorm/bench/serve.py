@@ -12,7 +12,12 @@ requests, as a markdown table.
 
 Without --model the embedded SmolLM2 GGUF is written once as an MLX folder (its quantized weights
 as loaded, mlx-lm's layout, convert.export) under --work, which both servers then load; mlx-lm
-cannot read a GGUF's Q4_1 blocks itself."""
+cannot read a GGUF's Q4_1 blocks itself.
+
+--engine adds a row for our engine alone: the same requests, as our server would tokenize them,
+fed to a batch.BatchEngine configured as the server's in this process, each client's next request
+added when its last one ends (no HTTP, no threads): what the server's front costs is the
+difference."""
 import argparse
 import http.client
 import json
@@ -146,6 +151,53 @@ def load_round(port, clients, rounds, max_tokens, tag):
             "ttft_p99": percentile(ttft, 99), "tpot_p50": percentile(tpot, 50), "tpot_p99": percentile(tpot, 99)}
 
 
+def engine_round(model, tokenizer, clients, rounds, max_tokens, tag):
+    """load_round's requests fed to a BatchEngine as the server's (server.MAX_CONCURRENT rows,
+    its prompt cache and prefill step), warmed up; timed from the first request added. A token's
+    time is that of the engine step that read it."""
+    from ..batch import BatchEngine, Request
+    from ..generate import context_length
+    from ..openai_api import parse_call
+    from ..prompt_cache import PromptCache
+    from ..server import MAX_CONCURRENT, PREFILL_STEP, PROMPT_CACHE_MB
+
+    engine = BatchEngine(model, MAX_CONCURRENT, PREFILL_STEP, PromptCache(PROMPT_CACHE_MB * 2**20))
+    engine.warmup()
+    stops, defaults = frozenset(tokenizer.eos_token_ids), dict(max_tokens=max_tokens, temp=0.0, top_p=1.0, top_k=0)
+    sent, times, done = {}, {}, [0] * clients
+
+    def add(i):
+        prompt = f"Write a long story about {SUBJECTS[(i + done[i]) % len(SUBJECTS)]} (story {tag}-{i}-{done[i]})."
+        body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0}
+        call = parse_call(body, True, tokenizer, context_length(model), model.args.vocab_size, defaults)
+        r = Request(call.generation.tokens, max_tokens, stop_tokens=stops)
+        sent[id(r)], times[id(r)], r.client = time.perf_counter(), [], i
+        engine.add(r)
+
+    t0 = time.perf_counter()
+    for i in range(clients):
+        add(i)
+    results = []
+    while engine.busy:
+        events = engine.step()
+        now = time.perf_counter()
+        for e in events:
+            r = e.request
+            times[id(r)].append(now)
+            if e.finish_reason:
+                t = times[id(r)]
+                results.append((t[0] - sent[id(r)], (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None, len(t)))
+                done[r.client] += 1
+                if done[r.client] < rounds:
+                    add(r.client)
+    wall = time.perf_counter() - t0
+    ttft, tpot = [r[0] for r in results], [r[1] for r in results if r[1] is not None]
+    tokens = sum(r[2] for r in results)
+    return {"clients": clients, "requests": len(results), "errors": 0, "tokens": tokens, "error_kinds": [],
+            "wall_s": wall, "tok_s": tokens / wall, "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
+            "tpot_p50": percentile(tpot, 50), "tpot_p99": percentile(tpot, 99)}
+
+
 def table(rows):
     lines = ["| server | clients | requests | tokens | aggregate tok/s | TTFT p50 (s) | TTFT p99 (s) "
              "| TPOT p50 (ms) | TPOT p99 (ms) |",
@@ -168,6 +220,8 @@ def arg_parser():
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request")
     p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True,
                    help="also measure mlx_lm.server on the same weights")
+    p.add_argument("--engine", action="store_true",
+                   help="also feed the same requests to our batch engine in this process (no HTTP)")
     p.add_argument("--server-args", default="", help="extra flags for our server, space-separated")
     p.add_argument("--work", default="out/serve", help="folder for the converted model and logs")
     p.add_argument("--out", help="also write the table (markdown) and rows (.json beside it) here")
@@ -207,6 +261,12 @@ def main(argv=None):
             finally:
                 process.terminate()
                 process.wait(timeout=60)
+    if args.engine:
+        ours, tokenizer = load(str(model), progress=False)
+        for n in counts:
+            rows.append(dict(engine_round(ours, tokenizer, n, args.rounds, args.max_tokens, f"engine{n}"),
+                             server="ours, engine alone"))
+            print(table([rows[-1]]).splitlines()[-1], file=sys.stderr, flush=True)
     text = (f"{device_name()}, MLX {mx.__version__}, model {model.name}, {args.rounds} requests per client, "
             f"max_tokens {args.max_tokens}, greedy, streamed\n\n{table(rows)}\n")
     print(text)
