@@ -2,11 +2,13 @@
 from a file, and its refusal where decode_rows does not run (this CPU). Its stamped kernel is
 compiled with the others (test_step_kernel.py, test_cuda_source_compiles); the timings themselves
 need the CUDA machine."""
+import mlx.core as mx
 import pytest
 
+from mlx_flashnorm import forms
 from mlx_flashnorm.bench import rows_phases
 from mlx_flashnorm.errors import UserError
-from mlx_flashnorm.kernels import rows
+from mlx_flashnorm.kernels import build, rows, step
 
 from conftest import cli
 
@@ -19,6 +21,33 @@ def test_a_copy_of_the_kernel_source_loads_beside_the_current_one(tmp_path):
     assert variant.rows_per_pass(64, 576, 1536) == (32, 16, 1536) != rows.rows_per_pass(64, 576, 1536)
     with pytest.raises(UserError, match="no layer loop or grid barrier"):
         rows_phases.stamped_source("__global__ void k() {}")
+
+
+def test_the_timed_launch_is_decode_rows_launch_with_room_for_the_stamps(monkeypatch):
+    """phase_times' launch as it reaches MLX's precompiled launcher (stubbed, with the compiler, as
+    in test_step_kernel.py): decode_rows' inputs, template and work buffer (rows.launch_plan), the
+    stamps' place (WORK_) at its end and room for two floats a stamp after it."""
+    calls, files = [], []
+    monkeypatch.setattr(build, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(step, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(forms, "use_gpu", lambda name=None: True)
+    monkeypatch.setattr(step, "sm_count", lambda: 132)
+    monkeypatch.setattr(build, "cuda_binary", lambda name, code: files.append(code) or b"cubin")
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", lambda **kw: calls.append(kw) or
+                        [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])])
+    L, K, HQ, HKV, D, I, C, B = 3, 256, 4, 2, 64, 384, 64, 5
+    layers, _ = step._random_stack(L, K, HQ, HKV, D, I, C, 9, 80)
+    layers = [tuple((w, s.astype(mx.float16), b.astype(mx.float16)) for w, s, b in m) for m in layers]
+    spec = dict(layers=layers, gains=None, qk_gains=None, theta=mx.zeros((D // 2,)), eps=1e-5, factor=0.5,
+                qk_eps=0.0, n_heads=HQ, n_kv_heads=HKV, group_size=64, bits=4)
+    kernel = rows_phases.stamped_kernel(rows, L, "test")
+    phases, total, plan = rows_phases.phase_times(rows, kernel, spec, B, 9, reps=2, capacity=C)
+    template, work, shared = rows.launch_plan(B, K, I, D, HQ, HKV, L)
+    assert len(calls) == 3 and all(len(c["inputs"]) == 7 + 14 * L for c in calls)  # untimed, then reps
+    assert calls[0]["output_shapes"][3] == (work + 2 * (2 + 6 * L),) and calls[0]["shared_memory"] == shared
+    assert plan == dict(template) == {"G": 8, "GD": 8, "IC": I}
+    assert f"constexpr int WORK_ = {work};" in files[0] and files[0].count("ti_++") == 2 + 5 + 1
+    assert phases.shape == (6,) and total == 0.0  # the stub's clock never moves
 
 
 def test_refuses_where_decode_rows_does_not_run():

@@ -8,7 +8,8 @@ after every barrier and writes the reading past the end of the work buffer; a ph
 gap between two readings (its own work and the barrier that ends it). It runs the embedded
 SmolLM2-135M in float16 on random caches, every row at the same position, and prints the median
 over --reps launches of each phase's mean over the layers, in microseconds. --source times the
-kernel of another copy of kernels/rows.py (an older form, another GMAX) beside the current one."""
+kernel of another copy of kernels/rows.py (another GMAX, a changed phase; one with launch_plan)
+beside the current one."""
 import argparse
 import importlib.util
 
@@ -60,7 +61,8 @@ def stamped_kernel(module, layers, tag):
 
 
 def phase_times(module, kernel, spec, B, position, reps, capacity=1024):
-    """Median over reps of each phase's mean over the layers (us), and of the whole launch (us)."""
+    """Median over reps of each phase's mean over the layers (us), of the whole launch (us), and
+    the launch's template (rows per pass)."""
     L, HQ, HKV = len(spec["layers"]), spec["n_heads"], spec["n_kv_heads"]
     D = spec["theta"].shape[0] * 2
     K, I = spec["layers"][0][1][0].shape[0], spec["layers"][0][2][0].shape[0] // 2
@@ -68,33 +70,18 @@ def phase_times(module, kernel, spec, B, position, reps, capacity=1024):
               for _ in range(L)]
     x = mx.random.normal((B, 1, K)).astype(mx.float16)
     positions = mx.full((B,), position, mx.int32)
-    G, GD, IC = module.rows_per_pass(B, max(K, HQ * D), I)
-    work = B * ((HQ + 2 * HKV) * D + HQ * step.SMAX * (D + 2) + 3 * K + I + HQ * D + 3)  # the most any form uses
-    stamps = 2 + 6 * L
-    dims = (K, spec["group_size"], HQ, HKV, I, capacity, step.sm_count(), max(K, HQ * D, I),
-            spec["gains"] is not None, True, spec["qk_gains"] is not None, step.float_bits(spec["eps"]),
-            step.float_bits(spec["factor"]), step.float_bits(spec["qk_eps"]), B)
-    none = step.constant(mx.float32, 0.0)
-    arrays = [a for mats, kv in zip(spec["layers"], caches) for a in (*[t for m in mats for t in m], *kv)]
-    inputs = [x, positions, step.constant(mx.int32, *dims), spec["theta"],
-              none if spec["gains"] is None else spec["gains"], none if spec["qk_gains"] is None else spec["qk_gains"],
-              step.sync_state()] + arrays
-    template = [("T", mx.float16), ("BITS", spec["bits"]), ("D", D), ("GQ", HQ // HKV), ("NL", L),
-                ("SMAX", step.SMAX), ("G", G), ("GD", GD), ("IC", IC), ("WORK_", work)]
+    template, work, shared = module.launch_plan(B, K, I, D, HQ, HKV, L)
+    stamps = 2 + 6 * L  # before the layers, 6 a layer, at the end: pairs of floats after the work
 
     def once():
-        out = kernel(inputs=inputs, template=template, grid=(step.sm_count() * step.THREADS, 1, 1),
-                     threadgroup=(step.THREADS, 1, 1),
-                     output_shapes=[x.shape, x.shape, (B, 1, 1), (work + 2 * stamps,)],
-                     output_dtypes=[mx.float16, mx.float16, mx.float32, mx.float32],
-                     shared_memory=module.shared_bytes(G, GD, max(K, HQ * D), IC, D, HQ // HKV, L))
-        mx.eval(out)
-        return np.frombuffer(np.array(out[3][work:]).tobytes(), dtype=np.uint64).astype(np.int64)
+        *_, scratch = step.launch(kernel, x, positions, caches=caches, work=work + 2 * stamps, shared_memory=shared,
+                                  rows=(B,), template=template + [("WORK_", work)], keep_work=True, **spec)
+        return np.frombuffer(np.array(scratch[work:]).tobytes(), dtype=np.uint64).astype(np.int64)
 
     once()  # untimed: the first launch loads the binary
     t = np.array([once() for _ in range(reps)])
     per_layer = np.diff(t[:, :1 + 6 * L], axis=1).reshape(reps, L, 6).mean(axis=1) / 1e3
-    return np.median(per_layer, axis=0), float(np.median(t[:, -1] - t[:, 0])) / 1e3, (G, GD, IC)
+    return np.median(per_layer, axis=0), float(np.median(t[:, -1] - t[:, 0])) / 1e3, dict(template)
 
 
 def arg_parser():
@@ -129,8 +116,8 @@ def main(argv=None):
         kernel = stamped_kernel(module, len(spec["layers"]), i)
         for B in counts:
             for position in positions:
-                phases, total, (G, GD, _) = phase_times(module, kernel, spec, B, position, args.reps)
-                print(f"| {source or 'current'} | {B} | {position} | {G}, {GD} | "
+                phases, total, plan = phase_times(module, kernel, spec, B, position, args.reps)
+                print(f"| {source or 'current'} | {B} | {position} | {plan['G']}, {plan['GD']} | "
                       + " | ".join(f"{v:.1f}" for v in phases) + f" | {phases.sum():.1f} | {total:.0f} |", flush=True)
 
 

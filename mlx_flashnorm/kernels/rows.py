@@ -418,7 +418,7 @@ def shared_bytes(G, GD, xa, xi, D, GQ, L):
     """dynamic_bytes, at least 48004 where it and the static arrays pass 48 KB (step.shared_bytes
     says why)."""
     dynamic = dynamic_bytes(G, GD, xa, xi)
-    static = 4 * 8 * G + 3 * 4 * BMAX + 4 * (BMAX + 1) + 8 * 14 * L + 4 * GQ * D * (1 + 8) + 4 * 2 * 8 * GQ
+    static = 4 * 8 * G + 2 * 4 * BMAX + 4 * (BMAX + 1) + 8 * 14 * L + 4 * GQ * D * (1 + 8) + 4 * 2 * 8 * GQ
     return max(dynamic, 48004) if dynamic + static > 48 * 1024 else dynamic
 
 
@@ -437,15 +437,20 @@ def decode_rows(x, positions, layers, caches, gains, qk_gains, theta, eps, facto
     if not step.supported(x, layers, caches, n_heads, n_kv_heads, group_size, bits, name="decode_rows"):
         return reference(x, positions, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads,
                          n_kv_heads, group_size, bits)
-    B, L = x.shape[0], len(layers)
     K, D, I, _ = step.sizes(x, layers, theta, n_heads)
+    template, work, shared = launch_plan(x.shape[0], K, I, D, n_heads, n_kv_heads, len(layers))
+    return step.launch(rows_kernel(len(layers)), x, positions.astype(mx.int32), layers, caches, gains, qk_gains, theta,
+                       eps, factor, qk_eps, n_heads, n_kv_heads, group_size, bits, work=work, shared_memory=shared,
+                       rows=(x.shape[0],), template=template)
+
+
+def launch_plan(B, K, I, D, n_heads, n_kv_heads, L):
+    """(template, work, shared) of a launch for B rows: its rows per pass (G, GD, IC:
+    rows_per_pass), its work buffer's floats and its shared memory bytes."""
     G, GD, IC = rows_per_pass(B, max(K, n_heads * D), I)
-    return step.launch(rows_kernel(L), x, positions.astype(mx.int32), layers, caches, gains, qk_gains, theta, eps,
-                       factor, qk_eps, n_heads, n_kv_heads, group_size, bits,
-                       work=B * ((n_heads + 2 * n_kv_heads) * D + n_heads * step.SMAX * (D + 2) + 3 * K + I
-                                 + n_heads * D + 3),
-                       shared_memory=shared_bytes(G, GD, max(K, n_heads * D), IC, D, n_heads // n_kv_heads, L),
-                       rows=(B,), template=[("G", G), ("GD", GD), ("IC", IC)])
+    work = B * ((n_heads + 2 * n_kv_heads) * D + n_heads * step.SMAX * (D + 2) + 3 * K + I + n_heads * D + 3)
+    return ([("G", G), ("GD", GD), ("IC", IC)], work,
+            shared_bytes(G, GD, max(K, n_heads * D), IC, D, n_heads // n_kv_heads, L))
 
 
 def reference(x, positions, layers, caches, *args):

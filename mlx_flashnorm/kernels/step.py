@@ -151,18 +151,19 @@ def sizes(x, layers, theta, n_heads):
 
 
 def launch(kernel, x, positions, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads, n_kv_heads,
-           group_size, bits, work, shared_memory, rows=(), template=()):
+           group_size, bits, work, shared_memory, rows=(), template=(), keep_work=False):
     """One launch of a whole-step kernel (this file's; rows.py's adds its row count to the sizes
     (rows) and its rows per matvec pass to the template): one block per SM, the shared inputs and
     then every layer's 14 arrays. Returns (y, ys, p, caches); the caches were written in place, so
-    they are handed out as depending on the launch (reading them runs it first)."""
+    they are handed out as depending on the launch (reading them runs it first). keep_work: the
+    work buffer (work floats) too, last (bench.rows_phases reads its clock stamps there)."""
     K, D, I, xmax = sizes(x, layers, theta, n_heads)
     none = constant(mx.float32, 0.0)
     dims = (K, group_size, n_heads, n_kv_heads, I, caches[0][0].shape[2], sm_count(), xmax, gains is not None,
             x.dtype != mx.float32, qk_gains is not None, float_bits(eps), float_bits(factor), float_bits(qk_eps),
             *rows)
     arrays = [a for mats, kv in zip(layers, caches) for a in (*[t for m in mats for t in m], *kv)]
-    y, p, ys, _ = kernel(
+    y, p, ys, scratch = kernel(
         inputs=[x, positions, constant(mx.int32, *dims), theta, none if gains is None else gains,
                 none if qk_gains is None else qk_gains, sync_state()] + arrays,
         template=[("T", x.dtype), ("BITS", bits), ("D", D), ("GQ", n_heads // n_kv_heads), ("NL", len(layers)),
@@ -171,7 +172,8 @@ def launch(kernel, x, positions, layers, caches, gains, qk_gains, theta, eps, fa
         output_shapes=[x.shape, x.shape, x.shape[:-1] + (1,), (work,)],
         output_dtypes=[x.dtype, x.dtype, mx.float32, mx.float32], shared_memory=shared_memory)
     flat = mx.depends([a for kv in caches for a in kv], [y])
-    return y, ys, p, list(zip(flat[0::2], flat[1::2]))
+    out = y, ys, p, list(zip(flat[0::2], flat[1::2]))
+    return out + (scratch,) if keep_work else out
 
 
 def _qmm(x, w, s, b, group_size, bits):
