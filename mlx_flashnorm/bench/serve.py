@@ -123,15 +123,30 @@ def stream_chat(port, prompt, max_tokens):
     return times[0] - sent, (times[-1] - times[0]) / (tokens - 1) if tokens > 1 else None, tokens
 
 
+def prompt_of(i, r, tag):
+    """Client i's r-th request's text (distinct for every request of a run)."""
+    return f"Write a long story about {SUBJECTS[(i + r) % len(SUBJECTS)]} (story {tag}-{i}-{r})."
+
+
+def summary(clients, results, errors, wall):
+    """A row's measurements from its requests' (TTFT or None, TPOT or None, tokens) and errors."""
+    ttft = [r[0] for r in results if r[0] is not None]
+    tpot = [r[1] for r in results if r[1] is not None]
+    tokens = sum(r[2] for r in results)
+    return {"clients": clients, "requests": len(results), "errors": len(errors), "tokens": tokens,
+            "error_kinds": sorted(set(e[:120] for e in errors)),
+            "wall_s": wall, "tok_s": tokens / wall, "ttft_p50": percentile(ttft, 50),
+            "ttft_p99": percentile(ttft, 99), "tpot_p50": percentile(tpot, 50), "tpot_p99": percentile(tpot, 99)}
+
+
 def load_round(port, clients, rounds, max_tokens, tag):
     """clients threads, each sending rounds requests in turn; the row's measurements."""
     results, errors = [], []
 
     def client(i):
         for r in range(rounds):
-            prompt = f"Write a long story about {SUBJECTS[(i + r) % len(SUBJECTS)]} (story {tag}-{i}-{r})."
             try:
-                results.append(stream_chat(port, prompt, max_tokens))
+                results.append(stream_chat(port, prompt_of(i, r, tag), max_tokens))
             except Exception as e:  # counted and reported, the others go on
                 errors.append(str(e))
 
@@ -141,14 +156,7 @@ def load_round(port, clients, rounds, max_tokens, tag):
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - t0
-    ttft = [r[0] for r in results if r[0] is not None]
-    tpot = [r[1] for r in results if r[1] is not None]
-    tokens = sum(r[2] for r in results)
-    return {"clients": clients, "requests": len(results), "errors": len(errors), "tokens": tokens,
-            "error_kinds": sorted(set(e[:120] for e in errors)),
-            "wall_s": wall, "tok_s": tokens / wall, "ttft_p50": percentile(ttft, 50),
-            "ttft_p99": percentile(ttft, 99), "tpot_p50": percentile(tpot, 50), "tpot_p99": percentile(tpot, 99)}
+    return summary(clients, results, errors, time.perf_counter() - t0)
 
 
 def engine_round(model, tokenizer, clients, rounds, max_tokens, tag):
@@ -167,8 +175,8 @@ def engine_round(model, tokenizer, clients, rounds, max_tokens, tag):
     sent, times, done = {}, {}, [0] * clients
 
     def add(i):
-        prompt = f"Write a long story about {SUBJECTS[(i + done[i]) % len(SUBJECTS)]} (story {tag}-{i}-{done[i]})."
-        body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0}
+        body = {"messages": [{"role": "user", "content": prompt_of(i, done[i], tag)}], "max_tokens": max_tokens,
+                "temperature": 0}
         call = parse_call(body, True, tokenizer, context_length(model), model.args.vocab_size, defaults)
         r = Request(call.generation.tokens, max_tokens, stop_tokens=stops)
         sent[id(r)], times[id(r)], r.client = time.perf_counter(), [], i
@@ -190,12 +198,7 @@ def engine_round(model, tokenizer, clients, rounds, max_tokens, tag):
                 done[r.client] += 1
                 if done[r.client] < rounds:
                     add(r.client)
-    wall = time.perf_counter() - t0
-    ttft, tpot = [r[0] for r in results], [r[1] for r in results if r[1] is not None]
-    tokens = sum(r[2] for r in results)
-    return {"clients": clients, "requests": len(results), "errors": 0, "tokens": tokens, "error_kinds": [],
-            "wall_s": wall, "tok_s": tokens / wall, "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
-            "tpot_p50": percentile(tpot, 50), "tpot_p99": percentile(tpot, 99)}
+    return summary(clients, results, [], time.perf_counter() - t0)
 
 
 def table(rows):
