@@ -420,6 +420,9 @@ class BatchWorker:
         return Request(g.tokens, g.max_tokens, g.temp, g.top_p, g.top_k, g.min_p, g.seed, self.stop_tokens,
                        g.logits_processors(), ticket=ticket)
 
+    def flush(self):
+        """After each round of put(): nothing here (a worker that sends its tokens on sends them)."""
+
     def _serve(self):
         while True:
             self._admit(block=not self.engine.busy)
@@ -429,13 +432,14 @@ class BatchWorker:
                 events = self.engine.step()
             except Exception as e:  # a failed step fails every request in flight, not the thread
                 for r in self.engine.requests():
-                    r.ticket.put(e)
+                    self.put(r.ticket, e)
                 self.engine.clear()
-                continue
+                events = []
             for e in events:
                 self.put(e.request.ticket, token_of(e, e.request.ticket.generation.top_logprobs))
                 if e.finish_reason:
-                    e.request.ticket.put(None)
+                    self.put(e.request.ticket, None)
+            self.flush()
 
     def _admit(self, block):
         """Move submitted tickets into the engine (waiting for one if block)."""
@@ -446,7 +450,7 @@ class BatchWorker:
                     try:
                         self.engine.add(self.request(ticket))
                     except Exception as e:
-                        ticket.put(e)
+                        self.put(ticket, e)
                 ticket = self.inbox.get_nowait()
         except queue.Empty:
             pass

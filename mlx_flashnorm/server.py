@@ -37,6 +37,7 @@ from .errors import UserError, run_cli
 from .generate import context_length, load_from_args, make_sampler_for
 from .openai_api import Answer, HTTPError, Transcript, bad, parse_call, parse_json
 from .batch import BatchWorker
+from .engine_process import EngineProcess
 from .lockstep import leads
 from .shard import world
 from .worker import SerialWorker, follow
@@ -116,9 +117,10 @@ class Server(ThreadingHTTPServer):
         max_body: bytes; timeout: seconds for a request to arrive, and for any one socket operation.
         max_concurrent: requests generated together (1: one at a time, SerialWorker; else a
         BatchWorker with a prompt cache of prompt_cache_bytes). worker: what generates (default:
-        the one max_concurrent says)."""
+        the one max_concurrent says, running model); with model None, the worker's context_length
+        and vocab_size (engine_process.EngineProcess) check the requests."""
         super().__init__((host, port), Handler)
-        self.model, self.tokenizer, self.model_id = model, tokenizer, model_id
+        self.tokenizer, self.model_id = tokenizer, model_id
         self.defaults = dict(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k)
         self.api_key, self.cors_origins = api_key, set(cors_origins)
         self.max_queue, self.max_body, self.io_timeout = max_queue, max_body, timeout
@@ -132,10 +134,11 @@ class Server(ThreadingHTTPServer):
             self.server_close()
             raise
         self.reaper = Reaper(timeout)
+        self.limits = ((self.worker.context_length, self.worker.vocab_size) if model is None else
+                       (context_length(model), model.args.vocab_size))
 
     def call(self, body, chat):
-        return parse_call(body, chat, self.tokenizer, context_length(self.model), self.model.args.vocab_size,
-                          self.defaults)
+        return parse_call(body, chat, self.tokenizer, *self.limits, self.defaults)
 
     def admit(self, generation):
         """The worker's Ticket for generation, or a 503 when the worker's slots and the queue are full."""
@@ -456,7 +459,13 @@ def main(argv=None):
             print("note: under mlx.launch the server generates one request at a time (--max-concurrent 1)",
                   file=sys.stderr)
         args.max_concurrent = 1
-    model, tokenizer = load_from_args(args, warm=False)  # the worker thread warms up
+    if world() is None and args.max_concurrent > 1:  # the batch engine in a process of its own
+        worker = EngineProcess(args, wants_warmup(args), args.max_concurrent, int(args.prompt_cache_size * 2**20),
+                               args.prefill_step_size)
+        model, tokenizer = None, worker.tokenizer
+    else:
+        worker = None
+        model, tokenizer = load_from_args(args, warm=False)  # the worker thread warms up
     if not leads():  # under mlx.launch: rank 0 serves, this rank generates its requests with it
         # and ends when rank 0's worker closes (its last broadcast), not on Ctrl-C itself: an
         # interrupt taken between two collectives would leave rank 0 broadcasting to a rank gone
@@ -468,10 +477,10 @@ def main(argv=None):
                         args.top_p, args.top_k, warm=wants_warmup(args),
                         api_key=args.api_key or os.environ.get(API_KEY_VARIABLE) or None,
                         cors_origins=args.cors_origin or (), max_queue=args.max_queue, max_body=args.max_body,
-                        timeout=args.timeout, max_concurrent=args.max_concurrent,
-                        prompt_cache_bytes=int(args.prompt_cache_size * 2**20),
-                        prefill_step=args.prefill_step_size)
+                        timeout=args.timeout, max_concurrent=args.max_concurrent, worker=worker)
     except OSError as e:
+        if worker is not None:
+            worker.close()
         raise UserError(f"cannot listen on {args.host}:{args.port}: {e.strerror}")
     host, port = server.server_address[:2]
     # Ctrl-C stops the server even where the process started with SIGINT ignored (as a shell's

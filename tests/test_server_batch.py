@@ -28,8 +28,9 @@ class WatchedWorker(BatchWorker):
 
     most_rows = 0
 
-    def put(self, ticket, token):
-        self.most_rows = max(self.most_rows, len(self.engine.rows) + (token.finish_reason is not None))
+    def put(self, ticket, token):  # token: a Token, or None once the request is done
+        if token is not None:
+            self.most_rows = max(self.most_rows, len(self.engine.rows) + (token.finish_reason is not None))
         super().put(ticket, token)
 
 

@@ -1,0 +1,178 @@
+"""The batch engine in a process of its own, so that the server's HTTP work leaves its interpreter.
+
+The server answers each client on a thread of its own (text decoding, JSON, socket writes). With
+the engine on a thread of the same process, those threads and the engine's shared one interpreter
+lock: at 32 streaming clients on an H100 a token took 4.3 ms through the server, against 2.7 ms
+for the same requests fed to the engine alone (bench/RESULTS.md, "Serving"). Here a child process
+(a new interpreter, `python -m mlx_flashnorm.engine_process`: MLX's device state does not survive a
+fork) loads the model from the server's own flags and runs a batch.BatchWorker; the server process keeps only the tokenizer, which
+the child sends over once it has loaded. Requests and cancellations go to the child over a pipe, and
+each engine step's tokens come back as one message.
+
+EngineProcess has the worker interface (worker.py: slots, submit(generation) -> Ticket, close()),
+plus the model's context_length and vocab_size, which the server checks requests against. If the
+child dies, every request in flight and every later one fails with an error the server answers
+as a 500, and the server goes on answering."""
+import itertools
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from multiprocessing.connection import Connection
+
+from .batch import BatchWorker
+from .errors import UserError
+from .generate import context_length, load_from_args
+from .worker import Ticket
+
+CLOSE_TIMEOUT = 30  # seconds the child may take to stop once asked
+
+
+class EngineProcess:
+    def __init__(self, args, warm=False, max_batch=32, prompt_cache_bytes=0, prefill_step=2048):
+        """args: the server's parsed flags (the model flags of cli.add_model_args: the child loads
+        with generate.load_from_args); the rest as BatchWorker's. Returns once the child has loaded
+        (and warmed up); a load error (UserError) is raised here."""
+        self.slots = max_batch
+        here, there = socket.socketpair()
+        with there:
+            self.process = subprocess.Popen([sys.executable, "-m", __name__, str(there.fileno())],
+                                            pass_fds=(there.fileno(),), stdin=subprocess.DEVNULL,
+                                            stdout=subprocess.DEVNULL)
+        self.conn = Connection(here.detach())
+        try:
+            self.conn.send((args, warm, max_batch, prompt_cache_bytes, prefill_step))
+            reply = self.conn.recv()
+        except (EOFError, OSError):
+            raise UserError(f"the engine process exited while loading the model (status {self.process.wait()})")
+        if reply[0] == "failed":
+            self.process.wait()
+            raise reply[1]
+        _, self.tokenizer, self.context_length, self.vocab_size = reply
+        self.tickets, self.keys, self.lock, self.gone = {}, itertools.count(), threading.Lock(), None
+        threading.Thread(target=self._receive, daemon=True).start()
+
+    def submit(self, generation):
+        key = next(self.keys)
+        ticket = RemoteTicket(generation, lambda: self._cancel(key))
+        with self.lock:
+            if self.gone is None:
+                self.tickets[key] = ticket
+                self._send(("add", key, generation))
+            if self.gone is not None:
+                ticket.put(self.gone)
+        return ticket
+
+    def close(self):
+        with self.lock:
+            self._send(("close",))
+        try:
+            self.process.wait(CLOSE_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self.conn.close()
+
+    def _cancel(self, key):
+        with self.lock:
+            if self.tickets.pop(key, None) is not None:
+                self._send(("cancel", key))
+
+    def _send(self, message):
+        """(under self.lock)"""
+        try:
+            self.conn.send(message)
+        except (OSError, ValueError):  # the child is gone: _receive fails the requests in flight
+            self.gone = self.gone or RuntimeError("the engine process is gone")
+
+    def _receive(self):
+        """Hand each step's tokens to their tickets; once the child is gone, fail every request."""
+        while True:
+            try:
+                tokens = self.conn.recv()
+            except (EOFError, OSError):
+                break
+            for key, item in tokens:
+                ticket = self.tickets.get(key)
+                if ticket is not None:
+                    ticket.put(item)
+                    if item is None or isinstance(item, BaseException):
+                        self.tickets.pop(key, None)
+        try:
+            status = self.process.wait(CLOSE_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            status = "still running"
+        with self.lock:
+            self.gone = RuntimeError(f"the engine process exited (status {status}); "
+                                     "restart the server")
+            for ticket in self.tickets.values():
+                ticket.put(self.gone)
+            self.tickets.clear()
+
+
+class RemoteTicket(Ticket):
+    """A Ticket whose cancel() also tells the child (once)."""
+
+    def __init__(self, generation, tell):
+        super().__init__(generation)
+        self.tell = tell
+
+    def cancel(self):
+        super().cancel()
+        self.tell()
+
+
+class PipedWorker(BatchWorker):
+    """The child's BatchWorker: its tickets carry the server's keys, and their tokens go back over
+    the pipe, one message per engine step (flush)."""
+
+    def __init__(self, conn, *args):
+        self.conn, self.outbox, self.tickets = conn, [], {}  # tickets: by key, until finished
+        super().__init__(*args)
+
+    def submit(self, generation, key):
+        ticket = self.tickets[key] = Ticket(generation)
+        ticket.key = key
+        self.inbox.put(ticket)
+        return ticket
+
+    def put(self, ticket, item):
+        self.outbox.append((ticket.key, item))
+        if item is None or isinstance(item, BaseException):
+            self.tickets.pop(ticket.key, None)
+
+    def flush(self):
+        if self.outbox:
+            tokens, self.outbox = self.outbox, []
+            self.conn.send(tokens)
+
+
+def serve_engine(conn):
+    """The child: take (flags, warm, max_batch, prompt_cache_bytes, prefill_step), load, reply
+    ("ready", tokenizer, context length, vocab size) or ("failed", exception), then take ("add", key,
+    generation), ("cancel", key) and ("close",) until the server closes or goes. Ctrl-C is the
+    server's to take: it closes the child."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        args, warm, max_batch, prompt_cache_bytes, prefill_step = conn.recv()
+        model, tokenizer = load_from_args(args, warm=False)
+        worker = PipedWorker(conn, model, tokenizer, warm, max_batch, prompt_cache_bytes, prefill_step)
+    except BaseException as e:
+        return conn.send(("failed", e))
+    conn.send(("ready", tokenizer, context_length(model), model.args.vocab_size))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the server is gone
+            return
+        if message[0] == "add":
+            worker.submit(message[2], message[1])
+        elif message[0] == "cancel":
+            if (ticket := worker.tickets.pop(message[1], None)) is not None:
+                ticket.cancel()
+        else:
+            return
+
+
+if __name__ == "__main__":
+    serve_engine(Connection(int(sys.argv[1])))

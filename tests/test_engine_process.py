@@ -1,0 +1,98 @@
+"""The batch engine in a process of its own (engine_process.EngineProcess, the command-line
+server's worker): a real child process on the embedded SmolLM2, its requests answered as one
+process answers them, a cancelled request leaving its slot, the child's death answered as a JSON
+error by a server that goes on serving, and a load error as one line."""
+import threading
+import urllib.request
+
+import pytest
+
+from mlx_flashnorm.engine_process import EngineProcess
+from mlx_flashnorm.errors import UserError
+from mlx_flashnorm.generate import stream_generate
+from mlx_flashnorm.server import Server, arg_parser
+from mlx_flashnorm.worker import Generation
+
+from conftest import cli, openai_client, serving
+
+PROMPTS = ["What is the capital of France?", "Name a color.", "What is 2 + 2?"]
+
+
+def flags(*extra):
+    return arg_parser().parse_args(["--norm", "rms", "--no-warmup", *extra])  # the smollm2 fixture's norm
+
+
+def chat(tokenizer, text):
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+
+
+def tokens_of(ticket):
+    out = []
+    while (token := ticket.next(timeout=120)) is not None:
+        out.append(token)
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine():
+    worker = EngineProcess(flags(), max_batch=2)
+    yield worker
+    worker.close()
+    assert worker.process.returncode == 0  # it stopped when asked
+
+
+def test_requests_get_their_one_process_answers(engine, smollm2):
+    """Three greedy requests at once (two slots: the third joins as one leaves) get the tokens a
+    lone request gets in this process; log-probabilities come over too."""
+    model, tokenizer = smollm2
+    assert (engine.context_length, engine.vocab_size) == (8192, model.args.vocab_size)
+    ids = [chat(engine.tokenizer, p) for p in PROMPTS]
+    assert ids == [chat(tokenizer, p) for p in PROMPTS]  # the tokenizer the child sent over
+    tickets = [engine.submit(Generation(i, 8, top_logprobs=2)) for i in ids]
+    for i, ticket in zip(ids, tickets):
+        got = tokens_of(ticket)
+        alone = [r.token for r in stream_generate(model, tokenizer, i, max_tokens=8)]
+        assert [t.id for t in got] == alone
+        assert all(t.top_logprobs[0][0] == t.id and t.logprob == t.top_logprobs[0][1] for t in got)
+        assert got[-1].finish_reason in ("length", "stop") and all(t.finish_reason is None for t in got[:-1])
+
+
+def test_a_cancelled_request_leaves_its_slot(engine):
+    """Two slots, both taken by long requests; one cancelled after its first token: a third request
+    gets its slot and its answer while the other long one still runs."""
+    ids = chat(engine.tokenizer, "Write a long story.")
+    long_ones = [engine.submit(Generation(ids, 4000)) for _ in range(2)]
+    assert long_ones[0].next(timeout=120) is not None
+    long_ones[0].cancel()
+    assert len(tokens_of(engine.submit(Generation(ids, 3)))) == 3
+    long_ones[1].cancel()
+
+
+def test_a_dead_engine_is_a_json_error_and_the_server_goes_on(smollm2):
+    """The child killed mid-request: that request's stream and the next request get a 500 with a
+    JSON error naming it, and /health still answers."""
+    worker = EngineProcess(flags(), max_batch=2)
+    with serving(Server(None, worker.tokenizer, "smol", port=0, worker=worker)) as server:
+        client = openai_client(server)
+        stream = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Tell a story."}],
+                                                max_tokens=4000, stream=True)
+        first = next(iter(stream))
+        assert first.choices[0].delta.role == "assistant"
+        threading.Timer(0.5, worker.process.kill).start()
+        with pytest.raises(Exception, match="engine process exited"):
+            for _ in stream:
+                pass
+        import openai
+
+        with pytest.raises(openai.InternalServerError, match="engine process exited"):
+            client.completions.create(model="smol", prompt="1, 2, 3,", max_tokens=3)
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.server_address[1]}/health", timeout=30) as r:
+            assert r.status == 200
+
+
+def test_load_errors_are_one_line():
+    with pytest.raises(UserError, match="nowhere"):
+        EngineProcess(arg_parser().parse_args(["--model", "/nowhere/model.gguf", "--no-warmup"]))
+    r = cli("mlx_flashnorm.server", "--model", "/nowhere/model.gguf", "--no-warmup")
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and "nowhere" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
