@@ -110,6 +110,22 @@ def one_row_cache(keys, values):
     return c
 
 
+class Joining(NamedTuple):
+    """A prefilled request waiting for its slot: its row of kv ([(keys, values)] per layer, one row
+    for each request prefilled with it, in order) holds its first `length` positions."""
+    request: Request
+    kv: list
+    length: int
+
+
+def shared_prefix(seqs):
+    """How many leading tokens all of seqs share."""
+    n = min(map(len, seqs))
+    for a in seqs[1:]:
+        n = next((i for i in range(n) if a[i] != seqs[0][i]), n)
+    return n
+
+
 class Step(NamedTuple):
     """A queued decode step: the rows it decodes [(slot, request)], its tokens (slots,) and the
     log-probabilities (slots, vocab) they were drawn from."""
@@ -133,7 +149,7 @@ class BatchEngine:
         self.prompt_cache = prompt_cache
         self.waiting = deque()
         self.filling = []
-        self.joining = []  # (request, [(keys, values)] per layer) prefilled, taking a slot next step
+        self.joining = []  # Joining: prefilled, taking a slot next step
         self.slots = None
         self.pending = None  # the Step queued and not read yet
         self.layout = None  # batch_cache.kv_layout, read once
@@ -191,7 +207,7 @@ class BatchEngine:
 
     def requests(self):
         """Every request added and not finished: waiting, under prefill or in the batch."""
-        return list(self.waiting) + [f.request for f in self.filling] + [r for r, _ in self.joining] + self.rows
+        return list(self.waiting) + [f.request for f in self.filling] + [j.request for j in self.joining] + self.rows
 
     def clear(self):
         """Drop every request (after a failed step)."""
@@ -219,7 +235,7 @@ class BatchEngine:
     def _drop_cancelled(self):
         self.waiting = deque(r for r in self.waiting if not r.cancelled)
         self.filling = [f for f in self.filling if not f.request.cancelled]
-        self.joining = [(r, kv) for r, kv in self.joining if not r.cancelled]
+        self.joining = [j for j in self.joining if not j.request.cancelled]
         for r in self.rows:
             if r.cancelled:
                 self._release(r)
@@ -268,15 +284,18 @@ class BatchEngine:
                 c.offset = start
         todo = [f.request.tokens[start:-1] for f in group]
         self.model(mx.array([t + [0] * (longest - len(t)) for t in todo]), cache=cache)
-        for i, (f, t) in enumerate(zip(group, todo)):
-            n = start + len(t)
-            for one, c in zip(f.cache, cache):
-                one.keys, one.values, one.offset = c.keys[i:i + 1, :, :n, :], c.values[i:i + 1, :, :n, :], n
-            mx.async_eval([(c.keys, c.values) for c in f.cache])
-            f.todo.clear()
+        kv = [(c.keys[..., :c.offset, :], c.values[..., :c.offset, :]) for c in cache]
+        mx.async_eval(kv)
+        for f, t in zip(group, todo):
+            self.filling.remove(f)
             f.request.cached = start
-            self.prefilled += len(t)
-            self._join(f)
+            self.prefilled += len(t) + 1  # and the last prompt token, computed in the decode step
+            self.joining.append(Joining(f.request, kv, start + len(t)))
+        if self.prompt_cache is not None:  # the prefix the group shares, for requests to come (each
+            common = shared_prefix([f.request.tokens[:-1] for f in group])  # row's own at _release)
+            if common > start:
+                self.prompt_cache.store(group[0].request.tokens[:common],
+                                        [(k[:1, :, :common, :], v[:1, :, :common, :]) for k, v in kv])
         self.prefill_calls += 1
         return longest * len(group)
 
@@ -299,7 +318,7 @@ class BatchEngine:
         kv = [(c.keys[..., :c.offset, :], c.values[..., :c.offset, :]) for c in f.cache if c.keys is not None]
         if self.prompt_cache is not None and r.cached < len(r.tokens) - 1:
             self.prompt_cache.store(r.tokens[:-1], kv)
-        self.joining.append((r, kv))
+        self.joining.append(Joining(r, kv, len(r.tokens) - 1))
         self.prefilled += 1  # the last prompt token, computed in the decode step
 
     def _layout(self):
@@ -311,7 +330,7 @@ class BatchEngine:
         """Give the joining requests slots: a new or resized Slots where the bucket changes."""
         if not self.joining and not self.rows:
             return
-        rows = self.rows + [r for r, _ in self.joining]
+        rows = self.rows + [j.request for j in self.joining]
         size, capacity = bucket(len(rows)), needed_capacity(self.model, rows)
         s = self.slots
         if s is None or not self.rows:
@@ -321,10 +340,16 @@ class BatchEngine:
             self.slots = s.resized(size, capacity)
             for i, r in self.slots.live():
                 r.slot = i
-        for r, kv in self.joining:
-            r.slot = self.slots.insert(r, kv, r.tokens[-1])
-            if r.logits_processors:
-                r.seen = mx.array(r.tokens)
+        groups = {}  # those prefilled together (one kv, whole: they joined in this step), inserted together
+        for j in self.joining:
+            groups.setdefault(id(j.kv), []).append(j)
+        for group in groups.values():
+            slots = self.slots.insert([j.request for j in group], group[0].kv, [j.request.tokens[-1] for j in group],
+                                      [j.length for j in group])
+            for j, slot in zip(group, slots):
+                j.request.slot = slot
+                if j.request.logits_processors:
+                    j.request.seen = mx.array(j.request.tokens)
         self.joining = []
 
     def _queue(self):

@@ -112,20 +112,26 @@ class Slots:
     def live(self):
         return [(i, r) for i, r in enumerate(self.rows) if r is not None]
 
-    def insert(self, request, kv, token):
-        """Put a prefilled request ([(keys, values)] of its n positions per layer, (1, heads, n,
-        dim)) in a free slot; it feeds `token` next."""
-        i = self.rows.index(None)
+    def insert(self, requests, kv, tokens, lengths):
+        """Put prefilled requests in free slots, a group prefilled together at once (one copy per
+        layer, not one per row and layer): requests[j] is row j of kv ([(keys, values)] per layer,
+        (len(requests), heads, n, dim)) up to its lengths[j] positions (those after are never read:
+        a row attends up to its position, and writes it), and feeds tokens[j] next. Returns their
+        slots."""
+        free = [i for i, r in enumerate(self.rows) if r is None][:len(requests)]
         n = kv[0][0].shape[2] if kv else 0
         if n:
+            first, run = free[0], free == list(range(free[0], free[0] + len(free)))
+            where = slice(first, first + len(free)) if run else mx.array(free)
             for layer, (k, v) in enumerate(kv):
                 bk, bv = self.kv[layer]
-                bk[i:i + 1, :, :n, :] = k
-                bv[i:i + 1, :, :n, :] = v
+                bk[where, :, :n, :] = k
+                bv[where, :, :n, :] = v
                 self.kv[layer] = (bk, bv)
-        self.rows[i], self.pos[i], self.fresh[i] = request, n, token
+        for i, request, token, m in zip(free, requests, tokens, lengths):
+            self.rows[i], self.pos[i], self.fresh[i] = request, m, token
         self.dirty = True
-        return i
+        return free
 
     def release(self, i):
         self.rows[i] = None
