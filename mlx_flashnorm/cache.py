@@ -8,14 +8,41 @@ import mlx.core as mx
 from mlx_lm.models.base import scaled_dot_product_attention as mlx_lm_attention
 from mlx_lm.models.cache import KVCache, create_attention_mask
 
+from . import forms
 from .kernels import decode_attention
 
 
+COMPOSED_MAX = 2**24  # attention scores (rows x heads x queries x keys) up to which CUDA composes a prefill's
+
+
 def scaled_dot_product_attention(q, k, v, cache, scale, mask):
-    """The attention every model calls: mlx-lm's, or the cache's own where it has one."""
+    """The attention every model calls: the cache's own where it has one; a short prefill on CUDA
+    composed from matmuls (composed_attention says why); else mlx-lm's."""
     if isinstance(cache, StaticKVCache):
         return cache.attention(q, k, v, scale, mask)
+    if (q.shape[2] > 1 and not hasattr(cache, "bits") and mx.default_device() == mx.gpu
+            and forms.gpu_backend() == "cuda" and q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] <= COMPOSED_MAX):
+        return composed_attention(q, k, v, scale, mask)
     return mlx_lm_attention(q, k, v, cache=cache, scale=scale, mask=mask)
+
+
+def composed_attention(q, k, v, scale, mask):
+    """softmax(q k^T scale + mask) v from two matmuls, the softmax in float32; q (B, heads, L, D)
+    the last L of the S positions of k and v (B, kv heads, S, D); mask None, "causal", a boolean
+    (True: seen) or an additive array. On CUDA, MLX's fused attention builds a cuDNN graph for each
+    new shape (rows, queries, keys): 40-90 ms each time, where this form costs about 1 ms the first
+    time and 0.2-0.4 ms after for 32 rows of 40-64 tokens (H100; bench/RESULTS.md, "Prefill
+    attention on CUDA"), and a server's prompts come in ever new lengths."""
+    B, H, L, D = q.shape
+    Hk, S = k.shape[1], k.shape[2]
+    s = (q * scale).reshape(B, Hk, H // Hk, L, D) @ mx.expand_dims(k, 2).swapaxes(-1, -2)
+    if isinstance(mask, str):
+        mask = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]
+    elif mask is not None and mask.ndim == 4:  # per row, and one for all heads or one per head
+        mask = mx.expand_dims(mask, 2) if mask.shape[1] == 1 else mask.reshape(B, Hk, H // Hk, L, S)
+    if mask is not None:
+        s = mx.where(mask, s, mx.finfo(s.dtype).min) if mask.dtype == mx.bool_ else s + mask
+    return (mx.softmax(s, axis=-1, precise=True) @ mx.expand_dims(v, 2)).reshape(B, H, L, D)
 
 
 class StaticKVCache:
