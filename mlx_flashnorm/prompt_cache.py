@@ -35,7 +35,8 @@ class PromptCache:
 
     def __init__(self, max_bytes):
         self.max_bytes = max_bytes
-        self.entries = OrderedDict()  # tuple of token ids -> (np token array, [(keys, values)] per layer)
+        self.entries = OrderedDict()  # tuple of token ids -> [(keys, values)] per layer, least recent first
+        self.table = None  # (keys, their token ids as rows): _shared
         self.nbytes = 0
 
     def __len__(self):
@@ -45,16 +46,30 @@ class PromptCache:
         """(n, [(keys, values)] per layer holding tokens[:n]) for the longest cached prefix of
         tokens, n at most len(tokens) - 1: the last prompt token always runs, its logits give the
         first new token. (0, None) on a miss."""
-        ids = np.asarray(tokens)
-        best, n = None, 0
-        for key, (arr, _) in self.entries.items():
-            m = min(common_prefix(arr, ids), len(ids) - 1)
-            if m > n:
-                best, n = key, m
-        if best is None:
+        if not self.entries:
             return 0, None
+        shared = np.minimum(self._shared(tokens), len(tokens) - 1)
+        i = int(np.argmax(shared))
+        if shared[i] <= 0:
+            return 0, None
+        n, best = int(shared[i]), self.table[0][i]
         self.entries.move_to_end(best)
-        return n, [(k[..., :n, :], v[..., :n, :]) for k, v in self.entries[best][1]]
+        return n, [(k[..., :n, :], v[..., :n, :]) for k, v in self.entries[best]]
+
+    def _shared(self, tokens):
+        """How many leading tokens each entry shares with tokens, in the order of self.table: the
+        entries' token ids as rows of one array (padded with -1), built again after a change, so
+        that a lookup among hundreds of entries is a few array operations, not a loop over them."""
+        if self.table is None:
+            keys = list(self.entries)
+            rows = np.full((len(keys), max(map(len, keys))), -1, np.int64)
+            for i, key in enumerate(keys):
+                rows[i, :len(key)] = key
+            self.table = keys, rows
+        rows = self.table[1]
+        n = min(len(tokens), rows.shape[1])
+        same = rows[:, :n] == np.asarray(tokens[:n], np.int64)
+        return np.where(same.all(axis=1), n, same.argmin(axis=1))
 
     def store(self, tokens, kv):
         """Keep kv ([(keys, values)] per layer, over exactly tokens) as the most recent entry. An
@@ -65,24 +80,27 @@ class PromptCache:
             raise ValueError(f"a KV state of {kv[0][0].shape[2]} positions stored for {len(key)} tokens")
         if not key or self.max_bytes <= 0:
             return
-        for old in list(self.entries):
-            if old[:len(key)] == key:
-                self.entries.move_to_end(old)
+        if self.entries:
+            shared, keys = self._shared(key), self.table[0]
+            if (longer := np.flatnonzero(shared == len(key))).size:  # an entry begins with these tokens
+                self.entries.move_to_end(keys[longer[0]])
                 return
-            if key[:len(old)] == old:
-                self._drop(old)
+            for i in np.flatnonzero(shared == np.array([len(k) for k in keys])):  # these tokens begin with it
+                self._drop(keys[i])
         kv = [(mx.contiguous(k), mx.contiguous(v)) for k, v in kv]  # not a view of a larger buffer
         size = sum(k.nbytes + v.nbytes for k, v in kv)
         if size > self.max_bytes:
             return
         mx.async_eval(kv)  # the copies queued, not waited for: the batch's queued step runs on
-        self.entries[key] = (np.asarray(key), kv)
+        self.entries[key] = kv
+        self.table = None
         self.nbytes += size
         while self.nbytes > self.max_bytes:
             self._drop(next(iter(self.entries)))
 
     def _drop(self, key):
-        _, kv = self.entries.pop(key)
+        kv = self.entries.pop(key)
+        self.table = None
         self.nbytes -= sum(k.nbytes + v.nbytes for k, v in kv)
 
 

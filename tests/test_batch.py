@@ -219,6 +219,26 @@ def test_prompt_cache_lru_bound(llama):
     assert PromptCache(0).fetch([1, 2, 3]) == (0, None)
 
 
+def test_prompt_cache_finds_the_longest_prefix_among_its_entries():
+    """A lookup takes the entry sharing the most leading tokens (at most all but the prompt's
+    last); a stored sequence supersedes the entries it begins with and is not kept where an entry
+    begins with it."""
+    def kv(n):
+        return [(mx.full((1, 1, n, 2), float(n)), mx.zeros((1, 1, n, 2)))]
+
+    cache = PromptCache(1 << 20)
+    for seq in ([1, 2, 3, 4], [1, 2, 9], [5, 6], [1, 2, 3, 4, 5, 6, 7]):  # the last supersedes the first
+        cache.store(seq, kv(len(seq)))
+    assert len(cache) == 3
+    n, got = cache.fetch([1, 2, 3, 4, 5, 8])
+    assert n == 5 and got[0][0].shape[2] == 5 and got[0][0][0, 0, 0, 0].item() == 7  # the 7-token entry's
+    assert cache.fetch([1, 2, 9])[0] == 2 and cache.fetch([1, 2, 9, 4])[0] == 3 and cache.fetch([7, 1]) == (0, None)
+    cache.store([1, 2, 3], kv(3))  # an entry begins with it
+    assert len(cache) == 3
+    cache.store([5, 6, 1], kv(3))  # it begins with [5, 6]
+    assert len(cache) == 3 and cache.fetch([5, 6, 1, 0])[0] == 3 and cache.fetch([5, 6, 2])[0] == 2
+
+
 def test_cancel_and_context(llama):
     """A cancelled request leaves at the next step while the others go on; max_tokens is cut to
     the context; a prompt that fills the context is refused."""
