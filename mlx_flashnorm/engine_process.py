@@ -3,11 +3,12 @@
 The server answers each client on a thread of its own (text decoding, JSON, socket writes). With
 the engine on a thread of the same process, those threads and the engine's shared one interpreter
 lock: at 32 streaming clients on an H100 a token took 4.3 ms through the server, against 2.7 ms
-for the same requests fed to the engine alone (bench/RESULTS.md, "Serving"). Here a child process
+for the same requests fed to the engine alone (bench/LOG.md, thirteenth pass; with this process, 2.8-3.5
+ms: bench/RESULTS.md, "Serving"). Here a child process
 (a new interpreter, `python -m mlx_flashnorm.engine_process`: MLX's device state does not survive a
-fork) loads the model from the server's own flags and runs a batch.BatchWorker; the server process keeps only the tokenizer, which
-the child sends over once it has loaded. Requests and cancellations go to the child over a pipe, and
-each engine step's tokens come back as one message.
+fork) loads the model from the server's own flags and runs a batch.BatchWorker; the server
+process keeps only the tokenizer, which the child sends over once it has loaded. Requests and
+cancellations go to the child over a socket pair, and each engine step's tokens come back as one message.
 
 EngineProcess has the worker interface (worker.py: slots, submit(generation) -> Ticket, close()),
 plus the model's context_length and vocab_size, which the server checks requests against. If the
@@ -159,7 +160,10 @@ def serve_engine(conn):
         worker = PipedWorker(conn, model, tokenizer, warm, max_batch, prompt_cache_bytes, prefill_step)
     except BaseException as e:
         return conn.send(("failed", e))
-    conn.send(("ready", tokenizer, context_length(model), model.args.vocab_size))
+    try:
+        conn.send(("ready", tokenizer, context_length(model), model.args.vocab_size))
+    except OSError:  # the server went while the model loaded
+        return
     while True:
         try:
             message = conn.recv()
