@@ -3,8 +3,8 @@
 The server answers each client on a thread of its own (text decoding, JSON, socket writes). With
 the engine on a thread of the same process, those threads and the engine's shared one interpreter
 lock: at 32 streaming clients on an H100 a token took 4.3 ms through the server, against 2.7 ms
-for the same requests fed to the engine alone (bench/LOG.md, thirteenth pass; with this process, 2.8-3.5
-ms: bench/RESULTS.md, "Serving"). Here a child process
+for the same requests fed to the engine alone; with this process, 2.8-3.5 ms (bench/RESULTS.md,
+"Serving"). Here a child process
 (a new interpreter, `python -m mlx_flashnorm.engine_process`: MLX's device state does not survive a
 fork) loads the model from the server's own flags and runs a batch.BatchWorker; the server
 process keeps only the tokenizer, which the child sends over once it has loaded. Requests and
