@@ -15,7 +15,7 @@ from mlx_flashnorm.worker import Generation
 
 from conftest import cli, openai_client, serving
 
-PROMPTS = ["What is the capital of France?", "Name a color.", "What is 2 + 2?"]
+PROMPTS = ["What is the capital of France?", "Name a color."]
 
 
 def flags(*extra):
@@ -42,16 +42,16 @@ def engine():
 
 
 def test_requests_get_their_one_process_answers(engine, smollm2):
-    """Three greedy requests at once (two slots: the third joins as one leaves) get the tokens a
-    lone request gets in this process; log-probabilities come over too."""
+    """Two greedy requests decoded together in the child get the tokens a lone request gets in this
+    process; log-probabilities come over too."""
     model, tokenizer = smollm2
     assert (engine.context_length, engine.vocab_size) == (8192, model.args.vocab_size)
     ids = [chat(engine.tokenizer, p) for p in PROMPTS]
     assert ids == [chat(tokenizer, p) for p in PROMPTS]  # the tokenizer the child sent over
-    tickets = [engine.submit(Generation(i, 8, top_logprobs=2)) for i in ids]
+    tickets = [engine.submit(Generation(i, 3, top_logprobs=2)) for i in ids]
     for i, ticket in zip(ids, tickets):
         got = tokens_of(ticket)
-        alone = [r.token for r in stream_generate(model, tokenizer, i, max_tokens=8)]
+        alone = [r.token for r in stream_generate(model, tokenizer, i, max_tokens=3)]
         assert [t.id for t in got] == alone
         assert all(t.top_logprobs[0][0] == t.id and t.logprob == t.top_logprobs[0][1] for t in got)
         assert got[-1].finish_reason in ("length", "stop") and all(t.finish_reason is None for t in got[:-1])
@@ -64,7 +64,7 @@ def test_a_cancelled_request_leaves_its_slot(engine):
     long_ones = [engine.submit(Generation(ids, 4000)) for _ in range(2)]
     assert long_ones[0].next(timeout=120) is not None
     long_ones[0].cancel()
-    assert len(tokens_of(engine.submit(Generation(ids, 3)))) == 3
+    assert len(tokens_of(engine.submit(Generation(ids, 2)))) == 2
     long_ones[1].cancel()
 
 
