@@ -236,9 +236,7 @@ class BatchEngine:
         self.waiting = deque(r for r in self.waiting if not r.cancelled)
         self.filling = [f for f in self.filling if not f.request.cancelled]
         self.joining = [j for j in self.joining if not j.request.cancelled]
-        for r in self.rows:
-            if r.cancelled:
-                self._release(r)
+        self._release([r for r in self.rows if r.cancelled])
 
     def _prefill(self):
         while self.waiting and len(self.rows) + len(self.filling) + len(self.joining) < self.max_batch:
@@ -376,7 +374,7 @@ class BatchEngine:
 
     def _read(self, step):
         """Events of a queued step's rows still in the batch (waiting for its tokens)."""
-        events = []
+        events, leaving = [], []
         tokens = step.tokens.tolist()
         for i, r in step.rows:  # i: its slot when the step was queued
             if r.slot is None:  # it left after this step was queued
@@ -387,7 +385,8 @@ class BatchEngine:
             finish = "stop" if t in r.stop_tokens else ("length" if len(r.generated) >= r.max_tokens else None)
             events.append(Event(r, t, step.logprobs[i], finish))
             if finish:
-                self._release(r)
+                leaving.append(r)
+        self._release(leaving)
         return events
 
     def _process(self, logits, rows):
@@ -402,13 +401,15 @@ class BatchEngine:
         logits[mx.array([i for i, _ in ruled])] = mx.concatenate(out).astype(logits.dtype)
         return logits
 
-    def _release(self, r):
-        """Take a row out of the batch, keeping what it read in the prompt cache."""
-        if self.prompt_cache is not None:
-            read = (r.tokens + r.generated)[:-1]  # the last token sampled was never fed
-            self.prompt_cache.store(read, self.slots.pairs(r.slot, len(read)))
-        self.slots.release(r.slot)
-        r.slot = None
+    def _release(self, rows):
+        """Take rows out of the batch, keeping what each read in the prompt cache (one copy per
+        layer for the rows leaving together)."""
+        if rows and self.prompt_cache is not None:
+            reads = [(r.tokens + r.generated)[:-1] for r in rows]  # the last token sampled was never fed
+            self.prompt_cache.store_rows(reads, self.slots.kv, [r.slot for r in rows])
+        for r in rows:
+            self.slots.release(r.slot)
+            r.slot = None
 
 
 def log_softmax(logits):

@@ -138,10 +138,6 @@ class Slots:
         self.fresh.pop(i, None)
         self.dirty = True
 
-    def pairs(self, i, n):
-        """Slot i's first n positions per layer, (1, heads, n, dim) each."""
-        return [(k[i:i + 1, :, :n, :], v[i:i + 1, :, :n, :]) for k, v in self.kv]
-
     def resized(self, size, capacity):
         """A new Slots of (size, capacity) holding the live rows, in order, from slot 0."""
         live = [i for i, r in enumerate(self.rows) if r is not None]

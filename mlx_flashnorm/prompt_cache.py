@@ -13,6 +13,7 @@ prefills only the rest.
 import json
 import os
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -35,7 +36,7 @@ class PromptCache:
 
     def __init__(self, max_bytes):
         self.max_bytes = max_bytes
-        self.entries = OrderedDict()  # tuple of token ids -> [(keys, values)] per layer, least recent first
+        self.entries = OrderedDict()  # token ids -> ([(keys, values)] per layer, its Block), least recent first
         self.table = None  # (keys, their token ids as rows): _shared
         self.nbytes = 0
 
@@ -54,7 +55,7 @@ class PromptCache:
             return 0, None
         n, best = int(shared[i]), self.table[0][i]
         self.entries.move_to_end(best)
-        return n, [(k[..., :n, :], v[..., :n, :]) for k, v in self.entries[best]]
+        return n, [(k[..., :n, :], v[..., :n, :]) for k, v in self.entries[best][0]]
 
     def _shared(self, tokens):
         """How many leading tokens each entry shares with tokens, in the order of self.table: the
@@ -75,33 +76,61 @@ class PromptCache:
         """Keep kv ([(keys, values)] per layer, over exactly tokens) as the most recent entry. An
         entry whose tokens begin this one is superseded and dropped; if a kept entry already begins
         with these tokens, nothing changes but its recency."""
-        key = tuple(tokens)
-        if kv and kv[0][0].shape[2] != len(key):
-            raise ValueError(f"a KV state of {kv[0][0].shape[2]} positions stored for {len(key)} tokens")
-        if not key or self.max_bytes <= 0:
+        if kv and kv[0][0].shape[2] != len(tokens):
+            raise ValueError(f"a KV state of {kv[0][0].shape[2]} positions stored for {len(tokens)} tokens")
+        self.store_rows([tokens], kv, [0])
+
+    def store_rows(self, seqs, kv, rows):
+        """store() for several sequences at once: seqs[j] is held by row rows[j] of kv ([(keys,
+        values)] per layer, (rows, heads, positions, dim), at least len(seqs[j]) positions). They
+        are copied out in one gather per layer (a batch's rows leaving together: not a copy per row
+        and layer), and their entries share that block, counted in nbytes until the last of them
+        goes."""
+        if self.max_bytes <= 0:
             return
-        if self.entries:
-            shared, keys = self._shared(key), self.table[0]
-            if (longer := np.flatnonzero(shared == len(key))).size:  # an entry begins with these tokens
-                self.entries.move_to_end(keys[longer[0]])
-                return
-            for i in np.flatnonzero(shared == np.array([len(k) for k in keys])):  # these tokens begin with it
-                self._drop(keys[i])
-        kv = [(mx.contiguous(k), mx.contiguous(v)) for k, v in kv]  # not a view of a larger buffer
-        size = sum(k.nbytes + v.nbytes for k, v in kv)
+        kept = {}  # key -> its row
+        for tokens, row in zip(seqs, rows):
+            key = tuple(tokens)
+            if not key or key in kept:
+                continue
+            if self.entries:
+                shared, keys = self._shared(key), self.table[0]
+                if (longer := np.flatnonzero(shared == len(key))).size:  # an entry begins with these tokens
+                    self.entries.move_to_end(keys[longer[0]])
+                    continue
+                for i in np.flatnonzero(shared == np.array([len(k) for k in keys])):  # these tokens begin with it
+                    self._drop(keys[i])
+            kept[key] = row
+        if not kept:
+            return
+        n, index = max(map(len, kept)), mx.array(list(kept.values()))
+        block = [(k[index, :, :n, :], v[index, :, :n, :]) for k, v in kv]  # copies, not views of kv
+        size = sum(k.nbytes + v.nbytes for k, v in block)
         if size > self.max_bytes:
             return
-        mx.async_eval(kv)  # the copies queued, not waited for: the batch's queued step runs on
-        self.entries[key] = kv
+        mx.async_eval(block)  # the copies queued, not waited for: the batch's queued step runs on
+        shares = Block(size, len(kept))
+        for j, key in enumerate(kept):
+            self.entries[key] = ([(k[j:j + 1, :, :len(key), :], v[j:j + 1, :, :len(key), :]) for k, v in block],
+                                 shares)
         self.table = None
         self.nbytes += size
         while self.nbytes > self.max_bytes:
             self._drop(next(iter(self.entries)))
 
     def _drop(self, key):
-        kv = self.entries.pop(key)
+        _, shares = self.entries.pop(key)
         self.table = None
-        self.nbytes -= sum(k.nbytes + v.nbytes for k, v in kv)
+        shares.entries -= 1
+        if not shares.entries:
+            self.nbytes -= shares.nbytes
+
+
+@dataclass
+class Block:
+    """The bytes of a gathered copy and how many entries still hold it."""
+    nbytes: int
+    entries: int
 
 
 # ---------------------------------------------------------------- on disk (--prompt-cache-file)

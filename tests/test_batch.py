@@ -239,6 +239,30 @@ def test_prompt_cache_finds_the_longest_prefix_among_its_entries():
     assert len(cache) == 3 and cache.fetch([5, 6, 1, 0])[0] == 3 and cache.fetch([5, 6, 2])[0] == 2
 
 
+def test_prompt_cache_rows_stored_together_share_one_copy():
+    """store_rows copies the rows out in one gather per layer; their entries hold the block, whose
+    bytes count once, until its last entry goes."""
+    keys = mx.arange(3 * 6 * 2, dtype=mx.float32).reshape(3, 1, 6, 2)
+    cache = PromptCache(1 << 20)
+    cache.store_rows([[1, 2, 3], [4, 5, 6, 7, 8], [9, 1]], [(keys, -keys)], [2, 0, 1])
+    block = 2 * 3 * 5 * 2 * 4  # keys and values, 3 rows of the longest's 5 positions, float32
+    assert len(cache) == 3 and cache.nbytes == block
+    n, got = cache.fetch([4, 5, 6, 7, 8, 0])
+    assert n == 5 and mx.array_equal(got[0][0], keys[0:1, :, :5]).item()
+    assert mx.array_equal(got[0][1], -keys[0:1, :, :5]).item()
+    n, got = cache.fetch([1, 2, 3, 0])
+    assert n == 3 and mx.array_equal(got[0][0], keys[2:3, :, :3]).item()
+
+    def one(n):  # one row's entry of n positions
+        return [(keys[:1, :, :n], keys[:1, :, :n])]
+
+    cache.store([1, 2, 3, 4], one(4))  # supersedes [1, 2, 3]: the block is still held by two
+    cache.store([9, 1, 2], one(3))
+    assert len(cache) == 3 and cache.nbytes == block + 2 * 4 * 2 * 4 + 2 * 3 * 2 * 4
+    cache.store([4, 5, 6, 7, 8, 1], one(6))  # the block's last entry goes
+    assert len(cache) == 3 and cache.nbytes == 2 * (4 + 3 + 6) * 2 * 4
+
+
 def test_cancel_and_context(llama):
     """A cancelled request leaves at the next step while the others go on; max_tokens is cut to
     the context; a prompt that fills the context is refused."""
