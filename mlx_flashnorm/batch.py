@@ -39,7 +39,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 from . import forms
 from .batch_cache import Slots, bucket, kv_layout, needed_capacity
 from .generate import context_length, make_sampler_for
-from .prompt_cache import PromptCache
+from .prompt_cache import PromptCache, common_prefix
 from .worker import Ticket, serve_on_thread, token_of
 
 
@@ -116,14 +116,6 @@ class Joining(NamedTuple):
     request: Request
     kv: list
     length: int
-
-
-def shared_prefix(seqs):
-    """How many leading tokens all of seqs share."""
-    n = min(map(len, seqs))
-    for a in seqs[1:]:
-        n = next((i for i in range(n) if a[i] != seqs[0][i]), n)
-    return n
 
 
 class Step(NamedTuple):
@@ -290,9 +282,10 @@ class BatchEngine:
             self.prefilled += len(t) + 1  # and the last prompt token, computed in the decode step
             self.joining.append(Joining(f.request, kv, start + len(t)))
         if self.prompt_cache is not None:  # the prefix the group shares, for requests to come (each
-            common = shared_prefix([f.request.tokens[:-1] for f in group])  # row's own at _release)
+            first = group[0].request.tokens[:-1]  # row's own at _release)
+            common = min(common_prefix(first, f.request.tokens[:-1]) for f in group[1:])
             if common > start:
-                self.prompt_cache.store(group[0].request.tokens[:common],
+                self.prompt_cache.store(first[:common],
                                         [(k[:1, :, :common, :], v[:1, :, :common, :]) for k, v in kv])
         self.prefill_calls += 1
         return longest * len(group)

@@ -37,7 +37,7 @@ class PromptCache:
     def __init__(self, max_bytes):
         self.max_bytes = max_bytes
         self.entries = OrderedDict()  # token ids -> ([(keys, values)] per layer, its Block), least recent first
-        self.table = None  # (keys, their token ids as rows): _shared
+        self.table = None  # (keys, their token ids as rows, their lengths): _shared
         self.nbytes = 0
 
     def __len__(self):
@@ -66,7 +66,7 @@ class PromptCache:
             rows = np.full((len(keys), max(map(len, keys))), -1, np.int64)
             for i, key in enumerate(keys):
                 rows[i, :len(key)] = key
-            self.table = keys, rows
+            self.table = keys, rows, np.array([len(key) for key in keys])
         rows = self.table[1]
         n = min(len(tokens), rows.shape[1])
         same = rows[:, :n] == np.asarray(tokens[:n], np.int64)
@@ -94,11 +94,11 @@ class PromptCache:
             if not key or key in kept:
                 continue
             if self.entries:
-                shared, keys = self._shared(key), self.table[0]
+                shared, (keys, _, lengths) = self._shared(key), self.table
                 if (longer := np.flatnonzero(shared == len(key))).size:  # an entry begins with these tokens
                     self.entries.move_to_end(keys[longer[0]])
                     continue
-                for i in np.flatnonzero(shared == np.array([len(k) for k in keys])):  # these tokens begin with it
+                for i in np.flatnonzero(shared == lengths):  # these tokens begin with it
                     self._drop(keys[i])
             kept[key] = row
         if not kept:
