@@ -12,10 +12,14 @@ decodes alike at any batch size. Rows go in passes of G (8 or 16, GMAX: as many 
 and the shared memory holds; down_proj's wider input in passes of GD <= G, in chunks where even 8
 rows of it do not fit). A matvec phase's items, (pass, tile), are spread over the grid, so that a
 batch of several passes fills more of it at once (when each block ran its tiles pass after pass,
-a 32-row step took 3.6-3.8 ms against 2.4-2.6: bench/RESULTS.md, "The batched step"); a block
-loads a pass's input rows when its item is of another pass. The residual stream lives in device
-memory (two buffers, one read and one written per phase), and so do each row's 1/RSSe and
-deferred scale, written by the block of its pass's first tile. Attention is split over (row, kv
+a 32-row step took 3.6-3.8 ms against 2.4-2.6: bench/RESULTS.md, "The batched step"); item i is
+of pass i % passes, so a block's next item (i + grid) is of the same pass and keeps its input
+rows. The residual stream lives in device memory (two buffers, one read and one written per
+phase), and so do each row's 1/RSSe and deferred scale, written by the block of its pass's first
+tile. Each block of a phase waits for its pass's rows, so their loads' latency is the phase's:
+4 values a load, several in flight (one value a load, each half-precision value converted next to
+its load and so waited for, made the norms 16 us of a 32-row layer's 86: bench/RESULTS.md, "The
+batched step"); their squares are summed in the one-row kernel's order. Attention is split over (row, kv
 head, split of positions), each row into the one-row kernel's splits at its position, capped so
 the batch's items about fill the grid once; the splits are merged once, over the grid, in a phase
 of their own.
@@ -40,6 +44,13 @@ GMAX = 16  # rows per pass, at most: 32 was slower (H100, 2026-11-26: 3.88 ms a 
 SHARED_MAX = 160 * 1024  # dynamic shared bytes a launch may ask for (227 KB per block on Hopper)
 
 _HEADER = r"""
+template <typename A> struct fn_raw4 { using type = uint2; };  // 4 values of A as one load (16-bit A)
+template <> struct fn_raw4<float> { using type = float4; };
+template <typename A> __device__ inline float4 fn_four(typename fn_raw4<A>::type v) {
+  const A* h = reinterpret_cast<const A*>(&v);
+  return make_float4(fn_f(h[0]), fn_f(h[1]), fn_f(h[2]), fn_f(h[3]));
+}
+template <> __device__ inline float4 fn_four<float>(float4 v) { return v; }
 template <typename T, typename A, int G>
 __device__ inline void fn_row_norms(const A* a, const float* as, const float* r, float* rout, const float* gain,
                                     long at0, int rows, int K, float* xin, int xs, float (*red)[G], float* srow,
@@ -47,39 +58,64 @@ __device__ inline void fn_row_norms(const A* a, const float* as, const float* r,
   // for `rows` rows (of G) from element at0: p = a * as + r (as, one per row, and r optional)
   // rounded to T, into rout (by the writer: one block) and, times gain (optional), into the shared
   // input rows (row g at xin + g * xs); then each row's 1/RSSe and its power of two P (half
-  // precision) into srow and prow
-  float ss[G], sc[G];
-  #pragma unroll
-  for (int g = 0; g < G; ++g) {
-    ss[g] = 0.0f;
-    sc[g] = as && g < rows ? __ldcg(as + g) : 1.0f;
-  }
-  for (int i = threadIdx.x; i < K; i += blockDim.x) {
-    float av[G], rv[G];  // the rows' loads issued together, then used
+  // precision) into srow and prow. A thread loads 4 values at a time, R loads in flight (a value is
+  // converted where it is used: a conversion next to its load waits for it); the squares are then
+  // summed from shared memory in the one-row kernel's order (value i by thread i % blockDim.x, its
+  // warp's sum, the warps' in order), so a row's norm is the one it gets alone.
+  using Raw = typename fn_raw4<A>::type;
+  constexpr int R = 4;
+  const int per = K / 4, total = rows * per;
+  for (int e0 = threadIdx.x; e0 < total; e0 += R * blockDim.x) {
+    Raw av[R];
+    float4 rv[R];
+    float sv[R];
     #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      if (g < rows) {
-        av[g] = fn_f(__ldcg(a + at0 + long(g) * K + i));
-        rv[g] = r ? __ldcg(r + at0 + long(g) * K + i) : 0.0f;
+    for (int u = 0; u < R; ++u) {
+      const int e = e0 + u * blockDim.x;
+      if (e < total) {
+        const long at = at0 + long(e / per) * K + 4 * (e % per);
+        av[u] = __ldcg(reinterpret_cast<const Raw*>(a + at));
+        rv[u] = r ? __ldcg(reinterpret_cast<const float4*>(r + at)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        sv[u] = as ? __ldcg(as + e / per) : 1.0f;
       }
     }
     #pragma unroll
+    for (int u = 0; u < R; ++u) {
+      const int e = e0 + u * blockDim.x;
+      if (e < total) {
+        const int g = e / per, c = 4 * (e % per);
+        const float4 v = fn_four<A>(av[u]);
+        float pv[4] = {v.x, v.y, v.z, v.w};
+        const float rr[4] = {rv[u].x, rv[u].y, rv[u].z, rv[u].w};
+        #pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          if (as) pv[k] *= sv[u];
+          if (r) pv[k] += rr[k];
+          pv[k] = fn_f(fn_cast<T>(pv[k]));
+        }
+        const float4 p = make_float4(pv[0], pv[1], pv[2], pv[3]);
+        if (writer) *reinterpret_cast<float4*>(rout + at0 + long(g) * K + c) = p;
+        *reinterpret_cast<float4*>(xin + g * xs + c) = p;
+      }
+    }
+  }
+  __syncthreads();
+  float ss[G];
+  #pragma unroll
+  for (int g = 0; g < G; ++g) ss[g] = 0.0f;
+  for (int i = threadIdx.x; i < K; i += blockDim.x) {
+    const float gv = gain ? __ldg(gain + i) : 1.0f;
+    #pragma unroll
     for (int g = 0; g < G; ++g) {
       if (g < rows) {
-        const long at = at0 + long(g) * K + i;
-        float t = av[g];
-        if (as) t *= sc[g];
-        if (r) t += rv[g];
-        const float tp = fn_f(fn_cast<T>(t));
-        if (writer) rout[at] = tp;
-        ss[g] += tp * tp;
-        xin[g * xs + i] = gain ? tp * gain[i] : tp;
+        const float p = xin[g * xs + i];
+        ss[g] += p * p;
+        if (gain) xin[g * xs + i] = p * gv;
       }
     }
   }
   #pragma unroll
   for (int g = 0; g < G; ++g) ss[g] = fn_warp_sum(ss[g]);
-  __syncthreads();
   if (threadIdx.x % 32 == 0) {
     #pragma unroll
     for (int g = 0; g < G; ++g) red[threadIdx.x / 32][g] = ss[g];
@@ -282,7 +318,7 @@ _ROWS_BODY = """
 LAYER
     // 1. per row: p = x * xs + r, s = 1/RSSe(p); the q/k/v rows of p * g
     for (int item = blockIdx.x, have = -1; item < NP * (NQKV / 16); item += NB) {
-      const int b0 = item / (NQKV / 16) * G, tile = item % (NQKV / 16), rows = min(G, B - b0);
+      const int b0 = item % NP * G, tile = item / NP, rows = min(G, B - b0);
       if (b0 != have) {
         fn_row_norms<T, T, G>(l == 0 ? x : y, l == 0 ? nullptr : xsg + b0, l == 0 ? nullptr : res0, res1,
                               has_g ? g1 : nullptr, long(b0) * K, rows, K, xin, XS, red, srow + b0, prow + b0,
@@ -321,7 +357,7 @@ ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by th
     fn_grid_sync(bar, target += NB);
     // 4. per row: o_proj
     for (int item = blockIdx.x, have = -1; item < NP * (K / 16); item += NB) {
-      const int b0 = item / (K / 16) * G, tile = item % (K / 16), rows = min(G, B - b0);
+      const int b0 = item % NP * G, tile = item / NP, rows = min(G, B - b0);
       if (b0 != have) {
         fn_rows_in(mbuf + long(b0) * KO, KO, KO, rows, xin, XS);
         fn_span_sums(xin, XS, xsum, SS, rows, KO / 32);
@@ -336,7 +372,7 @@ ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by th
     fn_grid_sync(bar, target += NB);
     // 5. per row: p2 = o + p, s2 = 1/RSSe(p2), gate/up rows of p2 * g2, a = silu(gate * s2) * up * P2
     for (int item = blockIdx.x, have = -1; item < NP * (I / 16); item += NB) {
-      const int b0 = item / (I / 16) * G, tile = item % (I / 16), rows = min(G, B - b0);
+      const int b0 = item % NP * G, tile = item / NP, rows = min(G, B - b0);
       if (b0 != have) {
         fn_row_norms<T, float, G>(obuf, nullptr, res1, res0, has_g ? g2 : nullptr, long(b0) * K, rows, K, xin, XS,
                                   red, srow + b0, prow + b0, K * eps, prescale, tile == 0);
@@ -358,7 +394,7 @@ ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by th
     // 6. per row: down_proj (its scale xsg deferred to the next layer's add); its input in chunks
     // of IC values where all I do not fit the shared memory (then each item loads them anew)
     for (int item = blockIdx.x, have = -1; item < NPD * (K / 16); item += NB) {
-      const int b0 = item / (K / 16) * GD, tile = item % (K / 16), rows = min(GD, B - b0);
+      const int b0 = item % NPD * GD, tile = item / NPD, rows = min(GD, B - b0);
       if (IC >= I && b0 != have) {
         fn_rows_in(abuf + long(b0) * I, I, I, rows, xin, XSD);
         fn_span_sums(xin, XSD, xsum, SSD, rows, I / 32);

@@ -6,6 +6,12 @@ read through a pointer table (table)."""
 ARRAYS = ("wqkv", "sqkv", "bqkv", "wo", "so", "bo", "wgu", "sgu", "bgu", "wd", "sd", "bd", "kc", "vc")
 
 HEADER = """
+constexpr int UA = 2;  // rounds of a warp's attention positions loaded at once (ATTEND)
+template <typename U, int N> __device__ inline void fn_unpack(uint4 w, float* out) {
+  const U* e = reinterpret_cast<const U*>(&w);  // N values of U, 16 bytes, as loaded
+  #pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = fn_f(e[i]);
+}
 __device__ inline void fn_grid_sync(unsigned int* bar, unsigned int target) {
   // every block of the grid arrives before any leaves (all blocks are resident: one per SM);
   // the count only grows within a launch, and the last block out resets it (fn_grid_exit)
@@ -153,26 +159,41 @@ ATTEND = """      for (int vi = warp; vi < GQ + 2; vi += NW) {
         m[h] = -1e30f;
         lz[h] = 0.0f;
       }
-      for (int j0 = lo + warp * RPW; j0 < hi; j0 += NW * RPW) {  // the same trip count for a warp
-        const int j = j0 + grp;
-        const bool ok = j < hi;
-        const long row = (cbase + (ok ? j : j0)) * D + sub * EPL;
-        float kf[EPL], vf[EPL];
-        fn_load<T, EPL>(kc + row, kf);
-        fn_load<T, EPL>(vc + row, vf);
+      // a warp's positions UA rounds at a time, their loads issued before any is used (a
+      // conversion next to its load would wait for it); the same trip count for a warp
+      for (int j00 = lo + warp * RPW; j00 < hi; j00 += UA * NW * RPW) {
+        uint4 kw[UA], vw[UA];
         #pragma unroll
-        for (int h = 0; h < GQ; ++h) {
-          float t = 0.0f;
+        for (int u = 0; u < UA; ++u) {
+          const int j0 = j00 + u * NW * RPW, j = j0 + grp;
+          if (j0 < hi) {
+            const long row = (cbase + (j < hi ? j : j0)) * D + sub * EPL;
+            kw[u] = *reinterpret_cast<const uint4*>(kc + row);
+            vw[u] = *reinterpret_cast<const uint4*>(vc + row);
+          }
+        }
+        #pragma unroll
+        for (int u = 0; u < UA; ++u) {
+          const int j0 = j00 + u * NW * RPW, j = j0 + grp;
+          if (j0 >= hi) break;
+          const bool ok = j < hi;
+          float kf[EPL], vf[EPL];
+          fn_unpack<T, EPL>(kw[u], kf);
+          fn_unpack<T, EPL>(vw[u], vf);
           #pragma unroll
-          for (int e = 0; e < EPL; ++e) t += qv[h][e] * kf[e];
-          #pragma unroll
-          for (int x2 = LPR / 2; x2 > 0; x2 >>= 1) t += fn_shfl_xor(t, x2);
-          if (ok) {
-            const float mn = fmaxf(m[h], t), corr = exp2f(m[h] - mn), w = exp2f(t - mn);
-            lz[h] = lz[h] * corr + w;
+          for (int h = 0; h < GQ; ++h) {
+            float t = 0.0f;
             #pragma unroll
-            for (int e = 0; e < EPL; ++e) acc[h][e] = acc[h][e] * corr + w * vf[e];
-            m[h] = mn;
+            for (int e = 0; e < EPL; ++e) t += qv[h][e] * kf[e];
+            #pragma unroll
+            for (int x2 = LPR / 2; x2 > 0; x2 >>= 1) t += fn_shfl_xor(t, x2);
+            if (ok) {
+              const float mn = fmaxf(m[h], t), corr = exp2f(m[h] - mn), w = exp2f(t - mn);
+              lz[h] = lz[h] * corr + w;
+              #pragma unroll
+              for (int e = 0; e < EPL; ++e) acc[h][e] = acc[h][e] * corr + w * vf[e];
+              m[h] = mn;
+            }
           }
         }
       }
