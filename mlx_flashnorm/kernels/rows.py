@@ -14,12 +14,14 @@ rows of it do not fit). A matvec phase's items, (pass, tile), are spread over th
 batch of several passes fills more of it at once (when each block ran its tiles pass after pass,
 a 32-row step took 3.6-3.8 ms against 2.4-2.6: bench/RESULTS.md, "The batched step"); item i is
 of pass i % passes, so a block's next item (i + grid) is of the same pass and keeps its input
-rows. The residual stream lives in device memory (two buffers, one read and one written per
-phase), and so do each row's 1/RSSe and deferred scale, written by the block of its pass's first
-tile. Each block of a phase waits for its pass's rows, so their loads' latency is the phase's:
-4 values a load, several in flight (one value a load, each half-precision value converted next to
-its load and so waited for, made the norms 16 us of a 32-row layer's 86: bench/RESULTS.md, "The
-batched step"); their squares are summed in the one-row kernel's order. Attention is split over (row, kv
+rows. The residual stream lives in device memory, in two buffers: o_proj's and down_proj's stores
+add their outputs to it (down_proj's times its deferred scale), each value once, and the blocks of
+the next phase load the sums; each row's 1/RSSe and deferred scale are there too, written by the
+block of its pass's first tile. Each block of a phase waits for its pass's rows, so their loads'
+latency is the phase's: 4 values a load, several in flight (one value a load, each
+half-precision value converted next to its load and so waited for, made the norms 16 us of a
+32-row layer's 86: bench/RESULTS.md, "The batched step"); their squares are summed in the one-row
+kernel's order. Attention is split over (row, kv
 head, split of positions), each row into the one-row kernel's splits at its position, capped so
 the batch's items about fill the grid once; the splits are merged once, over the grid, in a phase
 of their own.
@@ -51,33 +53,26 @@ template <typename A> __device__ inline float4 fn_four(typename fn_raw4<A>::type
   return make_float4(fn_f(h[0]), fn_f(h[1]), fn_f(h[2]), fn_f(h[3]));
 }
 template <> __device__ inline float4 fn_four<float>(float4 v) { return v; }
-template <typename T, typename A, int G>
-__device__ inline void fn_row_norms(const A* a, const float* as, const float* r, float* rout, const float* gain,
-                                    long at0, int rows, int K, float* xin, int xs, float (*red)[G], float* srow,
-                                    float* prow, float keps, bool prescale, bool writer) {
-  // for `rows` rows (of G) from element at0: p = a * as + r (as, one per row, and r optional)
-  // rounded to T, into rout (by the writer: one block) and, times gain (optional), into the shared
-  // input rows (row g at xin + g * xs); then each row's 1/RSSe and its power of two P (half
-  // precision) into srow and prow. A thread loads 4 values at a time, R loads in flight (a value is
-  // converted where it is used: a conversion next to its load waits for it); the squares are then
-  // summed from shared memory in the one-row kernel's order (value i by thread i % blockDim.x, its
-  // warp's sum, the warps' in order), so a row's norm is the one it gets alone.
+template <typename A, int G>
+__device__ inline void fn_row_norms(const A* a, float* rout, const float* gain, long at0, int rows, int K, float* xin,
+                                    int xs, float (*red)[G], float* srow, float* prow, float keps, bool prescale,
+                                    bool writer) {
+  // for `rows` rows (of G) of p (a, from element at0; its values those of the activation dtype):
+  // p into rout (by the writer: one block) and, times gain (optional), into the shared input rows
+  // (row g at xin + g * xs); then each row's 1/RSSe and its power of two P (half precision) into
+  // srow and prow. A thread loads 4 values at a time, R loads in flight (a value is converted where
+  // it is used: a conversion next to its load waits for it); the squares are then summed from
+  // shared memory in the one-row kernel's order (value i by thread i % blockDim.x, its warp's sum,
+  // the warps' in order), so a row's norm is the one it gets alone.
   using Raw = typename fn_raw4<A>::type;
   constexpr int R = 4;
   const int per = K / 4, total = rows * per;
   for (int e0 = threadIdx.x; e0 < total; e0 += R * blockDim.x) {
     Raw av[R];
-    float4 rv[R];
-    float sv[R];
     #pragma unroll
     for (int u = 0; u < R; ++u) {
       const int e = e0 + u * blockDim.x;
-      if (e < total) {
-        const long at = at0 + long(e / per) * K + 4 * (e % per);
-        av[u] = __ldcg(reinterpret_cast<const Raw*>(a + at));
-        rv[u] = r ? __ldcg(reinterpret_cast<const float4*>(r + at)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        sv[u] = as ? __ldcg(as + e / per) : 1.0f;
-      }
+      if (e < total) av[u] = __ldcg(reinterpret_cast<const Raw*>(a + at0 + long(e / per) * K + 4 * (e % per)));
     }
     #pragma unroll
     for (int u = 0; u < R; ++u) {
@@ -85,17 +80,8 @@ __device__ inline void fn_row_norms(const A* a, const float* as, const float* r,
       if (e < total) {
         const int g = e / per, c = 4 * (e % per);
         const float4 v = fn_four<A>(av[u]);
-        float pv[4] = {v.x, v.y, v.z, v.w};
-        const float rr[4] = {rv[u].x, rv[u].y, rv[u].z, rv[u].w};
-        #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          if (as) pv[k] *= sv[u];
-          if (r) pv[k] += rr[k];
-          pv[k] = fn_f(fn_cast<T>(pv[k]));
-        }
-        const float4 p = make_float4(pv[0], pv[1], pv[2], pv[3]);
-        if (writer) *reinterpret_cast<float4*>(rout + at0 + long(g) * K + c) = p;
-        *reinterpret_cast<float4*>(xin + g * xs + c) = p;
+        if (writer) *reinterpret_cast<float4*>(rout + at0 + long(g) * K + c) = v;
+        *reinterpret_cast<float4*>(xin + g * xs + c) = v;
       }
     }
   }
@@ -282,10 +268,9 @@ _ROWS_BODY = """
   unsigned int target = 0;
   float* raw = work;                                // B * NQKV
   float* part = raw + long(B) * NQKV;               // B * HQ * SMAX * (D + 2)
-  float* obuf = part + long(B) * HQ * SMAX * (D + 2);  // B * K
-  float* abuf = obuf + long(B) * K;                 // B * I
-  float* res0 = abuf + long(B) * I;                 // B * K: the stream after a layer (read by phase 1)
-  float* res1 = res0 + long(B) * K;                 // B * K: the stream after phase 1 (read by phase 4)
+  float* abuf = part + long(B) * HQ * SMAX * (D + 2);  // B * I
+  float* res0 = abuf + long(B) * I;                 // B * K: the stream after attention (p2, phase 4's)
+  float* res1 = res0 + long(B) * K;                 // B * K: the stream before it (p, phase 6's or x)
   float* mbuf = res1 + long(B) * K;                 // B * KO: attention's output, the splits merged
   float* s1g = mbuf + long(B) * KO;                 // B each: per row 1/RSSe and its power of two (phase
   float* p1g = s1g + B;                             // 1, for attention), down_proj's deferred scale
@@ -316,13 +301,16 @@ _ROWS_BODY = """
   const int NP = (B + G - 1) / G, NPD = (B + GD - 1) / GD;
   for (int l = 0; l < NL; ++l) {
 LAYER
-    // 1. per row: p = x * xs + r, s = 1/RSSe(p); the q/k/v rows of p * g
+    // 1. per row: p (x in the first layer, then res1), s = 1/RSSe(p); the q/k/v rows of p * g
     for (int item = blockIdx.x, have = -1; item < NP * (NQKV / 16); item += NB) {
       const int b0 = item % NP * G, tile = item / NP, rows = min(G, B - b0);
       if (b0 != have) {
-        fn_row_norms<T, T, G>(l == 0 ? x : y, l == 0 ? nullptr : xsg + b0, l == 0 ? nullptr : res0, res1,
-                              has_g ? g1 : nullptr, long(b0) * K, rows, K, xin, XS, red, srow + b0, prow + b0,
-                              K * eps, prescale, tile == 0);
+        if (l == 0)
+          fn_row_norms<T, G>(x, res1, has_g ? g1 : nullptr, long(b0) * K, rows, K, xin, XS, red,
+                                srow + b0, prow + b0, K * eps, prescale, tile == 0);
+        else
+          fn_row_norms<float, G>(res1, nullptr, has_g ? g1 : nullptr, long(b0) * K, rows, K, xin, XS,
+                                    red, srow + b0, prow + b0, K * eps, prescale, false);
         if (tile == 0 && threadIdx.x < rows) {  // for attention, in every block
           s1g[b0 + threadIdx.x] = srow[b0 + threadIdx.x];
           p1g[b0 + threadIdx.x] = prow[b0 + threadIdx.x];
@@ -355,7 +343,7 @@ ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by th
       mbuf[e] = fn_f(fn_cast<T>(fn_merged(part + (long(b) * HQ + k / D) * SMAX * (D + 2), S, D, k % D)));
     }
     fn_grid_sync(bar, target += NB);
-    // 4. per row: o_proj
+    // 4. per row: o_proj, and p2 = o + p into res0
     for (int item = blockIdx.x, have = -1; item < NP * (K / 16); item += NB) {
       const int b0 = item % NP * G, tile = item / NP, rows = min(G, B - b0);
       if (b0 != have) {
@@ -366,16 +354,17 @@ ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by th
       float acc[NT][4] = {};
       fn_tile<T, BITS, NT>(wo, so, bo, tile * 16, KO / 32, 0, KO / 32, KO / GS, GS, xin, XS, xsum, SS, acc);
       fn_tile_store<NT>(acc, rb, rows, [&](int f, int n, float v) {
-        obuf[long(b0 + n) * K + tile * 16 + f] = fn_f(fn_cast<T>(v));
+        const long at = long(b0 + n) * K + tile * 16 + f;
+        res0[at] = fn_f(fn_cast<T>(fn_f(fn_cast<T>(v)) + __ldcg(res1 + at)));
       });
     }
     fn_grid_sync(bar, target += NB);
-    // 5. per row: p2 = o + p, s2 = 1/RSSe(p2), gate/up rows of p2 * g2, a = silu(gate * s2) * up * P2
+    // 5. per row: s2 = 1/RSSe(p2), gate/up rows of p2 * g2, a = silu(gate * s2) * up * P2
     for (int item = blockIdx.x, have = -1; item < NP * (I / 16); item += NB) {
       const int b0 = item % NP * G, tile = item / NP, rows = min(G, B - b0);
       if (b0 != have) {
-        fn_row_norms<T, float, G>(obuf, nullptr, res1, res0, has_g ? g2 : nullptr, long(b0) * K, rows, K, xin, XS,
-                                  red, srow + b0, prow + b0, K * eps, prescale, tile == 0);
+        fn_row_norms<float, G>(res0, nullptr, has_g ? g2 : nullptr, long(b0) * K, rows, K, xin, XS,
+                                  red, srow + b0, prow + b0, K * eps, prescale, false);
         if (tile == 0 && threadIdx.x < rows)  // down_proj's deferred scale, for the next layer
           xsg[b0 + threadIdx.x] = srow[b0 + threadIdx.x] / prow[b0 + threadIdx.x];
         fn_span_sums(xin, XS, xsum, SS, rows, K / 32);
@@ -391,8 +380,9 @@ ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by th
       });
     }
     fn_grid_sync(bar, target += NB);
-    // 6. per row: down_proj (its scale xsg deferred to the next layer's add); its input in chunks
-    // of IC values where all I do not fit the shared memory (then each item loads them anew)
+    // 6. per row: down_proj, its scale xsg deferred to the next layer's add p = y * xs + p2 (into
+    // res1; the last layer's y is the output); its input in chunks of IC values where all I do not
+    // fit the shared memory (then each item loads them anew)
     for (int item = blockIdx.x, have = -1; item < NPD * (K / 16); item += NB) {
       const int b0 = item % NPD * GD, tile = item / NPD, rows = min(GD, B - b0);
       if (IC >= I && b0 != have) {
@@ -411,7 +401,9 @@ ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by th
         if (IC < I) __syncthreads();  // the chunk read before the next is loaded
       }
       fn_tile_store<NTD>(acc, rb, rows, [&](int f, int n, float v) {
-        y[long(b0 + n) * K + tile * 16 + f] = fn_cast<T>(v);
+        const long at = long(b0 + n) * K + tile * 16 + f;
+        if (l + 1 == NL) y[at] = fn_cast<T>(v);
+        else res1[at] = fn_f(fn_cast<T>(fn_f(fn_cast<T>(v)) * __ldcg(xsg + b0 + n) + __ldcg(res0 + at)));
       });
     }
     if (l + 1 < NL) fn_grid_sync(bar, target += NB);
@@ -484,7 +476,7 @@ def launch_plan(B, K, I, D, n_heads, n_kv_heads, L):
     """(template, work, shared) of a launch for B rows: its rows per pass (G, GD, IC:
     rows_per_pass), its work buffer's floats and its shared memory bytes."""
     G, GD, IC = rows_per_pass(B, max(K, n_heads * D), I)
-    work = B * ((n_heads + 2 * n_kv_heads) * D + n_heads * step.SMAX * (D + 2) + 3 * K + I + n_heads * D + 3)
+    work = B * ((n_heads + 2 * n_kv_heads) * D + n_heads * step.SMAX * (D + 2) + 2 * K + I + n_heads * D + 3)
     return ([("G", G), ("GD", GD), ("IC", IC)], work,
             shared_bytes(G, GD, max(K, n_heads * D), IC, D, n_heads // n_kv_heads, L))
 
