@@ -169,8 +169,11 @@ def launch(kernel, x, positions, layers, caches, gains, qk_gains, theta, eps, fa
         template=[("T", x.dtype), ("BITS", bits), ("D", D), ("GQ", n_heads // n_kv_heads), ("NL", len(layers)),
                   ("SMAX", SMAX), *template],
         grid=(sm_count() * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
-        output_shapes=[x.shape, x.shape, x.shape[:-1] + (1,), (work,)],
+        output_shapes=[x.shape, x.shape, (max(x.shape[0], 4),), (work,)],
         output_dtypes=[x.dtype, x.dtype, mx.float32, mx.float32], shared_memory=shared_memory)
+    # ys (a float a row) comes in 16 bytes at least and is read through a view: MLX keeps an array
+    # of 8 bytes or less in a managed page, which the next kernel reading it waits on
+    ys = ys[:x.shape[0]].reshape(x.shape[:-1] + (1,))
     flat = mx.depends([a for kv in caches for a in kv], [y])
     out = y, ys, p, list(zip(flat[0::2], flat[1::2]))
     return out + (scratch,) if keep_work else out
