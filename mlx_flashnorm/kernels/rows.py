@@ -21,10 +21,9 @@ block of its pass's first tile. Each block of a phase waits for its pass's rows,
 latency is the phase's: 4 values a load, several in flight (one value a load, each
 half-precision value converted next to its load and so waited for, made the norms 16 us of a
 32-row layer's 86: bench/RESULTS.md, "The batched step"); their squares are summed in the one-row
-kernel's order. Attention is split over (row, kv
-head, split of positions), each row into the one-row kernel's splits at its position, capped so
-the batch's items about fill the grid once; the splits are merged once, over the grid, in a phase
-of their own.
+kernel's order. Attention is split over (row, kv head, split of positions), each row into the
+one-row kernel's splits at its position, capped so the batch's items about fill the grid once; the
+splits are merged once, over the grid, in a phase of their own.
 
 Before the tensor cores (2026-11-26, H200), a warp multiplied each weight row into G <= 8 rows on
 the CUDA cores, one shared load per product: 9.6 ms a step at 32 rows, 18.4 at 64, slower than the
