@@ -39,10 +39,13 @@ __device__ inline float fn_warp_max(float v) {
   return v;
 }
 __device__ inline float fn_shfl_xor(float v, int k) { return __shfl_xor_sync(0xffffffff, v, k); }
-template <typename U, int N> __device__ inline void fn_load(const U* p, float* out) {
-  const uint4 w = *reinterpret_cast<const uint4*>(p);  // N values of U, 16 bytes, in one load
-  const U* e = reinterpret_cast<const U*>(&w);
+template <typename U, int N> __device__ inline void fn_unpack(uint4 w, float* out) {
+  const U* e = reinterpret_cast<const U*>(&w);  // N values of U, 16 bytes, as loaded
+  #pragma unroll
   for (int i = 0; i < N; ++i) out[i] = fn_f(e[i]);
+}
+template <typename U, int N> __device__ inline void fn_load(const U* p, float* out) {
+  fn_unpack<U, N>(*reinterpret_cast<const uint4*>(p), out);  // in one load
 }
 """,
     "metal": """

@@ -54,10 +54,9 @@ template <typename A> __device__ inline float4 fn_four(typename fn_raw4<A>::type
 template <> __device__ inline float4 fn_four<float>(float4 v) { return v; }
 template <typename A, int G>
 __device__ inline void fn_row_norms(const A* a, float* rout, const float* gain, long at0, int rows, int K, float* xin,
-                                    int xs, float (*red)[G], float* srow, float* prow, float keps, bool prescale,
-                                    bool writer) {
+                                    int xs, float (*red)[G], float* srow, float* prow, float keps, bool prescale) {
   // for `rows` rows (of G) of p (a, from element at0; its values those of the activation dtype):
-  // p into rout (by the writer: one block) and, times gain (optional), into the shared input rows
+  // p into rout (optional: one block writes it) and, times gain (optional), into the shared input rows
   // (row g at xin + g * xs); then each row's 1/RSSe and its power of two P (half precision) into
   // srow and prow. A thread loads 4 values at a time, R loads in flight (a value is converted where
   // it is used: a conversion next to its load waits for it); the squares are then summed from
@@ -79,7 +78,7 @@ __device__ inline void fn_row_norms(const A* a, float* rout, const float* gain, 
       if (e < total) {
         const int g = e / per, c = 4 * (e % per);
         const float4 v = fn_four<A>(av[u]);
-        if (writer) *reinterpret_cast<float4*>(rout + at0 + long(g) * K + c) = v;
+        if (rout) *reinterpret_cast<float4*>(rout + at0 + long(g) * K + c) = v;
         *reinterpret_cast<float4*>(xin + g * xs + c) = v;
       }
     }
@@ -305,11 +304,11 @@ LAYER
       const int b0 = item % NP * G, tile = item / NP, rows = min(G, B - b0);
       if (b0 != have) {
         if (l == 0)
-          fn_row_norms<T, G>(x, res1, has_g ? g1 : nullptr, long(b0) * K, rows, K, xin, XS, red,
-                                srow + b0, prow + b0, K * eps, prescale, tile == 0);
+          fn_row_norms<T, G>(x, tile == 0 ? res1 : nullptr, has_g ? g1 : nullptr, long(b0) * K, rows, K, xin, XS,
+                             red, srow + b0, prow + b0, K * eps, prescale);
         else
-          fn_row_norms<float, G>(res1, nullptr, has_g ? g1 : nullptr, long(b0) * K, rows, K, xin, XS,
-                                    red, srow + b0, prow + b0, K * eps, prescale, false);
+          fn_row_norms<float, G>(res1, nullptr, has_g ? g1 : nullptr, long(b0) * K, rows, K, xin, XS, red,
+                                 srow + b0, prow + b0, K * eps, prescale);
         if (tile == 0 && threadIdx.x < rows) {  // for attention, in every block
           s1g[b0 + threadIdx.x] = srow[b0 + threadIdx.x];
           p1g[b0 + threadIdx.x] = prow[b0 + threadIdx.x];
@@ -362,8 +361,8 @@ ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by th
     for (int item = blockIdx.x, have = -1; item < NP * (I / 16); item += NB) {
       const int b0 = item % NP * G, tile = item / NP, rows = min(G, B - b0);
       if (b0 != have) {
-        fn_row_norms<float, G>(res0, nullptr, has_g ? g2 : nullptr, long(b0) * K, rows, K, xin, XS,
-                                  red, srow + b0, prow + b0, K * eps, prescale, false);
+        fn_row_norms<float, G>(res0, nullptr, has_g ? g2 : nullptr, long(b0) * K, rows, K, xin, XS, red,
+                               srow + b0, prow + b0, K * eps, prescale);
         if (tile == 0 && threadIdx.x < rows)  // down_proj's deferred scale, for the next layer
           xsg[b0 + threadIdx.x] = srow[b0 + threadIdx.x] / prow[b0 + threadIdx.x];
         fn_span_sums(xin, XS, xsum, SS, rows, K / 32);

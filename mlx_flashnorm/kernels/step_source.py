@@ -7,11 +7,6 @@ ARRAYS = ("wqkv", "sqkv", "bqkv", "wo", "so", "bo", "wgu", "sgu", "bgu", "wd", "
 
 HEADER = """
 constexpr int UA = 2;  // rounds of a warp's attention positions loaded at once (ATTEND)
-template <typename U, int N> __device__ inline void fn_unpack(uint4 w, float* out) {
-  const U* e = reinterpret_cast<const U*>(&w);  // N values of U, 16 bytes, as loaded
-  #pragma unroll
-  for (int i = 0; i < N; ++i) out[i] = fn_f(e[i]);
-}
 __device__ inline void fn_grid_sync(unsigned int* bar, unsigned int target) {
   // every block of the grid arrives before any leaves (all blocks are resident: one per SM);
   // the count only grows within a launch, and the last block out resets it (fn_grid_exit)
