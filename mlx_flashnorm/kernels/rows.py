@@ -14,9 +14,11 @@ rows of it do not fit). A matvec phase's items, (pass, tile), are spread over th
 batch of several passes fills more of it at once (when each block ran its tiles pass after pass,
 a 32-row step took 3.6-3.8 ms against 2.4-2.6: bench/RESULTS.md, "The batched step"); item i is
 of pass i % passes, so a block's next item (i + grid) is of the same pass and keeps its input
-rows. The residual stream lives in device memory, in two buffers: o_proj's and down_proj's stores
-add their outputs to it (down_proj's times its deferred scale), each value once, and the blocks of
-the next phase load the sums; each row's 1/RSSe and deferred scale are there too, written by the
+rows. The residual stream lives in device memory, in two buffers of T (its values are rounded to T
+where the one-row kernel rounds them, as are attention's and gate_up's outputs, so the rows between
+phases are stored in T, half the bytes of float: bench/LOG.md, sixteenth pass): o_proj's and
+down_proj's stores add their outputs to it (down_proj's times its deferred scale), each value once,
+and the blocks of the next phase load the sums; each row's 1/RSSe and deferred scale are there too, written by the
 block of its pass's first tile. Each block of a phase waits for its pass's rows, so their loads'
 latency is the phase's: 4 values a load, several in flight (one value a load, each
 half-precision value converted next to its load and so waited for, made the norms 16 us of a
@@ -45,41 +47,32 @@ GMAX = 16  # rows per pass, at most: 32 was slower (H100, 2026-11-26: 3.88 ms a 
 SHARED_MAX = 160 * 1024  # dynamic shared bytes a launch may ask for (227 KB per block on Hopper)
 
 _HEADER = r"""
-template <typename A> struct fn_raw4 { using type = uint2; };  // 4 values of A as one load (16-bit A)
-template <> struct fn_raw4<float> { using type = float4; };
-template <typename A> __device__ inline float4 fn_four(typename fn_raw4<A>::type v) {
-  const A* h = reinterpret_cast<const A*>(&v);
-  return make_float4(fn_f(h[0]), fn_f(h[1]), fn_f(h[2]), fn_f(h[3]));
-}
-template <> __device__ inline float4 fn_four<float>(float4 v) { return v; }
 template <typename A, int G>
-__device__ inline void fn_row_norms(const A* a, float* rout, const float* gain, long at0, int rows, int K, float* xin,
+__device__ inline void fn_row_norms(const A* a, A* rout, const float* gain, long at0, int rows, int K, float* xin,
                                     int xs, float (*red)[G], float* srow, float* prow, float keps, bool prescale) {
-  // for `rows` rows (of G) of p (a, from element at0; its values those of the activation dtype):
-  // p into rout (optional: one block writes it) and, times gain (optional), into the shared input rows
-  // (row g at xin + g * xs); then each row's 1/RSSe and its power of two P (half precision) into
-  // srow and prow. A thread loads 4 values at a time, R loads in flight (a value is converted where
-  // it is used: a conversion next to its load waits for it); the squares are then summed from
-  // shared memory in the one-row kernel's order (value i by thread i % blockDim.x, its warp's sum,
-  // the warps' in order), so a row's norm is the one it gets alone.
-  using Raw = typename fn_raw4<A>::type;
-  constexpr int R = 4;
-  const int per = K / 4, total = rows * per;
+  // for `rows` rows (of G) of p (a, from element at0): p into rout (optional: one block writes it)
+  // and, times gain (optional), into the shared input rows (row g at xin + g * xs); then each
+  // row's 1/RSSe and its power of two P (half precision) into srow and prow. A thread loads 16
+  // bytes at a time, R loads in flight (a value is converted where it is used: a conversion next
+  // to its load waits for it); the squares are then summed from shared memory in the one-row
+  // kernel's order (value i by thread i % blockDim.x, its warp's sum, the warps' in order), so a
+  // row's norm is the one it gets alone.
+  constexpr int N = 16 / sizeof(A), R = 4;
+  const int per = K / N, total = rows * per;
   for (int e0 = threadIdx.x; e0 < total; e0 += R * blockDim.x) {
-    Raw av[R];
+    uint4 av[R];
     #pragma unroll
     for (int u = 0; u < R; ++u) {
       const int e = e0 + u * blockDim.x;
-      if (e < total) av[u] = __ldcg(reinterpret_cast<const Raw*>(a + at0 + long(e / per) * K + 4 * (e % per)));
+      if (e < total) av[u] = __ldcg(reinterpret_cast<const uint4*>(a + at0 + long(e / per) * K + N * (e % per)));
     }
     #pragma unroll
     for (int u = 0; u < R; ++u) {
       const int e = e0 + u * blockDim.x;
       if (e < total) {
-        const int g = e / per, c = 4 * (e % per);
-        const float4 v = fn_four<A>(av[u]);
-        if (rout) *reinterpret_cast<float4*>(rout + at0 + long(g) * K + c) = v;
-        *reinterpret_cast<float4*>(xin + g * xs + c) = v;
+        const int g = e / per, c = N * (e % per);
+        if (rout) *reinterpret_cast<uint4*>(rout + at0 + long(g) * K + c) = av[u];
+        fn_unpack<A, N>(av[u], xin + g * xs + c);
       }
     }
   }
@@ -113,37 +106,25 @@ __device__ inline void fn_row_norms(const A* a, float* rout, const float* gain, 
     prow[threadIdx.x] = prescale ? __int_as_float(__float_as_int(s) & 0x7f800000) : 1.0f;
   }
 }
-__device__ inline void fn_rows_in(const float* src, int n, int stride, int rows, float* xin, int xs) {
-  // n floats (a multiple of 4, 16-byte aligned) of `rows` rows `stride` apart, written in this
+template <typename A>
+__device__ inline void fn_rows_in(const A* src, int n, int stride, int rows, float* xin, int xs) {
+  // n values (a multiple of 16 bytes, aligned) of `rows` rows `stride` apart, written in this
   // launch, into the shared input rows: 16-byte loads, eight in flight per thread before the stores
-  const float4* s4 = reinterpret_cast<const float4*>(src);
-  const int per = n / 4, total = rows * per;
+  constexpr int N = 16 / sizeof(A);
+  const int per = n / N, total = rows * per;
   for (int e0 = threadIdx.x; e0 < total; e0 += 8 * blockDim.x) {
-    float4 v[8];
+    uint4 v[8];
     #pragma unroll
     for (int u = 0; u < 8; ++u) {
       const int e = e0 + u * blockDim.x;
-      if (e < total) v[u] = __ldcg(s4 + (e / per) * (stride / 4) + e % per);
+      if (e < total) v[u] = __ldcg(reinterpret_cast<const uint4*>(src + long(e / per) * stride + N * (e % per)));
     }
     #pragma unroll
     for (int u = 0; u < 8; ++u) {
       const int e = e0 + u * blockDim.x;
-      if (e < total) *reinterpret_cast<float4*>(xin + (e / per) * xs + 4 * (e % per)) = v[u];
+      if (e < total) fn_unpack<A, N>(v[u], xin + (e / per) * xs + N * (e % per));
     }
   }
-}
-__device__ inline void fn_span_sums(const float* xin, int xs, float* xsum, int ss, int rows, int nsp) {
-  // each input row's sums over spans of 32 values (a quantization group's share), between a pair
-  // of barriers; a thread starts its span at its own offset, so a warp's loads meet no bank twice
-  __syncthreads();
-  for (int e = threadIdx.x; e < rows * nsp; e += blockDim.x) {
-    const int g = e / nsp, sp = e % nsp;
-    const float* x = xin + g * xs + sp * 32;
-    float t = 0.0f;
-    for (int k = 0; k < 32; ++k) t += x[(k + sp) & 31];
-    xsum[g * ss + sp] = t;
-  }
-  __syncthreads();
 }
 template <int BITS>
 __device__ inline unsigned int fn_q_tf32(const unsigned int* q, int e) {
@@ -158,7 +139,7 @@ __device__ inline void fn_mma_tf32(float* c, const unsigned int* a, unsigned int
 }
 template <typename T, int BITS, int NT>
 __device__ inline void fn_tile(const unsigned int* w, const T* sc, const T* bi, long row0, int nrow, int sp0, int nsp,
-                               int gpr, int gs, const float* xin, int xs, const float* xsum, int ss, float (*acc)[4]) {
+                               int gpr, int gs, const float* xin, int xs, float (*acc)[4]) {
   // rows row0 .. row0 + 15 of an affine BITS-bit matrix (nrow spans of 32 values a row), spans sp0
   // .. sp0 + nsp - 1 of them, times the NT * 8 shared input rows (those spans), on the tensor cores
   // (mma m16n8k8, tf32): the warp's share of the spans (warp, warp + 8, ...) added into acc, to be
@@ -168,7 +149,8 @@ __device__ inline void fn_tile(const unsigned int* w, const T* sc, const T* bi, 
   // and k-step ks takes values 8 tig + 2 ks (the mma's column tig) and 8 tig + 2 ks + 1 (its
   // column tig + 4): the order of the sum is the mma's, the same for weights and inputs. An input
   // is split into two tf32 parts (hi + lo: 21 bits and more); the 4- or 8-bit values are exact.
-  // A span lies in one quantization group: sum(w x) = scale (q . x) + bias sum(x).
+  // A span lies in one quantization group: sum(w x) = scale (q . x) + bias sum(x); an input row's
+  // sum(x) is added from its lanes' values (their 8 in pairs, then the 4 lanes' by two shuffles).
   constexpr int WORDS = BITS / 4;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gid = lane / 4, tig = lane % 4;
   const long r0 = row0 + gid, r1 = r0 + 8;
@@ -183,13 +165,18 @@ __device__ inline void fn_tile(const unsigned int* w, const T* sc, const T* bi, 
     const long g = sp * 32 / gs;
     const float s0 = fn_f(sc[r0 * gpr + g]), s1 = fn_f(sc[r1 * gpr + g]);
     const float c0 = fn_f(bi[r0 * gpr + g]), c1 = fn_f(bi[r1 * gpr + g]);
-    float xv[NT][8], ch[NT][4], cl[NT][4];
+    float xv[NT][8], ch[NT][4], cl[NT][4], xs_sum[NT][2];
     #pragma unroll
     for (int t = 0; t < NT; ++t) {
       const float4* xr = reinterpret_cast<const float4*>(xin + (t * 8 + gid) * xs + j * 32 + 8 * tig);
       const float4 xa = xr[0], xb = xr[1];
       xv[t][0] = xa.x; xv[t][1] = xa.y; xv[t][2] = xa.z; xv[t][3] = xa.w;
       xv[t][4] = xb.x; xv[t][5] = xb.y; xv[t][6] = xb.z; xv[t][7] = xb.w;
+      float sum = ((xa.x + xa.y) + (xa.z + xa.w)) + ((xb.x + xb.y) + (xb.z + xb.w));
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);  // the span's sum of input row 8 t + gid
+      xs_sum[t][0] = __shfl_sync(0xffffffffu, sum, 8 * tig);  // of input rows 8 t + 2 tig and 8 t + 2 tig + 1
+      xs_sum[t][1] = __shfl_sync(0xffffffffu, sum, 8 * tig + 4);
       #pragma unroll
       for (int i = 0; i < 4; ++i) { ch[t][i] = 0.0f; cl[t][i] = 0.0f; }
     }
@@ -210,10 +197,8 @@ __device__ inline void fn_tile(const unsigned int* w, const T* sc, const T* bi, 
     #pragma unroll
     for (int t = 0; t < NT; ++t) {
       #pragma unroll
-      for (int i = 0; i < 4; ++i) {  // element i: weight row gid + 8 (i / 2), input row 8 t + 2 tig + i % 2
-        const float xs_sum = xsum[(t * 8 + 2 * tig + (i & 1)) * ss + j];
-        acc[t][i] += (i < 2 ? s0 : s1) * (ch[t][i] + cl[t][i]) + (i < 2 ? c0 : c1) * xs_sum;
-      }
+      for (int i = 0; i < 4; ++i)  // element i: weight row gid + 8 (i / 2), input row 8 t + 2 tig + i % 2
+        acc[t][i] += (i < 2 ? s0 : s1) * (ch[t][i] + cl[t][i]) + (i < 2 ? c0 : c1) * xs_sum[t][i & 1];
     }
   }
 }
@@ -258,25 +243,26 @@ _ROWS_BODY = """
   const float eps = __int_as_float(dims[11]), factor = __int_as_float(dims[12]), qk_eps = __int_as_float(dims[13]);
   const int B = dims[14];
   const int KO = HQ * D, NQKV = (HQ + 2 * HKV) * D;
-  // strides of an input row and its span sums in shared memory (down_proj's: XSD, SSD, for its
-  // input in chunks of IC values where all I do not fit)
-  const int XS = max(K, KO) + 4, SS = max(K, KO) / 32, XSD = min(IC, I) + 4, SSD = min(IC, I) / 32;
+  // strides of an input row in shared memory (down_proj's: XSD, for its input in chunks of IC values
+  // where all I do not fit)
+  const int XS = max(K, KO) + 4, XSD = min(IC, I) + 4;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   unsigned int* bar = const_cast<unsigned int*>(sync);
   unsigned int target = 0;
   float* raw = work;                                // B * NQKV
   float* part = raw + long(B) * NQKV;               // B * HQ * SMAX * (D + 2)
-  float* abuf = part + long(B) * HQ * SMAX * (D + 2);  // B * I
-  float* res0 = abuf + long(B) * I;                 // B * K: the stream after attention (p2, phase 4's)
-  float* res1 = res0 + long(B) * K;                 // B * K: the stream before it (p, phase 6's or x)
-  float* mbuf = res1 + long(B) * K;                 // B * KO: attention's output, the splits merged
-  float* s1g = mbuf + long(B) * KO;                 // B each: per row 1/RSSe and its power of two (phase
-  float* p1g = s1g + B;                             // 1, for attention), down_proj's deferred scale
-  float* xsg = p1g + B;                             // (phase 5, for the next layer's add)
+  float* s1g = part + long(B) * HQ * SMAX * (D + 2);  // B each: per row 1/RSSe and its power of two
+  float* p1g = s1g + B;                             // (phase 1, for attention), down_proj's deferred
+  float* xsg = p1g + B;                             // scale (phase 5, for the next layer's add)
+  // the rows between phases, each value one of T (they are rounded to T where the one-row kernel
+  // rounds them), 16-byte aligned:
+  T* res0 = reinterpret_cast<T*>(work + ((long(B) * (NQKV + HQ * SMAX * (D + 2)) + 3 * B + 3) & ~3L));  // B * K:
+  T* res1 = res0 + long(B) * K;  // the stream after attention (p2, phase 4's), B * K: before it (p, phase 6's or x)
+  T* mbuf = res1 + long(B) * K;  // B * KO: attention's output, the splits merged
+  T* abuf = mbuf + long(B) * KO;  // B * I: down_proj's input
   extern __shared__ float smem[];
   float* xin = smem;                               // G * XS or GD * XSD: the running matvec's input rows
-  float* xsum = xin + max(G * XS, GD * XSD);      // G * SS or GD * SSD: their span sums
-  float* rb = xsum + max(G * SS, GD * SSD);       // 2 * NW * NT * 128: the warps' partial sums of a tile (two tiles)
+  float* rb = xin + max(G * XS, GD * XSD);        // 2 * NW * NT * 128: the warps' partial sums of a tile (two tiles)
   float* rb2 = rb + NW * NT * 128;
   __shared__ float red[NW][G];
   __shared__ float srow[BMAX], prow[BMAX];  // per row of the block's passes: 1/RSSe and its power of two
@@ -303,21 +289,16 @@ LAYER
     for (int item = blockIdx.x, have = -1; item < NP * (NQKV / 16); item += NB) {
       const int b0 = item % NP * G, tile = item / NP, rows = min(G, B - b0);
       if (b0 != have) {
-        if (l == 0)
-          fn_row_norms<T, G>(x, tile == 0 ? res1 : nullptr, has_g ? g1 : nullptr, long(b0) * K, rows, K, xin, XS,
-                             red, srow + b0, prow + b0, K * eps, prescale);
-        else
-          fn_row_norms<float, G>(res1, nullptr, has_g ? g1 : nullptr, long(b0) * K, rows, K, xin, XS, red,
-                                 srow + b0, prow + b0, K * eps, prescale);
+        fn_row_norms<T, G>(l == 0 ? x : res1, l == 0 && tile == 0 ? res1 : nullptr, has_g ? g1 : nullptr, long(b0) * K,
+                           rows, K, xin, XS, red, srow + b0, prow + b0, K * eps, prescale);
         if (tile == 0 && threadIdx.x < rows) {  // for attention, in every block
           s1g[b0 + threadIdx.x] = srow[b0 + threadIdx.x];
           p1g[b0 + threadIdx.x] = prow[b0 + threadIdx.x];
         }
-        fn_span_sums(xin, XS, xsum, SS, rows, K / 32);
         have = b0;
       }
       float acc[NT][4] = {};
-      fn_tile<T, BITS, NT>(wqkv, sqkv, bqkv, tile * 16, K / 32, 0, K / 32, K / GS, GS, xin, XS, xsum, SS, acc);
+      fn_tile<T, BITS, NT>(wqkv, sqkv, bqkv, tile * 16, K / 32, 0, K / 32, K / GS, GS, xin, XS, acc);
       fn_tile_store<NT>(acc, rb, rows, [&](int f, int n, float v) { raw[long(b0 + n) * NQKV + tile * 16 + f] = v; });
     }
     fn_grid_sync(bar, target += NB);
@@ -338,7 +319,7 @@ ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by th
     // 3. each row's splits merged, once (spread over the grid), into mbuf
     for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < B * KO; e += NB * blockDim.x) {
       const int b = e / KO, k = e % KO, S = (first[b + 1] - first[b]) / HKV;
-      mbuf[e] = fn_f(fn_cast<T>(fn_merged(part + (long(b) * HQ + k / D) * SMAX * (D + 2), S, D, k % D)));
+      mbuf[e] = fn_cast<T>(fn_merged(part + (long(b) * HQ + k / D) * SMAX * (D + 2), S, D, k % D));
     }
     fn_grid_sync(bar, target += NB);
     // 4. per row: o_proj, and p2 = o + p into res0
@@ -346,14 +327,14 @@ ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by th
       const int b0 = item % NP * G, tile = item / NP, rows = min(G, B - b0);
       if (b0 != have) {
         fn_rows_in(mbuf + long(b0) * KO, KO, KO, rows, xin, XS);
-        fn_span_sums(xin, XS, xsum, SS, rows, KO / 32);
+        __syncthreads();
         have = b0;
       }
       float acc[NT][4] = {};
-      fn_tile<T, BITS, NT>(wo, so, bo, tile * 16, KO / 32, 0, KO / 32, KO / GS, GS, xin, XS, xsum, SS, acc);
+      fn_tile<T, BITS, NT>(wo, so, bo, tile * 16, KO / 32, 0, KO / 32, KO / GS, GS, xin, XS, acc);
       fn_tile_store<NT>(acc, rb, rows, [&](int f, int n, float v) {
         const long at = long(b0 + n) * K + tile * 16 + f;
-        res0[at] = fn_f(fn_cast<T>(fn_f(fn_cast<T>(v)) + __ldcg(res1 + at)));
+        res0[at] = fn_cast<T>(fn_f(fn_cast<T>(v)) + fn_f(__ldcg(res1 + at)));
       });
     }
     fn_grid_sync(bar, target += NB);
@@ -361,20 +342,19 @@ ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by th
     for (int item = blockIdx.x, have = -1; item < NP * (I / 16); item += NB) {
       const int b0 = item % NP * G, tile = item / NP, rows = min(G, B - b0);
       if (b0 != have) {
-        fn_row_norms<float, G>(res0, nullptr, has_g ? g2 : nullptr, long(b0) * K, rows, K, xin, XS, red,
-                               srow + b0, prow + b0, K * eps, prescale);
+        fn_row_norms<T, G>(res0, nullptr, has_g ? g2 : nullptr, long(b0) * K, rows, K, xin, XS, red, srow + b0,
+                           prow + b0, K * eps, prescale);
         if (tile == 0 && threadIdx.x < rows)  // down_proj's deferred scale, for the next layer
           xsg[b0 + threadIdx.x] = srow[b0 + threadIdx.x] / prow[b0 + threadIdx.x];
-        fn_span_sums(xin, XS, xsum, SS, rows, K / 32);
         have = b0;
       }
       float acc[NT][4] = {}, acc2[NT][4] = {};
-      fn_tile<T, BITS, NT>(wgu, sgu, bgu, tile * 16, K / 32, 0, K / 32, K / GS, GS, xin, XS, xsum, SS, acc);
-      fn_tile<T, BITS, NT>(wgu, sgu, bgu, I + tile * 16, K / 32, 0, K / 32, K / GS, GS, xin, XS, xsum, SS, acc2);
+      fn_tile<T, BITS, NT>(wgu, sgu, bgu, tile * 16, K / 32, 0, K / 32, K / GS, GS, xin, XS, acc);
+      fn_tile<T, BITS, NT>(wgu, sgu, bgu, I + tile * 16, K / 32, 0, K / 32, K / GS, GS, xin, XS, acc2);
       fn_tile_put<NT>(acc2, rb2);  // up, read with gate's outputs
       fn_tile_store<NT>(acc, rb, rows, [&](int f, int n, float gate) {
         const float gt = gate * srow[b0 + n], up = fn_tile_get<NT>(rb2, f, n);
-        abuf[long(b0 + n) * I + tile * 16 + f] = fn_f(fn_cast<T>(gt / (1.0f + expf(-gt)) * up * prow[b0 + n]));
+        abuf[long(b0 + n) * I + tile * 16 + f] = fn_cast<T>(gt / (1.0f + expf(-gt)) * up * prow[b0 + n]);
       });
     }
     fn_grid_sync(bar, target += NB);
@@ -385,7 +365,7 @@ ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by th
       const int b0 = item % NPD * GD, tile = item / NPD, rows = min(GD, B - b0);
       if (IC >= I && b0 != have) {
         fn_rows_in(abuf + long(b0) * I, I, I, rows, xin, XSD);
-        fn_span_sums(xin, XSD, xsum, SSD, rows, I / 32);
+        __syncthreads();
         have = b0;
       }
       float acc[NTD][4] = {};
@@ -393,21 +373,21 @@ ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by th
         const int n = min(IC, I - c0);
         if (IC < I) {
           fn_rows_in(abuf + long(b0) * I + c0, n, I, rows, xin, XSD);
-          fn_span_sums(xin, XSD, xsum, SSD, rows, n / 32);
+          __syncthreads();
         }
-        fn_tile<T, BITS, NTD>(wd, sd, bd, tile * 16, I / 32, c0 / 32, n / 32, I / GS, GS, xin, XSD, xsum, SSD, acc);
+        fn_tile<T, BITS, NTD>(wd, sd, bd, tile * 16, I / 32, c0 / 32, n / 32, I / GS, GS, xin, XSD, acc);
         if (IC < I) __syncthreads();  // the chunk read before the next is loaded
       }
       fn_tile_store<NTD>(acc, rb, rows, [&](int f, int n, float v) {
         const long at = long(b0 + n) * K + tile * 16 + f;
         if (l + 1 == NL) y[at] = fn_cast<T>(v);
-        else res1[at] = fn_f(fn_cast<T>(fn_f(fn_cast<T>(v)) * __ldcg(xsg + b0 + n) + __ldcg(res0 + at)));
+        else res1[at] = fn_cast<T>(fn_f(fn_cast<T>(v)) * __ldcg(xsg + b0 + n) + fn_f(__ldcg(res0 + at)));
       });
     }
     if (l + 1 < NL) fn_grid_sync(bar, target += NB);
   }
   if (blockIdx.x == 0) {
-    for (int i = threadIdx.x; i < B * K; i += blockDim.x) p[i] = fn_cast<T>(__ldcg(res0 + i));
+    for (int i = threadIdx.x; i < B * K; i += blockDim.x) p[i] = __ldcg(res0 + i);
     for (int b = threadIdx.x; b < B; b += blockDim.x) ys[b] = __ldcg(xsg + b);
   }
   fn_grid_exit(bar, NB);
@@ -436,8 +416,8 @@ def rows_per_pass(B, xa, xi):
 
 def dynamic_bytes(G, GD, xa, xi):
     """A launch's dynamic shared memory: G input rows of xa values (or GD of xi), each padded by 4,
-    their sums over spans of 32, and the warps' partial sums of two 16-row tiles."""
-    return 4 * (max(G * (xa + 4), GD * (xi + 4)) + max(G * xa, GD * xi) // 32 + 2 * 8 * (G // 8) * 128)
+    and the warps' partial sums of two 16-row tiles."""
+    return 4 * (max(G * (xa + 4), GD * (xi + 4)) + 2 * 8 * (G // 8) * 128)
 
 
 def shared_bytes(G, GD, xa, xi, D, GQ, L):
@@ -474,7 +454,8 @@ def launch_plan(B, K, I, D, n_heads, n_kv_heads, L):
     """(template, work, shared) of a launch for B rows: its rows per pass (G, GD, IC:
     rows_per_pass), its work buffer's floats and its shared memory bytes."""
     G, GD, IC = rows_per_pass(B, max(K, n_heads * D), I)
-    work = B * ((n_heads + 2 * n_kv_heads) * D + n_heads * step.SMAX * (D + 2) + 2 * K + I + n_heads * D + 3)
+    floats = B * ((n_heads + 2 * n_kv_heads) * D + n_heads * step.SMAX * (D + 2) + 3)
+    work = -(-floats // 4) * 4 + B * (2 * K + n_heads * D + I)  # the T rows after the floats, as if of 4 bytes
     return ([("G", G), ("GD", GD), ("IC", IC)], work,
             shared_bytes(G, GD, max(K, n_heads * D), IC, D, n_heads // n_kv_heads, L))
 
