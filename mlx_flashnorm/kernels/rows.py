@@ -14,15 +14,14 @@ rows of it do not fit). A matvec phase's items, (pass, tile), are spread over th
 batch of several passes fills more of it at once (when each block ran its tiles pass after pass,
 a 32-row step took 3.6-3.8 ms against 2.4-2.6: bench/RESULTS.md, "The batched step"); item i is
 of pass i % passes, so a block's next item (i + grid) is of the same pass and keeps its input
-rows. The residual stream lives in device memory, in two buffers of T (its values are rounded to T
-where the one-row kernel rounds them, as are attention's and gate_up's outputs, so the rows between
-phases are stored in T, half the bytes of float: bench/LOG.md, sixteenth pass): o_proj's and
-down_proj's stores add their outputs to it (down_proj's times its deferred scale), each value once,
-and the blocks of the next phase load the sums; each row's 1/RSSe and deferred scale are there too, written by the
-block of its pass's first tile. Each block of a phase waits for its pass's rows, so their loads'
-latency is the phase's: 4 values a load, several in flight (one value a load, each
-half-precision value converted next to its load and so waited for, made the norms 16 us of a
-32-row layer's 86: bench/RESULTS.md, "The batched step"); their squares are summed in the one-row
+rows. The rows between phases live in device memory as T (their values are T's: the one-row
+kernel rounds them there), half the bytes of float; the residual stream in two buffers, to which
+o_proj's and down_proj's stores add their outputs (down_proj's times its deferred scale), each
+value once. Each row's 1/RSSe and deferred scale are there too, written by the block of its
+pass's first tile. Each block of a phase waits for its pass's rows, so their loads' latency is
+the phase's: 16 bytes a load, several in flight, each value converted where it is used (one value
+a load, converted next to it and so waited for, made the norms 16 us of a 32-row layer's 86:
+bench/RESULTS.md, "The batched step"); the squares are summed in the one-row
 kernel's order. Attention is split over (row, kv head, split of positions), each row into the
 one-row kernel's splits at its position, capped so the batch's items about fill the grid once; the
 splits are merged once, over the grid, in a phase of their own.
