@@ -46,35 +46,40 @@ GMAX = 16  # rows per pass, at most: 32 was slower (H100, 2026-11-26: 3.88 ms a 
 SHARED_MAX = 160 * 1024  # dynamic shared bytes a launch may ask for (227 KB per block on Hopper)
 
 _HEADER = r"""
-template <typename A, int G>
-__device__ inline void fn_row_norms(const A* a, A* rout, const float* gain, long at0, int rows, int K, float* xin,
-                                    int xs, float (*red)[G], float* srow, float* prow, float keps, bool prescale) {
-  // for `rows` rows (of G) of p (a, from element at0): p into rout (optional: one block writes it)
-  // and, times gain (optional), into the shared input rows (row g at xin + g * xs); then each
-  // row's 1/RSSe and its power of two P (half precision) into srow and prow. A thread loads 16
-  // bytes at a time, R loads in flight (a value is converted where it is used: a conversion next
-  // to its load waits for it); the squares are then summed from shared memory in the one-row
-  // kernel's order (value i by thread i % blockDim.x, its warp's sum, the warps' in order), so a
-  // row's norm is the one it gets alone.
-  constexpr int N = 16 / sizeof(A), R = 4;
-  const int per = K / N, total = rows * per;
+template <typename A, int R = 8>
+__device__ inline void fn_rows_in(const A* src, int n, int stride, int rows, float* xin, int xs, A* copy = nullptr) {
+  // n values (a multiple of 16 bytes, aligned) of `rows` rows `stride` apart, written in this
+  // launch, into the shared input rows (and, as loaded, into copy where given): 16-byte loads, R in
+  // flight per thread before their values are used (a value converted next to its load waits for it)
+  constexpr int N = 16 / sizeof(A);
+  const int per = n / N, total = rows * per;
   for (int e0 = threadIdx.x; e0 < total; e0 += R * blockDim.x) {
-    uint4 av[R];
+    uint4 v[R];
     #pragma unroll
     for (int u = 0; u < R; ++u) {
       const int e = e0 + u * blockDim.x;
-      if (e < total) av[u] = __ldcg(reinterpret_cast<const uint4*>(a + at0 + long(e / per) * K + N * (e % per)));
+      if (e < total) v[u] = __ldcg(reinterpret_cast<const uint4*>(src + long(e / per) * stride + N * (e % per)));
     }
     #pragma unroll
     for (int u = 0; u < R; ++u) {
       const int e = e0 + u * blockDim.x;
       if (e < total) {
-        const int g = e / per, c = N * (e % per);
-        if (rout) *reinterpret_cast<uint4*>(rout + at0 + long(g) * K + c) = av[u];
-        fn_unpack<A, N>(av[u], xin + g * xs + c);
+        if (copy) *reinterpret_cast<uint4*>(copy + long(e / per) * stride + N * (e % per)) = v[u];
+        fn_unpack<A, N>(v[u], xin + (e / per) * xs + N * (e % per));
       }
     }
   }
+}
+template <typename A, int G>
+__device__ inline void fn_row_norms(const A* a, A* rout, const float* gain, long at0, int rows, int K, float* xin,
+                                    int xs, float (*red)[G], float* srow, float* prow, float keps, bool prescale) {
+  // for `rows` rows (of G) of p (a, from element at0): p into rout (optional: one block writes it)
+  // and, times gain (optional), into the shared input rows (row g at xin + g * xs); then each
+  // row's 1/RSSe and its power of two P (half precision) into srow and prow. The rows are loaded
+  // 4 loads in flight (fn_rows_in); the squares are then summed from shared memory in the one-row
+  // kernel's order (value i by thread i % blockDim.x, its warp's sum, the warps' in order), so a
+  // row's norm is the one it gets alone.
+  fn_rows_in<A, 4>(a + at0, K, K, rows, xin, xs, rout ? rout + at0 : nullptr);
   __syncthreads();
   float ss[G];
   #pragma unroll
@@ -103,26 +108,6 @@ __device__ inline void fn_row_norms(const A* a, A* rout, const float* gain, long
     const float s = rsqrtf(t + keps);
     srow[threadIdx.x] = s;
     prow[threadIdx.x] = prescale ? __int_as_float(__float_as_int(s) & 0x7f800000) : 1.0f;
-  }
-}
-template <typename A>
-__device__ inline void fn_rows_in(const A* src, int n, int stride, int rows, float* xin, int xs) {
-  // n values (a multiple of 16 bytes, aligned) of `rows` rows `stride` apart, written in this
-  // launch, into the shared input rows: 16-byte loads, eight in flight per thread before the stores
-  constexpr int N = 16 / sizeof(A);
-  const int per = n / N, total = rows * per;
-  for (int e0 = threadIdx.x; e0 < total; e0 += 8 * blockDim.x) {
-    uint4 v[8];
-    #pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      const int e = e0 + u * blockDim.x;
-      if (e < total) v[u] = __ldcg(reinterpret_cast<const uint4*>(src + long(e / per) * stride + N * (e % per)));
-    }
-    #pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      const int e = e0 + u * blockDim.x;
-      if (e < total) fn_unpack<A, N>(v[u], xin + (e / per) * xs + N * (e % per));
-    }
   }
 }
 template <int BITS>
@@ -255,8 +240,9 @@ _ROWS_BODY = """
   float* xsg = p1g + B;                             // scale (phase 5, for the next layer's add)
   // the rows between phases, each value one of T (they are rounded to T where the one-row kernel
   // rounds them), 16-byte aligned:
-  T* res0 = reinterpret_cast<T*>(work + ((long(B) * (NQKV + HQ * SMAX * (D + 2)) + 3 * B + 3) & ~3L));  // B * K:
-  T* res1 = res0 + long(B) * K;  // the stream after attention (p2, phase 4's), B * K: before it (p, phase 6's or x)
+  T* res0 = reinterpret_cast<T*>(work + ((long(B) * (NQKV + HQ * SMAX * (D + 2)) + 3 * B + 3) & ~3L));
+  // res0, B * K: the stream after attention (p2, phase 4's); res1, B * K: before it (p, phase 6's or x)
+  T* res1 = res0 + long(B) * K;
   T* mbuf = res1 + long(B) * K;  // B * KO: attention's output, the splits merged
   T* abuf = mbuf + long(B) * KO;  // B * I: down_proj's input
   extern __shared__ float smem[];
