@@ -107,7 +107,7 @@ def test_seed_reproduces_from_a_process_first_draw(tiny_llama_dir):
 
 def test_stops_at_eos_and_reports_stats(smollm2):
     model, tok = smollm2
-    out = list(stream_generate(model, tok, "Say hello.", max_tokens=100))
+    out = list(stream_generate(model, tok, "Name a fruit.", max_tokens=100))  # 10 tokens ("Say hello.": 30)
     last = out[-1]
     assert last.finish_reason == "stop" and last.token in tok.eos_token_ids
     assert len(out) < 100 and "<|im_end|>" not in "".join(r.text for r in out)
