@@ -46,26 +46,34 @@ GMAX = 16  # rows per pass, at most: 32 was slower (H100, 2026-11-26: 3.88 ms a 
 SHARED_MAX = 160 * 1024  # dynamic shared bytes a launch may ask for (227 KB per block on Hopper)
 
 _HEADER = r"""
-template <typename A, int R = 8>
+template <typename A>
 __device__ inline void fn_rows_in(const A* src, int n, int stride, int rows, float* xin, int xs, A* copy = nullptr) {
   // n values (a multiple of 16 bytes, aligned) of `rows` rows `stride` apart, written in this
   // launch, into the shared input rows (and, as loaded, into copy where given): 16-byte loads, R in
-  // flight per thread before their values are used (a value converted next to its load waits for it)
-  constexpr int N = 16 / sizeof(A);
-  const int per = n / N, total = rows * per;
+  // flight per thread before their values are used (a value converted next to its load waits for
+  // it); a load's row and chunk found by steps from the first's (a division each cost more than the load)
+  constexpr int N = 16 / sizeof(A), R = 4;
+  const int per = n / N, total = rows * per, qs = blockDim.x / per, rs = blockDim.x % per;
   for (int e0 = threadIdx.x; e0 < total; e0 += R * blockDim.x) {
     uint4 v[R];
+    int q[R], r[R];  // element e0 + u * blockDim.x: row q[u], its chunk r[u]
+    q[0] = e0 / per;
+    r[0] = e0 - q[0] * per;
     #pragma unroll
-    for (int u = 0; u < R; ++u) {
-      const int e = e0 + u * blockDim.x;
-      if (e < total) v[u] = __ldcg(reinterpret_cast<const uint4*>(src + long(e / per) * stride + N * (e % per)));
+    for (int u = 1; u < R; ++u) {
+      q[u] = q[u - 1] + qs;
+      r[u] = r[u - 1] + rs;
+      if (r[u] >= per) { r[u] -= per; ++q[u]; }
     }
     #pragma unroll
     for (int u = 0; u < R; ++u) {
-      const int e = e0 + u * blockDim.x;
-      if (e < total) {
-        if (copy) *reinterpret_cast<uint4*>(copy + long(e / per) * stride + N * (e % per)) = v[u];
-        fn_unpack<A, N>(v[u], xin + (e / per) * xs + N * (e % per));
+      if (e0 + u * blockDim.x < total) v[u] = __ldcg(reinterpret_cast<const uint4*>(src + long(q[u]) * stride + N * r[u]));
+    }
+    #pragma unroll
+    for (int u = 0; u < R; ++u) {
+      if (e0 + u * blockDim.x < total) {
+        if (copy) *reinterpret_cast<uint4*>(copy + long(q[u]) * stride + N * r[u]) = v[u];
+        fn_unpack<A, N>(v[u], xin + q[u] * xs + N * r[u]);
       }
     }
   }
@@ -76,10 +84,10 @@ __device__ inline void fn_row_norms(const A* a, A* rout, const float* gain, long
   // for `rows` rows (of G) of p (a, from element at0): p into rout (optional: one block writes it)
   // and, times gain (optional), into the shared input rows (row g at xin + g * xs); then each
   // row's 1/RSSe and its power of two P (half precision) into srow and prow. The rows are loaded
-  // 4 loads in flight (fn_rows_in); the squares are then summed from shared memory in the one-row
-  // kernel's order (value i by thread i % blockDim.x, its warp's sum, the warps' in order), so a
-  // row's norm is the one it gets alone.
-  fn_rows_in<A, 4>(a + at0, K, K, rows, xin, xs, rout ? rout + at0 : nullptr);
+  // by fn_rows_in; the squares are then summed from shared memory in the one-row kernel's order
+  // (value i by thread i % blockDim.x, its warp's sum, the warps' in order), so a row's norm is the
+  // one it gets alone.
+  fn_rows_in(a + at0, K, K, rows, xin, xs, rout ? rout + at0 : nullptr);
   __syncthreads();
   float ss[G];
   #pragma unroll
@@ -138,17 +146,29 @@ __device__ inline void fn_tile(const unsigned int* w, const T* sc, const T* bi, 
   constexpr int WORDS = BITS / 4;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gid = lane / 4, tig = lane % 4;
   const long r0 = row0 + gid, r1 = r0 + 8;
-  for (int j = warp; j < nsp; j += int(blockDim.x / 32)) {
-    const int sp = sp0 + j;
-    unsigned int q0[WORDS], q1[WORDS];
+  const int step = blockDim.x / 32;  // spans a warp steps by
+  const float rspg = 32.0f / gs;  // 1 / the spans in a group: span sp's group is int((sp + 0.5) * rspg)
+  const unsigned int* w0 = w + r0 * nrow * BITS + WORDS * tig;
+  const unsigned int* w1 = w + r1 * nrow * BITS + WORDS * tig;
+  const T *sc0 = sc + r0 * gpr, *sc1 = sc + r1 * gpr, *bi0 = bi + r0 * gpr, *bi1 = bi + r1 * gpr;
+  unsigned int n0[WORDS], n1[WORDS];  // the next span's weights, scales and biases, loaded a span ahead
+  T ns0, ns1, nc0, nc1;
+  auto fetch = [&](int sp) {
     #pragma unroll
     for (int u = 0; u < WORDS; ++u) {
-      q0[u] = __ldg(w + (r0 * nrow + sp) * BITS + WORDS * tig + u);
-      q1[u] = __ldg(w + (r1 * nrow + sp) * BITS + WORDS * tig + u);
+      n0[u] = __ldg(w0 + sp * BITS + u);
+      n1[u] = __ldg(w1 + sp * BITS + u);
     }
-    const long g = sp * 32 / gs;
-    const float s0 = fn_f(sc[r0 * gpr + g]), s1 = fn_f(sc[r1 * gpr + g]);
-    const float c0 = fn_f(bi[r0 * gpr + g]), c1 = fn_f(bi[r1 * gpr + g]);
+    const int g = int((sp + 0.5f) * rspg);
+    ns0 = __ldg(sc0 + g); ns1 = __ldg(sc1 + g); nc0 = __ldg(bi0 + g); nc1 = __ldg(bi1 + g);
+  };
+  if (warp < nsp) fetch(sp0 + warp);
+  for (int j = warp; j < nsp; j += step) {
+    unsigned int q0[WORDS], q1[WORDS];
+    #pragma unroll
+    for (int u = 0; u < WORDS; ++u) { q0[u] = n0[u]; q1[u] = n1[u]; }
+    const float s0 = fn_f(ns0), s1 = fn_f(ns1), c0 = fn_f(nc0), c1 = fn_f(nc1);
+    if (j + step < nsp) fetch(sp0 + j + step);
     float xv[NT][8], ch[NT][4], cl[NT][4], xs_sum[NT][2];
     #pragma unroll
     for (int t = 0; t < NT; ++t) {
@@ -348,17 +368,13 @@ ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by th
     // fit the shared memory (then each item loads them anew)
     for (int item = blockIdx.x, have = -1; item < NPD * (K / 16); item += NB) {
       const int b0 = item % NPD * GD, tile = item / NPD, rows = min(GD, B - b0);
-      if (IC >= I && b0 != have) {
-        fn_rows_in(abuf + long(b0) * I, I, I, rows, xin, XSD);
-        __syncthreads();
-        have = b0;
-      }
       float acc[NTD][4] = {};
       for (int c0 = 0; c0 < I; c0 += IC) {
         const int n = min(IC, I - c0);
-        if (IC < I) {
+        if (IC < I || b0 != have) {
           fn_rows_in(abuf + long(b0) * I + c0, n, I, rows, xin, XSD);
           __syncthreads();
+          have = b0;
         }
         fn_tile<T, BITS, NTD>(wd, sd, bd, tile * 16, I / 32, c0 / 32, n / 32, I / GS, GS, xin, XSD, acc);
         if (IC < I) __syncthreads();  // the chunk read before the next is loaded
