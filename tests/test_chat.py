@@ -106,12 +106,12 @@ def test_ctrl_c_stops_the_answer_not_the_chat(smollm2, monkeypatch, capsys):
     monkeypatch.setattr(gen, "generate_step", interrupted_once)
     monkeypatch.setattr(chat, "load_from_args", lambda args: smollm2)
     monkeypatch.setattr("sys.stdin", io.StringIO(f"Write a long poem about the sea.\n{Q1}\n"))
-    chat.main(["--max-tokens", "12"])
+    chat.main(["--max-tokens", "8"])
     out = capsys.readouterr()
     lines = out.out.splitlines()
     assert interrupted_once.done and "[stopped]" in lines, out
     answer = lines[lines.index("[stopped]") + 1]
-    assert answer == gen.generate(model, tokenizer, Q1, max_tokens=12).strip().splitlines()[0]
+    assert answer == gen.generate(model, tokenizer, Q1, max_tokens=8).strip().splitlines()[0]
     assert "Paris" in answer
 
 
