@@ -73,7 +73,11 @@ __device__ inline void fn_rows_in(const A* src, int n, int stride, int rows, flo
     for (int u = 0; u < R; ++u) {
       if (e0 + u * blockDim.x < total) {
         if (copy) *reinterpret_cast<uint4*>(copy + long(q[u]) * stride + N * r[u]) = v[u];
-        fn_unpack<A, N>(v[u], xin + q[u] * xs + N * r[u]);
+        float f[N];
+        fn_unpack<A, N>(v[u], f);
+        float4* o = reinterpret_cast<float4*>(xin + q[u] * xs + N * r[u]);  // 16-byte aligned: xs, N in 4s
+        #pragma unroll
+        for (int k = 0; k < N / 4; ++k) o[k] = make_float4(f[4 * k], f[4 * k + 1], f[4 * k + 2], f[4 * k + 3]);
       }
     }
   }
@@ -94,13 +98,13 @@ __device__ inline void fn_row_norms(const A* a, A* rout, const float* gain, long
   for (int g = 0; g < G; ++g) ss[g] = 0.0f;
   for (int i = threadIdx.x; i < K; i += blockDim.x) {
     const float gv = gain ? __ldg(gain + i) : 1.0f;
+    float p[G];  // loaded before any store (which the compiler would otherwise keep between them)
+    #pragma unroll
+    for (int g = 0; g < G; ++g) p[g] = g < rows ? xin[g * xs + i] : 0.0f;
     #pragma unroll
     for (int g = 0; g < G; ++g) {
-      if (g < rows) {
-        const float p = xin[g * xs + i];
-        ss[g] += p * p;
-        if (gain) xin[g * xs + i] = p * gv;
-      }
+      ss[g] += p[g] * p[g];
+      if (gain && g < rows) xin[g * xs + i] = p[g] * gv;
     }
   }
   #pragma unroll

@@ -6,7 +6,6 @@ read through a pointer table (table)."""
 ARRAYS = ("wqkv", "sqkv", "bqkv", "wo", "so", "bo", "wgu", "sgu", "bgu", "wd", "sd", "bd", "kc", "vc")
 
 HEADER = """
-constexpr int UA = 2;  // rounds of a warp's attention positions loaded at once (ATTEND)
 __device__ inline void fn_grid_sync(unsigned int* bar, unsigned int target) {
   // every block of the grid arrives before any leaves (all blocks are resident: one per SM);
   // the count only grows within a launch, and the last block out resets it (fn_grid_exit)
@@ -114,7 +113,8 @@ LAYER = """    const unsigned int* wqkv = (const unsigned int*)tab[14 * l];
 # split, its partial state in `part`. The body around it names the row: rbase (its raw q/k/v),
 # cbase (its kv head's first cache row), head0 (its first query head among all rows' heads), pos,
 # lo, hi, mine, s and P.
-ATTEND = """      for (int vi = warp; vi < GQ + 2; vi += NW) {
+ATTEND = """      constexpr int UA = GQ <= 4 ? 4 : (GQ * D < 512 ? 2 : 1);  // rounds of a warp's positions loaded and scored at once (as registers allow)
+      for (int vi = warp; vi < GQ + 2; vi += NW) {
         const bool is_q = vi < GQ, is_k = vi == GQ;
         if (!is_q && !mine) continue;
         const int head = is_q ? kvh * GQ + vi : (is_k ? HQ + kvh : HQ + HKV + kvh);
@@ -155,9 +155,11 @@ ATTEND = """      for (int vi = warp; vi < GQ + 2; vi += NW) {
         lz[h] = 0.0f;
       }
       // a warp's positions UA rounds at a time, their loads issued before any is used (a
-      // conversion next to its load would wait for it); the same trip count for a warp
+      // conversion next to its load would wait for it), their scores before one max and one
+      // rescale a head (a rescale after each position made a serial chain that 8 warps could not
+      // hide: bench/RESULTS.md, "The batched step"); the same trip count for a warp
       for (int j00 = lo + warp * RPW; j00 < hi; j00 += UA * NW * RPW) {
-        uint4 kw[UA], vw[UA];
+        uint4 kw[UA] = {}, vw[UA] = {};
         #pragma unroll
         for (int u = 0; u < UA; ++u) {
           const int j0 = j00 + u * NW * RPW, j = j0 + grp;
@@ -167,29 +169,49 @@ ATTEND = """      for (int vi = warp; vi < GQ + 2; vi += NW) {
             vw[u] = *reinterpret_cast<const uint4*>(vc + row);
           }
         }
+        float t[UA][GQ], vf[UA][EPL];  // the trip's scores first, then one max and one rescale a head
+        bool ok[UA];
         #pragma unroll
         for (int u = 0; u < UA; ++u) {
           const int j0 = j00 + u * NW * RPW, j = j0 + grp;
-          if (j0 >= hi) break;
-          const bool ok = j < hi;
-          float kf[EPL], vf[EPL];
-          fn_unpack<T, EPL>(kw[u], kf);
-          fn_unpack<T, EPL>(vw[u], vf);
+          ok[u] = j0 < hi && j < hi;
           #pragma unroll
-          for (int h = 0; h < GQ; ++h) {
-            float t = 0.0f;
+          for (int h = 0; h < GQ; ++h) t[u][h] = 0.0f;
+          #pragma unroll
+          for (int e = 0; e < EPL; ++e) vf[u][e] = 0.0f;  // (past the end: times a zero weight)
+          if (j0 < hi) {  // the same for the whole warp (its shuffles)
+            float kf[EPL];
+            fn_unpack<T, EPL>(kw[u], kf);
+            fn_unpack<T, EPL>(vw[u], vf[u]);
             #pragma unroll
-            for (int e = 0; e < EPL; ++e) t += qv[h][e] * kf[e];
-            #pragma unroll
-            for (int x2 = LPR / 2; x2 > 0; x2 >>= 1) t += fn_shfl_xor(t, x2);
-            if (ok) {
-              const float mn = fmaxf(m[h], t), corr = exp2f(m[h] - mn), w = exp2f(t - mn);
-              lz[h] = lz[h] * corr + w;
+            for (int h = 0; h < GQ; ++h) {
+              float s = 0.0f;
               #pragma unroll
-              for (int e = 0; e < EPL; ++e) acc[h][e] = acc[h][e] * corr + w * vf[e];
-              m[h] = mn;
+              for (int e = 0; e < EPL; ++e) s += qv[h][e] * kf[e];
+              #pragma unroll
+              for (int x2 = LPR / 2; x2 > 0; x2 >>= 1) s += fn_shfl_xor(s, x2);
+              t[u][h] = s;
             }
           }
+        }
+        #pragma unroll
+        for (int h = 0; h < GQ; ++h) {
+          float mn = m[h];
+          #pragma unroll
+          for (int u = 0; u < UA; ++u) if (ok[u]) mn = fmaxf(mn, t[u][h]);
+          const float corr = exp2f(m[h] - mn);
+          float w[UA], ws = 0.0f;
+          #pragma unroll
+          for (int u = 0; u < UA; ++u) { w[u] = ok[u] ? exp2f(t[u][h] - mn) : 0.0f; ws += w[u]; }
+          lz[h] = lz[h] * corr + ws;
+          #pragma unroll
+          for (int e = 0; e < EPL; ++e) {
+            float a = acc[h][e] * corr;
+            #pragma unroll
+            for (int u = 0; u < UA; ++u) a += w[u] * vf[u][e];
+            acc[h][e] = a;
+          }
+          m[h] = mn;
         }
       }
       #pragma unroll 1
