@@ -21,6 +21,19 @@ from mlx.utils import tree_flatten
 
 from mlx_flashnorm.bench import decode
 
+# The files whose tests take longest on the 2-core CI machine (a `--durations` run, 2026-11-27),
+# run first: under xdist's loadfile the files are handed out in collection order, so a long file
+# collected last kept one worker busy while the other sat idle.
+SLOW_FILES = ("test_server_batch.py", "test_half.py", "test_models.py", "test_server.py", "test_gemma3_gguf.py",
+              "test_chat.py", "test_distributed.py", "test_flashnorm.py", "test_convert.py", "test_engine_process.py",
+              "test_bench.py", "test_cli.py", "test_generation_flags.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order kept
+
+
 # apple/OpenELM-270M config.json (the keys our loader and mlx-lm read; the bench's), with its token ids.
 OPENELM_270M = dict(decode.OPENELM_270M, bos_token_id=1, eos_token_id=2)
 
