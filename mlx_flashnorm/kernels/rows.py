@@ -67,7 +67,8 @@ __device__ inline void fn_rows_in(const A* src, int n, int stride, int rows, flo
     }
     #pragma unroll
     for (int u = 0; u < R; ++u) {
-      if (e0 + u * blockDim.x < total) v[u] = __ldcg(reinterpret_cast<const uint4*>(src + long(q[u]) * stride + N * r[u]));
+      if (e0 + u * blockDim.x < total)
+        v[u] = __ldcg(reinterpret_cast<const uint4*>(src + long(q[u]) * stride + N * r[u]));
     }
     #pragma unroll
     for (int u = 0; u < R; ++u) {

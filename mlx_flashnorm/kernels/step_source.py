@@ -113,7 +113,8 @@ LAYER = """    const unsigned int* wqkv = (const unsigned int*)tab[14 * l];
 # split, its partial state in `part`. The body around it names the row: rbase (its raw q/k/v),
 # cbase (its kv head's first cache row), head0 (its first query head among all rows' heads), pos,
 # lo, hi, mine, s and P.
-ATTEND = """      constexpr int UA = GQ <= 4 ? 4 : (GQ * D < 512 ? 2 : 1);  // rounds of a warp's positions loaded and scored at once (as registers allow)
+ATTEND = """      // rounds of a warp's positions loaded and scored at once, as many as the registers allow
+      constexpr int UA = GQ <= 4 ? 4 : (GQ * D < 512 ? 2 : 1);
       for (int vi = warp; vi < GQ + 2; vi += NW) {
         const bool is_q = vi < GQ, is_k = vi == GQ;
         if (!is_q && !mine) continue;
@@ -159,7 +160,7 @@ ATTEND = """      constexpr int UA = GQ <= 4 ? 4 : (GQ * D < 512 ? 2 : 1);  // r
       // rescale a head (a rescale after each position made a serial chain that 8 warps could not
       // hide: bench/RESULTS.md, "The batched step"); the same trip count for a warp
       for (int j00 = lo + warp * RPW; j00 < hi; j00 += UA * NW * RPW) {
-        uint4 kw[UA] = {}, vw[UA] = {};
+        uint4 kw[UA], vw[UA];
         #pragma unroll
         for (int u = 0; u < UA; ++u) {
           const int j0 = j00 + u * NW * RPW, j = j0 + grp;
@@ -174,12 +175,12 @@ ATTEND = """      constexpr int UA = GQ <= 4 ? 4 : (GQ * D < 512 ? 2 : 1);  // r
         #pragma unroll
         for (int u = 0; u < UA; ++u) {
           const int j0 = j00 + u * NW * RPW, j = j0 + grp;
-          ok[u] = j0 < hi && j < hi;
+          ok[u] = j < hi;  // (j0 <= j)
           #pragma unroll
           for (int h = 0; h < GQ; ++h) t[u][h] = 0.0f;
           #pragma unroll
-          for (int e = 0; e < EPL; ++e) vf[u][e] = 0.0f;  // (past the end: times a zero weight)
-          if (j0 < hi) {  // the same for the whole warp (its shuffles)
+          for (int e = 0; e < EPL; ++e) vf[u][e] = 0.0f;  // a round past the end: times a zero weight
+          if (j0 < hi) {  // the same for the whole warp (its shuffles); kw[u], vw[u] loaded
             float kf[EPL];
             fn_unpack<T, EPL>(kw[u], kf);
             fn_unpack<T, EPL>(vw[u], vf[u]);
