@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.utils import load_model
 
-from conftest import OPENELM_270M, cli, uniform_weights
+from conftest import OPENELM_270M, cli, random_weights
 from mlx_flashnorm import flashnorm, loader
 from mlx_flashnorm.convert import export
 
@@ -47,7 +47,7 @@ def test_openelm_weightless_checkpoint_in_stock_mlx_lm(tmp_path):
                   **{k: OPENELM_270M[k][:4] for k in ("num_query_heads", "num_kv_heads", "ffn_multipliers")})
     arch, args = loader.model_args(config)
     model = arch.Model(args)
-    model.load_weights(list(uniform_weights(model, seed=5).items()))
+    model.load_weights(list(random_weights(model, seed=5, uniform=True).items()))
     model.config = config
     tokens = mx.random.randint(0, 32000, (1, 16))
     ref = model(tokens)

@@ -12,7 +12,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
-from conftest import OPENELM_270M, TINY_LLAMA, random_weights, uniform_weights
+from conftest import OPENELM_270M, TINY_LLAMA, random_weights
 from mlx_flashnorm import flashnorm as fn
 from mlx_flashnorm import loader
 from mlx_flashnorm.generate import generate_step
@@ -473,7 +473,7 @@ def openelm_270m():
     """apple/OpenELM-270M's shape (16 layers, dim 1280, 32000 vocab, tied) with random weights,
     norm weights random around 1: (reference, flash) in float32, built once (~1 GB each)."""
     arch, args = loader.model_args(OPENELM_270M)
-    weights = list(uniform_weights(arch.Model(args), seed=3).items())
+    weights = list(random_weights(arch.Model(args), seed=3, uniform=True).items())
     models = []
     for _ in range(2):
         m = arch.Model(args)

@@ -2,7 +2,7 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import OPENELM_270M, TINY_LLAMA, make_checkpoint, uniform_weights
+from conftest import OPENELM_270M, TINY_LLAMA, make_checkpoint
 
 from mlx_flashnorm import load
 from mlx_flashnorm.gguf import read_gguf
@@ -38,7 +38,7 @@ def tokens():
 
 
 def test_openelm_270m_matches_mlx_lm(tmp_path, tokens, spm_model):
-    folder, _ = make_checkpoint(tmp_path / "openelm", OPENELM_270M, draw=uniform_weights)  # 270 M values
+    folder, _ = make_checkpoint(tmp_path / "openelm", OPENELM_270M, uniform=True)  # 270 M values
     assert check_against_mlx_lm(folder, tokens, spm_model) < RTOL
 
 
