@@ -162,6 +162,7 @@ class Slots:
                 self.fresh = {}
             self.offset = decode_offset(self.pos[0]) if self.solo else mx.array(self.pos, mx.int32)
             self.inc = mx.array([int(r is not None) for r in self.rows], mx.int32)
+            self.steps = {}  # logits -> the compiled step (step)
             self.dirty = False
         return self.tokens, self.offset, self.inc
 
@@ -170,11 +171,14 @@ class Slots:
         positions and buffers advance (lazily). The caller sets self.tokens to the tokens it
         samples."""
         tokens, offset, inc = self.inputs()
+        run = self.steps.get(logits)
+        if run is None:  # the model's compiled step, checked against the model when rows change, not every step
+            run = self.steps[logits] = (compiled_decode if self.solo else batched_decode)(self.model, logits)
         if self.solo:
-            out, self.offset, self.kv = compiled_decode(self.model, logits)(tokens, offset, self.kv)
+            out, self.offset, self.kv = run(tokens, offset, self.kv)
             greedy = mx.argmax(out, axis=-1)
         else:
-            out, greedy, self.offset, self.kv = batched_decode(self.model, logits)(tokens, offset, inc, self.kv)
+            out, greedy, self.offset, self.kv = run(tokens, offset, inc, self.kv)
         for i, r in enumerate(self.rows):
             if r is not None:
                 self.pos[i] += 1

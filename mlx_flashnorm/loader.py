@@ -458,6 +458,8 @@ def prepare(model, norm="rms", bits=None, group_size=64, head_bits=None, concat=
         concatenate(model)
     plain_norms(model)  # where no norm kernel runs: mx.fast.rms_norm alone, no per-call decision
     row_parallel(model)  # quantized matmuls over two CPU threads (bit-identical)
+    if kernels.use_decode_layers():  # the whole-step kernels' matrices as 12 arrays, not 12 a layer
+        flashnorm.stack_weights(model)
     return materialize(model)
 
 

@@ -108,12 +108,11 @@ def test_cuda_source_compiles(tmp_path):
     from mlx_flashnorm.kernels import rows
 
     L = 3
-    names = [f"{a}{layer}" for layer in range(L) for a in step_source.ARRAYS]
     variants = [(mx.float16, 4, 64, None), (mx.bfloat16, 8, 128, None), (mx.float32, 4, 128, None),
                 (mx.float16, 4, 64, 8), (mx.bfloat16, 8, 128, 16)]
     for i, (T, bits, D, G) in enumerate(variants):
         types = [(T, 3), (mx.int32, 1), (mx.int32, 1), (mx.float32, 1), (mx.float32, 3), (mx.float32, 4),
-                 (mx.uint32, 1)] + ([(mx.uint32, 2), (T, 2), (T, 2)] * 4 + [(T, 4)] * 2) * L
+                 (mx.uint32, 1)] + [(mx.uint32, 3), (T, 3), (T, 3)] * 4 + [(T, 4)] * 2 * L  # stacked matrices
         body, header = ((step_source.STEP, step_source.HEADER) if G is None else
                         (rows._ROWS, step_source.HEADER + rows._HEADER))
         body = body.replace("TABLE", step_source.table(L))
@@ -121,7 +120,7 @@ def test_cuda_source_compiles(tmp_path):
         if G == 16:  # with bench.rows_phases' clock stamps (the same kernel, timed)
             body, template = rows_phases.stamped_source(body), template + [("WORK_", 4096)]
             assert body.count("globaltimer") == 2 + 5 + 1  # before the layers, at each barrier's site, at the end
-        code = build.cuda_source("fn_decode_layers", ["x", "off", "dims", "theta", "gains", "qkg", "sync"] + names,
+        code = build.cuda_source("fn_decode_layers", step_source.input_names(L),
                                  ["y", "p", "ys", "work"], body, build.HEADERS["cuda"] + header, types,
                                  [T, T, mx.float32, mx.float32],
                                  template + ([("G", G), ("GD", max(8, G // 2)), ("IC", 128 if G == 16 else 384)]
@@ -292,10 +291,10 @@ def test_rows_per_pass(monkeypatch):
 
 def test_launches_pass_every_array(monkeypatch):
     """Both whole-step launches as they reach MLX's precompiled launcher (stubbed, with the
-    compiler, so on any device): every layer's 14 arrays after the 7 shared inputs, the caches
-    written in place among them, outputs sized for the rows (the rows' scales in 16 bytes at least),
-    one block per SM, shared memory for the row groups, and the variant's template (rows per matvec
-    pass for a batch)."""
+    compiler, so on any device): the 12 stacked matrices after the 7 shared inputs (a Layers' own
+    stacks, else copies), then every layer's caches, written in place, outputs sized for the rows
+    (the rows' scales in 16 bytes at least), one block per SM, shared memory for the row groups, and
+    the variant's template (rows per matvec pass for a batch)."""
     from mlx_flashnorm.kernels import rows
 
     calls, files = [], []
@@ -313,17 +312,23 @@ def test_launches_pass_every_array(monkeypatch):
     layers, caches = step._random_stack(L, K, HQ, HKV, D, I, C, 9, 80)
     layers = [tuple((w, s.astype(mx.float16), b.astype(mx.float16)) for w, s, b in m) for m in layers]
     theta = mx.zeros((D // 2,))
+    stacks = [mx.stack([m[k // 3][k % 3] for m in layers]) for k in range(12)]
     for B in (1, 5):
         kv = [tuple(mx.concatenate([a.astype(mx.float16)] * B) for a in c) for c in caches]
         x = mx.zeros((B, 1, K), mx.float16)
-        args = (layers, kv, None, None, theta, 1e-5, 0.5, 0.0, HQ, HKV, 64, 4)
+        args = (kernels.Layers(layers, stacks) if B == 1 else layers, kv, None, None, theta, 1e-5, 0.5, 0.0, HQ, HKV,
+                64, 4)
         if B == 1:
             y, ys, p, out = step.decode_layers(x, mx.array([9, 9, 9, 9], mx.int32)[:1].reshape(()), *args)
         else:
             y, ys, p, out = rows.decode_rows(x, mx.arange(B, dtype=mx.int32), *args)
         call = calls[-1]
-        assert len(call["inputs"]) == 7 + 14 * L
-        assert [a is b for a, b in zip(call["inputs"][7 + 12::14], [k for k, _ in kv])] == [True] * L
+        assert len(call["inputs"]) == 7 + 12 + 2 * L
+        if B == 1:
+            assert all(a is b for a, b in zip(call["inputs"][7:19], stacks))
+        else:
+            assert all(mx.array_equal(a, b).item() for a, b in zip(call["inputs"][7:19], stacks))
+        assert [a is b for a, b in zip(call["inputs"][19::2], [k for k, _ in kv])] == [True] * L
         # ys (a float a row) in 16 bytes at least: MLX keeps an array of 8 bytes or less in a managed page
         assert call["output_shapes"][:3] == [(B, 1, K), (B, 1, K), (max(B, 4),)]
         assert call["grid"] == (132 * 256, 1, 1) and call["threadgroup"] == (256, 1, 1)
@@ -376,3 +381,28 @@ def test_rows_kernel_on_real_weights(dtype):
         engine.step()
     compared = [agree_until_tie(model, r.tokens, r.generated, 24) for r in requests]
     assert sum(compared) >= 2 * 3 * 24 // 3, compared
+
+
+def test_stacked_weights_are_the_same_model():
+    """flashnorm.stack_weights (the loader's last pass where the whole-step kernels run) makes each
+    block's matrices rows of 12 arrays over the layers: the model computes the same log-probabilities
+    bit for bit, the kernels get those 12 arrays themselves (no copy), and a block whose array is
+    replaced afterwards gets stacked copies of the current arrays instead."""
+    model = quantized_model("llama")
+    want_tokens, want = greedy(model)
+    flat = [a for m in stack._spec(model.layers)["layers"] for t in m for a in t]
+    stack.stack_weights(model)
+    stacks = model.layers[0]._stacks.arrays
+    assert [s.shape[0] for s in stacks] == [len(model.layers)] * 12
+    now = [a for m in stack._spec(model.layers)["layers"] for t in m for a in t]
+    assert all(mx.array_equal(a, b).item() for a, b in zip(now, flat))
+    model._compiled_decode = None
+    tokens, got = greedy(model)
+    assert tokens == want_tokens and mx.array_equal(got, want).item()
+    mats = stack._spec(model.layers)["layers"]
+    assert all(a is b for a, b in zip(stack._stacked(model.layers, mats).stacks, stacks))
+    q = model.layers[1].self_attn.qkv_proj
+    q.weight = mx.array(q.weight) ^ 1  # another array, other values
+    copies = stack._stacked(model.layers, stack._spec(model.layers)["layers"]).stacks
+    assert not any(a is b for a, b in zip(copies, stacks))
+    assert mx.array_equal(copies[0][1], q.weight).item() and mx.array_equal(copies[1], stacks[1]).item()

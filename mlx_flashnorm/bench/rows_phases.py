@@ -17,10 +17,10 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import HelpFormatter, UserError, run_cli
-from ..flashnorm.stack import _spec
+from ..flashnorm.stack import _spec, _stacked
 from ..kernels import rows as current, step
 from ..kernels.build import HEADERS, make_kernel
-from ..kernels.step_source import ARRAYS, HEADER, table
+from ..kernels.step_source import HEADER, input_names, table
 from ..loader import load
 from .decode import device_name
 
@@ -54,9 +54,8 @@ def stamped_source(source):
 
 
 def stamped_kernel(module, layers, tag):
-    names = [f"{a}{l}" for l in range(layers) for a in ARRAYS]
-    return make_kernel(f"fn_decode_rows_stamped{tag}", ["x", "off", "dims", "theta", "gains", "qkg", "sync"] + names,
-                       ["y", "p", "ys", "work"], stamped_source(module._ROWS.replace("TABLE", table(layers))),
+    return make_kernel(f"fn_decode_rows_stamped{tag}", input_names(layers), ["y", "p", "ys", "work"],
+                       stamped_source(module._ROWS.replace("TABLE", table(layers))),
                        HEADERS["cuda"] + HEADER + module._HEADER)
 
 
@@ -108,6 +107,7 @@ def main(argv=None):
         raise UserError(f"--rows must lie in 2..{step.MAX_ROWS} and --positions in 0..1022")
     model, _ = load(None, dtype="float16", progress=False)
     spec = _spec(model.layers)
+    spec["layers"] = _stacked(model.layers, spec["layers"])  # the loader's stacks, as the step passes them
     print(f"{device_name()}, MLX {mx.__version__}, SmolLM2-135M float16, {args.reps} launches a point\n")
     print("| kernel | rows | position | G, GD | " + " | ".join(PHASES) + " | layer | step |")
     print("| --- | ---: | ---: | --- |" + " ---: |" * (len(PHASES) + 2))

@@ -20,6 +20,42 @@ def _arrays(linear):
     return linear["weight"], linear["scales"], linear["biases"]
 
 
+def _linears(layer):
+    """A block's four matrices, in the kernels' order."""
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+
+class _Stacks:
+    """stack_weights' arrays (a plain attribute of the first block, not a child: no parameters)."""
+
+    def __init__(self, arrays, rows):
+        self.arrays, self.rows = arrays, rows
+
+
+def stack_weights(model):
+    """Make each of the 12 arrays of the blocks' matrices (qkv weight, scales, biases; o_proj's;
+    gate_up's; down_proj's) one array over the layers, each block's array a row of it (a view: no
+    copy is kept), where decode_layers takes these blocks: a launch then takes 12 inputs for them,
+    not 12 per layer (its host work grows with its inputs). The same values: every other path
+    reads the rows as it read the arrays."""
+    layers = getattr(model, "layers", None)
+    if not layers or not hasattr(layers[0], "self_attn") or _spec(layers) is None:
+        return model
+    arrays, rows = [], []
+    for i in range(4):
+        for name in ("weight", "scales", "biases"):
+            linears = [_linears(layer)[i] for layer in layers]
+            stack = mx.stack([m[name] for m in linears])
+            mx.eval(stack)
+            for l, m in enumerate(linears):
+                m[name] = stack[l]
+            mx.eval([m[name] for m in linears])
+            arrays.append(stack)
+            rows.append([m[name] for m in linears])
+    layers[0]._stacks = _Stacks(arrays, rows)
+    return model
+
+
 def _spec(layers):
     """The arguments decode_layers takes for these blocks, or None where a block is not of the
     forms it computes (any other module, a bias, a sharded linear, mixed quantization)."""
@@ -43,7 +79,7 @@ def _spec(layers):
                 or not _quantized(f.gate_up_proj, QuantizedDeferredLinear)
                 or not _quantized(f.down_proj, QuantizedDeferredLinear)):
             return None
-        linears = (a.qkv_proj, a.o_proj, f.gate_up_proj, f.down_proj)
+        linears = _linears(layer)
         if any((m.bits, m.group_size) != (attn.qkv_proj.bits, attn.qkv_proj.group_size) for m in linears):
             return None
         if any(("gain" in m) != ("gain" in norms[0]) for m in norms):
@@ -60,6 +96,17 @@ def _spec(layers):
     return dict(layers=mats, gains=gains, qk_gains=qk_gains, theta=attn._theta, eps=eps, factor=attn.factor,
                 qk_eps=attn.qk_eps if qk_norm else 0.0, n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads,
                 group_size=attn.qkv_proj.group_size, bits=attn.qkv_proj.bits)
+
+
+def _stacked(layers, mats):
+    """mats (_spec's layers) with their stacks: stack_weights' where it stacked these blocks (and no
+    array was replaced since), else stacked copies (evaluated here: constants of a compiled step)."""
+    kept = getattr(layers[0], "_stacks", None)
+    if kept is None or any(mats[l][k // 3][k % 3] is not a for k, rows in enumerate(kept.rows)
+                           for l, a in enumerate(rows)):
+        kept = _Stacks([mx.stack([m[k // 3][k % 3] for m in mats]) for k in range(12)], None)
+        mx.eval(kept.arrays)
+    return kernels.Layers(mats, kept.arrays)
 
 
 def decode_stack(layers, h, cache):
@@ -83,6 +130,7 @@ def decode_stack(layers, h, cache):
             h, spec["layers"], kv, spec["n_heads"], spec["n_kv_heads"], spec["group_size"], spec["bits"], name=name):
         return None
     run = kernels.decode_layers if name == "decode_layers" else kernels.decode_rows
+    spec["layers"] = _stacked(layers, spec["layers"])
     y, ys, p, kv = run(h, cache[0].offset, caches=kv, **spec)
     for c, (k, v) in zip(cache, kv):
         c.keys, c.values = k, v

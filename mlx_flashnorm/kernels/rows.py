@@ -39,7 +39,7 @@ import mlx.core as mx
 
 from .build import HEADERS, make_kernel, rand
 from . import step
-from .step_source import ARRAYS, ATTEND, HEADER, LAYER, table
+from .step_source import ATTEND, HEADER, LAYER, input_names, table
 
 BMAX = step.MAX_ROWS
 GMAX = 16  # rows per pass, at most: 32 was slower (H100, 2026-11-26: 3.88 ms a 32-row step against 3.45)
@@ -436,10 +436,8 @@ def shared_bytes(G, GD, xa, xi, D, GQ, L):
 
 @lru_cache(maxsize=None)
 def rows_kernel(layers):
-    names = [f"{a}{l}" for l in range(layers) for a in ARRAYS]
-    return make_kernel("fn_decode_rows", ["x", "off", "dims", "theta", "gains", "qkg", "sync"] + names,
-                       ["y", "p", "ys", "work"], _ROWS.replace("TABLE", table(layers)),
-                       HEADERS["cuda"] + HEADER + _HEADER)
+    return make_kernel("fn_decode_rows", input_names(layers), ["y", "p", "ys", "work"],
+                       _ROWS.replace("TABLE", table(layers)), HEADERS["cuda"] + HEADER + _HEADER)
 
 
 def decode_rows(x, positions, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads, n_kv_heads,

@@ -26,18 +26,17 @@ import mlx.core as mx
 from .. import forms
 from ..forms import gpu_backend
 from .build import HEADERS, constant, float_bits, make_kernel, position_array, rand
-from .step_source import ARRAYS, HEADER, STEP, table
+from .step_source import HEADER, STEP, input_names, table
 
 THREADS = 256  # 8 warps a block
 SMAX = 16  # attention splits per kv head, at most
-MAX_LAYERS = 36  # 14 pointers a layer: the kernel's arguments stay within CUDA's 4 KB
+MAX_LAYERS = 36  # the pointer table's 14 a layer in static shared memory
 MAX_ROWS = 64  # rows of the batched form (rows.py), at most
 
 @lru_cache(maxsize=None)
 def step_kernel(layers):
-    names = [f"{a}{l}" for l in range(layers) for a in ARRAYS]
-    return make_kernel("fn_decode_layers", ["x", "off", "dims", "theta", "gains", "qkg", "sync"] + names,
-                       ["y", "p", "ys", "work"], STEP.replace("TABLE", table(layers)),
+    return make_kernel("fn_decode_layers", input_names(layers), ["y", "p", "ys", "work"],
+                       STEP.replace("TABLE", table(layers)),
                        HEADERS["cuda"] + HEADER)
 
 
@@ -150,22 +149,40 @@ def sizes(x, layers, theta, n_heads):
     return K, D, I, max(K, n_heads * D, I)
 
 
+class Layers(list):
+    """A stack's layers (per layer the (weight, scales, biases) of its four matrices) with `stacks`:
+    the 12 arrays (L, rows, columns) whose row l each layer's arrays are, in that order
+    (flashnorm.stack_weights makes them at load time, so that they take no memory of their own)."""
+
+    def __init__(self, layers, stacks):
+        super().__init__(layers)
+        self.stacks = stacks
+
+
+def stacked(layers):
+    """The 12 stacked matrices a launch takes: the layers' own stacks, else copies."""
+    if isinstance(layers, Layers):
+        return layers.stacks
+    return [mx.stack([mats[i][j] for mats in layers]) for i in range(4) for j in range(3)]
+
+
 def launch(kernel, x, positions, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads, n_kv_heads,
            group_size, bits, work, shared_memory, rows=(), template=(), keep_work=False):
     """One launch of a whole-step kernel (this file's; rows.py's adds its row count to the sizes
-    (rows) and its rows per matvec pass to the template): one block per SM, the shared inputs and
-    then every layer's 14 arrays. Returns (y, ys, p, caches); the caches were written in place, so
-    they are handed out as depending on the launch (reading them runs it first). keep_work: the
-    work buffer (work floats) too, last (bench.rows_phases reads its clock stamps there)."""
+    (rows) and its rows per matvec pass to the template): one block per SM, the shared inputs, the
+    12 stacked matrices (stacked) and every layer's caches. Returns (y, ys, p, caches); the caches
+    were written in place, so they are handed out as depending on the launch (reading them runs it
+    first). keep_work: the work buffer (work floats) too, last (bench.rows_phases reads its clock
+    stamps there)."""
     K, D, I, xmax = sizes(x, layers, theta, n_heads)
     none = constant(mx.float32, 0.0)
     dims = (K, group_size, n_heads, n_kv_heads, I, caches[0][0].shape[2], sm_count(), xmax, gains is not None,
             x.dtype != mx.float32, qk_gains is not None, float_bits(eps), float_bits(factor), float_bits(qk_eps),
             *rows)
-    arrays = [a for mats, kv in zip(layers, caches) for a in (*[t for m in mats for t in m], *kv)]
     y, p, ys, scratch = kernel(
         inputs=[x, positions, constant(mx.int32, *dims), theta, none if gains is None else gains,
-                none if qk_gains is None else qk_gains, sync_state()] + arrays,
+                none if qk_gains is None else qk_gains, sync_state(), *stacked(layers)]
+        + [a for kv in caches for a in kv],
         template=[("T", x.dtype), ("BITS", bits), ("D", D), ("GQ", n_heads // n_kv_heads), ("NL", len(layers)),
                   ("SMAX", SMAX), *template],
         grid=(sm_count() * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),

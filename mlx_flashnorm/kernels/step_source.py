@@ -4,6 +4,7 @@ the attention phase both run (ATTEND) and the one-row kernel's body (STEP), its 
 read through a pointer table (table)."""
 
 ARRAYS = ("wqkv", "sqkv", "bqkv", "wo", "so", "bo", "wgu", "sgu", "bgu", "wd", "sd", "bd", "kc", "vc")
+STACKED = ARRAYS[:12]  # inputs (L, rows, columns): every layer's matrix of the kind, layer l its row l
 
 HEADER = """
 __device__ inline void fn_grid_sync(unsigned int* bar, unsigned int target) {
@@ -361,7 +362,19 @@ ATTEND    }
 STEP = _STEP_BODY.replace("ATTEND", ATTEND).replace("LAYER\n", LAYER)
 
 
+def input_names(layers):
+    """Both kernels' inputs: the shared ones, the 12 stacked matrices (STACKED), each layer's caches.
+    A launch's host work grows with its inputs (about 0.4 ms for 430 on an H100, against 0.03 for 8:
+    bench/RESULTS.md, "Host work of the batched step"), so the layers' matrices come as 12 arrays."""
+    return (["x", "off", "dims", "theta", "gains", "qkg", "sync", *STACKED]
+            + [f"{a}{l}" for l in range(layers) for a in ARRAYS[12:]])
+
+
 def table(layers):
-    """The body's pointer table: thread l of each block copies layer l's arrays into shared memory."""
-    return "\n".join(f"  if (threadIdx.x == {l}) {{ " + " ".join(f"tab[{14 * l + k}] = {a}{l};" for k, a in
-                                                               enumerate(ARRAYS)) + " }" for l in range(layers))
+    """The body's pointer table in shared memory: thread l of each block points at layer l's rows
+    of the stacked matrices and at its caches."""
+    rows = "\n    ".join(f"tab[14 * l + {k}] = {a} + long(l) * {a}_shape[1] * {a}_shape[2];"
+                         for k, a in enumerate(STACKED))
+    return "\n".join([f"  if (threadIdx.x < NL) {{\n    const int l = threadIdx.x;\n    {rows}\n  }}"]
+                     + [f"  if (threadIdx.x == {l}) {{ tab[{14 * l + 12}] = kc{l}; tab[{14 * l + 13}] = vc{l}; }}"
+                        for l in range(layers)])
