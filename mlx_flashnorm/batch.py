@@ -92,8 +92,15 @@ class Event(NamedTuple):
     """A token generated for a request; finish_reason is "stop" (a stop token), "length" or None."""
     request: Request
     token: int
-    logprobs: mx.array  # (vocab,) log-probabilities the token was drawn from (after the processors)
+    step: mx.array  # (slots, vocab): the step's log-probabilities (after the processors)
+    row: int  # the request's row of them
     finish_reason: Optional[str]
+
+    @property
+    def logprobs(self):
+        """(vocab,) the log-probabilities the token was drawn from: sliced when asked (a slice for
+        every row of every step cost 0.1 ms of host time a 32-row step on this project's CPU)."""
+        return self.step[self.row]
 
 
 class Filling(NamedTuple):
@@ -376,7 +383,7 @@ class BatchEngine:
             r.generated.append(t)
             r.next = t
             finish = "stop" if t in r.stop_tokens else ("length" if len(r.generated) >= r.max_tokens else None)
-            events.append(Event(r, t, step.logprobs[i], finish))
+            events.append(Event(r, t, step.logprobs, i, finish))
             if finish:
                 leaving.append(r)
         self._release(leaving)

@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection
 from .batch import BatchWorker
 from .errors import UserError
 from .generate import context_length, load_from_args
-from .worker import Ticket
+from .worker import Ticket, Token
 
 CLOSE_TIMEOUT = 30  # seconds the child may take to stop once asked
 
@@ -94,6 +94,8 @@ class EngineProcess:
             except (EOFError, OSError):
                 break
             for key, item in tokens:
+                if type(item) is tuple:  # a plain token (PipedWorker.put)
+                    item = Token(*item)
                 ticket = self.tickets.get(key)
                 if ticket is not None:
                     ticket.put(item)
@@ -138,6 +140,8 @@ class PipedWorker(BatchWorker):
         return ticket
 
     def put(self, ticket, item):
+        if isinstance(item, Token) and item.logprob is None and not item.top_logprobs:
+            item = (item.id, item.finish_reason)  # pickled in a tenth of a Token's time, both ways
         self.outbox.append((ticket.key, item))
         if item is None or isinstance(item, BaseException):
             self.tickets.pop(ticket.key, None)

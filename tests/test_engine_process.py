@@ -4,14 +4,15 @@ process answers them, a cancelled request leaving its slot, the child's death an
 error by a server that goes on serving, and a load error as one line."""
 import threading
 import urllib.request
+from types import SimpleNamespace
 
 import pytest
 
-from mlx_flashnorm.engine_process import EngineProcess
+from mlx_flashnorm.engine_process import EngineProcess, PipedWorker
 from mlx_flashnorm.errors import UserError
 from mlx_flashnorm.generate import stream_generate
 from mlx_flashnorm.server import Server, arg_parser
-from mlx_flashnorm.worker import Generation
+from mlx_flashnorm.worker import Generation, Token
 
 from conftest import cli, openai_client, serving
 
@@ -96,3 +97,14 @@ def test_load_errors_are_one_line():
     r = cli("mlx_flashnorm.server", "--model", "/nowhere/model.gguf", "--no-warmup")
     assert r.returncode == 2 and r.stderr.startswith("error: ") and "nowhere" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_plain_tokens_cross_the_pipe_as_tuples():
+    """The child sends a token without log-probabilities as (id, finish) (a Token pickles ten times
+    slower), one with them as its Token; the requests above read both back as Tokens."""
+    child, ticket = SimpleNamespace(outbox=[], tickets={}), SimpleNamespace(key=7)
+    rich = Token(6, "stop", -0.5, [(6, -0.5)])
+    for item in (Token(5), Token(9, "length"), rich, None):
+        PipedWorker.put(child, ticket, item)
+    assert child.outbox == [(7, (5, None)), (7, (9, "length")), (7, rich), (7, None)]
+
