@@ -37,7 +37,7 @@ import mlx.nn as nn
 
 from .concat import GATE_UP, PER_OUTPUT, QKV, held
 from .errors import UserError
-from .flashnorm import DeferredLinear, QuantizedDeferredLinear, deferred
+from .flashnorm import DeferredLinear, QuantizedDeferredLinear, deferred, unstack
 
 ROW = ("o_proj", "out_proj", "down_proj", "proj_2")  # the row-parallel linears, by name
 FFN_UP = (GATE_UP, ("proj_1",))  # the column-parallel linears of an FFN: parts, or OpenELM's
@@ -145,6 +145,7 @@ def split(model, rank, size, group_size=None):
     linear's columns must be whole groups of it, as they are in one process."""
     if size == 1:
         return model
+    unstack(model)  # a loaded model's stacked matrices (flashnorm.stack_weights) would keep every rank's whole
     for path, m in model.named_modules():
         if isinstance(getattr(m, "n_heads", None), int) and ("o_proj" in m or "out_proj" in m):
             split_attention(m, rank, size, path, group_size)

@@ -406,3 +406,16 @@ def test_stacked_weights_are_the_same_model():
     copies = stack._stacked(model.layers, stack._spec(model.layers)["layers"]).stacks
     assert not any(a is b for a, b in zip(copies, stacks))
     assert mx.array_equal(copies[0][1], q.weight).item() and mx.array_equal(copies[1], stacks[1]).item()
+
+
+def test_splitting_a_stacked_model_forgets_its_stacks():
+    """shard.split replaces the blocks' arrays by each rank's slices: the stacks, which would keep
+    the whole arrays' memory, go with them."""
+    from mlx_flashnorm import shard
+
+    model = quantized_model("llama")
+    stack.stack_weights(model)
+    assert model.layers[0]._stacks is not None
+    shard.split(model, 0, 2)
+    assert not hasattr(model.layers[0], "_stacks")
+    assert model.layers[0].self_attn.n_heads == 2

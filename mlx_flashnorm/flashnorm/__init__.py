@@ -50,16 +50,16 @@ from .ffn import FlashFusedSwiGLU, FlashGeGLU, FlashSwiGLU
 from .head import FlashHead, TiedFlashHead
 from .norm import (Deferred, DeferredLinear, DeferredNorm, Pending, QuantizedDeferredLinear, deferred, fold_weight,
                    norm_gain, norm_weight, rss_scale, weightless)
-from .stack import decode_stack, stack_weights
+from .stack import decode_stack, stack_weights, unstack
 from .paper import DyTLinear, FlashDyT, FlashGLU, FlashLayerNormLinear, FlashReLUFFN, merge_mean_centering
 
-__all__ = ["apply", "remove_norms", "decode_stack", "stack_weights", "make_weightless", "mapping", "Mapping", "Pair",
-           "NoNorm", "HEADS", "DEFAULT_HEAD", "FlashAttention", "FlashQKNormAttention", "FlashSwiGLU", "FlashGeGLU",
-           "FlashFusedSwiGLU", "FlashHead", "TiedFlashHead", "Deferred", "DeferredLinear", "DeferredNorm",
-           "Pending", "QuantizedDeferredLinear", "deferred", "fold_weight", "norm_gain", "norm_weight",
-           "rss_scale", "weightless", "DyTLinear", "FlashDyT", "FlashGLU", "FlashLayerNormLinear",
-           "FlashReLUFFN", "merge_mean_centering", "apply_rope", "permute_gain", "rope_frequencies",
-           "rope_tables", "rotate"]
+__all__ = ["apply", "remove_norms", "decode_stack", "stack_weights", "unstack", "make_weightless", "mapping",
+           "Mapping", "Pair", "NoNorm", "HEADS", "DEFAULT_HEAD", "FlashAttention", "FlashQKNormAttention",
+           "FlashSwiGLU", "FlashGeGLU", "FlashFusedSwiGLU", "FlashHead", "TiedFlashHead", "Deferred",
+           "DeferredLinear", "DeferredNorm", "Pending", "QuantizedDeferredLinear", "deferred", "fold_weight",
+           "norm_gain", "norm_weight", "rss_scale", "weightless", "DyTLinear", "FlashDyT", "FlashGLU",
+           "FlashLayerNormLinear", "FlashReLUFFN", "merge_mean_centering", "apply_rope", "permute_gain",
+           "rope_frequencies", "rope_tables", "rotate"]
 
 HEADS = ("scale", "untie")
 DEFAULT_HEAD = "scale"

@@ -56,6 +56,13 @@ def stack_weights(model):
     return model
 
 
+def unstack(model):
+    """Forget stack_weights' arrays, for a pass that replaces the blocks' arrays (shard.split): they
+    would keep the old values' memory."""
+    for layer in (getattr(model, "layers", None) or [])[:1]:
+        vars(layer).pop("_stacks", None)
+
+
 def _spec(layers):
     """The arguments decode_layers takes for these blocks, or None where a block is not of the
     forms it computes (any other module, a bias, a sharded linear, mixed quantization)."""
