@@ -47,11 +47,12 @@ def stack_weights(model):
             linears = [_linears(layer)[i] for layer in layers]
             stack = mx.stack([m[name] for m in linears])
             mx.eval(stack)
-            for l, m in enumerate(linears):
-                m[name] = stack[l]
-            mx.eval([m[name] for m in linears])
+            views = [stack[l] for l in range(len(linears))]
+            mx.eval(views)
+            for m, view in zip(linears, views):
+                m[name] = view
             arrays.append(stack)
-            rows.append([m[name] for m in linears])
+            rows.append(views)
     layers[0]._stacks = _Stacks(arrays, rows)
     return model
 
@@ -59,8 +60,9 @@ def stack_weights(model):
 def unstack(model):
     """Forget stack_weights' arrays, for a pass that replaces the blocks' arrays (shard.split): they
     would keep the old values' memory."""
-    for layer in (getattr(model, "layers", None) or [])[:1]:
-        vars(layer).pop("_stacks", None)
+    layers = getattr(model, "layers", None)
+    if layers:
+        vars(layers[0]).pop("_stacks", None)
 
 
 def _spec(layers):
@@ -111,7 +113,7 @@ def _stacked(layers, mats):
     kept = getattr(layers[0], "_stacks", None)
     if kept is None or any(mats[l][k // 3][k % 3] is not a for k, rows in enumerate(kept.rows)
                            for l, a in enumerate(rows)):
-        kept = _Stacks([mx.stack([m[k // 3][k % 3] for m in mats]) for k in range(12)], None)
+        kept = _Stacks(kernels.stacked(mats), None)
         mx.eval(kept.arrays)
     return kernels.Layers(mats, kept.arrays)
 
