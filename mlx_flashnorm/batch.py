@@ -166,19 +166,25 @@ class BatchEngine:
 
     def warmup(self, prompt=16, steps=3):
         """Play one throwaway greedy request (a prompt of `prompt` tokens, `steps` tokens), then
-        two together (their shared prefill call), outside the prompt cache and the prefill counts,
-        so that a first real request finds MLX's kernels compiled (generate.warmup's reason); then
-        trace the batched step of every bucket up to max_batch, at the first capacity. Call it on
-        the thread that will step the engine."""
-        kept, self.prompt_cache, counted = self.prompt_cache, None, (self.prefilled, self.prefill_calls)
+        two and four together (their shared prefill calls, from the first one's half of their
+        prompts where the engine has a prompt cache: then a throwaway one), outside the prompt cache
+        and the prefill counts, so that a first real request finds MLX's kernels compiled
+        (generate.warmup's reason) and the prompt cache's copies too (a first store of 32 rows
+        took 0.33 s on an H200: bench/RESULTS.md, "Serving"); then trace the batched step of every
+        bucket up to max_batch, at the first capacity. Call it on the thread that will step the
+        engine."""
+        kept, counted = self.prompt_cache, (self.prefilled, self.prefill_calls)
+        self.prompt_cache = None if kept is None else PromptCache(1 << 26)
         vocab = self.model.args.vocab_size
+        first = [i % vocab for i in range(prompt)]
         try:
-            self.add(Request([i % vocab for i in range(prompt)], max_tokens=steps))
+            self.add(Request(first, max_tokens=steps))
             while self.busy:
                 self.step()
             for n in (2, 4):  # shared prefill calls (MLX compiles its quantized matmul for up to 16,
                 for k in range(n):  # 32 and more rows: 15, 30 and 60 here)
-                    self.add(Request([(i + k + n) % vocab for i in range(prompt)], max_tokens=steps))
+                    tail = [(i + k + n) % vocab for i in range(prompt - prompt // 2)]
+                    self.add(Request(first[:prompt // 2] + tail, max_tokens=steps))
                 while self.busy:
                     self.step()
             size = 2
@@ -274,9 +280,12 @@ class BatchEngine:
         if len(group) < 2:
             return 0
         cache = [KVCache() for _ in self.model.layers]
-        if start:
+        if start:  # each distinct prefix copied once, then gathered into the members' rows (a copy a
+            prefixes = [tuple(f.request.tokens[:start]) for f in group]  # member and layer cost 30 ms a
+            distinct = list(dict.fromkeys(prefixes))  # 32-prompt call: bench/RESULTS.md, "Serving")
+            held, row = [group[prefixes.index(p)] for p in distinct], mx.array([distinct.index(p) for p in prefixes])
             for layer, c in enumerate(cache):
-                c.keys, c.values = (mx.concatenate([getattr(f.cache[layer], a)[..., :start, :] for f in group])
+                c.keys, c.values = (mx.concatenate([getattr(f.cache[layer], a)[..., :start, :] for f in held])[row]
                                     for a in ("keys", "values"))
                 c.offset = start
         todo = [f.request.tokens[start:-1] for f in group]

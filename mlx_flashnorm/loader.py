@@ -15,7 +15,7 @@ from . import flashnorm, forms, kernels, validate
 from .concat import concatenate
 from .errors import UserError
 from .forms import NORMS
-from .kernels import row_parallel
+from .kernels import through_quantized_matmul
 from .progress import bar, hub_bars
 from .shard import connect, split, world
 from .models import ARCHITECTURES
@@ -457,7 +457,7 @@ def prepare(model, norm="rms", bits=None, group_size=64, head_bits=None, concat=
     if concat:
         concatenate(model)
     plain_norms(model)  # where no norm kernel runs: mx.fast.rms_norm alone, no per-call decision
-    row_parallel(model)  # quantized matmuls over two CPU threads (bit-identical)
+    through_quantized_matmul(model)  # two CPU threads (bit-identical); a GPU's batch rows as one matrix
     if kernels.use_decode_layers():  # the whole-step kernels' matrices as 12 arrays, not 12 a layer
         flashnorm.stack_weights(model)
     return materialize(model)

@@ -123,6 +123,22 @@ def test_newcomers_with_cached_prefixes_share_one_prefill_call(model):
         assert r.generated == single(model, r.tokens, steps=6)[0]
 
 
+def test_newcomers_with_different_cached_prefixes_get_their_own(model):
+    """Newcomers prefilled in one call whose cached prefixes are two different texts (each prefix
+    copied once and gathered into its members' rows): each row attends to its own prefix, so each
+    gets its one-request tokens."""
+    a, b = prompt(model, 20, seed=11), prompt(model, 20, seed=12)
+    engine = BatchEngine(model, prompt_cache=PromptCache(1 << 24))
+    run(engine, [Request(a + prompt(model, 4, seed=13), max_tokens=2), Request(b + prompt(model, 4, seed=14), max_tokens=2)])
+    requests = [Request(p, max_tokens=6) for p in (a + prompt(model, 5, seed=15), b + prompt(model, 7, seed=16),
+                                                   a + prompt(model, 3, seed=17))]
+    calls = engine.prefill_calls
+    run(engine, requests)
+    assert engine.prefill_calls - calls == 1 and [r.cached for r in requests] == [20, 20, 20]
+    for r in requests:
+        assert r.generated == single(model, r.tokens, steps=6)[0]
+
+
 def test_newcomer_left_over_waits_to_be_prefilled_whole(model):
     """Six newcomers of 9 prompt tokens to prefill, a budget that holds five and 4 tokens more: the
     sixth is not begun beside the five's call (it would go on alone), so two calls in all."""

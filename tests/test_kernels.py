@@ -150,6 +150,21 @@ def test_row_parallel_quantized_matmul_is_bit_identical(shape, rows):
     assert out.shape == ref.shape and mx.array_equal(out, ref).item()
 
 
+@pytest.mark.skipif(CPU, reason="the batch's rows are one matrix on a GPU only (the CPU's kernel gains nothing)")
+@pytest.mark.parametrize("shape", [(32, 1, 576), (5, 7, 256)])
+def test_quantized_matmul_multiplies_a_batch_as_one_matrix(shape):
+    """On a GPU a batch (B, L, K) is multiplied as one (1, B * L, K) matrix: each row's outputs are
+    those of the row alone, within float16 rounding of the largest."""
+    x = rand(shape, 12).astype(mx.float16)
+    w, scales, biases = mx.quantize(rand((1000, shape[-1]), 13), 32, 8)
+    scales, biases = scales.astype(mx.float16), biases.astype(mx.float16)
+    out = kernels.quantized_matmul(x, w, scales, biases, 32, 8)
+    alone = mx.concatenate([mx.quantized_matmul(x[i:i + 1], w, scales, biases, transpose=True, group_size=32, bits=8)
+                            for i in range(shape[0])])
+    assert out.shape == alone.shape == (*shape[:2], 1000)
+    assert (mx.abs(out - alone).max() <= 2e-3 * mx.abs(alone).max()).item()
+
+
 def test_quantized_matmul_runs_in_any_thread():
     """MLX streams belong to their thread: one that runs a model after another (the server's
     generation worker) needs streams of its own."""
@@ -177,11 +192,8 @@ def test_loaded_quantized_models_use_it(tiny_llama_dir):
     for norm in ("rms", "flash"):
         model, _ = load(tiny_llama_dir, norm=norm, bits=4, group_size=32, progress=False)
         kinds = {type(m) for _, m in model.named_modules()}
-        if CPU:
-            assert kernels.QuantizedLinear in kinds and kernels.QuantizedEmbedding in kinds
-            assert mlx_nn.QuantizedLinear not in kinds  # every plain one was swapped
-        else:  # elsewhere quantized_matmul is MLX's own: the classes stay MLX's
-            assert kernels.QuantizedLinear not in kinds and mlx_nn.QuantizedLinear in kinds
+        assert kernels.QuantizedLinear in kinds and kernels.QuantizedEmbedding in kinds
+        assert mlx_nn.QuantizedLinear not in kinds and mlx_nn.QuantizedEmbedding not in kinds  # all swapped
 
 
 def test_self_check_disables_a_wrong_kernel(monkeypatch, capsys, tmp_path):
@@ -291,7 +303,7 @@ def quantized(out_dims, in_dims, seed, bits, group_size, dtype):
     linear = mlx_nn.Linear(in_dims, out_dims, bias=False)
     linear.weight = rand((out_dims, in_dims), seed, 0.05, dtype)
     quantized = mlx_nn.QuantizedLinear.from_linear(linear, group_size, bits)
-    quantized.__class__ = kernels.QuantizedLinear  # as the loader makes it (row_parallel)
+    quantized.__class__ = kernels.QuantizedLinear  # as the loader makes it (through_quantized_matmul)
     return quantized
 
 

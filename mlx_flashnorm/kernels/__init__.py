@@ -20,7 +20,7 @@ from .scale import add_rss, power_of_two_below, scale_shape
 from .attention import CHUNK, SPLIT_ABOVE, decode_attention
 from .build import constant, float_bits, position_array
 from .check import self_check
-from .cpu import QuantizedEmbedding, QuantizedLinear, quantized_matmul, row_parallel
+from .cpu import QuantizedEmbedding, QuantizedLinear, quantized_matmul, through_quantized_matmul
 from .matvec import KMAX, fused_supported, gate_up, gated, qkv_rope
 from .rope import rope_qkv, rope_qkv_supported
 from .step import Layers, decode_layers, stacked, supported as decode_layers_supported, use_decode_layers
@@ -28,6 +28,6 @@ from .rows import decode_rows
 
 __all__ = ["add_rss", "power_of_two_below", "scale_shape", "CHUNK", "SPLIT_ABOVE", "decode_attention",
            "constant", "float_bits", "position_array", "self_check", "QuantizedEmbedding",
-           "QuantizedLinear", "quantized_matmul", "row_parallel", "KMAX", "fused_supported", "gate_up",
+           "QuantizedLinear", "quantized_matmul", "through_quantized_matmul", "KMAX", "fused_supported", "gate_up",
            "gated", "qkv_rope", "rope_qkv", "rope_qkv_supported", "Layers", "decode_layers",
            "stacked", "decode_layers_supported", "use_decode_layers", "decode_rows"]

@@ -1,6 +1,7 @@
-"""CPU: where decoding is bound by MLX's (single-threaded) 4-bit matrix-vector product,
-quantized_matmul splits the weight rows over two CPU streams, which MLX runs on two threads; the
-result is bit-identical. row_parallel swaps it into a loaded model's quantized layers."""
+"""quantized_matmul: on the CPU, where decoding is bound by MLX's (single-threaded) 4-bit
+matrix-vector product, it splits the weight rows over two CPU streams, which MLX runs on two
+threads (the result is bit-identical); on a GPU it multiplies a batch's rows as one matrix.
+through_quantized_matmul swaps it into a loaded model's quantized layers."""
 import os
 import threading
 
@@ -28,11 +29,17 @@ def _cpu_streams():
 def quantized_matmul(x, w, scales, biases, group_size, bits, mode="affine"):
     """x @ dequantize(w).T, as mx.quantized_matmul(..., transpose=True). On the CPU (with at least
     two cores) the output columns are computed in row blocks of w on separate streams; each block
-    is the same computation as before, so the result is bit-identical. On the CPU a half-precision
+    is the same computation as before, so the result is bit-identical. On a GPU the rows of a batch
+    (B, L, K) are one matrix (1, B * L, K): MLX's CUDA kernel multiplied each of the B matrices
+    on its own, reading the weights B times (a 32-row decode step's tied head: 273 us, a sixth of
+    the step, on an H200: bench/RESULTS.md, "The batched step"). On the CPU a half-precision
     product runs in float32 and is rounded once: MLX's CPU kernel accumulates in the half type,
     10-40x slower and 10 units in the last place off where float32 accumulation (as on a GPU)
     is not (bench/RESULTS.md, "Half precision on the CPU")."""
     if mx.default_device() != mx.cpu:  # first, and once: an eager forward pass calls this per linear
+        if x.ndim == 3 and x.shape[0] > 1:  # the batch's rows as one matrix
+            return quantized_matmul(x.reshape(1, -1, x.shape[2]), w, scales, biases, group_size, bits,
+                                    mode).reshape(*x.shape[:2], -1)
         return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size,
                                    bits=bits, mode=mode)
     if x.dtype in (mx.float16, mx.bfloat16) and mode == "affine":
@@ -51,7 +58,7 @@ def quantized_matmul(x, w, scales, biases, group_size, bits, mode="affine"):
 
 
 class QuantizedLinear(nn.QuantizedLinear):
-    """nn.QuantizedLinear computed through quantized_matmul (the loader swaps it in on the CPU)."""
+    """nn.QuantizedLinear computed through quantized_matmul (the loader swaps it in)."""
 
     def __call__(self, x):
         y = quantized_matmul(x, self["weight"], self["scales"], self.get("biases"), self.group_size,
@@ -67,13 +74,16 @@ class QuantizedEmbedding(nn.QuantizedEmbedding):
                                 self.bits, self.mode)
 
 
-def row_parallel(model):
-    """Make every nn.QuantizedLinear / nn.QuantizedEmbedding of model use quantized_matmul, in
-    place (the same arrays, the same parameter names; only the class changes), where the default
-    device is the CPU; on a GPU quantized_matmul is MLX's own, so the classes stay MLX's (one
-    call frame less per linear in an eager forward pass)."""
-    if mx.default_device() != mx.cpu:
-        return model
+def through_quantized_matmul(model):
+    """Make every nn.QuantizedLinear / nn.QuantizedEmbedding of model compute through
+    quantized_matmul (its weight rows over two threads on the CPU, a batch's rows as one matrix on
+    a GPU), in place: the same arrays, the same parameter names; only the class changes."""
+    for _, m in model.named_modules():
+        if type(m) is nn.QuantizedLinear:
+            m.__class__ = QuantizedLinear
+        elif type(m) is nn.QuantizedEmbedding:
+            m.__class__ = QuantizedEmbedding
+    return model
     for _, m in model.named_modules():
         if type(m) is nn.QuantizedLinear:
             m.__class__ = QuantizedLinear
