@@ -29,17 +29,17 @@ def _cpu_streams():
 def quantized_matmul(x, w, scales, biases, group_size, bits, mode="affine"):
     """x @ dequantize(w).T, as mx.quantized_matmul(..., transpose=True). On the CPU (with at least
     two cores) the output columns are computed in row blocks of w on separate streams; each block
-    is the same computation as before, so the result is bit-identical. On a GPU the rows of a batch
-    (B, L, K) are one matrix (1, B * L, K): MLX's CUDA kernel multiplied each of the B matrices
-    on its own, reading the weights B times (a 32-row decode step's tied head: 273 us, a sixth of
+    is the same computation as before, so the result is bit-identical. On a GPU a batch's decode rows
+    (B, 1, K) are one matrix (1, B, K): MLX's CUDA kernel multiplied each of the B matrices on
+    its own, reading the weights B times (a 32-row decode step's tied head: 273 us, a sixth of
     the step, on an H200: bench/RESULTS.md, "The batched step"). On the CPU a half-precision
     product runs in float32 and is rounded once: MLX's CPU kernel accumulates in the half type,
     10-40x slower and 10 units in the last place off where float32 accumulation (as on a GPU)
     is not (bench/RESULTS.md, "Half precision on the CPU")."""
     if mx.default_device() != mx.cpu:  # first, and once: an eager forward pass calls this per linear
-        if x.ndim == 3 and x.shape[0] > 1:  # the batch's rows as one matrix
+        if x.ndim == 3 and x.shape[0] > 1 and x.shape[1] == 1:  # a batch's decode rows as one matrix
             return quantized_matmul(x.reshape(1, -1, x.shape[2]), w, scales, biases, group_size, bits,
-                                    mode).reshape(*x.shape[:2], -1)
+                                    mode).reshape(x.shape[0], 1, -1)
         return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size,
                                    bits=bits, mode=mode)
     if x.dtype in (mx.float16, mx.bfloat16) and mode == "affine":
