@@ -84,11 +84,5 @@ def through_quantized_matmul(model):
         elif type(m) is nn.QuantizedEmbedding:
             m.__class__ = QuantizedEmbedding
     return model
-    for _, m in model.named_modules():
-        if type(m) is nn.QuantizedLinear:
-            m.__class__ = QuantizedLinear
-        elif type(m) is nn.QuantizedEmbedding:
-            m.__class__ = QuantizedEmbedding
-    return model
 
 
