@@ -280,10 +280,13 @@ class BatchEngine:
         if len(group) < 2:
             return 0
         cache = [KVCache() for _ in self.model.layers]
-        if start:  # each distinct prefix copied once, then gathered into the members' rows (a copy a
-            prefixes = [tuple(f.request.tokens[:start]) for f in group]  # member and layer made a call of 31
-            distinct = list(dict.fromkeys(prefixes))  # 115 ms, the model's 11-15: bench/RESULTS.md, "Serving")
-            held, row = [group[prefixes.index(p)] for p in distinct], mx.array([distinct.index(p) for p in prefixes])
+        if start:
+            # each distinct prefix copied once, then gathered into its members' rows (a copy a member
+            # and layer made a call of 31 take 115 ms, the model's 11-15: bench/RESULTS.md, "Serving")
+            prefixes = [tuple(f.request.tokens[:start]) for f in group]
+            distinct = list(dict.fromkeys(prefixes))
+            held = [group[prefixes.index(p)] for p in distinct]
+            row = mx.array([distinct.index(p) for p in prefixes])
             for layer, c in enumerate(cache):
                 c.keys, c.values = (mx.concatenate([getattr(f.cache[layer], a)[..., :start, :] for f in held])[row]
                                     for a in ("keys", "values"))

@@ -39,20 +39,16 @@ def stack_weights(model):
     not 12 per layer (its host work grows with its inputs). The same values: every other path
     reads the rows as it read the arrays."""
     layers = getattr(model, "layers", None)
-    if not layers or not hasattr(layers[0], "self_attn") or _spec(layers) is None:
+    spec = _spec(layers) if layers and hasattr(layers[0], "self_attn") else None
+    if spec is None:
         return model
-    arrays, rows = [], []
-    for i in range(4):
-        for name in ("weight", "scales", "biases"):
-            linears = [_linears(layer)[i] for layer in layers]
-            stack = mx.stack([m[name] for m in linears])
-            mx.eval(stack)
-            views = [stack[l] for l in range(len(linears))]
-            mx.eval(views)
-            for m, view in zip(linears, views):
-                m[name] = view
-            arrays.append(stack)
-            rows.append(views)
+    arrays, rows = kernels.stacked(spec["layers"]), []
+    for k, stack in enumerate(arrays):  # one kind at a time: its old arrays go before the next is stacked
+        views = [stack[l] for l in range(len(layers))]
+        mx.eval(stack, views)
+        for layer, view in zip(layers, views):
+            _linears(layer)[k // 3][("weight", "scales", "biases")[k % 3]] = view
+        rows.append(views)
     layers[0]._stacks = _Stacks(arrays, rows)
     return model
 
