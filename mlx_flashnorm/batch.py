@@ -28,6 +28,7 @@ a bucket of one slot runs the one-request compiled step.
 The engine is synchronous (BatchEngine.step); BatchWorker runs one on its own thread for the
 server."""
 import queue
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import List, NamedTuple, Optional
@@ -68,9 +69,7 @@ class Request:
         self.sampler = make_sampler_for(self.temp, self.top_p, self.top_k, self.min_p)
         self.key = None if self.seed is None else mx.random.key(self.seed)
 
-    @property
-    def greedy(self):
-        return self.temp == 0
+    greedy = property(lambda self: self.temp == 0)
 
     def sample(self, logprobs):
         """The sampler on this row's (1, vocab) log-probabilities. A seeded request draws from its
@@ -434,10 +433,14 @@ class BatchWorker:
     model runs on this one's. A cancelled ticket's request leaves the batch at the next step.
 
     warm: play BatchEngine.warmup on the thread first; its exception is raised here.
-    prompt_cache_bytes: the prompt cache's bound (0: none)."""
+    prompt_cache_bytes: the prompt cache's bound (0: none).
+    gather: (gap, most) in seconds: a request that finds the engine idle waits until no other came
+    for `gap`, at most `most` in all, so that a burst's requests prefill in one call rather than the
+    first alone and the rest behind it (bench/RESULTS.md, "Serving")."""
 
-    def __init__(self, model, tokenizer, warm=False, max_batch=32, prompt_cache_bytes=0, prefill_step=2048):
-        self.slots = max_batch
+    def __init__(self, model, tokenizer, warm=False, max_batch=32, prompt_cache_bytes=0, prefill_step=2048,
+                 gather=(0.002, 0.02)):
+        self.slots, self.gather = max_batch, gather
         cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
         self.engine = BatchEngine(model, max_batch, prefill_step, cache)
         self.stop_tokens = frozenset(tokenizer.eos_token_ids)
@@ -480,15 +483,18 @@ class BatchWorker:
             self.flush()
 
     def _admit(self, block):
-        """Move submitted tickets into the engine (waiting for one if block)."""
+        """Move submitted tickets into the engine (if block, waiting for one, then its burst: gather)."""
         try:
             ticket = self.inbox.get(block=block)
+            gap, most = self.gather if block else (0, 0)
+            end = time.monotonic() + most
             while True:
                 if not ticket.cancelled:
                     try:
                         self.engine.add(self.request(ticket))
                     except Exception as e:
                         self.put(ticket, e)
-                ticket = self.inbox.get_nowait()
+                wait = min(gap, end - time.monotonic())
+                ticket = self.inbox.get(timeout=wait) if wait > 0 else self.inbox.get_nowait()
         except queue.Empty:
             pass

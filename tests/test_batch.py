@@ -335,6 +335,21 @@ def test_batch_worker_serves_tickets_concurrently(llama):
     assert len(worker.engine.prompt_cache) > 0
 
 
+def test_batch_worker_gathers_a_burst_into_one_prefill_call(llama):
+    """Tickets that reach an idle BatchWorker one after another, each within its gather gap of the
+    last, are prefilled in one shared call (not the first alone and the rest behind it), and each
+    still gets its single-request tokens."""
+    prompts = [prompt(llama, n, seed=n) for n in (5, 7, 9, 11)]
+    worker = BatchWorker(llama, SimpleNamespace(eos_token_ids=set()), gather=(1.0, 10.0))
+    tickets = []
+    for p in prompts:
+        tickets.append(worker.submit(Generation(p, STEPS)))
+        time.sleep(0.05)
+    results = [[t.id for t in iter(lambda: ticket.next(timeout=120), None)] for ticket in tickets]
+    assert worker.engine.prefill_calls == 1
+    assert results == [single(llama, p)[0] for p in prompts]
+
+
 def test_warmup_leaves_no_trace(llama):
     """warmup() runs the model (a shared prefill call among its calls) but leaves the prompt cache,
     the counts and the batch as they were."""
