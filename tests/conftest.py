@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 
 # float32 comparisons in float32: MLX's CUDA matmuls otherwise run float32 as TF32 (10-bit mantissa),
@@ -20,6 +20,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_flashnorm.bench import decode
+from mlx_flashnorm.errors import run_cli
 
 # The files whose tests take longest on the 2-core CI machine (a `--durations` run, 2026-11-27),
 # run first: under xdist's loadfile the files are handed out in collection order, so a long file
@@ -146,6 +147,23 @@ def cli(*args, env=None, stdin=None):
     full_env = dict(os.environ, **(env or {}))
     return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=600,
                           env=full_env, input=stdin)
+
+
+def in_process(main, *args):
+    """run_cli(main) as `python -m <its module> <args>` runs it, in this process; returns a
+    CompletedProcess (exit code, stdout, stderr). For the commands' argument errors: a process each
+    cost the suite 1.5-1.7 s of imports (test_bench's test_bad_arguments_in_a_real_process and
+    test_cli_errors run them as users do)."""
+    out, err, argv, code = io.StringIO(), io.StringIO(), sys.argv, 0
+    sys.argv = ["prog", *args]
+    try:
+        with redirect_stdout(out), redirect_stderr(err):
+            run_cli(main)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    finally:
+        sys.argv = argv
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 @contextmanager

@@ -15,7 +15,7 @@ from mlx_flashnorm.bench.decode import LLAMA_3_2_1B, SHAPES, TINY, plot, round_o
 from mlx_flashnorm.errors import UserError
 from mlx_flashnorm.loader import default_model_path, model_args
 
-from conftest import cli
+from conftest import cli, in_process
 
 MODES = ["rms", "flash", "none", "mlx-lm", "rms-eager"]
 
@@ -74,7 +74,7 @@ def test_chart(report):
                                          (["--tg", "1"], "--tg >= 2"),
                                          (["--pp", "1000", "--tg", "30"], "context is 1024")])
 def test_bad_arguments(args, words, tmp_path):
-    r = cli("mlx_flashnorm.bench", "--tiny", "--out", str(tmp_path), *args)
+    r = in_process(main, "--tiny", "--out", str(tmp_path), *args)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith("error:") and words in r.stderr
     assert "Traceback" not in r.stderr
@@ -186,10 +186,17 @@ def test_bad_matrix_and_config_arguments(args, words, configs, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"hidden_size": 4}))
     files = {"{llama}": str(configs[1]), "{missing}": str(tmp_path / "nope.json"), "{bad}": str(bad)}
-    r = cli("mlx_flashnorm.bench", "--out", str(tmp_path / "out"), *[files.get(a, a) for a in args])
+    r = in_process(main, "--out", str(tmp_path / "out"), *[files.get(a, a) for a in args])
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith("error:") and words in r.stderr
-    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_arguments_in_a_real_process(configs, tmp_path):
+    r = cli("mlx_flashnorm.bench", "--out", str(tmp_path / "out"), "--config", str(configs[1]), "--config",
+            str(configs[1]))
+    assert r.returncode == 2 and r.stderr.strip() == "error: --config is given twice; only --matrix takes several"
+    assert not (tmp_path / "out").exists()
 
 
 def test_anatomy_tables_and_cold_parts(capsys):
@@ -206,7 +213,9 @@ def test_anatomy_tables_and_cold_parts(capsys):
 
 @pytest.mark.parametrize("args, mode", [(["--modes", "rms,fast"], "fast"), (["--cold", "rms-eager"], "rms-eager")])
 def test_anatomy_bad_mode(args, mode):
-    r = cli("mlx_flashnorm.bench.anatomy", "--tiny", *args)
+    from mlx_flashnorm.bench.anatomy import main as anatomy
+
+    r = in_process(anatomy, "--tiny", *args)
     assert r.returncode == 2 and f"'{mode}'" in r.stderr.strip().splitlines()[-1]
     assert "Traceback" not in r.stderr
 

@@ -3,7 +3,7 @@ caches against the float one, on a tiny random Llama whose head size (64) the gr
 import math
 
 import pytest
-from conftest import TINY_LLAMA, cli, f32_tol, make_checkpoint
+from conftest import TINY_LLAMA, f32_tol, in_process, make_checkpoint
 from test_cli_errors import assert_user_error
 
 from mlx_flashnorm import load
@@ -63,4 +63,4 @@ def test_table_rows_and_numbers(model_dir, tmp_path):
     (["--chunk", "0"], ["--chunk must be at least 1"]),
 ])
 def test_bad_flags_are_one_line_errors(flags, words):
-    assert_user_error(cli("mlx_flashnorm.bench.kv_cache", *flags), *words)
+    assert_user_error(in_process(kv_cache.main, *flags), *words)

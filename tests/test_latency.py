@@ -5,7 +5,7 @@ import pytest
 
 from mlx_flashnorm.bench.latency import main, series
 
-from conftest import TINY_LLAMA, cli
+from conftest import TINY_LLAMA, in_process
 
 MODES = ["rms", "flash", "mlx-lm"]
 
@@ -87,8 +87,7 @@ def test_no_warmup(tmp_path):
 def test_bad_arguments(args, words, tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TINY_LLAMA))
-    r = cli("mlx_flashnorm.bench.latency", "--out", str(tmp_path / "out"),
-            *[str(config) if a == "{tiny_llama}" else a for a in args])
+    r = in_process(main, "--out", str(tmp_path / "out"), *[str(config) if a == "{tiny_llama}" else a for a in args])
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith("error:") and words in r.stderr
     assert "Traceback" not in r.stderr
