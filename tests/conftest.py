@@ -151,9 +151,9 @@ def cli(*args, env=None, stdin=None):
 
 def in_process(main, *args):
     """run_cli(main) as `python -m <its module> <args>` runs it, in this process; returns a
-    CompletedProcess (exit code, stdout, stderr). For the commands' argument errors: a process each
-    cost the suite 1.5-1.7 s of imports (test_bench's test_bad_arguments_in_a_real_process and
-    test_cli_errors run them as users do)."""
+    CompletedProcess (exit code, stdout, stderr). For the benches' argument errors: a process each
+    cost the suite 1.5-1.7 s of imports (test_bench's test_bad_arguments_in_a_real_process runs one
+    as users do). An exception other than a UserError propagates, failing the test."""
     out, err, argv, code = io.StringIO(), io.StringIO(), sys.argv, 0
     sys.argv = ["prog", *args]
     try:

@@ -189,6 +189,7 @@ def test_bad_matrix_and_config_arguments(args, words, configs, tmp_path):
     r = in_process(main, "--out", str(tmp_path / "out"), *[files.get(a, a) for a in args])
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith("error:") and words in r.stderr
+    assert "Traceback" not in r.stderr
     assert not (tmp_path / "out").exists()
 
 
