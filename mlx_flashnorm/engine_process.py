@@ -6,7 +6,7 @@ lock: at 32 streaming clients on an H100 a token took 4.3 ms through the server,
 for the same requests fed to the engine alone; with this process, 2.8-3.5 ms (bench/RESULTS.md,
 "Serving"). Here a child process
 (a new interpreter, `python -m mlx_flashnorm.engine_process`: MLX's device state does not survive a
-fork) loads the model from the server's own flags and runs a batch.BatchWorker; the server
+fork) loads the model from the server's own flags and runs a batch_worker.BatchWorker; the server
 process keeps only the tokenizer, which the child sends over once it has loaded. Requests and
 cancellations go to the child over a socket pair, and each engine step's tokens come back as one message.
 
@@ -22,7 +22,7 @@ import sys
 import threading
 from multiprocessing.connection import Connection
 
-from .batch import BatchWorker
+from .batch_worker import BatchWorker
 from .errors import UserError
 from .generate import context_length, load_from_args
 from .worker import Ticket, Token

@@ -5,7 +5,7 @@ streamed as server-sent events; OPTIONS answers browsers' preflights. Built on t
 library's ThreadingHTTPServer: each connection has a thread that reads and checks its request
 (openai_api: every field range-checked, a JSON error for anything wrong), queues it on the
 generation worker and writes the answer from the tokens that come back. The worker decodes up to
---max-concurrent requests together (batch.BatchWorker: continuous batching, with a prompt cache
+--max-concurrent requests together (batch_worker.BatchWorker: continuous batching, with a prompt cache
 of --prompt-cache-size MB); --max-concurrent 1 serves one request at a time on the compiled
 one-request path (worker.SerialWorker: our fused kernels where they run, no prompt cache).
 
@@ -36,7 +36,7 @@ from .cli import HelpFormatter, add_model_args, add_sampling_args, wants_warmup
 from .errors import UserError, run_cli
 from .generate import context_length, load_from_args, make_sampler_for
 from .openai_api import Answer, HTTPError, Transcript, bad, parse_call, parse_json
-from .batch import BatchWorker
+from .batch_worker import BatchWorker
 from .engine_process import EngineProcess
 from .lockstep import leads
 from .shard import world

@@ -7,7 +7,8 @@ import threading
 import time
 from types import SimpleNamespace
 
-from mlx_flashnorm.batch import BatchEngine, BatchWorker, Request
+from mlx_flashnorm.batch import BatchEngine, Request
+from mlx_flashnorm.batch_worker import BatchWorker
 from mlx_flashnorm.worker import Generation
 from mlx_flashnorm.generate import generate_step
 from mlx_flashnorm.prompt_cache import PromptCache

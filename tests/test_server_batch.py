@@ -1,4 +1,4 @@
-"""The server's default worker (batch.BatchWorker: continuous batching and a prompt cache) over
+"""The server's default worker (batch_worker.BatchWorker: continuous batching and a prompt cache) over
 HTTP, on the embedded SmolLM2 with the official openai client and raw sockets: concurrent
 requests get their one-at-a-time answers, a client that hangs up frees its row, a shared prefix is
 not prefilled again. The server listens on a free port of 127.0.0.1."""
@@ -10,7 +10,7 @@ import time
 import pytest
 
 from mlx_flashnorm import load
-from mlx_flashnorm.batch import BatchWorker
+from mlx_flashnorm.batch_worker import BatchWorker
 from mlx_flashnorm.generate import generate
 from mlx_flashnorm.server import Server
 

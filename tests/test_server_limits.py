@@ -10,7 +10,7 @@ import time
 import openai
 import pytest
 
-from mlx_flashnorm.batch import BatchWorker
+from mlx_flashnorm.batch_worker import BatchWorker
 from mlx_flashnorm.server import Server
 from mlx_flashnorm.worker import SerialWorker
 
