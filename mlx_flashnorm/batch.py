@@ -2,14 +2,17 @@
 
 A request joins the running batch at any step and leaves it when it finishes, each with its own
 sampling (temperature, top-p, min-p, top-k, seed, logits processors), stop tokens and
-max_tokens. A newcomer's prompt is prefilled (mlx-lm's KVCache) in chunks of at most
-`prefill_step` tokens per engine step, between the others' decode steps, so a long prompt delays
-the running streams by one chunk a step rather than by its whole length; newcomers that arrive
-together and fit the step whole share one call (rows padded at their ends, each from the shortest
-of their cached prefixes). Once only its
-last token is left it takes a slot of the batch's static cache (batch_cache.Slots: one buffer per
-layer, a slot per row, each row at its own position) and the compiled batched step decodes it
-with the others; the host work of a step does not grow with the rows (one compiled call, one
+max_tokens. A newcomer that arrives while rows decode, with fewer than `feed` prompt tokens
+past its cached prefix, takes a slot at once and is fed those tokens through the batch's decode
+steps, one a step, sampling nothing until its last: a prefill call would hold every running row
+for its length (13-50 ms, the time of 10-35 steps: bench/RESULTS.md, "Serving"), a fed token
+costs the step nothing it does not already pay. Other prompts are prefilled (mlx-lm's KVCache)
+in chunks of at most `prefill_step` tokens per engine step, between the others' decode steps, so
+a long prompt delays the running streams by one chunk a step rather than by its whole length;
+newcomers that arrive together and fit the step whole share one call (rows padded at their ends,
+each from the shortest of their cached prefixes). Once only its last token is left it takes a
+slot of the batch's static cache (batch_cache.Slots: one buffer per layer, a slot per row, each
+row at its own position) and the compiled batched step decodes it with the others; the host work of a step does not grow with the rows (one compiled call, one
 argmax for the greedy rows; only sampled rows and rows with logits processors add operations).
 A prompt cache (prompt_cache.py) spares a newcomer the prefix an earlier request already read.
 
@@ -115,11 +118,14 @@ def one_row_cache(keys, values):
 
 
 class Joining(NamedTuple):
-    """A prefilled request waiting for its slot: its row of kv ([(keys, values)] per layer, one row
-    for each request prefilled with it, in order) holds its first `length` positions."""
+    """A request waiting for its slot: its row of kv ([(keys, values)] per layer, one row for each
+    request prefilled with it, in order; none: nothing cached) holds its first `length` positions,
+    and its slot feeds the tokens `feed` next (its last prompt token; every one past its cached
+    prefix where it is fed through the decode step)."""
     request: Request
     kv: list
     length: int
+    feed: list
 
 
 class Step(NamedTuple):
@@ -134,14 +140,16 @@ class BatchEngine:
     """Prefills newcomers and decodes the running batch, one step() at a time.
 
     max_batch: requests decoded together at most (more wait their turn). prefill_step: prompt
-    tokens prefilled per step at most. prompt_cache: a PromptCache, or None. prefilled counts the
-    prompt tokens the model computed (cache hits excluded), prefill_calls the model calls that did
-    it (newcomers arriving together share one: _prefill_together). The batch is a batch_cache.Slots
+    tokens prefilled per step at most. feed: a newcomer arriving while rows decode is fed its
+    prompt through the decode steps where fewer tokens than this are left past its cached prefix
+    (0: never). prompt_cache: a PromptCache, or None. prefilled counts the
+    prompt tokens the model computed (cache hits excluded; fed ones included), prefill_calls the
+    model calls that prefilled (newcomers arriving together share one: _prefill_together). The batch is a batch_cache.Slots
     (self.slots, None while empty) of bucket(rows) slots: more rows than slots grow it, few rows
     shrink it (to a quarter, or one row: the one-request compiled step, `solo`)."""
 
-    def __init__(self, model, max_batch=32, prefill_step=2048, prompt_cache=None):
-        self.model, self.max_batch, self.prefill_step = model, max_batch, prefill_step
+    def __init__(self, model, max_batch=32, prefill_step=2048, prompt_cache=None, feed=32):
+        self.model, self.max_batch, self.prefill_step, self.feed = model, max_batch, prefill_step, feed
         self.prompt_cache = prompt_cache
         self.waiting = deque()
         self.filling = []
@@ -241,8 +249,15 @@ class BatchEngine:
         self._release([r for r in self.rows if r.cancelled])
 
     def _prefill(self):
+        decoding = bool(self.rows)
         while self.waiting and len(self.rows) + len(self.filling) + len(self.joining) < self.max_batch:
-            self.filling.append(self._start(self.waiting.popleft()))
+            f = self._start(self.waiting.popleft())
+            if decoding and len(f.todo) < self.feed:  # fed through the decode steps: nobody waits for it
+                kv = [(c.keys, c.values) for c in f.cache] if f.request.cached else []
+                self.joining.append(Joining(f.request, kv, f.request.cached, f.todo + f.request.tokens[-1:]))
+                self.prefilled += len(f.todo) + 1
+            else:
+                self.filling.append(f)
         together = self._prefill_together()
         budget = self.prefill_step - together
         for f in list(self.filling):
@@ -296,7 +311,7 @@ class BatchEngine:
             self.filling.remove(f)
             f.request.cached = start
             self.prefilled += len(t) + 1  # and the last prompt token, computed in the decode step
-            self.joining.append(Joining(f.request, kv, start + len(t)))
+            self.joining.append(Joining(f.request, kv, start + len(t), f.request.tokens[-1:]))
         if self.prompt_cache is not None:  # the prefix the group shares, for requests to come (each
             first = group[0].request.tokens[:-1]  # row's own at _release)
             common = min(common_prefix(first, f.request.tokens[:-1]) for f in group[1:])
@@ -325,7 +340,7 @@ class BatchEngine:
         kv = [(c.keys[..., :c.offset, :], c.values[..., :c.offset, :]) for c in f.cache if c.keys is not None]
         if self.prompt_cache is not None and r.cached < len(r.tokens) - 1:
             self.prompt_cache.store(r.tokens[:-1], kv)
-        self.joining.append(Joining(r, kv, len(r.tokens) - 1))
+        self.joining.append(Joining(r, kv, len(r.tokens) - 1, r.tokens[-1:]))
         self.prefilled += 1  # the last prompt token, computed in the decode step
 
     def _layout(self):
@@ -351,7 +366,7 @@ class BatchEngine:
         for j in self.joining:
             groups.setdefault(id(j.kv), []).append(j)
         for group in groups.values():
-            slots = self.slots.insert([j.request for j in group], group[0].kv, [j.request.tokens[-1] for j in group],
+            slots = self.slots.insert([j.request for j in group], group[0].kv, [j.feed for j in group],
                                       [j.length for j in group])
             for j, slot in zip(group, slots):
                 j.request.slot = slot
@@ -362,7 +377,7 @@ class BatchEngine:
     def _queue(self):
         """Queue one decode step of every row in the slots; its tokens feed the step after."""
         s = self.slots
-        rows = s.live()
+        rows = [(i, r) for i, r in s.live() if not s.feeding(i)]  # a row fed its prompt samples nothing
         raw = any(r.logits_processors for _, r in rows)
         out, tokens = s.step(logits=raw)
         logprobs = out
@@ -413,8 +428,8 @@ class BatchEngine:
     def _release(self, rows):
         """Take rows out of the batch, keeping what each read in the prompt cache (one copy per
         layer for the rows leaving together)."""
-        if rows and self.prompt_cache is not None:
-            reads = [(r.tokens + r.generated)[:-1] for r in rows]  # the last token sampled was never fed
+        if rows and self.prompt_cache is not None:  # the last token sampled was never fed; a row left
+            reads = [(r.tokens + r.generated)[:-1][:self.slots.pos[r.slot]] for r in rows]  # while fed: what it read
             self.prompt_cache.store_rows(reads, self.slots.kv, [r.slot for r in rows])
         for r in rows:
             self.slots.release(r.slot)

@@ -92,14 +92,16 @@ class Slots:
 
     Host side: rows and pos (positions as ints, for the bookkeeping); device side: kv, offset,
     inc and tokens, rebuilt from the host lists only when rows join or leave (dirty). tokens is
-    the last queued step's sampled tokens, so the next step can be queued before they are read."""
+    the last queued step's sampled tokens, so the next step can be queued before they are read;
+    a newcomer's slot is fed host tokens instead (feed: its prompt tokens the cache does not hold,
+    one a step), and samples nothing while two or more are left (feeding)."""
 
     def __init__(self, model, layout, size, capacity):
         self.model, self.layout, self.size, self.capacity = model, layout, size, capacity
         self.kv = [(mx.zeros((size, h, capacity, d), t), mx.zeros((size, h, capacity, d), t)) for h, d, t in layout]
         self.rows = [None] * size
         self.pos = [0] * size
-        self.fresh = {}  # slot -> host token it feeds next (a newcomer)
+        self.feed = {}  # slot -> host tokens it feeds next, in order (a newcomer's prompt)
         self.tokens = None  # (size,) uint32 device array: the last step's tokens
         self.dirty = True
         self.offset = self.inc = None
@@ -112,12 +114,17 @@ class Slots:
     def live(self):
         return [(i, r) for i, r in enumerate(self.rows) if r is not None]
 
-    def insert(self, requests, kv, tokens, lengths):
-        """Put prefilled requests in free slots, a group prefilled together at once (one copy per
-        layer, not one per row and layer): requests[j] is row j of kv ([(keys, values)] per layer,
-        (len(requests), heads, n, dim)) up to its lengths[j] positions (those after are never read:
-        a row attends up to its position, and writes it), and feeds tokens[j] next. Returns their
-        slots."""
+    def feeding(self, i):
+        """Whether slot i's next step feeds a prompt token with another after it: its output is
+        not a token of its request."""
+        return len(self.feed.get(i, ())) > 1
+
+    def insert(self, requests, kv, feeds, lengths):
+        """Put requests in free slots, a group prefilled together at once (one copy per layer, not
+        one per row and layer): requests[j] is row j of kv ([(keys, values)] per layer,
+        (len(requests), heads, n, dim); none: nothing cached) up to its lengths[j] positions (those
+        after are never read: a row attends up to its position, and writes it), and feeds the
+        tokens feeds[j] next, one a step. Returns their slots."""
         free = [i for i, r in enumerate(self.rows) if r is None][:len(requests)]
         n = kv[0][0].shape[2] if kv else 0
         if n:
@@ -128,14 +135,14 @@ class Slots:
                 bk[where, :, :n, :] = k
                 bv[where, :, :n, :] = v
                 self.kv[layer] = (bk, bv)
-        for i, request, token, m in zip(free, requests, tokens, lengths):
-            self.rows[i], self.pos[i], self.fresh[i] = request, m, token
+        for i, request, feed, m in zip(free, requests, feeds, lengths):
+            self.rows[i], self.pos[i], self.feed[i] = request, m, list(feed)
         self.dirty = True
         return free
 
     def release(self, i):
         self.rows[i] = None
-        self.fresh.pop(i, None)
+        self.feed.pop(i, None)
         self.dirty = True
 
     def resized(self, size, capacity):
@@ -147,19 +154,19 @@ class Slots:
         new.kv = [(fit(k[idx], size, capacity), fit(v[idx], size, capacity)) for k, v in self.kv]
         new.rows = [self.rows[i] for i in live] + [None] * (size - len(live))
         new.pos = [self.pos[i] for i in live] + [0] * (size - len(live))
-        new.fresh = {j: self.fresh[i] for j, i in enumerate(live) if i in self.fresh}
+        new.feed = {j: self.feed[i] for j, i in enumerate(live) if i in self.feed}
         new.tokens = None if self.tokens is None else mx.pad(self.tokens[idx], [(0, size - len(live))])
         new.dirty, new.offset, new.inc = True, None, None
         return new
 
     def inputs(self):
         """(tokens, offset, inc) of the next step, rebuilt on the device where rows changed."""
+        if self.tokens is None or self.feed:
+            host = mx.array([self.feed[i].pop(0) if i in self.feed else 0 for i in range(self.size)], mx.uint32)
+            is_new = mx.array([i in self.feed or self.tokens is None for i in range(self.size)])
+            self.tokens = host if self.tokens is None else mx.where(is_new, host, self.tokens)
+            self.feed = {i: f for i, f in self.feed.items() if f}
         if self.dirty:
-            if self.tokens is None or self.fresh:
-                host = mx.array([self.fresh.get(i, 0) for i in range(self.size)], mx.uint32)
-                is_new = mx.array([i in self.fresh or self.tokens is None for i in range(self.size)])
-                self.tokens = host if self.tokens is None else mx.where(is_new, host, self.tokens)
-                self.fresh = {}
             self.offset = decode_offset(self.pos[0]) if self.solo else mx.array(self.pos, mx.int32)
             self.inc = mx.array([int(r is not None) for r in self.rows], mx.int32)
             self.steps = {}  # logits -> the compiled step (step)

@@ -53,14 +53,18 @@ def run(engine, requests, joins=None):
     return [events[id(r)] for r in requests]
 
 
-def test_batched_greedy_equals_single(model):
+@pytest.mark.parametrize("feed", [0, 32])
+def test_batched_greedy_equals_single(model, feed):
     """Four requests: two start together, one joins at step 3 (while the others decode), one with
-    a long prompt at step 6 (prefilled over 4 steps in chunks of 8); the second leaves early."""
+    a long prompt at step 6; the second leaves early. feed 0: the long prompt is prefilled over 4
+    steps in chunks of 8; feed 32: the newcomers' prompts are fed through the batch's decode steps,
+    a token a step, no prefill call."""
     prompts = [prompt(model, n) for n in LENGTHS]
     reference = [single(model, p) for p in prompts]
     requests = [Request(p, max_tokens=5 if i == 1 else STEPS) for i, p in enumerate(prompts)]
-    engine = BatchEngine(model, prefill_step=8)
+    engine = BatchEngine(model, prefill_step=8, feed=feed)
     events = run(engine, requests, joins=[0, 0, 3, 6])
+    assert engine.prefill_calls == (4 + 4 if feed == 0 else 4)  # the first two in chunks of 8, then the 30
     for r, ev, (tokens, lp) in zip(requests, events, reference):
         assert [e.token for e in ev] == r.generated == tokens[:r.max_tokens]
         got = mx.stack([e.logprobs for e in ev])
@@ -138,6 +142,46 @@ def test_newcomers_with_different_cached_prefixes_get_their_own(model):
     assert engine.prefill_calls - calls == 1 and [r.cached for r in requests] == [20, 20, 20]
     for r in requests:
         assert r.generated == single(model, r.tokens, steps=6)[0]
+
+
+def test_newcomer_fed_from_its_cached_prefix_beside_running_rows(model):
+    """A newcomer that arrives while a row decodes, its prompt beginning with a cached one, is fed
+    only its other tokens through the decode steps (no prefill call) while the running row gets a
+    token every step; both get their one-request tokens."""
+    system = prompt(model, 20, seed=1)
+    engine = BatchEngine(model, prompt_cache=PromptCache(1 << 24))
+    run(engine, [Request(system + prompt(model, 6, seed=2), max_tokens=2)])
+    running, late = Request(prompt(model, 7, seed=3), max_tokens=STEPS), Request(system + prompt(model, 9, seed=4), 6)
+    engine.add(running)
+    engine.step()
+    calls, before = engine.prefill_calls, engine.prefilled
+    engine.add(late)
+    per_step = []
+    while engine.busy:
+        per_step.append([e.request for e in engine.step()])
+    assert late.cached == 20 and engine.prefilled - before == 9 and engine.prefill_calls == calls
+    assert all(running in s for s in per_step[:STEPS - 2])  # the running row never waited a step
+    assert late.generated == single(model, late.tokens, 6)[0] and running.generated == single(model, running.tokens)[0]
+
+
+def test_row_cancelled_while_fed_keeps_only_what_it_read(llama):
+    """A fed newcomer cancelled before its prompt is in: the prompt cache keeps the positions it
+    wrote, no more, and a request with its prompt later gets its one-request tokens from them."""
+    engine = BatchEngine(llama, prompt_cache=PromptCache(1 << 24))
+    running, fed = Request(prompt(llama, 5, seed=1), max_tokens=STEPS), Request(prompt(llama, 25, seed=2), 4)
+    engine.add(running)
+    engine.step()
+    engine.add(fed)
+    for _ in range(6):
+        engine.step()
+    fed.cancelled = True
+    while engine.busy:
+        engine.step()
+    n, kv = engine.prompt_cache.fetch(fed.tokens)
+    assert 0 < n < 24 and kv[0][0].shape[2] == n
+    again = Request(fed.tokens, 4)
+    run(engine, [again])
+    assert again.cached == n and again.generated == single(llama, fed.tokens, 4)[0]
 
 
 def test_newcomer_left_over_waits_to_be_prefilled_whole(model):
@@ -393,9 +437,9 @@ def test_solo_row_takes_the_compiled_step_and_back(model):
     engine = BatchEngine(model)
     engine.add(first)
     modes = []
-    for step in range(STEPS):
-        if step == 3:
-            engine.add(second)
+    while len(modes) <= 3 or engine.busy:
+        if len(modes) == 3:
+            engine.add(second)  # fed its prompt through the batch's steps, beside the first
         engine.step()
         modes.append("solo" if engine.solo else len(engine.rows))
     assert modes[:3] == ["solo"] * 3 and 2 in modes and modes[-2] == "solo" and modes[-1] == 0

@@ -101,7 +101,7 @@ def test_idle_slots_change_nothing(model):
         slots.rows[0] = slots.rows[2] = object()  # two other slots were rows that left
         slots.release(0)
         slots.release(2)
-        slots.insert(["row"], kv, [p[-1]], [kv[0][0].shape[2]])
+        slots.insert(["row"], kv, [[p[-1]]], [kv[0][0].shape[2]])
         assert slots.rows.index("row") == 0
         step = [slots.step()]
         slots.tokens = step[0][1]
