@@ -103,6 +103,11 @@ class Event(NamedTuple):
         return self.step[self.row]
 
 
+SHRINK_AFTER = 32  # steps the rows fit a smaller bucket before it is taken: a wave of requests
+# that ends shrank the batch to one row and grew it back to 32 within 4 steps as the next came in
+# (each a copy of every row's cache: bench/RESULTS.md, "Serving")
+
+
 class Filling(NamedTuple):
     """A request under prefill: its one-row caches and the prompt tokens still to run."""
     request: Request
@@ -146,7 +151,8 @@ class BatchEngine:
     prompt tokens the model computed (cache hits excluded; fed ones included), prefill_calls the
     model calls that prefilled (newcomers arriving together share one: _prefill_together). The batch is a batch_cache.Slots
     (self.slots, None while empty) of bucket(rows) slots: more rows than slots grow it, few rows
-    shrink it (to a quarter, or one row: the one-request compiled step, `solo`)."""
+    for more than SHRINK_AFTER steps shrink it (to a quarter, or one row: the one-request compiled
+    step, `solo`)."""
 
     def __init__(self, model, max_batch=32, prefill_step=2048, prompt_cache=None, feed=32):
         self.model, self.max_batch, self.prefill_step, self.feed = model, max_batch, prefill_step, feed
@@ -159,6 +165,7 @@ class BatchEngine:
         self.layout = None  # batch_cache.kv_layout, read once
         self.prefilled = 0
         self.prefill_calls = 0
+        self.small = 0  # steps in a row that a smaller bucket would have held the rows
 
     def add(self, request):
         """Queue a request; max_tokens is cut to what the model's context leaves."""
@@ -249,15 +256,18 @@ class BatchEngine:
         self._release([r for r in self.rows if r.cancelled])
 
     def _prefill(self):
-        decoding = bool(self.rows)
-        while self.waiting and len(self.rows) + len(self.filling) + len(self.joining) < self.max_batch:
-            f = self._start(self.waiting.popleft())
-            if decoding and len(f.todo) < self.feed:  # fed through the decode steps: nobody waits for it
-                kv = [(c.keys, c.values) for c in f.cache] if f.request.cached else []
-                self.joining.append(Joining(f.request, kv, f.request.cached, f.todo + f.request.tokens[-1:]))
-                self.prefilled += len(f.todo) + 1
+        decoding, fed = bool(self.rows), []
+        while self.waiting and len(self.rows) + len(self.filling) + len(self.joining) + len(fed) < self.max_batch:
+            r = self.waiting.popleft()
+            n, block, row = self.prompt_cache.find(r.tokens) if self.prompt_cache else (0, None, 0)
+            r.cached = n
+            if decoding and len(r.tokens) - n <= self.feed:  # fed through the decode steps: nobody waits for it
+                fed.append((r, block, row))
             else:
-                self.filling.append(f)
+                kv = [(k[row:row + 1, :, :n, :], v[row:row + 1, :, :n, :]) for k, v in block.kv] if n else []
+                cache = [one_row_cache(k, v) for k, v in kv] if kv else [KVCache() for _ in self.model.layers]
+                self.filling.append(Filling(r, cache, list(r.tokens[n:-1])))
+        self._feed(fed)
         together = self._prefill_together()
         budget = self.prefill_step - together
         for f in list(self.filling):
@@ -326,12 +336,26 @@ class BatchEngine:
         """Whether a chunk of f's prompt past its cached prefix was run."""
         return f.cache[0].keys is not None and f.cache[0].offset > f.request.cached
 
-    def _start(self, request):
-        """The request's one-row caches, filled from the prompt cache where it holds a prefix."""
-        n, kv = self.prompt_cache.fetch(request.tokens) if self.prompt_cache else (0, None)
-        cache = [one_row_cache(k, v) for k, v in kv] if kv else [KVCache() for _ in self.model.layers]
-        request.cached = n
-        return Filling(request, cache, list(request.tokens[n:-1]))
+    def _feed(self, fed):
+        """Newcomers [(request, prompt_cache.Block or None, its row)] to be fed their prompts past
+        their cached prefixes: those with a prefix join as one group, their rows of each block
+        gathered at once (a copy a row and layer, 120 operations for SmolLM2, cost a step of 17
+        newcomers 26 ms of host time on an H100: bench/RESULTS.md, "Serving")."""
+        for r, block, _ in fed:
+            if block is None:
+                self.joining.append(Joining(r, [], 0, list(r.tokens)))
+            self.prefilled += len(r.tokens) - r.cached
+        fed = [f for f in fed if f[1] is not None]
+        if not fed:
+            return
+        order = {id(b): b for _, b, _ in fed}  # the blocks, by identity (a Block compares its arrays)
+        fed.sort(key=lambda f: list(order).index(id(f[1])))
+        blocks = list(order.values())
+        width = max(r.cached for r, _, _ in fed)
+        kv = [tuple(mx.concatenate([rows_of(b.kv[layer][i], [j for _, c, j in fed if c is b], width) for b in blocks])
+                    for i in (0, 1)) for layer in range(len(self.model.layers))]
+        for r, _, _ in fed:
+            self.joining.append(Joining(r, kv, r.cached, r.tokens[r.cached:]))
 
     def _join(self, f):
         """A prefilled request waits for a slot; its last prompt token runs in its first step."""
@@ -355,10 +379,11 @@ class BatchEngine:
         rows = self.rows + [j.request for j in self.joining]
         size, capacity = bucket(len(rows)), needed_capacity(self.model, rows)
         s = self.slots
+        small = s is not None and size < s.size and (size == 1 and forms.compiled_decode() or 4 * size <= s.size)
+        self.small = self.small + 1 if small else 0
         if s is None or not self.rows:
             self.slots = Slots(self.model, self._layout(), size, capacity)
-        elif (size > s.size or capacity > s.capacity
-              or size < s.size and (size == 1 and forms.compiled_decode() or 4 * size <= s.size)):
+        elif size > s.size or capacity > s.capacity or self.small > SHRINK_AFTER:
             self.slots = s.resized(size, capacity)
             for i, r in self.slots.live():
                 r.slot = i
@@ -434,6 +459,12 @@ class BatchEngine:
         for r in rows:
             self.slots.release(r.slot)
             r.slot = None
+
+
+def rows_of(x, rows, width):
+    """Rows of x (rows, heads, positions, dim) at their first `width` positions (zeros past its own)."""
+    x = x[mx.array(rows), :, :width, :]
+    return mx.pad(x, [(0, 0), (0, 0), (0, width - x.shape[2]), (0, 0)]) if x.shape[2] < width else x
 
 
 def log_softmax(logits):

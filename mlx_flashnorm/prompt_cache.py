@@ -47,16 +47,21 @@ class PromptCache:
         """(n, [(keys, values)] per layer holding tokens[:n]) for the longest cached prefix of
         tokens, n at most len(tokens) - 1: the last prompt token always runs, its logits give the
         first new token. (0, None) on a miss."""
+        n, block, j = self.find(tokens)
+        return (n, [(k[j:j + 1, :, :n, :], v[j:j + 1, :, :n, :]) for k, v in block.kv]) if n else (0, None)
+
+    def find(self, tokens):
+        """fetch() without the copy's views: (n, the Block holding the prefix, its row there);
+        (0, None, 0) on a miss. Rows of one block are taken together in one gather a layer."""
         if not self.entries:
-            return 0, None
+            return 0, None, 0
         shared = np.minimum(self._shared(tokens), len(tokens) - 1)
         i = int(np.argmax(shared))
         if shared[i] <= 0:
-            return 0, None
-        n, best = int(shared[i]), self.table[0][i]
+            return 0, None, 0
+        best = self.table[0][i]
         self.entries.move_to_end(best)
-        block, j = self.entries[best]
-        return n, [(k[j:j + 1, :, :n, :], v[j:j + 1, :, :n, :]) for k, v in block.kv]
+        return int(shared[i]), *self.entries[best]
 
     def _shared(self, tokens):
         """How many leading tokens each entry shares with tokens, in the order of self.table: the

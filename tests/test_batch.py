@@ -7,7 +7,7 @@ import threading
 import time
 from types import SimpleNamespace
 
-from mlx_flashnorm.batch import BatchEngine, Request
+from mlx_flashnorm.batch import SHRINK_AFTER, BatchEngine, Request
 from mlx_flashnorm.batch_worker import BatchWorker
 from mlx_flashnorm.worker import Generation
 from mlx_flashnorm.generate import generate_step
@@ -162,6 +162,36 @@ def test_newcomer_fed_from_its_cached_prefix_beside_running_rows(model):
     assert late.cached == 20 and engine.prefilled - before == 9 and engine.prefill_calls == calls
     assert all(running in s for s in per_step[:STEPS - 2])  # the running row never waited a step
     assert late.generated == single(model, late.tokens, 6)[0] and running.generated == single(model, running.tokens)[0]
+
+
+def test_newcomers_fed_together_take_their_prefixes_in_one_copy(model, monkeypatch):
+    """Three newcomers arriving in one step while a row decodes, their prompts beginning with two
+    different cached ones (20 and 26 tokens, two blocks of the prompt cache): their prefixes go
+    into the batch in one insertion (a gather a block and layer), and each gets its one-request
+    tokens."""
+    from mlx_flashnorm.batch_cache import Slots
+
+    a, b = prompt(model, 20, seed=21), prompt(model, 26, seed=22)
+    engine = BatchEngine(model, prompt_cache=PromptCache(1 << 24))
+    run(engine, [Request(a + prompt(model, 3, seed=23), max_tokens=2)])
+    run(engine, [Request(b + prompt(model, 3, seed=24), max_tokens=2)])
+    inserted = []
+    monkeypatch.setattr(Slots, "insert", lambda self, requests, *rest, f=Slots.insert: inserted.append(
+        len(requests)) or f(self, requests, *rest))
+    running = Request(prompt(model, 6, seed=25), max_tokens=STEPS)
+    engine.add(running)
+    engine.step()
+    late = [Request(p, 5) for p in (a + prompt(model, 4, seed=26), b + prompt(model, 6, seed=27),
+                                    a + prompt(model, 2, seed=28))]
+    for r in late:
+        engine.add(r)
+    calls = engine.prefill_calls
+    while engine.busy:
+        engine.step()
+    assert [r.cached for r in late] == [20, 26, 20] and engine.prefill_calls == calls
+    assert inserted[-1] == 3 and sum(inserted) == 4  # the running row, then the three together
+    for r in late + [running]:
+        assert r.generated == single(model, r.tokens, r.max_tokens)[0]
 
 
 def test_row_cancelled_while_fed_keeps_only_what_it_read(llama):
@@ -429,9 +459,11 @@ def test_logits_processors_per_row(llama):
     assert together[1].generated == single(llama, q)[0]
 
 
-def test_solo_row_takes_the_compiled_step_and_back(model):
+def test_solo_row_takes_the_compiled_step_and_back(model, monkeypatch):
     """A lone row runs the compiled one-request step (Solo); a newcomer turns it back into a batch
-    row, and when the other leaves the last row goes solo again; tokens stay the single ones."""
+    row, and when the other leaves the last row goes solo again (at once here: SHRINK_AFTER 0);
+    tokens stay the single ones."""
+    monkeypatch.setattr("mlx_flashnorm.batch.SHRINK_AFTER", 0)
     a, b = prompt(model, 9), prompt(model, 14)
     first, second = Request(a, max_tokens=STEPS), Request(b, max_tokens=4)
     engine = BatchEngine(model)
@@ -447,3 +479,22 @@ def test_solo_row_takes_the_compiled_step_and_back(model):
     lone = Request(prompt(model, 1), max_tokens=4)  # nothing cached before its first step
     run(engine, [lone])
     assert lone.generated == single(model, lone.tokens, 4)[0]
+
+
+def test_batch_keeps_its_bucket_between_waves(llama):
+    """Rows leaving for fewer than SHRINK_AFTER steps do not shrink the batch: a newcomer that comes
+    within them finds the 4 slots, with no copy of the remaining row's cache; left alone longer, the
+    last row goes solo."""
+    engine = BatchEngine(llama)
+    first = [Request(prompt(llama, 4 + i, seed=70 + i), max_tokens=m) for i, m in enumerate((80, 3, 3))]
+    for r in first:
+        engine.add(r)
+    sizes = []
+    late = Request(prompt(llama, 5, seed=80), max_tokens=4)
+    while engine.busy:
+        if len(sizes) == 8:
+            engine.add(late)
+        engine.step()
+        sizes.append(engine.slots.size if engine.slots else 0)
+    assert sizes[:8 + 8] == [4] * 16 and sizes.index(1) > 8 + SHRINK_AFTER and sizes[-2:] == [1, 0]
+    assert late.generated == single(llama, late.tokens, 4)[0] and first[0].generated == single(llama, first[0].tokens, 80)[0]

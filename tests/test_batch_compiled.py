@@ -29,6 +29,7 @@ def test_buckets_grow_and_shrink(model, monkeypatch):
     """Rows joining grow the slots (1 -> 2 -> 8) and the capacity (a longer request), rows leaving
     shrink them (to a quarter, then one slot); every request gets its single tokens."""
     monkeypatch.setattr(generate, "CAPACITY_STEP", 16)  # capacity buckets of 16 positions
+    monkeypatch.setattr("mlx_flashnorm.batch.SHRINK_AFTER", 0)  # shrunk as soon as the rows fit
     lengths, steps = (5, 9, 3, 12, 7), (14, 4, 6, 30, 5)
     requests = [Request(prompt(model, n), max_tokens=m) for n, m in zip(lengths, steps)]
     joins = {0: [0], 1: [1], 3: [2, 3, 4]}
