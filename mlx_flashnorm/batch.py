@@ -179,7 +179,9 @@ class BatchEngine:
     def warmup(self, prompt=16, steps=3):
         """Play one throwaway greedy request (a prompt of `prompt` tokens, `steps` tokens), then
         two and four together (their shared prefill calls, from the first one's half of their
-        prompts where the engine has a prompt cache: then a throwaway one), outside the prompt cache
+        prompts where the engine has a prompt cache: then a throwaway one), then two newcomers fed
+        beside running rows into slots apart (their gathers and scatter: MLX compiles a kernel at its
+        first use, seconds on a fresh machine: bench/RESULTS.md, "Serving"), outside the prompt cache
         and the prefill counts, so that a first real request finds MLX's kernels compiled
         (generate.warmup's reason) and the prompt cache's copies too (a first store of 32 rows
         took 0.33 s on an H200: bench/RESULTS.md, "Serving"); then trace the batched step of every
@@ -199,6 +201,16 @@ class BatchEngine:
                     self.add(Request(first[:prompt // 2] + tail, max_tokens=steps))
                 while self.busy:
                     self.step()
+            group = [Request(first[:prompt // 2] + [(i + 9 + k) % vocab for i in range(prompt - prompt // 2)],
+                             max_tokens=m) for k, m in enumerate((6 * steps, 1, 6 * steps, 1))]
+            for r in group:
+                self.add(r)
+            self.step()
+            self.step()  # rows 1 and 3 have left: newcomers fed beside 0 and 2 take slots 1 and 3 (a scatter)
+            self.add(Request(first + [1], max_tokens=steps))  # prefixes from two blocks of the prompt cache
+            self.add(Request(group[1].tokens + [1], max_tokens=steps))
+            while self.busy:
+                self.step()
             size = 2
             while size <= bucket(self.max_batch):
                 self._layout()

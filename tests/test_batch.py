@@ -425,14 +425,19 @@ def test_batch_worker_gathers_a_burst_into_one_prefill_call(llama):
     assert results == [single(llama, p)[0] for p in prompts]
 
 
-def test_warmup_leaves_no_trace(llama):
+def test_warmup_leaves_no_trace(llama, monkeypatch):
     """warmup() runs the model (a shared prefill call among its calls) but leaves the prompt cache,
     the counts and the batch as they were."""
     engine = BatchEngine(llama, prompt_cache=PromptCache(1 << 24))
-    calls = []
+    from mlx_flashnorm.batch_cache import Slots
+
+    calls, fed, inserted = [], [], []
+    monkeypatch.setattr(Slots, "insert", lambda *a, f=Slots.insert: inserted.append(f(*a)) or inserted[-1])
     engine._prefill_together = lambda f=engine._prefill_together: calls.append(f()) or calls[-1]
+    engine._feed = lambda newcomers, f=engine._feed: fed.append([r.cached for r, _, _ in newcomers]) or f(newcomers)
     engine.warmup()
     assert any(calls) and (engine.prefilled, engine.prefill_calls) == (0, 0)
+    assert [16, 16] in fed and [1, 3] in inserted  # two newcomers fed beside running rows, cached prefixes, slots apart
     assert len(engine.prompt_cache) == 0 and not engine.busy
     r = Request(prompt(llama, 9), max_tokens=STEPS)
     run(engine, [r])
