@@ -2,8 +2,8 @@
 
 A request joins the running batch at any step and leaves it when it finishes, each with its own
 sampling (temperature, top-p, min-p, top-k, seed, logits processors), stop tokens and
-max_tokens. A newcomer that arrives while rows decode, with fewer than `feed` prompt tokens
-past its cached prefix, takes a slot at once and is fed those tokens through the batch's decode
+max_tokens. A newcomer that arrives while rows decode, with at most `feed` prompt tokens past
+its cached prefix, takes a slot at once and is fed those tokens through the batch's decode
 steps, one a step, sampling nothing until its last: a prefill call would hold every running row
 for its length (13-50 ms, the time of 10-35 steps: bench/RESULTS.md, "Serving"), a fed token
 costs the step nothing it does not already pay. Other prompts are prefilled (mlx-lm's KVCache)
@@ -146,8 +146,8 @@ class BatchEngine:
 
     max_batch: requests decoded together at most (more wait their turn). prefill_step: prompt
     tokens prefilled per step at most. feed: a newcomer arriving while rows decode is fed its
-    prompt through the decode steps where fewer tokens than this are left past its cached prefix
-    (0: never). prompt_cache: a PromptCache, or None. prefilled counts the
+    prompt through the decode steps where at most this many tokens are left past its cached
+    prefix (0: never). prompt_cache: a PromptCache, or None. prefilled counts the
     prompt tokens the model computed (cache hits excluded; fed ones included), prefill_calls the
     model calls that prefilled (newcomers arriving together share one: _prefill_together). The batch is a batch_cache.Slots
     (self.slots, None while empty) of bucket(rows) slots: more rows than slots grow it, few rows
