@@ -276,8 +276,8 @@ class BatchEngine:
             if decoding and len(r.tokens) - n <= self.feed:  # fed through the decode steps: nobody waits for it
                 fed.append((r, block, row))
             else:
-                kv = [(k[row:row + 1, :, :n, :], v[row:row + 1, :, :n, :]) for k, v in block.kv] if n else []
-                cache = [one_row_cache(k, v) for k, v in kv] if kv else [KVCache() for _ in self.model.layers]
+                cache = ([one_row_cache(k, v) for k, v in block.prefix(row, n)] if n
+                         else [KVCache() for _ in self.model.layers])
                 self.filling.append(Filling(r, cache, list(r.tokens[n:-1])))
         self._feed(fed)
         together = self._prefill_together()

@@ -48,7 +48,7 @@ class PromptCache:
         tokens, n at most len(tokens) - 1: the last prompt token always runs, its logits give the
         first new token. (0, None) on a miss."""
         n, block, j = self.find(tokens)
-        return (n, [(k[j:j + 1, :, :n, :], v[j:j + 1, :, :n, :]) for k, v in block.kv]) if n else (0, None)
+        return (n, block.prefix(j, n)) if n else (0, None)
 
     def find(self, tokens):
         """fetch() without the copy's views: (n, the Block holding the prefix, its row there);
@@ -138,6 +138,10 @@ class Block:
     kv: list
     nbytes: int
     entries: int
+
+    def prefix(self, j, n):
+        """Row j's first n positions, [(keys, values)] per layer (views)."""
+        return [(k[j:j + 1, :, :n, :], v[j:j + 1, :, :n, :]) for k, v in self.kv]
 
 
 # ---------------------------------------------------------------- on disk (--prompt-cache-file)
