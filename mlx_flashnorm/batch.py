@@ -12,8 +12,9 @@ a long prompt delays the running streams by one chunk a step rather than by its 
 newcomers that arrive together and fit the step whole share one call (rows padded at their ends,
 each from the shortest of their cached prefixes). Once only its last token is left it takes a
 slot of the batch's static cache (batch_cache.Slots: one buffer per layer, a slot per row, each
-row at its own position) and the compiled batched step decodes it with the others; the host work of a step does not grow with the rows (one compiled call, one
-argmax for the greedy rows; only sampled rows and rows with logits processors add operations).
+row at its own position) and the compiled batched step decodes it with the others; the host work
+of a step does not grow with the rows (one compiled call, one argmax for the greedy rows; only
+sampled rows and rows with logits processors add operations).
 A prompt cache (prompt_cache.py) spares a newcomer the prefix an earlier request already read.
 
 Pipelining, as generate_step: step n+1 is queued (mx.async_eval) before step n's tokens are read,
@@ -147,10 +148,10 @@ class BatchEngine:
     max_batch: requests decoded together at most (more wait their turn). prefill_step: prompt
     tokens prefilled per step at most. feed: a newcomer arriving while rows decode is fed its
     prompt through the decode steps where at most this many tokens are left past its cached
-    prefix (0: never). prompt_cache: a PromptCache, or None. prefilled counts the
-    prompt tokens the model computed (cache hits excluded; fed ones included), prefill_calls the
-    model calls that prefilled (newcomers arriving together share one: _prefill_together). The batch is a batch_cache.Slots
-    (self.slots, None while empty) of bucket(rows) slots: more rows than slots grow it, few rows
+    prefix (0: never). prompt_cache: a PromptCache, or None. prefilled counts the prompt tokens
+    the model computed (cache hits excluded; fed ones included), prefill_calls the model calls
+    that prefilled (newcomers arriving together share one: _prefill_together). The batch is a
+    batch_cache.Slots (self.slots, None while empty) of bucket(rows) slots: more rows than slots grow it, few rows
     for more than SHRINK_AFTER steps shrink it (to a quarter, or one row: the one-request compiled
     step, `solo`)."""
 
