@@ -354,21 +354,22 @@ class BatchEngine:
         their cached prefixes: those with a prefix join as one group, their rows of each block
         gathered at once (a copy a row and layer, 120 operations for SmolLM2, cost a step of 17
         newcomers 26 ms of host time on an H100: bench/RESULTS.md, "Serving")."""
-        for r, block, _ in fed:
+        groups = {}  # Block -> [(request, its row there)]
+        for r, block, row in fed:
+            self.prefilled += len(r.tokens) - r.cached
             if block is None:
                 self.joining.append(Joining(r, [], 0, list(r.tokens)))
-            self.prefilled += len(r.tokens) - r.cached
-        fed = [f for f in fed if f[1] is not None]
-        if not fed:
+            else:
+                groups.setdefault(block, []).append((r, row))
+        if not groups:
             return
-        order = {id(b): b for _, b, _ in fed}  # the blocks, by identity (a Block compares its arrays)
-        fed.sort(key=lambda f: list(order).index(id(f[1])))
-        blocks = list(order.values())
-        width = max(r.cached for r, _, _ in fed)
-        kv = [tuple(mx.concatenate([rows_of(b.kv[layer][i], [j for _, c, j in fed if c is b], width) for b in blocks])
-                    for i in (0, 1)) for layer in range(len(self.model.layers))]
-        for r, _, _ in fed:
-            self.joining.append(Joining(r, kv, r.cached, r.tokens[r.cached:]))
+        width = max(r.cached for g in groups.values() for r, _ in g)
+        index = [(block, mx.array([row for _, row in g])) for block, g in groups.items()]
+        kv = [tuple(mx.concatenate([rows_of(block.kv[layer][i], rows, width) for block, rows in index]) for i in (0, 1))
+              for layer in range(len(self.model.layers))]
+        for g in groups.values():  # in the order of kv's rows
+            for r, _ in g:
+                self.joining.append(Joining(r, kv, r.cached, r.tokens[r.cached:]))
 
     def _join(self, f):
         """A prefilled request waits for a slot; its last prompt token runs in its first step."""
@@ -475,8 +476,9 @@ class BatchEngine:
 
 
 def rows_of(x, rows, width):
-    """Rows of x (rows, heads, positions, dim) at their first `width` positions (zeros past its own)."""
-    x = x[mx.array(rows), :, :width, :]
+    """Rows `rows` (an index array) of x (rows, heads, positions, dim) at their first `width` positions
+    (zeros past its own)."""
+    x = x[rows, :, :width, :]
     return mx.pad(x, [(0, 0), (0, 0), (0, width - x.shape[2]), (0, 0)]) if x.shape[2] < width else x
 
 

@@ -131,10 +131,10 @@ class PromptCache:
             self.nbytes -= shares.nbytes
 
 
-@dataclass
+@dataclass(eq=False)
 class Block:
     """A gathered copy ([(keys, values)] per layer, a row per entry), its bytes and how many entries
-    still hold it."""
+    still hold it. Compared and hashed by identity."""
     kv: list
     nbytes: int
     entries: int
