@@ -110,6 +110,26 @@ def test_newcomers_together_on_real_weights(dtype):
         assert (mx.abs(got - want).max() <= 5e-2 * mx.abs(want).max()).item()
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_newcomer_fed_on_real_weights(dtype):
+    """SmolLM2 (the shipped GGUF) in half precision: a newcomer fed its prompt through the decode
+    steps beside a running request gets the greedy tokens it gets alone, and log-probabilities
+    within the half-precision tests' 5e-2 (relative to the largest); no prefill call for it."""
+    from mlx_flashnorm import load
+
+    model, tok = load(None, norm="flash", dtype=dtype, progress=False)
+    running, late = Request(tok.encode("One, two, three,"), max_tokens=8), Request(tok.encode("Water boils at"), 2)
+    engine = BatchEngine(model)
+    events = run(engine, [running, late], joins=[0, 1])
+    assert engine.prefill_calls == 1  # the running request's alone
+    for r, ev in zip((running, late), events):
+        alone = list(generate_step(mx.array(r.tokens), model, max_tokens=r.max_tokens))
+        assert r.generated == [t for t, _ in alone]
+        want = mx.stack([lp for _, lp in alone]).astype(mx.float32)
+        got = mx.stack([e.logprobs for e in ev]).astype(mx.float32)
+        assert (mx.abs(got - want).max() <= 5e-2 * mx.abs(want).max()).item()
+
+
 def test_newcomers_with_cached_prefixes_share_one_prefill_call(model):
     """Three newcomers whose prompts begin with a cached one (prefixes of 20, 20 and 24 tokens
     cached) arriving together: one prefill call from the shortest prefix (the third's 4 more
