@@ -208,8 +208,10 @@ class BatchEngine:
                 self.add(r)
             self.step()
             self.step()  # rows 1 and 3 have left: newcomers fed beside 0 and 2 take slots 1 and 3 (a scatter)
-            self.add(Request(first + [1], max_tokens=steps))  # prefixes from two blocks of the prompt cache
-            self.add(Request(group[1].tokens + [1], max_tokens=steps))
+            # prefixes from two blocks of the prompt cache (the first request's, the group of four's),
+            self.add(Request(first + [1], max_tokens=steps))  # longer there than in slots 1 and 3
+            self.add(Request(first[:prompt // 2] + [(i + 4) % vocab for i in range(prompt - prompt // 2)] + [1],
+                             max_tokens=steps))
             while self.busy:
                 self.step()
             size = 2
@@ -273,6 +275,10 @@ class BatchEngine:
         while self.waiting and len(self.rows) + len(self.filling) + len(self.joining) + len(fed) < self.max_batch:
             r = self.waiting.popleft()
             n, block, row = self.prompt_cache.find(r.tokens) if self.prompt_cache else (0, None, 0)
+            slot, kept = self.slots.reuse(r.tokens) if decoding and self.prompt_cache else (None, 0)
+            if slot is not None and kept >= n and len(r.tokens) - kept <= self.feed:
+                self._take(r, slot, kept)  # its prefix is still in a free slot: no copy
+                continue
             r.cached = n
             if decoding and len(r.tokens) - n <= self.feed:  # fed through the decode steps: nobody waits for it
                 fed.append((r, block, row))
@@ -371,6 +377,16 @@ class BatchEngine:
             for r, _ in g:
                 self.joining.append(Joining(r, kv, r.cached, r.tokens[r.cached:]))
 
+    def _take(self, r, slot, n):
+        """A newcomer joins at once in a free slot still holding its first n prompt tokens, fed the
+        rest (a step of 17 newcomers' copies cost 26 ms of host time on an H100: bench/RESULTS.md,
+        "Serving")."""
+        r.cached, r.slot = n, slot
+        self.prefilled += len(r.tokens) - n
+        self.slots.take(slot, r, n)
+        if r.logits_processors:
+            r.seen = mx.array(r.tokens)
+
     def _join(self, f):
         """A prefilled request waits for a slot; its last prompt token runs in its first step."""
         self.filling.remove(f)
@@ -467,11 +483,12 @@ class BatchEngine:
     def _release(self, rows):
         """Take rows out of the batch, keeping what each read in the prompt cache (one copy per
         layer for the rows leaving together)."""
+        reads = [()] * len(rows)
         if rows and self.prompt_cache is not None:  # the last token sampled was never fed; a row left
             reads = [(r.tokens + r.generated)[:-1][:self.slots.pos[r.slot]] for r in rows]  # while fed: what it read
             self.prompt_cache.store_rows(reads, self.slots.kv, [r.slot for r in rows])
-        for r in rows:
-            self.slots.release(r.slot)
+        for r, read in zip(rows, reads):
+            self.slots.release(r.slot, read)  # its slot keeps them too, for a newcomer to reuse
             r.slot = None
 
 

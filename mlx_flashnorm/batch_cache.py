@@ -15,6 +15,7 @@ joining or leaving inside the bucket only changes arrays (positions, inc, tokens
 A bucket of one slot decodes with the one-request compiled step (generate.compiled_decode: our
 fused one-row kernels where they run), where generate_step would use it."""
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from . import forms
@@ -94,7 +95,10 @@ class Slots:
     inc and tokens, rebuilt from the host lists only when rows join or leave (dirty). tokens is
     the last queued step's sampled tokens, so the next step can be queued before they are read;
     a newcomer's slot is fed host tokens instead (feed: its prompt tokens the cache does not hold,
-    one a step), and samples nothing while two or more are left (feeding)."""
+    one a step), and samples nothing while two or more are left (feeding). A free slot keeps what
+    its last row read (left: those token ids; an idle slot writes only at its own position, past
+    them), so a newcomer sharing a prefix with it takes the slot without a copy (reuse, as
+    llama-server's slots keep their prompts)."""
 
     def __init__(self, model, layout, size, capacity):
         self.model, self.layout, self.size, self.capacity = model, layout, size, capacity
@@ -102,6 +106,8 @@ class Slots:
         self.rows = [None] * size
         self.pos = [0] * size
         self.feed = {}  # slot -> host tokens it feeds next, in order (a newcomer's prompt)
+        self.left = [()] * size  # free slot -> the token ids its positions 0.. still hold
+        self.table = None  # left as rows of one array (padded with -1): reuse
         self.tokens = None  # (size,) uint32 device array: the last step's tokens
         self.dirty = True
         self.offset = self.inc = None
@@ -140,9 +146,32 @@ class Slots:
         self.dirty = True
         return free
 
-    def release(self, i):
+    def reuse(self, tokens):
+        """(slot, n): the free slot whose kept tokens share the longest prefix with tokens, n of
+        them, at most len(tokens) - 1 (the last prompt token always runs); (None, 0) if none does."""
+        if self.table is None:
+            rows = np.full((self.size, max(map(len, self.left), default=0) + 1), -1, np.int64)
+            for i, kept in enumerate(self.left):
+                rows[i, :len(kept)] = kept
+            self.table = rows
+        n = min(len(tokens) - 1, self.table.shape[1])
+        same = self.table[:, :n] == np.asarray(tokens[:n], np.int64)
+        shared = np.where(same.all(axis=1), n, same.argmin(axis=1))
+        shared[[i for i, r in enumerate(self.rows) if r is not None]] = 0
+        i = int(np.argmax(shared))
+        return (i, int(shared[i])) if shared[i] > 0 else (None, 0)
+
+    def take(self, i, request, n):
+        """Put request in free slot i, its first n positions those the slot kept (reuse); it is fed
+        the rest of its prompt."""
+        self.rows[i], self.pos[i], self.feed[i] = request, n, list(request.tokens[n:])
+        self.dirty = True
+
+    def release(self, i, read=()):
+        """Free slot i, keeping the token ids its row read (their keys and values stay in it)."""
         self.rows[i] = None
         self.feed.pop(i, None)
+        self.left[i], self.table = tuple(read), None
         self.dirty = True
 
     def resized(self, size, capacity):
@@ -155,6 +184,7 @@ class Slots:
         new.rows = [self.rows[i] for i in live] + [None] * (size - len(live))
         new.pos = [self.pos[i] for i in live] + [0] * (size - len(live))
         new.feed = {j: self.feed[i] for j, i in enumerate(live) if i in self.feed}
+        new.left, new.table = [()] * size, None  # free slots' contents are not carried
         new.tokens = None if self.tokens is None else mx.pad(self.tokens[idx], [(0, size - len(live))])
         new.dirty, new.offset, new.inc = True, None, None
         return new

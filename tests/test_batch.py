@@ -214,6 +214,37 @@ def test_newcomers_fed_together_take_their_prefixes_in_one_copy(model, monkeypat
         assert r.generated == single(model, r.tokens, r.max_tokens)[0]
 
 
+def test_newcomer_reuses_the_free_slot_holding_its_prefix(model, monkeypatch):
+    """A row leaves; a newcomer whose prompt begins with what that row read takes its slot with no
+    copy (not through Slots.insert) and is fed only the rest, beside a newcomer with nothing
+    cached that grows the batch (the resize carries the reused prefix); all get their one-request
+    tokens."""
+    from mlx_flashnorm.batch_cache import Slots
+
+    engine = BatchEngine(model, prompt_cache=PromptCache(1 << 24))
+    running, short = Request(prompt(model, 9, seed=31), max_tokens=STEPS), Request(prompt(model, 12, seed=32), 2)
+    engine.add(running)
+    engine.add(short)
+    while short.slot is not None or not short.generated:
+        engine.step()
+    slot, kept = engine.slots.reuse(short.tokens + [0])
+    assert slot is not None and engine.slots.rows[slot] is None and kept == len(short.tokens)
+    inserted = []
+    monkeypatch.setattr(Slots, "insert", lambda self, requests, *rest, f=Slots.insert: inserted.extend(
+        requests) or f(self, requests, *rest))
+    late, other = Request(short.tokens + prompt(model, 5, seed=33), 6), Request(prompt(model, 4, seed=34), 5)
+    before = engine.prefilled
+    engine.add(late)
+    engine.add(other)
+    engine.step()
+    assert late.cached >= len(short.tokens) and late not in inserted and other in inserted
+    assert engine.slots.size == 4 and engine.prefilled - before == len(late.tokens) - late.cached + 4
+    while engine.busy:
+        engine.step()
+    for r in (running, late, other):
+        assert r.generated == single(model, r.tokens, r.max_tokens)[0]
+
+
 def test_row_cancelled_while_fed_keeps_only_what_it_read(llama):
     """A fed newcomer cancelled before its prompt is in: the prompt cache keeps the positions it
     wrote, no more, and a request with its prompt later gets its one-request tokens from them."""
