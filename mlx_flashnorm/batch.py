@@ -208,8 +208,8 @@ class BatchEngine:
                 self.add(r)
             self.step()
             self.step()  # rows 1 and 3 have left: newcomers fed beside 0 and 2 take slots 1 and 3 (a scatter)
-            # prefixes from two blocks of the prompt cache (the first request's, the group of four's),
-            self.add(Request(first + [1], max_tokens=steps))  # longer there than in slots 1 and 3
+            self.slots.left, self.slots.table = [()] * self.slots.size, None  # (not reused from slots 1 and 3:)
+            self.add(Request(first + [1], max_tokens=steps))  # prefixes from two blocks of the prompt cache
             self.add(Request(first[:prompt // 2] + [(i + 4) % vocab for i in range(prompt - prompt // 2)] + [1],
                              max_tokens=steps))
             while self.busy:
@@ -276,8 +276,8 @@ class BatchEngine:
             r = self.waiting.popleft()
             n, block, row = self.prompt_cache.find(r.tokens) if self.prompt_cache else (0, None, 0)
             slot, kept = self.slots.reuse(r.tokens) if decoding and self.prompt_cache else (None, 0)
-            if slot is not None and kept >= n and len(r.tokens) - kept <= self.feed:
-                self._take(r, slot, kept)  # its prefix is still in a free slot: no copy
+            if slot is not None and len(r.tokens) - kept <= self.feed:  # its prefix (or nearly: feeding a
+                self._take(r, slot, kept)  # few more tokens costs less than a copy) is in a free slot
                 continue
             r.cached = n
             if decoding and len(r.tokens) - n <= self.feed:  # fed through the decode steps: nobody waits for it
