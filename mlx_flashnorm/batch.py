@@ -197,11 +197,13 @@ class BatchEngine:
             while self.busy:
                 self.step()
             for n in (2, 4):  # shared prefill calls (MLX compiles its quantized matmul for up to 16,
-                for k in range(n):  # 32 and more rows: 15, 30 and 60 here)
+                self.slots = None  # 32 and more rows: 15, 30 and 60 here), not reuses of the last slots
+                for k in range(n):
                     tail = [(i + k + n) % vocab for i in range(prompt - prompt // 2)]
                     self.add(Request(first[:prompt // 2] + tail, max_tokens=steps))
                 while self.busy:
                     self.step()
+            self.slots = None
             group = [Request(first[:prompt // 2] + [(i + 9 + k) % vocab for i in range(prompt - prompt // 2)],
                              max_tokens=m) for k, m in enumerate((6 * steps, 1, 6 * steps, 1))]
             for r in group:
@@ -214,6 +216,7 @@ class BatchEngine:
                              max_tokens=steps))
             while self.busy:
                 self.step()
+            self.slots = None
             size = 2
             while size <= bucket(self.max_batch):
                 self._layout()
@@ -231,7 +234,7 @@ class BatchEngine:
     @property
     def solo(self):
         """Whether the batch runs the one-request compiled step (a bucket of one slot)."""
-        return self.slots is not None and self.slots.solo
+        return bool(self.rows) and self.slots.solo
 
     @property
     def busy(self):
@@ -260,8 +263,6 @@ class BatchEngine:
         ahead = self._queue() if more else None
         events = self._read(self.pending)
         self.pending = ahead if self.rows else None
-        if not self.rows and not self.joining:
-            self.slots = None
         return events
 
     def _drop_cancelled(self):
@@ -275,10 +276,10 @@ class BatchEngine:
         while self.waiting and len(self.rows) + len(self.filling) + len(self.joining) + len(fed) < self.max_batch:
             r = self.waiting.popleft()
             n, block, row = self.prompt_cache.find(r.tokens) if self.prompt_cache else (0, None, 0)
-            slot, kept = self.slots.reuse(r.tokens) if decoding and self.prompt_cache else (None, 0)
-            if slot is not None and len(r.tokens) - kept <= self.feed:  # its prefix (or nearly: feeding a
-                self._take(r, slot, kept)  # few more tokens costs less than a copy) is in a free slot
-                continue
+            slot, kept = self.slots.reuse(r.tokens) if self.slots and self.prompt_cache else (None, 0)
+            if slot is not None and len(r.tokens) - kept <= self.feed and (kept >= n or decoding):
+                self._take(r, slot, kept)  # its prefix is in a free slot (or nearly, while rows decode:
+                continue  # feeding a few more tokens costs less than a copy)
             r.cached = n
             if decoding and len(r.tokens) - n <= self.feed:  # fed through the decode steps: nobody waits for it
                 fed.append((r, block, row))

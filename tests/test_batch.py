@@ -71,7 +71,7 @@ def test_batched_greedy_equals_single(model, feed):
         assert mx.allclose(got, lp[:len(ev)], rtol=f32_tol(TOL), atol=f32_tol(TOL)).item()
         assert [e.finish_reason for e in ev] == [None] * (len(ev) - 1) + ["length"]
     assert len(set(reference[0][0])) > STEPS // 2  # a real sequence, not one token repeated
-    assert engine.prefilled == sum(LENGTHS) and engine.slots is None and not engine.rows
+    assert engine.prefilled == sum(LENGTHS) and not engine.rows
 
 
 def test_newcomers_together_share_one_prefill_call(model):
@@ -243,6 +243,24 @@ def test_newcomer_reuses_the_free_slot_holding_its_prefix(model, monkeypatch):
         engine.step()
     for r in (running, late, other):
         assert r.generated == single(model, r.tokens, r.max_tokens)[0]
+
+
+def test_idle_engine_keeps_its_slots_for_the_next_request(llama, monkeypatch):
+    """The batch's slots outlive an idle moment: the next request, its prompt beginning with the
+    last one's, takes the slot that read it (no prefill call, no copy) and gets its one-request
+    tokens."""
+    from mlx_flashnorm.batch_cache import Slots
+
+    engine = BatchEngine(llama, prompt_cache=PromptCache(1 << 24))
+    first = Request(prompt(llama, 14, seed=41), max_tokens=3)
+    run(engine, [first])
+    inserted, calls = [], engine.prefill_calls
+    monkeypatch.setattr(Slots, "insert", lambda self, requests, *rest, f=Slots.insert: inserted.extend(
+        requests) or f(self, requests, *rest))
+    nxt = Request(first.tokens + prompt(llama, 4, seed=42), max_tokens=STEPS)
+    run(engine, [nxt])
+    assert nxt.cached == len(first.tokens) and not inserted and engine.prefill_calls == calls
+    assert nxt.generated == single(llama, nxt.tokens)[0]
 
 
 def test_row_cancelled_while_fed_keeps_only_what_it_read(llama):
@@ -552,6 +570,6 @@ def test_batch_keeps_its_bucket_between_waves(llama):
             engine.add(late)
         engine.step()
         sizes.append(engine.slots.size if engine.slots else 0)
-    assert sizes[:8 + 8] == [4] * 16 and sizes.index(1) > 8 + SHRINK_AFTER and sizes[-2:] == [1, 0]
+    assert sizes[:8 + 8] == [4] * 16 and sizes.index(1) > 8 + SHRINK_AFTER and sizes[-1] == 1
     assert late.generated == single(llama, late.tokens, 4)[0]
     assert first[0].generated == single(llama, first[0].tokens, 80)[0]
