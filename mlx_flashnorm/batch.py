@@ -412,7 +412,7 @@ class BatchEngine:
         s = self.slots
         small = s is not None and size < s.size and (size == 1 and forms.compiled_decode() or 4 * size <= s.size)
         self.small = self.small + 1 if small else 0
-        if s is None or not self.rows:
+        if s is None or not self.rows and (size > s.size or capacity > s.capacity):
             self.slots = Slots(self.model, self._layout(), size, capacity)
         elif size > s.size or capacity > s.capacity or self.small > SHRINK_AFTER:
             self.slots = s.resized(size, capacity)
