@@ -162,6 +162,8 @@ class BatchEngine:
         self.filling = []
         self.joining = []  # Joining: prefilled, taking a slot next step
         self.slots = None
+        self.spare = None  # the slots a lone newcomer to an idle engine left, kept for the next wave
+        self.idle = True  # no row decoded when this step began
         self.pending = None  # the Step queued and not read yet
         self.layout = None  # batch_cache.kv_layout, read once
         self.prefilled = 0
@@ -216,7 +218,7 @@ class BatchEngine:
                              max_tokens=steps))
             while self.busy:
                 self.step()
-            self.slots = None
+            self.slots = self.spare = None
             size = 2
             while size <= bucket(self.max_batch):
                 self._layout()
@@ -247,6 +249,7 @@ class BatchEngine:
     def clear(self):
         """Drop every request (after a failed step)."""
         self.waiting, self.filling, self.joining, self.slots, self.pending = deque(), [], [], None, None
+        self.spare = None
 
     def step(self):
         """Drop cancelled requests, prefill up to prefill_step prompt tokens, give the prefilled
@@ -273,6 +276,14 @@ class BatchEngine:
 
     def _prefill(self):
         decoding, fed = bool(self.rows), []
+        self.idle = not decoding
+        s = self.spare
+        if s is not None and self.waiting and len(self.rows) + len(self.waiting) > self.slots.size:  # growing:
+            if not self.rows or needed_capacity(self.model, self.rows) <= s.capacity:  # into the slots set aside,
+                self.slots = self.slots.moved(s)  # with what they kept
+                for i, r in self.slots.live():
+                    r.slot = i
+            self.spare = None
         while self.waiting and len(self.rows) + len(self.filling) + len(self.joining) + len(fed) < self.max_batch:
             r = self.waiting.popleft()
             n, block, row = self.prompt_cache.find(r.tokens) if self.prompt_cache else (0, None, 0)
@@ -414,6 +425,11 @@ class BatchEngine:
         self.small = self.small + 1 if small else 0
         if s is None or not self.rows and (size > s.size or capacity > s.capacity):
             self.slots = Slots(self.model, self._layout(), size, capacity)
+        elif self.idle and small and size == 1:  # a lone newcomer to an idle engine runs solo at once;
+            self.slots, self.spare = s.resized(size, capacity), s  # the slots wait aside for the next wave
+            s.vacate()
+            for i, r in self.slots.live():
+                r.slot = i
         elif size > s.size or capacity > s.capacity or self.small > SHRINK_AFTER:
             self.slots = s.resized(size, capacity)
             for i, r in self.slots.live():

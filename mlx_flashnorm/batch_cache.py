@@ -189,6 +189,36 @@ class Slots:
         new.dirty, new.offset, new.inc = True, None, None
         return new
 
+    def moved(self, into):
+        """into (a Slots of larger size, set aside with rows it had kept) holding this one's live
+        rows in its free slots, those that kept least first: one copy per layer."""
+        live = [i for i, r in enumerate(self.rows) if r is not None]
+        into.dirty = True
+        if not live:
+            return into
+        free = sorted((i for i, r in enumerate(into.rows) if r is None), key=lambda i: len(into.left[i]))[:len(live)]
+        src, dst = mx.array(live, mx.int32), mx.array(free, mx.int32)
+        for layer, (k, v) in enumerate(self.kv):
+            bk, bv = into.kv[layer]
+            bk[dst] = fit(k[src], len(live), into.capacity)
+            bv[dst] = fit(v[src], len(live), into.capacity)
+            into.kv[layer] = (bk, bv)
+        for i, j in zip(live, free):
+            into.rows[j], into.pos[j], into.left[j] = self.rows[i], self.pos[i], ()
+            if i in self.feed:
+                into.feed[j] = self.feed[i]
+        into.table = None
+        if self.tokens is not None:
+            tokens = mx.zeros((into.size,), mx.uint32) if into.tokens is None else into.tokens
+            tokens[dst] = self.tokens[src]
+            into.tokens = tokens
+        return into
+
+    def vacate(self):
+        """Free every slot, each keeping what it kept before its row took it (a Slots set aside
+        before its rows ran in it)."""
+        self.rows, self.feed, self.dirty = [None] * self.size, {}, True
+
     def inputs(self):
         """(tokens, offset, inc) of the next step, rebuilt on the device where rows changed."""
         if self.tokens is None or self.feed:

@@ -263,6 +263,36 @@ def test_idle_engine_keeps_its_slots_for_the_next_request(llama, monkeypatch):
     assert nxt.generated == single(llama, nxt.tokens)[0]
 
 
+def test_lone_newcomer_goes_solo_and_the_next_wave_finds_the_kept_slots(llama, monkeypatch):
+    """After a wave, a lone request to the idle engine runs the one-request step at once; the wave's
+    slots wait aside, and newcomers arriving while it decodes grow the batch into them (its row
+    copied in) and take the slots holding their prefixes, with no copy of theirs; every request
+    gets its one-request tokens."""
+    from mlx_flashnorm.batch_cache import Slots
+
+    system = prompt(llama, 12, seed=50)
+    engine = BatchEngine(llama, prompt_cache=PromptCache(1 << 24))
+    run(engine, [Request(system + prompt(llama, 3, seed=51 + i), max_tokens=2) for i in range(4)])
+    assert engine.slots.size == 4 and not engine.rows
+    lone = Request(system + prompt(llama, 4, seed=55), max_tokens=STEPS)
+    engine.add(lone)
+    engine.step()
+    assert engine.solo and engine.spare is not None and lone.cached == len(system)
+    inserted = []
+    monkeypatch.setattr(Slots, "insert", lambda self, requests, *rest, f=Slots.insert: inserted.extend(
+        requests) or f(self, requests, *rest))
+    wave = [Request(system + prompt(llama, 5, seed=56 + i), max_tokens=4) for i in range(3)]
+    for r in wave:
+        engine.add(r)
+    engine.step()
+    assert engine.slots.size == 4 and engine.spare is None and not inserted
+    assert all(r.cached >= len(system) for r in wave)
+    while engine.busy:
+        engine.step()
+    for r in wave + [lone]:
+        assert r.generated == single(llama, r.tokens, r.max_tokens)[0]
+
+
 def test_row_cancelled_while_fed_keeps_only_what_it_read(llama):
     """A fed newcomer cancelled before its prompt is in: the prompt cache keeps the positions it
     wrote, no more, and a request with its prompt later gets its one-request tokens from them."""
