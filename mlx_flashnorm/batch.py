@@ -16,6 +16,9 @@ row at its own position) and the compiled batched step decodes it with the other
 of a step does not grow with the rows (one compiled call, one argmax for the greedy rows; only
 sampled rows and rows with logits processors add operations).
 A prompt cache (prompt_cache.py) spares a newcomer the prefix an earlier request already read.
+So does a free slot: it keeps what its last row read, and a newcomer sharing a prefix with it
+takes it with no copy (fed the rest); the slots outlive an idle moment, and a lone request at an
+idle engine runs the one-request step while the wave's slots wait aside for the next newcomers.
 
 Pipelining, as generate_step: step n+1 is queued (mx.async_eval) before step n's tokens are read,
 its input the tokens step n samples on the device. A row that finishes at step n is noticed when
@@ -42,7 +45,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 from . import forms
 from .batch_cache import Slots, bucket, kv_layout, needed_capacity
 from .generate import context_length, make_sampler_for
-from .prompt_cache import PromptCache, common_prefix
+from .prompt_cache import common_prefix
 from .worker import Ticket
 
 
@@ -178,55 +181,6 @@ class BatchEngine:
                              f"context of {context_length(self.model)}")
         request.max_tokens = min(request.max_tokens, room)
         self.waiting.append(request)
-
-    def warmup(self, prompt=16, steps=3):
-        """Play one throwaway greedy request (a prompt of `prompt` tokens, `steps` tokens), then
-        two and four together (their shared prefill calls, from the first one's half of their
-        prompts where the engine has a prompt cache: then a throwaway one), then two newcomers fed
-        beside running rows into slots apart (their gathers and scatter: MLX compiles a kernel at its
-        first use, seconds on a fresh machine: bench/RESULTS.md, "Serving"), outside the prompt cache
-        and the prefill counts, so that a first real request finds MLX's kernels compiled
-        (generate.warmup's reason) and the prompt cache's copies too (a first store of 32 rows
-        took 0.33 s on an H200: bench/RESULTS.md, "Serving"); then trace the batched step of every
-        bucket up to max_batch, at the first capacity. Call it on the thread that will step the
-        engine."""
-        kept, counted = self.prompt_cache, (self.prefilled, self.prefill_calls)
-        self.prompt_cache = None if kept is None else PromptCache(1 << 26)
-        vocab = self.model.args.vocab_size
-        first = [i % vocab for i in range(prompt)]
-        try:
-            self.add(Request(first, max_tokens=steps))
-            while self.busy:
-                self.step()
-            for n in (2, 4):  # shared prefill calls (MLX compiles its quantized matmul for up to 16,
-                self.slots = None  # 32 and more rows: 15, 30 and 60 here), not reuses of the last slots
-                for k in range(n):
-                    tail = [(i + k + n) % vocab for i in range(prompt - prompt // 2)]
-                    self.add(Request(first[:prompt // 2] + tail, max_tokens=steps))
-                while self.busy:
-                    self.step()
-            self.slots = None
-            group = [Request(first[:prompt // 2] + [(i + 9 + k) % vocab for i in range(prompt - prompt // 2)],
-                             max_tokens=m) for k, m in enumerate((6 * steps, 1, 6 * steps, 1))]
-            for r in group:
-                self.add(r)
-            self.step()
-            self.step()  # rows 1 and 3 have left: newcomers fed beside 0 and 2 take slots 1 and 3 (a scatter)
-            self.slots.left, self.slots.table = [()] * self.slots.size, None  # (not reused from slots 1 and 3:)
-            self.add(Request(first + [1], max_tokens=steps))  # prefixes from two blocks of the prompt cache
-            self.add(Request(first[:prompt // 2] + [(i + 4) % vocab for i in range(prompt - prompt // 2)] + [1],
-                             max_tokens=steps))
-            while self.busy:
-                self.step()
-            self.slots = self.spare = None
-            size = 2
-            while size <= bucket(self.max_batch):
-                self._layout()
-                slots = Slots(self.model, self.layout, size, needed_capacity(self.model, [Request([0], 1)]))
-                mx.eval(slots.step())
-                size *= 2
-        finally:
-            self.prompt_cache, (self.prefilled, self.prefill_calls) = kept, counted
 
     @property
     def rows(self):

@@ -4,7 +4,10 @@ together."""
 import queue
 import time
 
+import mlx.core as mx
+
 from .batch import BatchEngine, Request
+from .batch_cache import Slots, bucket, needed_capacity
 from .prompt_cache import PromptCache
 from .worker import Ticket, serve_on_thread, token_of
 
@@ -14,7 +17,7 @@ class BatchWorker:
     over a BatchEngine on its own thread: MLX streams belong to the thread that made them, so the
     model runs on this one's. A cancelled ticket's request leaves the batch at the next step.
 
-    warm: play BatchEngine.warmup on the thread first; its exception is raised here.
+    warm: play warmup(engine) on the thread first; its exception is raised here.
     prompt_cache_bytes: the prompt cache's bound (0: none).
     gather: (gap, most) in seconds: a request that finds the engine idle waits until no other came
     for `gap`, at most `most` in all, so that a burst's requests prefill in one call rather than the
@@ -27,7 +30,7 @@ class BatchWorker:
         self.engine = BatchEngine(model, max_batch, prefill_step, cache)
         self.stop_tokens = frozenset(tokenizer.eos_token_ids)
         self.inbox = queue.Queue()
-        serve_on_thread(model, self._serve, self.engine.warmup if warm else None)
+        serve_on_thread(model, self._serve, (lambda: warmup(self.engine)) if warm else None)
 
     def submit(self, generation):
         ticket = Ticket(generation)
@@ -80,3 +83,53 @@ class BatchWorker:
                 ticket = self.inbox.get(timeout=wait) if wait > 0 else self.inbox.get_nowait()
         except queue.Empty:
             pass
+
+
+def warmup(engine, prompt=16, steps=3):
+    """On a BatchEngine, play one throwaway greedy request (a prompt of `prompt` tokens, `steps`
+    tokens), then two and four together (their shared prefill calls, from the first one's half of
+    their prompts where the engine has a prompt cache: then a throwaway one), then two newcomers
+    fed beside running rows into slots apart (their gathers and scatter: MLX compiles a kernel at its
+    first use, seconds on a fresh machine: bench/RESULTS.md, "Serving"), outside the prompt cache
+    and the prefill counts, so that a first real request finds MLX's kernels compiled
+    (generate.warmup's reason) and the prompt cache's copies too (a first store of 32 rows
+    took 0.33 s on an H200: bench/RESULTS.md, "Serving"); then trace the batched step of every
+    bucket up to max_batch, at the first capacity. Call it on the thread that will step the
+    engine."""
+    kept, counted = engine.prompt_cache, (engine.prefilled, engine.prefill_calls)
+    engine.prompt_cache = None if kept is None else PromptCache(1 << 26)
+    vocab = engine.model.args.vocab_size
+    first = [i % vocab for i in range(prompt)]
+    try:
+        engine.add(Request(first, max_tokens=steps))
+        while engine.busy:
+            engine.step()
+        for n in (2, 4):  # shared prefill calls (MLX compiles its quantized matmul for up to 16,
+            engine.slots = None  # 32 and more rows: 15, 30 and 60 here), not reuses of the last slots
+            for k in range(n):
+                tail = [(i + k + n) % vocab for i in range(prompt - prompt // 2)]
+                engine.add(Request(first[:prompt // 2] + tail, max_tokens=steps))
+            while engine.busy:
+                engine.step()
+        engine.slots = None
+        group = [Request(first[:prompt // 2] + [(i + 9 + k) % vocab for i in range(prompt - prompt // 2)],
+                         max_tokens=m) for k, m in enumerate((6 * steps, 1, 6 * steps, 1))]
+        for r in group:
+            engine.add(r)
+        engine.step()
+        engine.step()  # rows 1 and 3 have left: newcomers fed beside 0 and 2 take slots 1 and 3 (a scatter)
+        engine.slots.left, engine.slots.table = [()] * engine.slots.size, None  # (not reused from slots 1 and 3:)
+        engine.add(Request(first + [1], max_tokens=steps))  # prefixes from two blocks of the prompt cache
+        engine.add(Request(first[:prompt // 2] + [(i + 4) % vocab for i in range(prompt - prompt // 2)] + [1],
+                         max_tokens=steps))
+        while engine.busy:
+            engine.step()
+        engine.slots = engine.spare = None
+        size = 2
+        while size <= bucket(engine.max_batch):
+            engine._layout()
+            slots = Slots(engine.model, engine.layout, size, needed_capacity(engine.model, [Request([0], 1)]))
+            mx.eval(slots.step())
+            size *= 2
+    finally:
+        engine.prompt_cache, (engine.prefilled, engine.prefill_calls) = kept, counted

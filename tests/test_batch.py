@@ -8,7 +8,7 @@ import time
 from types import SimpleNamespace
 
 from mlx_flashnorm.batch import SHRINK_AFTER, BatchEngine, Request
-from mlx_flashnorm.batch_worker import BatchWorker
+from mlx_flashnorm.batch_worker import BatchWorker, warmup
 from mlx_flashnorm.worker import Generation
 from mlx_flashnorm.generate import generate_step
 from mlx_flashnorm.prompt_cache import PromptCache
@@ -534,7 +534,7 @@ def test_warmup_leaves_no_trace(llama, monkeypatch):
     monkeypatch.setattr(Slots, "insert", lambda *a, f=Slots.insert: inserted.append(f(*a)) or inserted[-1])
     engine._prefill_together = lambda f=engine._prefill_together: calls.append(f()) or calls[-1]
     engine._feed = lambda newcomers, f=engine._feed: fed.append([r.cached for r, _, _ in newcomers]) or f(newcomers)
-    engine.warmup()
+    warmup(engine)
     assert any(calls) and (engine.prefilled, engine.prefill_calls) == (0, 0)
     assert [16, 16] in fed and [1, 3] in inserted  # two newcomers fed beside running rows, cached prefixes, slots apart
     assert len(engine.prompt_cache) == 0 and not engine.busy
