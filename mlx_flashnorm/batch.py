@@ -241,7 +241,7 @@ class BatchEngine:
         while self.waiting and len(self.rows) + len(self.filling) + len(self.joining) + len(fed) < self.max_batch:
             r = self.waiting.popleft()
             n, block, row = self.prompt_cache.find(r.tokens) if self.prompt_cache else (0, None, 0)
-            slot, kept = self.slots.reuse(r.tokens) if self.slots and self.prompt_cache else (None, 0)
+            slot, kept = self.slots.reuse(r.tokens) if self.slots and self.prompt_cache is not None else (None, 0)
             if slot is not None and len(r.tokens) - kept <= self.feed and (kept >= n or decoding):
                 self._take(r, slot, kept)  # its prefix is in a free slot (or nearly, while rows decode:
                 continue  # feeding a few more tokens costs less than a copy)

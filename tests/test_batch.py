@@ -245,13 +245,14 @@ def test_newcomer_reuses_the_free_slot_holding_its_prefix(model, monkeypatch):
         assert r.generated == single(model, r.tokens, r.max_tokens)[0]
 
 
-def test_idle_engine_keeps_its_slots_for_the_next_request(llama, monkeypatch):
+@pytest.mark.parametrize("cache_bytes", [1 << 24, 1])
+def test_idle_engine_keeps_its_slots_for_the_next_request(llama, monkeypatch, cache_bytes):
     """The batch's slots outlive an idle moment: the next request, its prompt beginning with the
     last one's, takes the slot that read it (no prefill call, no copy) and gets its one-request
-    tokens."""
+    tokens; also where the prompt cache is too small to keep anything."""
     from mlx_flashnorm.batch_cache import Slots
 
-    engine = BatchEngine(llama, prompt_cache=PromptCache(1 << 24))
+    engine = BatchEngine(llama, prompt_cache=PromptCache(cache_bytes))
     first = Request(prompt(llama, 14, seed=41), max_tokens=3)
     run(engine, [first])
     inserted, calls = [], engine.prefill_calls
