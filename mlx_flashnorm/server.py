@@ -179,6 +179,8 @@ class Handler(BaseHTTPRequestHandler):
         self.server.reaper.watch(self)
         try:
             super().handle_one_request()
+        except ConnectionError:  # the client left before its request was read or answered
+            self.close_connection = True
         finally:
             self.server.reaper.release(self)
 

@@ -231,6 +231,19 @@ def test_a_waiting_request_whose_client_hangs_up_is_not_generated(server, client
     assert len(made) == before + 2  # the stream's and the last request's
 
 
+def test_client_resetting_its_connection_leaves_no_traceback(server, client, capfd):
+    """Clients that reset their connection right after sending a request (nobody left to read
+    the answer) cost the server no traceback, and the next request is answered."""
+    for _ in range(10):
+        sock = socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=60)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.close()  # with a zero linger: a reset, not a FIN
+    time.sleep(0.5)
+    assert client.completions.create(model="smol", prompt=COUNTING, max_tokens=2).choices[0].text == " 5"
+    assert "Traceback" not in capfd.readouterr().err
+
+
 def test_warm_server_warms_its_worker_thread(tiny_llama_dir, monkeypatch):
     """Server(warm=True, max_concurrent=1) warms up on the worker thread (MLX keeps compiled
     functions per thread): its first request traces no decode step."""
