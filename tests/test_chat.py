@@ -106,7 +106,13 @@ def test_ctrl_c_stops_the_answer_not_the_chat(smollm2, monkeypatch, capsys):
     monkeypatch.setattr(gen, "generate_step", interrupted_once)
     monkeypatch.setattr(chat, "load_from_args", lambda args: smollm2)
     monkeypatch.setattr("sys.stdin", io.StringIO(f"Write a long poem about the sea.\n{Q1}\n"))
-    chat.main(["--max-tokens", "8"])
+    # Python's own Ctrl-C handler, as on a terminal: a shell's background job (a test run started
+    # with `&`) starts with SIGINT ignored, and the signal raised above would then do nothing
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        chat.main(["--max-tokens", "8"])
+    finally:
+        signal.signal(signal.SIGINT, old)
     out = capsys.readouterr()
     lines = out.out.splitlines()
     assert interrupted_once.done and "[stopped]" in lines, out
