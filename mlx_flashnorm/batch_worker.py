@@ -90,7 +90,8 @@ def warmup(engine, prompt=16, steps=3):
     tokens), then two and four together (their shared prefill calls, from the first one's half of
     their prompts where the engine has a prompt cache: then a throwaway one), then two newcomers
     fed beside running rows into slots apart (their gathers and scatter: MLX compiles a kernel at its
-    first use, seconds on a fresh machine: bench/RESULTS.md, "Serving"), outside the prompt cache
+    first use, seconds on a fresh machine: bench/RESULTS.md, "Serving"), then a lone request whose
+    batch grows into the slots set aside (Slots.moved), outside the prompt cache
     and the prefill counts, so that a first real request finds MLX's kernels compiled
     (generate.warmup's reason) and the prompt cache's copies too (a first store of 32 rows
     took 0.33 s on an H200: bench/RESULTS.md, "Serving"); then trace the batched step of every
@@ -122,6 +123,12 @@ def warmup(engine, prompt=16, steps=3):
         engine.add(Request(first + [1], max_tokens=steps))  # prefixes from two blocks of the prompt cache
         engine.add(Request(first[:prompt // 2] + [(i + 4) % vocab for i in range(prompt - prompt // 2)] + [1],
                          max_tokens=steps))
+        while engine.busy:
+            engine.step()
+        engine.add(Request(first + [2], max_tokens=steps))  # alone at the idle engine: solo, its slots aside;
+        engine.step()
+        for k in range(2):  # newcomers then grow the batch into them (the solo row's copy, a scatter)
+            engine.add(Request(first + [3 + k], max_tokens=steps))
         while engine.busy:
             engine.step()
         engine.slots = engine.spare = None

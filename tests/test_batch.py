@@ -533,11 +533,14 @@ def test_warmup_leaves_no_trace(llama, monkeypatch):
 
     calls, fed, inserted = [], [], []
     monkeypatch.setattr(Slots, "insert", lambda *a, f=Slots.insert: inserted.append(f(*a)) or inserted[-1])
+    moved = []
+    monkeypatch.setattr(Slots, "moved", lambda self, into, f=Slots.moved: moved.append(into.size) or f(self, into))
     engine._prefill_together = lambda f=engine._prefill_together: calls.append(f()) or calls[-1]
     engine._feed = lambda newcomers, f=engine._feed: fed.append([r.cached for r, _, _ in newcomers]) or f(newcomers)
     warmup(engine)
     assert any(calls) and (engine.prefilled, engine.prefill_calls) == (0, 0)
     assert [16, 16] in fed and [1, 3] in inserted  # two newcomers fed beside running rows, cached prefixes, slots apart
+    assert moved == [4]  # a lone request's batch grown into the slots set aside
     assert len(engine.prompt_cache) == 0 and not engine.busy
     r = Request(prompt(llama, 9), max_tokens=STEPS)
     run(engine, [r])
