@@ -234,14 +234,13 @@ class BatchEngine:
         s = self.spare
         if s is not None and self.waiting and len(self.rows) + len(self.waiting) > self.slots.size:  # growing:
             if not self.rows or needed_capacity(self.model, self.rows) <= s.capacity:  # into the slots set aside,
-                self.slots = self.slots.moved(s)  # with what they kept
-                for i, r in self.slots.live():
-                    r.slot = i
+                self._renumber(self.slots.moved(s))  # with what they kept
             self.spare = None
         while self.waiting and len(self.rows) + len(self.filling) + len(self.joining) + len(fed) < self.max_batch:
             r = self.waiting.popleft()
             n, block, row = self.prompt_cache.find(r.tokens) if self.prompt_cache else (0, None, 0)
-            slot, kept = self.slots.reuse(r.tokens) if self.slots and self.prompt_cache is not None else (None, 0)
+            reusable = self.slots is not None and self.prompt_cache is not None
+            slot, kept = self.slots.reuse(r.tokens) if reusable else (None, 0)
             if slot is not None and len(r.tokens) - kept <= self.feed and (kept >= n or decoding):
                 self._take(r, slot, kept)  # its prefix is in a free slot (or nearly, while rows decode:
                 continue  # feeding a few more tokens costs less than a copy)
@@ -363,6 +362,12 @@ class BatchEngine:
         self.joining.append(Joining(r, kv, len(r.tokens) - 1, r.tokens[-1:]))
         self.prefilled += 1  # the last prompt token, computed in the decode step
 
+    def _renumber(self, slots):
+        """Take slots (the batch's rows in new places) as the batch's."""
+        self.slots = slots
+        for i, r in slots.live():
+            r.slot = i
+
     def _layout(self):
         if self.layout is None:
             self.layout = kv_layout(self.model)
@@ -380,14 +385,11 @@ class BatchEngine:
         if s is None or not self.rows and (size > s.size or capacity > s.capacity):
             self.slots = Slots(self.model, self._layout(), size, capacity)
         elif self.idle and small and size == 1:  # a lone newcomer to an idle engine runs solo at once;
-            self.slots, self.spare = s.resized(size, capacity), s  # the slots wait aside for the next wave
+            self.spare = s  # the slots wait aside for the next wave
+            self._renumber(s.resized(size, capacity))
             s.vacate()
-            for i, r in self.slots.live():
-                r.slot = i
         elif size > s.size or capacity > s.capacity or self.small > SHRINK_AFTER:
-            self.slots = s.resized(size, capacity)
-            for i, r in self.slots.live():
-                r.slot = i
+            self._renumber(s.resized(size, capacity))
         groups = {}  # those prefilled together (one kv, whole: they joined in this step), inserted together
         for j in self.joining:
             groups.setdefault(id(j.kv), []).append(j)

@@ -15,11 +15,11 @@ joining or leaving inside the bucket only changes arrays (positions, inc, tokens
 A bucket of one slot decodes with the one-request compiled step (generate.compiled_decode: our
 fused one-row kernels where they run), where generate_step would use it."""
 import mlx.core as mx
-import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from . import forms
 from .generate import CompiledStep, cache_capacity, compiled_decode, decode_offset
+from .prompt_cache import shared_prefixes, token_rows
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # slots a batch is padded to; beyond, multiples of the last
 
@@ -107,7 +107,7 @@ class Slots:
         self.pos = [0] * size
         self.feed = {}  # slot -> host tokens it feeds next, in order (a newcomer's prompt)
         self.left = [()] * size  # free slot -> the token ids its positions 0.. still hold
-        self.table = None  # left as rows of one array (padded with -1): reuse
+        self.table = None  # left as prompt_cache.token_rows: reuse
         self.tokens = None  # (size,) uint32 device array: the last step's tokens
         self.dirty = True
         self.offset = self.inc = None
@@ -150,15 +150,10 @@ class Slots:
         """(slot, n): the free slot whose kept tokens share the longest prefix with tokens, n of
         them, at most len(tokens) - 1 (the last prompt token always runs); (None, 0) if none does."""
         if self.table is None:
-            rows = np.full((self.size, max(map(len, self.left), default=0) + 1), -1, np.int64)
-            for i, kept in enumerate(self.left):
-                rows[i, :len(kept)] = kept
-            self.table = rows
-        n = min(len(tokens) - 1, self.table.shape[1])
-        same = self.table[:, :n] == np.asarray(tokens[:n], np.int64)
-        shared = np.where(same.all(axis=1), n, same.argmin(axis=1))
+            self.table = token_rows(self.left)
+        shared = shared_prefixes(self.table, tokens[:-1])
         shared[[i for i, r in enumerate(self.rows) if r is not None]] = 0
-        i = int(np.argmax(shared))
+        i = int(shared.argmax())
         return (i, int(shared[i])) if shared[i] > 0 else (None, 0)
 
     def take(self, i, request, n):

@@ -30,6 +30,24 @@ def common_prefix(a, b):
     return int(differ[0]) if differ.size else n
 
 
+def token_rows(seqs):
+    """Token id sequences as the rows of one int array, padded with -1 (shared_prefixes' table)."""
+    rows = np.full((len(seqs), max(map(len, seqs), default=0)), -1, np.int64)
+    for i, seq in enumerate(seqs):
+        rows[i, :len(seq)] = seq
+    return rows
+
+
+def shared_prefixes(rows, tokens):
+    """How many leading tokens each row of token_rows' table shares with tokens: a few array
+    operations, not a loop over the rows."""
+    n = min(len(tokens), rows.shape[1])
+    if n == 0:
+        return np.zeros(len(rows), np.int64)
+    same = rows[:, :n] == np.asarray(tokens[:n], np.int64)
+    return np.where(same.all(axis=1), n, same.argmin(axis=1))
+
+
 class PromptCache:
     """An LRU map from token sequences to their per-layer KV state, at most max_bytes in all
     (0: nothing is kept)."""
@@ -69,14 +87,8 @@ class PromptCache:
         that a lookup among hundreds of entries is a few array operations, not a loop over them."""
         if self.table is None:
             keys = list(self.entries)
-            rows = np.full((len(keys), max(map(len, keys))), -1, np.int64)
-            for i, key in enumerate(keys):
-                rows[i, :len(key)] = key
-            self.table = keys, rows, np.array([len(key) for key in keys])
-        rows = self.table[1]
-        n = min(len(tokens), rows.shape[1])
-        same = rows[:, :n] == np.asarray(tokens[:n], np.int64)
-        return np.where(same.all(axis=1), n, same.argmin(axis=1))
+            self.table = keys, token_rows(keys), np.array([len(key) for key in keys])
+        return shared_prefixes(self.table[1], tokens)
 
     def store(self, tokens, kv):
         """Keep kv ([(keys, values)] per layer, over exactly tokens) as the most recent entry. An
