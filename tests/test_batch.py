@@ -111,18 +111,31 @@ def test_newcomers_together_on_real_weights(dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_newcomer_fed_on_real_weights(dtype):
+def test_newcomer_fed_on_real_weights(dtype, monkeypatch):
     """SmolLM2 (the shipped GGUF) in half precision: a newcomer fed its prompt through the decode
-    steps beside a running request gets the greedy tokens it gets alone, and log-probabilities
-    within the half-precision tests' 5e-2 (relative to the largest); no prefill call for it."""
+    steps beside a running request, and one after it that takes its slot (its prompt beginning
+    with the first newcomer's), get the greedy tokens they get alone, and log-probabilities within
+    the half-precision tests' 5e-2 (relative to the largest); no prefill call, no copy for them.
+    Then a lone request at the idle engine runs solo, and a newcomer moves its row into the slots
+    set aside: the same holds for both."""
     from mlx_flashnorm import load
+    from mlx_flashnorm.batch_cache import Slots
 
+    inserted, moved = [], []
+    monkeypatch.setattr(Slots, "insert", lambda self, requests, *rest, f=Slots.insert: inserted.extend(
+        requests) or f(self, requests, *rest))
+    monkeypatch.setattr(Slots, "moved", lambda self, into, f=Slots.moved: moved.append(into.size) or f(self, into))
     model, tok = load(None, norm="flash", dtype=dtype, progress=False)
-    running, late = Request(tok.encode("One, two, three,"), max_tokens=8), Request(tok.encode("Water boils at"), 2)
-    engine = BatchEngine(model)
-    events = run(engine, [running, late], joins=[0, 1])
-    assert engine.prefill_calls == 1  # the running request's alone
-    for r, ev in zip((running, late), events):
+    running, late = Request(tok.encode("One, two, three,"), max_tokens=14), Request(tok.encode("Water boils at"), 2)
+    again = Request(late.tokens + tok.encode(" sea level, and"), 2)
+    engine = BatchEngine(model, prompt_cache=PromptCache(1 << 24))
+    events = run(engine, [running, late, again], joins=[0, 1, 9])
+    assert engine.prefill_calls == 1 and again not in inserted  # the running request alone prefilled
+    assert again.cached >= len(late.tokens)  # from the slot late left
+    lone, joiner = Request(tok.encode("The sky is"), max_tokens=6), Request(tok.encode("Snow is"), 2)
+    events += run(engine, [lone, joiner], joins=[0, 2])
+    assert moved == [2]
+    for r, ev in zip((running, late, again, lone, joiner), events):
         alone = list(generate_step(mx.array(r.tokens), model, max_tokens=r.max_tokens))
         assert r.generated == [t for t, _ in alone]
         want = mx.stack([lp for _, lp in alone]).astype(mx.float32)
