@@ -6,8 +6,10 @@ max_tokens. A newcomer that arrives while rows decode, with at most `feed` promp
 its cached prefix, takes a slot at once and is fed those tokens through the batch's decode
 steps, one a step, sampling nothing until its last: a prefill call would hold every running row
 for its length (13-50 ms, the time of 10-35 steps: bench/RESULTS.md, "Serving"), a fed token
-costs the step nothing it does not already pay. Other prompts are prefilled (mlx-lm's KVCache)
-in chunks of at most `prefill_step` tokens per engine step, between the others' decode steps, so
+costs the step nothing it does not already pay. But a fed newcomer waits a step a token: where
+steps are slow (the CPU, where a step's time grows with its rows) `feed_wait` bounds that wait
+by the fastest recent step (bench/RESULTS.md, "Serving"). Other prompts are prefilled (mlx-lm's
+KVCache) in chunks of at most `prefill_step` tokens per engine step, between the others' decode steps, so
 a long prompt delays the running streams by one chunk a step rather than by its whole length;
 newcomers that arrive together and fit the step whole share one call (rows padded at their ends,
 each from the shortest of their cached prefixes). Once only its last token is left it takes a
@@ -34,6 +36,7 @@ a bucket of one slot runs the one-request compiled step.
 
 The engine is synchronous (BatchEngine.step); batch_worker.BatchWorker runs one on its own thread for
 the server."""
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import List, NamedTuple, Optional
@@ -144,6 +147,8 @@ class Step(NamedTuple):
     tokens: mx.array
     logprobs: mx.array
 
+FEED_WAIT = 0.1  # seconds: the server's bound on a fed newcomer's wait (BatchEngine's feed_wait)
+
 
 class BatchEngine:
     """Prefills newcomers and decodes the running batch, one step() at a time.
@@ -151,15 +156,18 @@ class BatchEngine:
     max_batch: requests decoded together at most (more wait their turn). prefill_step: prompt
     tokens prefilled per step at most. feed: a newcomer arriving while rows decode is fed its
     prompt through the decode steps where at most this many tokens are left past its cached
-    prefix (0: never). prompt_cache: a PromptCache, or None. prefilled counts the prompt tokens
+    prefix (0: never), and, with feed_wait (seconds; None: no bound), only where that many steps
+    at the fastest of the last few steps' periods (between step() calls that read a step, no
+    prefill call in it) take at most feed_wait. prompt_cache: a PromptCache, or None. prefilled counts the prompt tokens
     the model computed (cache hits excluded; fed ones included), prefill_calls the model calls
     that prefilled (newcomers arriving together share one: _prefill_together). The batch is a
     batch_cache.Slots (self.slots, None while empty) of bucket(rows) slots: more rows than slots grow it, few rows
     for more than SHRINK_AFTER steps shrink it (to a quarter, or one row: the one-request compiled
     step, `solo`)."""
 
-    def __init__(self, model, max_batch=32, prefill_step=2048, prompt_cache=None, feed=32):
+    def __init__(self, model, max_batch=32, prefill_step=2048, prompt_cache=None, feed=32, feed_wait=None):
         self.model, self.max_batch, self.prefill_step, self.feed = model, max_batch, prefill_step, feed
+        self.feed_wait, self.periods, self.read_at = feed_wait, deque(maxlen=64), None
         self.prompt_cache = prompt_cache
         self.waiting = deque()
         self.filling = []
@@ -203,13 +211,14 @@ class BatchEngine:
     def clear(self):
         """Drop every request (after a failed step)."""
         self.waiting, self.filling, self.joining, self.slots, self.pending = deque(), [], [], None, None
-        self.spare = None
+        self.spare = self.read_at = None
 
     def step(self):
         """Drop cancelled requests, prefill up to prefill_step prompt tokens, give the prefilled
         newcomers slots, queue the next decode step, and read the one queued before it. Returns
         that step's Events (one per row it decoded that is still in the batch)."""
         self._drop_cancelled()
+        calls = self.prefill_calls
         self._prefill()
         self._place()
         if self.pending is None and self.rows:
@@ -220,7 +229,16 @@ class BatchEngine:
         ahead = self._queue() if more else None
         events = self._read(self.pending)
         self.pending = ahead if self.rows else None
+        now = time.perf_counter()
+        if self.read_at is not None and calls == self.prefill_calls:
+            self.periods.append(now - self.read_at)
+        self.read_at = now if self.pending is not None else None
         return events
+
+    def feedable(self, n):
+        """Whether a newcomer with n prompt tokens left is fed them through the decode steps."""
+        return n <= self.feed and (self.feed_wait is None or not self.periods
+                                   or n * min(self.periods) <= self.feed_wait)
 
     def _drop_cancelled(self):
         self.waiting = deque(r for r in self.waiting if not r.cancelled)
@@ -241,11 +259,11 @@ class BatchEngine:
             n, block, row = self.prompt_cache.find(r.tokens) if self.prompt_cache else (0, None, 0)
             reusable = self.slots is not None and self.prompt_cache is not None
             slot, kept = self.slots.reuse(r.tokens) if reusable else (None, 0)
-            if slot is not None and len(r.tokens) - kept <= self.feed and (kept >= n or decoding):
+            if slot is not None and self.feedable(len(r.tokens) - kept) and (kept >= n or decoding):
                 self._take(r, slot, kept)  # its prefix is in a free slot (or nearly, while rows decode:
                 continue  # feeding a few more tokens costs less than a copy)
             r.cached = n
-            if decoding and len(r.tokens) - n <= self.feed:  # fed through the decode steps: nobody waits for it
+            if decoding and self.feedable(len(r.tokens) - n):  # fed through the decode steps: nobody waits for it
                 fed.append((r, block, row))
             else:
                 cache = ([one_row_cache(k, v) for k, v in block.prefix(row, n)] if n

@@ -6,7 +6,7 @@ import time
 
 import mlx.core as mx
 
-from .batch import BatchEngine, Request
+from .batch import FEED_WAIT, BatchEngine, Request
 from .batch_cache import Slots, bucket, needed_capacity
 from .prompt_cache import PromptCache
 from .worker import Ticket, serve_on_thread, token_of
@@ -27,7 +27,7 @@ class BatchWorker:
                  gather=(0.002, 0.02)):
         self.slots, self.gather = max_batch, gather
         cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
-        self.engine = BatchEngine(model, max_batch, prefill_step, cache)
+        self.engine = BatchEngine(model, max_batch, prefill_step, cache, feed_wait=FEED_WAIT)
         self.stop_tokens = frozenset(tokenizer.eos_token_ids)
         self.inbox = queue.Queue()
         serve_on_thread(model, self._serve, (lambda: warmup(self.engine)) if warm else None)
@@ -94,10 +94,12 @@ def warmup(engine, prompt=16, steps=3):
     batch grows into the slots set aside (Slots.moved), outside the prompt cache
     and the prefill counts, so that a first real request finds MLX's kernels compiled
     (generate.warmup's reason) and the prompt cache's copies too (a first store of 32 rows
-    took 0.33 s on an H200: bench/RESULTS.md, "Serving"); then trace the batched step of every
+    took 0.33 s on an H200: bench/RESULTS.md, "Serving"), with no bound on feeding (its steps
+    compile) and no step period kept; then trace the batched step of every
     bucket up to max_batch, at the first capacity. Call it on the thread that will step the
     engine."""
-    kept, counted = engine.prompt_cache, (engine.prefilled, engine.prefill_calls)
+    kept, counted, wait = engine.prompt_cache, (engine.prefilled, engine.prefill_calls), engine.feed_wait
+    engine.feed_wait = None
     engine.prompt_cache = None if kept is None else PromptCache(1 << 26)
     vocab = engine.model.args.vocab_size
     first = [i % vocab for i in range(prompt)]
@@ -139,4 +141,5 @@ def warmup(engine, prompt=16, steps=3):
             mx.eval(slots.step())
             size *= 2
     finally:
-        engine.prompt_cache, (engine.prefilled, engine.prefill_calls) = kept, counted
+        engine.prompt_cache, (engine.prefilled, engine.prefill_calls), engine.feed_wait = kept, counted, wait
+        engine.periods.clear()

@@ -74,8 +74,7 @@ class Reaper:
     a thread: the handler's read then ends, and it answers 408 (handler.late is set)."""
 
     def __init__(self, seconds):
-        self.seconds, self.lock, self.deadlines = seconds, threading.Lock(), {}
-        self.stopped = threading.Event()
+        self.seconds, self.lock, self.deadlines, self.stopped = seconds, threading.Lock(), {}, threading.Event()
         threading.Thread(target=self._run, daemon=True).start()
 
     def watch(self, handler):
@@ -405,9 +404,8 @@ class Handler(BaseHTTPRequestHandler):
             raise ClientGone() from e
         if answer.call.chat:
             self.write_event(answer.chunk("", None, [], role="assistant"))
-        for piece, finish, entries in pieces:
-            if piece or finish or entries:
-                self.write_event(answer.chunk(piece, finish, entries))
+        for piece, finish, entries in pieces:  # (each has a piece, a finish or entries)
+            self.write_event(answer.chunk(piece, finish, entries))
         if answer.call.include_usage:
             self.write_event(answer.usage_chunk(transcript.count))
         self.write(b"data: [DONE]\n\n")

@@ -163,14 +163,15 @@ def engine_round(model, tokenizer, clients, rounds, max_tokens, tag):
     """load_round's requests fed to a BatchEngine as the server's (server.MAX_CONCURRENT rows,
     its prompt cache and prefill step), warmed up; timed from the first request added. A token's
     time is that of the engine step that read it."""
-    from ..batch import BatchEngine, Request
+    from ..batch import FEED_WAIT, BatchEngine, Request
     from ..batch_worker import warmup
     from ..generate import context_length
     from ..openai_api import parse_call
     from ..prompt_cache import PromptCache
     from ..server import MAX_CONCURRENT, PREFILL_STEP, PROMPT_CACHE_MB
 
-    engine = BatchEngine(model, MAX_CONCURRENT, PREFILL_STEP, PromptCache(PROMPT_CACHE_MB * 2**20))
+    engine = BatchEngine(model, MAX_CONCURRENT, PREFILL_STEP, PromptCache(PROMPT_CACHE_MB * 2**20),
+                         feed_wait=FEED_WAIT)
     warmup(engine)
     stops, defaults = frozenset(tokenizer.eos_token_ids), dict(max_tokens=max_tokens, temp=0.0, top_p=1.0, top_k=0)
     sent, times, done = {}, {}, [0] * clients
