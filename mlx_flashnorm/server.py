@@ -40,9 +40,9 @@ from .batch_worker import BatchWorker
 from .engine_process import EngineProcess
 from .lockstep import leads
 from .shard import world
+from .streaming import POLL, Stream, Streamer, event
 from .worker import SerialWorker, follow
 
-POLL = 0.1  # seconds between checks that a client waiting for its first token is still there
 RETRY_AFTER = 1  # seconds, in a 503's Retry-After
 MAX_BODY = 2**20  # bytes: a prompt filling a 128k-token context is about 0.5 MB of JSON
 DRAIN_PAUSE = 0.2  # seconds: a body of unknown length has ended when none of it comes for this long
@@ -133,6 +133,7 @@ class Server(ThreadingHTTPServer):
             self.server_close()
             raise
         self.reaper = Reaper(timeout)
+        self.streamer = Streamer(timeout)
         self.limits = ((self.worker.context_length, self.worker.vocab_size) if model is None else
                        (context_length(model), model.args.vocab_size))
 
@@ -159,6 +160,7 @@ class Server(ThreadingHTTPServer):
         super().server_close()
         if hasattr(self, "reaper"):
             self.reaper.stopped.set()
+            self.streamer.stopped = True
         if hasattr(getattr(self, "worker", None), "close"):  # (none yet if its start failed)
             self.worker.close()
 
@@ -323,16 +325,14 @@ class Handler(BaseHTTPRequestHandler):
         try:
             transcript = Transcript(self.server.tokenizer, call)
             answer = Answer(call, self.server.tokenizer, self.server.model_id)
-            pieces = self.pieces(ticket, transcript)
-            (self.stream if call.stream else self.whole)(answer, pieces, transcript)
+            if call.stream:
+                self.stream(answer, ticket, transcript)
+            else:
+                self.whole(answer, self.pieces(ticket, transcript), transcript)
         except ClientGone:
             pass
         except WorkerFailed as e:  # nothing checked before should get here
-            error = HTTPError(500, f"generation failed: {e.__cause__}")
-            if call.stream:  # the status line has gone out already
-                self.write_event(error.body(), gone_ok=True)
-            else:
-                self.fail(error)
+            self.fail(HTTPError(500, f"generation failed: {e.__cause__}"))
         finally:
             ticket.cancel()
             self.server.done()
@@ -387,14 +387,11 @@ class Handler(BaseHTTPRequestHandler):
         except OSError as e:
             raise ClientGone() from e
 
-    def write_event(self, obj, gone_ok=False):
-        try:
-            self.write(f"data: {json.dumps(obj)}\n\n".encode())
-        except ClientGone:
-            if not gone_ok:
-                raise
+    def write_event(self, obj):
+        self.write(event(obj))
 
-    def stream(self, answer, pieces, transcript):
+    def stream(self, answer, ticket, transcript):
+        """The answer's events, written by the server's Streamer once the headers are out."""
         try:
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
@@ -404,11 +401,8 @@ class Handler(BaseHTTPRequestHandler):
             raise ClientGone() from e
         if answer.call.chat:
             self.write_event(answer.chunk("", None, [], role="assistant"))
-        for piece, finish, entries in pieces:  # (each has a piece, a finish or entries)
-            self.write_event(answer.chunk(piece, finish, entries))
-        if answer.call.include_usage:
-            self.write_event(answer.usage_chunk(transcript.count))
-        self.write(b"data: [DONE]\n\n")
+        if not self.server.streamer.run(Stream(self.connection, self.client_gone, ticket, transcript, answer)):
+            raise ClientGone()
 
 
 def arg_parser():

@@ -83,6 +83,7 @@ class Ticket:
         self.generation = generation
         self._out = queue.Queue()
         self._cancelled = threading.Event()
+        self.listener = None  # called with the ticket after each put (streaming.Streamer's notify)
 
     def cancel(self):
         self._cancelled.set()
@@ -93,6 +94,8 @@ class Ticket:
 
     def put(self, item):
         self._out.put(item)
+        if self.listener is not None:
+            self.listener(self)
 
     def next(self, timeout=None):
         """The next Token, None once finished; queue.Empty after timeout seconds without one."""
@@ -100,6 +103,13 @@ class Ticket:
         if isinstance(item, Exception):
             raise item
         return item
+
+    def take(self):
+        """Every item waiting, without waiting ([] for none)."""
+        items = []
+        while not self._out.empty():
+            items.append(self._out.get())
+        return items
 
     def ready(self, timeout=None):
         """next(timeout), then every Token already waiting behind it, up to None (finished): a

@@ -96,21 +96,21 @@ def test_shared_prefix_is_not_prefilled_again(server, client, smollm2):
 
 
 def test_a_stream_behind_the_worker_catches_up_in_one_event(server, client, monkeypatch):
-    """A stream whose handler fell behind the batch (its first write held up 1 s) sends the tokens
-    waiting as one event: fewer events than tokens, the same text and log-probabilities as the
-    answer in one piece."""
-    from mlx_flashnorm import server as served
+    """A stream that fell behind the batch (the streamer held up 1 s before its first tokens) sends
+    the tokens waiting as one event: fewer events than tokens, the same text and log-probabilities
+    as the answer in one piece."""
+    from mlx_flashnorm import streaming
 
-    write_event, held = served.Handler.write_event, []
+    advance, held = streaming.Stream.advance, []
 
-    def slow_first(self, obj, gone_ok=False):
+    def slow_first(self):
         if not held:
             held.append(time.sleep(1.0))
-        return write_event(self, obj, gone_ok)
+        return advance(self)
 
     ask = dict(model="smol", messages=[{"role": "user", "content": COUNTING}], max_tokens=12, logprobs=True)
     whole = client.chat.completions.create(**ask)
-    monkeypatch.setattr(served.Handler, "write_event", slow_first)
+    monkeypatch.setattr(streaming.Stream, "advance", slow_first)
     chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
     content = [c for c in chunks if c.choices and c.choices[0].delta.content]
     assert held and 1 < len(content) < 12
