@@ -41,3 +41,24 @@ def test_engine_round_feeds_the_requests_to_the_engine_alone(tiny_llama_dir):
     assert 6 <= row["tokens"] <= 24
     assert 0 < row["ttft_p50"] <= row["ttft_p99"] < row["wall_s"] and row["tok_s"] == row["tokens"] / row["wall_s"]
     assert math.isnan(row["tpot_p50"]) or 0 < row["tpot_p50"] <= row["tpot_p99"] < row["wall_s"]
+
+
+def test_front_bench_streams_every_paced_token():
+    """bench.front's row: our server in its own process fed a token every period per request by the
+    stand-in worker; every client's tokens arrive (usage counts them), none failed, and TPOT is
+    no shorter than the period (tokens cannot come faster than they are made)."""
+    from mlx_flashnorm.bench.front import row
+
+    cells = [c.strip() for c in row(0.01, clients=3, rounds=2, max_tokens=6).strip("|").split("|")]
+    period, clients, tokens, _, tpot, _, cpu, failed = cells
+    assert (period, clients, tokens, failed) == ("10.0", "3", "36", "0")
+    assert float(tpot) >= 9.0 and float(cpu) > 0
+
+
+def test_front_bench_refuses_a_bad_period():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "mlx_flashnorm.bench.front", "--period", "0"], capture_output=True,
+                       text=True)
+    assert r.returncode == 2 and r.stderr.startswith("error: --period") and "Traceback" not in r.stderr
