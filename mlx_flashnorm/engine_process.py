@@ -1,6 +1,6 @@
 """The batch engine in a process of its own, so that the server's HTTP work leaves its interpreter.
 
-The server answers each client on a thread of its own (text decoding, JSON, socket writes). With
+The server answers each client on a thread of its own (its streamed events on streaming's). With
 the engine on a thread of the same process, those threads and the engine's shared one interpreter
 lock: at 32 streaming clients on an H100 a token took 4.3 ms through the server, against 2.7 ms
 for the same requests fed to the engine alone; with this process, 2.8-3.5 ms (bench/RESULTS.md,
