@@ -12,8 +12,9 @@ one-request path (worker.SerialWorker: our fused kernels where they run, no prom
 
 Under load: at most the worker's slots plus --max-queue requests are taken at once, the rest get
 503 with Retry-After; a request (headers and body) must arrive within --timeout seconds and be at
-most --max-body bytes; a client that hangs up, streaming or not, is noticed at the next token (or
-within POLL seconds while its request waits) and its request dropped by the worker at its next step.
+most --max-body bytes; a client that hangs up, streaming or not, is noticed within
+streaming.POLL seconds (a streamed one also at its next write) and its request dropped by the
+worker at its next step.
 
 Under `mlx.launch -n N` the model is split over the N processes (shard.py): rank 0 serves, one
 request at a time (SerialWorker hands each to the other ranks, whose worker.follow() generates it
@@ -22,7 +23,6 @@ import argparse
 import hmac
 import json
 import os
-import queue
 import select
 import signal
 import socket
@@ -41,7 +41,7 @@ from .batch_worker import BatchWorker
 from .engine_process import EngineProcess
 from .lockstep import leads
 from .shard import world
-from .streaming import POLL, Stream, Streamer, event
+from .streaming import Stream, Streamer, event
 from .worker import SerialWorker, follow
 
 RETRY_AFTER = 1  # seconds, in a 503's Retry-After
@@ -55,10 +55,6 @@ PREFILL_STEP = 2048  # prompt tokens prefilled per engine step, at most (mlx-lm'
 
 class ClientGone(Exception):
     """The client closed its connection (or a write to it failed or timed out)."""
-
-
-class WorkerFailed(Exception):
-    """The worker's exception while generating a request."""
 
 
 class BodyRefused(HTTPError):
@@ -326,14 +322,10 @@ class Handler(BaseHTTPRequestHandler):
         try:
             transcript = Transcript(self.server.tokenizer, call)
             answer = Answer(call, self.server.tokenizer, self.server.model_id)
-            if call.stream:
-                self.stream(answer, ticket, transcript)
-            else:
-                self.whole(answer, self.pieces(ticket, transcript), transcript)
+            (self.stream if call.stream else self.whole)(Stream(self.connection, self.client_gone, ticket,
+                                                                 transcript, answer, whole=not call.stream))
         except ClientGone:
             pass
-        except WorkerFailed as e:  # nothing checked before should get here
-            self.fail(HTTPError(500, f"generation failed: {e.__cause__}"))
         finally:
             ticket.cancel()
             self.server.done()
@@ -345,39 +337,15 @@ class Handler(BaseHTTPRequestHandler):
         except OSError:
             return True
 
-    def pieces(self, ticket, transcript):
-        """Yield transcript.add's (piece, finish_reason, entries) for the tokens the worker makes,
-        those waiting together as one (a stream that fell behind the batch catches up in one event,
-        not one per token); ClientGone (the ticket cancelled) once the client hangs up."""
-        while True:
-            try:
-                tokens = ticket.ready(timeout=POLL)
-            except queue.Empty:
-                tokens = []
-            except Exception as e:
-                raise WorkerFailed() from e
-            if self.client_gone():
-                ticket.cancel()
-                raise ClientGone()
-            text, finish, entries = "", None, []
-            for token in tokens:
-                if token is None:
-                    break
-                piece, finish, got = transcript.add(token)
-                text, entries = text + piece, entries + got
-                if finish:
-                    break
-            if text or finish or entries:
-                yield text, finish, entries
-            if finish or tokens and tokens[-1] is None:
-                return
-
-    def whole(self, answer, pieces, transcript):
-        text, finish, entries = "", None, []
-        for piece, finish, got in pieces:
-            text, entries = text + piece, entries + got
+    def whole(self, stream):
+        """The answer in one piece, once the server's Streamer has read all its tokens."""
+        if not self.server.streamer.run(stream):
+            raise ClientGone()
+        if stream.failed is not None:  # nothing checked before should get here
+            return self.fail(HTTPError(500, f"generation failed: {stream.failed}"))
         try:
-            self.send_json(200, answer.whole(text, finish, entries, transcript.count))
+            self.send_json(200, stream.answer.whole(stream.text, stream.finish, stream.entries,
+                                                    stream.transcript.count))
         except OSError as e:
             raise ClientGone() from e
 
@@ -391,7 +359,7 @@ class Handler(BaseHTTPRequestHandler):
     def write_event(self, obj):
         self.write(event(obj))
 
-    def stream(self, answer, ticket, transcript):
+    def stream(self, stream):
         """The answer's events, written by the server's Streamer once the headers are out."""
         try:
             self.send_response(200)
@@ -400,9 +368,9 @@ class Handler(BaseHTTPRequestHandler):
             self.end_headers()
         except OSError as e:
             raise ClientGone() from e
-        if answer.call.chat:
-            self.write_event(answer.chunk("", None, [], role="assistant"))
-        if not self.server.streamer.run(Stream(self.connection, self.client_gone, ticket, transcript, answer)):
+        if stream.answer.call.chat:
+            self.write_event(stream.answer.chunk("", None, [], role="assistant"))
+        if not self.server.streamer.run(stream):
             raise ClientGone()
 
 

@@ -24,11 +24,14 @@ def event(obj):
 
 
 class Stream:
-    """One streamed answer: its connection (headers sent), ticket, transcript and answer."""
+    """One answer: its connection (a streamed one's headers sent), ticket, transcript and answer;
+    whole: an answer in one piece, which its handler writes once the stream is finished."""
 
-    def __init__(self, connection, left, ticket, transcript, answer):
+    def __init__(self, connection, left, ticket, transcript, answer, whole=False):
         self.connection, self.left = connection, left  # left(): whether the client closed its connection
         self.ticket, self.transcript, self.answer = ticket, transcript, answer
+        self.whole = whole  # no events: the text, finish and entries kept for one answer at the end
+        self.text, self.finish, self.entries, self.failed = "", None, [], None
         self.out = bytearray()  # events not yet taken by the socket
         self.finished = False  # the last event is in out
         self.gone = False  # the client left (or stopped reading)
@@ -50,6 +53,10 @@ class Stream:
             if finish:
                 break
         answer = self.answer
+        if self.whole:
+            self.text, self.finish, self.entries = self.text + text, finish, self.entries + entries
+            self.failed, self.finished = failed, bool(failed is not None or finish or ended)
+            return
         if failed is not None:  # nothing checked before should get here
             self.out += event(HTTPError(500, f"generation failed: {failed}").body())
             self.finished = True

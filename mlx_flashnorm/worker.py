@@ -111,14 +111,6 @@ class Ticket:
             items.append(self._out.get())
         return items
 
-    def ready(self, timeout=None):
-        """next(timeout), then every Token already waiting behind it, up to None (finished): a
-        reader that fell behind the worker takes its backlog at once."""
-        items = [self.next(timeout)]
-        while items[-1] is not None and not self._out.empty():
-            items.append(self.next())
-        return items
-
 
 def token_of(r, top_logprobs):
     """The Token of a generate.Response: with top_logprobs (not None) the chosen token's log-probability
