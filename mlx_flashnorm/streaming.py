@@ -1,4 +1,5 @@
-"""The server's streamed answers, written by one thread (Streamer) rather than each by its own.
+"""The server's answers, their tokens read by one thread (Streamer) rather than each by its own:
+a streamed answer's events are written there, a whole answer's text kept for its handler.
 
 With a thread per stream, every token woke its stream's thread, which then took the interpreter
 lock again after each system call (the wait, a poll for the client, the write): at 32 streams
