@@ -53,14 +53,12 @@ class Stream:
             text, entries = text + piece, entries + got
             if finish:
                 break
+        if failed is not None:  # nothing checked before should get here
+            return self.fail(failed)
         answer = self.answer
         if self.whole:
             self.text, self.finish, self.entries = self.text + text, finish, self.entries + entries
-            self.failed, self.finished = failed, bool(failed is not None or finish or ended)
-            return
-        if failed is not None:  # nothing checked before should get here
-            self.out += event(HTTPError(500, f"generation failed: {failed}").body())
-            self.finished = True
+            self.finished = bool(finish or ended)
             return
         if text or finish or entries:
             self.out += event(answer.chunk(text, finish, entries))
@@ -69,6 +67,12 @@ class Stream:
                 self.out += event(answer.usage_chunk(self.transcript.count))
             self.out += b"data: [DONE]\n\n"
             self.finished = True
+
+    def fail(self, error):
+        """End the answer with a 500 naming error (a streamed one's as its last event)."""
+        self.failed, self.finished = error, True
+        if not self.whole:
+            self.out += event(HTTPError(500, f"generation failed: {error}").body())
 
     def flush(self, now, timeout):
         """Write what the socket takes without waiting; False once the client is gone."""
@@ -129,8 +133,11 @@ class Streamer:
                 try:
                     if s.ticket in ready and not s.finished:
                         s.advance()
+                except Exception as e:  # one answer's failure (its text, JSON) ends it alone
+                    s.fail(e)
+                try:
                     ok = s.flush(now, self.timeout) and not (look and not s.out and s.left())
-                except Exception:  # one stream's failure ends that stream, not the others
+                except Exception:
                     ok = False
                 if not ok or s.finished and not s.out:
                     self._end(s, gone=not ok)

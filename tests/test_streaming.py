@@ -102,3 +102,25 @@ def test_a_client_that_leaves_while_its_request_waits_is_noticed(smollm2):
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert result == [False] and ticket.cancelled
+
+
+def test_an_answer_that_fails_to_render_gets_a_500_and_the_streamer_goes_on(smollm2, monkeypatch):
+    """An exception while reading an answer's tokens (its transcript here) ends that answer alone
+    with a 500: a streamed one's last event, a whole one's `failed` for its handler; the next
+    stream is still written."""
+    _, tokenizer = smollm2
+    streamer = Streamer(timeout=5)
+    for whole in (False, True):
+        ours, theirs = socket.socketpair()
+        s, ticket = stream_on(ours, tokenizer)
+        s.whole = whole
+        monkeypatch.setattr(s.transcript, "add", lambda token: 1 / 0)
+        ticket.put(Token(tokenizer.encode(" word")[0]))
+        assert streamer.run(s) and isinstance(s.failed, ZeroDivisionError)
+        ours.close()
+        data = theirs.recv(65536)
+        assert (data == b"") if whole else events(data)[-1]["error"]["message"] == "generation failed: division by zero"
+    ours, theirs = socket.socketpair()
+    s, ticket = stream_on(ours, tokenizer, 1)
+    ticket.put(Token(tokenizer.encode(" word")[0], "length"))
+    assert streamer.run(s) and theirs.recv(65536).endswith(b"data: [DONE]\n\n")
