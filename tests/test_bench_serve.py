@@ -1,6 +1,7 @@
 """The load bench (mlx_flashnorm.bench.serve) against a real server on a free port: its counts
 and timings come from the streams it read, and a failed request is counted with its reason."""
 import math
+import time
 
 from mlx_flashnorm import load
 from mlx_flashnorm.bench.serve import engine_round, free_port, load_round, percentile, table
@@ -62,3 +63,32 @@ def test_front_bench_refuses_a_bad_period():
     r = subprocess.run([sys.executable, "-m", "mlx_flashnorm.bench.front", "--period", "0"], capture_output=True,
                        text=True)
     assert r.returncode == 2 and r.stderr.startswith("error: --period") and "Traceback" not in r.stderr
+
+
+def test_cpu_seconds_counts_a_process_own_work():
+    import os
+
+    from mlx_flashnorm.bench.serve import cpu_seconds
+
+    before = cpu_seconds(os.getpid())
+    deadline = time.process_time() + 0.3
+    while time.process_time() < deadline:
+        pass
+    assert 0.2 <= cpu_seconds(os.getpid()) - before < 5
+    assert math.isnan(cpu_seconds(2**22 + 12345))  # no such process
+
+
+def test_serve_bench_rows_hold_the_server_process_cpu(tiny_llama_dir, tmp_path):
+    """bench.serve end to end (our server only, a process of its own): the table and the JSON rows,
+    each with the server process's CPU seconds for its requests."""
+    import json
+
+    from mlx_flashnorm.bench.serve import main
+
+    out = tmp_path / "serve.md"
+    main(["--model", str(tiny_llama_dir), "--clients", "2", "--rounds", "1", "--max-tokens", "4", "--no-peer",
+          "--work", str(tmp_path / "work"), "--out", str(out)])
+    rows = json.loads(out.with_suffix(".json").read_text())
+    assert [(r["server"], r["clients"], r["requests"], r["errors"]) for r in rows] == [("ours", 2, 2, 0)]
+    assert 0 <= rows[0]["server_cpu_s"] < rows[0]["wall_s"] * 64  # (a few ms here: 0 at 10 ms ticks)
+    assert "| ours | 2 | 2 |" in out.read_text()

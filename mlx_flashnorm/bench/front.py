@@ -8,14 +8,13 @@ then drives --clients concurrent streaming clients as bench.serve does (--rounds
 CPU seconds per token: where TPOT rises above the period, the server, not the engine, sets the
 pace. One row per period."""
 import argparse
-import os
 import subprocess
 import sys
 import threading
 import time
 
 from ..errors import HelpFormatter, UserError, run_cli
-from .serve import free_port, load_round
+from .serve import cpu_seconds, free_port, load_round
 
 TEXT = ("Once upon a time, in a small village by the sea, there lived an old lighthouse keeper who had "
         "watched the waves for forty years and knew every ship that passed. ") * 4
@@ -68,11 +67,6 @@ def serve(port, period):
     server = Server(None, tokenizer, "paced", port=port, worker=worker)
     print("ready", flush=True)
     server.serve_forever()
-
-
-def cpu_seconds(pid):
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def row(period, clients, rounds, max_tokens):

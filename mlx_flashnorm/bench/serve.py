@@ -8,7 +8,8 @@ running batch. Reported per server and N: aggregate tokens/s (completion tokens 
 wall time from the first request sent to the last answer's end), time to first token (TTFT) and
 time per output token after the first (TPOT: a stream's last content time less its first, over
 its tokens less one; a server may send several tokens in one chunk) at p50 and p99 over the
-requests, as a markdown table.
+requests, as a markdown table; the rows in JSON also hold each server process's CPU seconds
+(ours: the HTTP front alone, its engine in a child process; mlx_lm.server: everything).
 
 Without --model the embedded SmolLM2 GGUF is written once as an MLX folder (its quantized weights
 as loaded, mlx-lm's layout, convert.export) under --work, which both servers then load; mlx-lm
@@ -21,6 +22,7 @@ difference."""
 import argparse
 import http.client
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -47,6 +49,15 @@ def percentile(xs, q):
     at = (len(xs) - 1) * q / 100
     lo = int(at)
     return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (at - lo)
+
+
+def cpu_seconds(pid):
+    """The CPU seconds process pid has used (Linux /proc; NaN elsewhere)."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def free_port():
@@ -260,7 +271,9 @@ def main(argv=None):
             try:
                 stream_chat(port, "Say hello.", 4)  # untimed: first-request costs
                 for n in counts:
+                    before = cpu_seconds(process.pid)  # the server process's own (ours: its HTTP front)
                     row = dict(load_round(port, n, args.rounds, args.max_tokens, f"{kind}{n}"), server=kind)
+                    row["server_cpu_s"] = cpu_seconds(process.pid) - before
                     print(table([row]).splitlines()[-1], file=sys.stderr, flush=True)
                     rows.append(row)
             finally:
