@@ -147,6 +147,7 @@ class Step(NamedTuple):
     tokens: mx.array
     logprobs: mx.array
 
+
 FEED_WAIT = 0.1  # seconds: the server's bound on a fed newcomer's wait (BatchEngine's feed_wait)
 
 

@@ -4,8 +4,8 @@ GET /v1/models, GET /health, POST /v1/chat/completions and POST /v1/completions,
 streamed as server-sent events; OPTIONS answers browsers' preflights. Built on the standard
 library's ThreadingHTTPServer: each connection has a thread that reads and checks its request
 (openai_api: every field range-checked, a JSON error for anything wrong), queues it on the
-generation worker and writes the answer from the tokens that come back; a streamed answer's events
-are written by one thread for all of them (streaming.Streamer). The worker decodes up to
+generation worker and writes the answer from the tokens that come back, which one thread reads
+for every answer (streaming.Streamer), writing a streamed one's events itself. The worker decodes up to
 --max-concurrent requests together (batch_worker.BatchWorker: continuous batching, with a prompt cache
 of --prompt-cache-size MB); --max-concurrent 1 serves one request at a time on the compiled
 one-request path (worker.SerialWorker: our fused kernels where they run, no prompt cache).

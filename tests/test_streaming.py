@@ -8,13 +8,11 @@ import time
 
 from mlx_flashnorm.openai_api import Answer, Call, Transcript
 from mlx_flashnorm.streaming import POLL, Stream, Streamer
-from mlx_flashnorm.worker import Generation, Token
+from mlx_flashnorm.worker import Generation, Ticket, Token
 
 
 def stream_on(pair_end, tokenizer, ticket_tokens=8):
     """A Stream of a completion over one end of a socket pair, its ticket and its call."""
-    from mlx_flashnorm.worker import Ticket
-
     call = Call(False, Generation(tokenizer.encode("Once upon a time"), ticket_tokens), stream=True)
     ticket = Ticket(call.generation)
     left = lambda: False  # noqa: E731 (the peer closing shows as a failed write)
