@@ -56,6 +56,7 @@ class PromptCache:
         self.max_bytes = max_bytes
         self.entries = OrderedDict()  # token ids -> (its Block, its row there), least recent first
         self.table = None  # (keys, their token ids as rows, their lengths): _shared
+        self.ids = {}  # token ids -> the same as an int array (the table's rows, made once an entry)
         self.nbytes = 0
 
     def __len__(self):
@@ -86,8 +87,8 @@ class PromptCache:
         entries' token ids as rows of one array (padded with -1), built again after a change, so
         that a lookup among hundreds of entries is a few array operations, not a loop over them."""
         if self.table is None:
-            keys = list(self.entries)
-            self.table = keys, token_rows(keys), np.array([len(key) for key in keys])
+            keys = list(self.ids)  # (not hashed again: a key of hundreds of ids costs as many)
+            self.table = keys, token_rows(list(self.ids.values())), np.array([len(key) for key in keys])
         return shared_prefixes(self.table[1], tokens)
 
     def store(self, tokens, kv):
@@ -130,6 +131,7 @@ class PromptCache:
         shares = Block(block, size, len(kept))
         for j, key in enumerate(kept):  # an entry is its block's row j, cut to length by fetch, not a view
             self.entries[key] = (shares, j)  # a layer made here: 1,920 arrays for 32 rows of 30 layers
+            self.ids[key] = np.array(key, np.int64)
         self.table = None
         self.nbytes += size
         while self.nbytes > self.max_bytes:
@@ -137,6 +139,7 @@ class PromptCache:
 
     def _drop(self, key):
         shares, _ = self.entries.pop(key)
+        del self.ids[key]
         self.table = None
         shares.entries -= 1
         if not shares.entries:

@@ -482,6 +482,24 @@ def test_prompt_cache_finds_the_longest_prefix_among_its_entries():
     assert len(cache) == 3 and cache.fetch([5, 6, 1, 0])[0] == 3 and cache.fetch([5, 6, 2])[0] == 2
 
 
+def test_prompt_cache_lookup_after_entries_are_reordered():
+    """A lookup finds the entry it matches after others were used (reordered least recently used
+    first), stored and dropped: the lookup's table and its keys stay in one order."""
+    def kv(mark, n):
+        return [(mx.full((1, 1, n, 2), float(mark)), mx.zeros((1, 1, n, 2)))]
+
+    cache = PromptCache(1 << 20)
+    cache.store([1, 2, 3], kv(1, 3))
+    cache.store([4, 5, 6], kv(2, 3))
+    cache.store([7, 8], kv(3, 2))
+    assert cache.fetch([1, 2, 3, 0])[0] == 3  # now the most recent
+    cache.store([9, 9, 9], kv(4, 3))
+    cache.store([7, 8, 1], kv(5, 3))  # supersedes [7, 8]
+    for tokens, mark in (([4, 5, 6, 0], 2), ([1, 2, 3, 0], 1), ([9, 9, 9, 0], 4), ([7, 8, 1, 0], 5)):
+        n, got = cache.fetch(tokens)
+        assert n == 3 and got[0][0][0, 0, 0, 0].item() == mark
+
+
 def test_prompt_cache_rows_stored_together_share_one_copy():
     """store_rows copies the rows out in one gather per layer; their entries hold the block, whose
     bytes count once, until its last entry goes."""
