@@ -113,7 +113,7 @@ def test_a_stream_behind_the_worker_catches_up_in_one_event(server, client, monk
     monkeypatch.setattr(streaming.Stream, "advance", slow_first)
     chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
     content = [c for c in chunks if c.choices and c.choices[0].delta.content]
-    assert held and 1 < len(content) < 12
+    assert held and 1 <= len(content) < 12  # one on a GPU: all 12 are waiting once the hold ends
     assert "".join(c.choices[0].delta.content for c in content) == whole.choices[0].message.content
     entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert [(e.token, e.logprob) for e in entries] == [(e.token, e.logprob) for e in whole.choices[0].logprobs.content]
