@@ -21,6 +21,8 @@ A prompt cache (prompt_cache.py) spares a newcomer the prefix an earlier request
 So does a free slot: it keeps what its last row read, and a newcomer sharing a prefix with it
 takes it with no copy (fed the rest); the slots outlive an idle moment, and a lone request at an
 idle engine runs the one-request step while the wave's slots wait aside for the next newcomers.
+What a slot kept goes to the prompt cache only before the slot is taken or its buffers rebuilt,
+or once the engine idles (_release).
 
 Pipelining, as generate_step: step n+1 is queued (mx.async_eval) before step n's tokens are read,
 its input the tokens step n samples on the device. A row that finishes at step n is noticed when
@@ -234,6 +236,8 @@ class BatchEngine:
         if self.read_at is not None and calls == self.prefill_calls:
             self.periods.append(now - self.read_at)
         self.read_at = now if self.pending is not None else None
+        if not self.busy:  # idle: what the slots kept goes to the prompt cache now
+            self._store(self.slots)
         return events
 
     def feedable(self, n):
@@ -253,6 +257,7 @@ class BatchEngine:
         s = self.spare
         if s is not None and self.waiting and len(self.rows) + len(self.waiting) > self.slots.size:  # growing:
             if not self.rows or needed_capacity(self.model, self.rows) <= s.capacity:  # into the slots set aside,
+                self._store(self.slots)
                 self._renumber(self.slots.moved(s))  # with what they kept
             self.spare = None
         while self.waiting and len(self.rows) + len(self.filling) + len(self.joining) + len(fed) < self.max_batch:
@@ -263,6 +268,9 @@ class BatchEngine:
             if slot is not None and self.feedable(len(r.tokens) - kept) and (kept >= n or decoding):
                 self._take(r, slot, kept)  # its prefix is in a free slot (or nearly, while rows decode:
                 continue  # feeding a few more tokens costs less than a copy)
+            if slot is not None and slot in self.slots.unstored and kept > n:  # its prefix, for the find
+                self._store(self.slots)
+                n, block, row = self.prompt_cache.find(r.tokens)
             r.cached = n
             if decoding and self.feedable(len(r.tokens) - n):  # fed through the decode steps: nobody waits for it
                 fed.append((r, block, row))
@@ -365,6 +373,8 @@ class BatchEngine:
         """A newcomer joins at once in a free slot still holding its first n prompt tokens, fed the
         rest (a step of 17 newcomers' copies cost 26 ms of host time on an H100: bench/RESULTS.md,
         "Serving")."""
+        if slot in self.slots.unstored:  # what it kept past n is written over from the next step
+            self._store(self.slots)
         r.cached, r.slot = n, slot
         self.prefilled += len(r.tokens) - n
         self.slots.take(slot, r, n)
@@ -402,13 +412,17 @@ class BatchEngine:
         small = s is not None and size < s.size and (size == 1 and forms.compiled_decode() or 4 * size <= s.size)
         self.small = self.small + 1 if small else 0
         if s is None or not self.rows and (size > s.size or capacity > s.capacity):
+            self._store(s)
             self.slots = Slots(self.model, self._layout(), size, capacity)
         elif self.idle and small and size == 1:  # a lone newcomer to an idle engine runs solo at once;
-            self.spare = s  # the slots wait aside for the next wave
+            self.spare = s  # the slots wait aside for the next wave, with what they kept
             self._renumber(s.resized(size, capacity))
             s.vacate()
         elif size > s.size or capacity > s.capacity or self.small > SHRINK_AFTER:
+            self._store(s)  # (free slots' contents are not carried)
             self._renumber(s.resized(size, capacity))
+        if set(self.slots.free()[:len(self.joining)]) & set(self.slots.unstored):  # the slots insert takes
+            self._store(self.slots)
         groups = {}  # those prefilled together (one kv, whole: they joined in this step), inserted together
         for j in self.joining:
             groups.setdefault(id(j.kv), []).append(j)
@@ -473,15 +487,23 @@ class BatchEngine:
         return logits
 
     def _release(self, rows):
-        """Take rows out of the batch, keeping what each read in the prompt cache (one copy per
-        layer for the rows leaving together)."""
-        reads = [()] * len(rows)
-        if rows and self.prompt_cache is not None:  # the last token sampled was never fed; a row left
-            reads = [(r.tokens + r.generated)[:-1][:self.slots.pos[r.slot]] for r in rows]  # while fed: what it read
-            self.prompt_cache.store_rows(reads, self.slots.kv, [r.slot for r in rows])
-        for r, read in zip(rows, reads):
-            self.slots.release(r.slot, read)  # its slot keeps them too, for a newcomer to reuse
+        """Take rows out of the batch. Each one's slot keeps what it read, for a newcomer to reuse;
+        the prompt cache stores it later (_store), when the slot is taken or dropped or the engine
+        idles: a store is a gather a layer, about 2.5 ms of host work a step on an H200, which the
+        rows finishing one or two a step at a batch's end each paid (bench/RESULTS.md, "Serving")."""
+        for r in rows:  # the last token sampled was never fed; a row that left while fed: what it read
+            read = (r.tokens + r.generated)[:-1][:self.slots.pos[r.slot]] if self.prompt_cache is not None else ()
+            self.slots.release(r.slot, read)
+            if read:
+                self.slots.unstored[r.slot] = read
             r.slot = None
+
+    def _store(self, slots):
+        """Keep in the prompt cache what free slots of `slots` (a Slots or None) read and it has not
+        stored yet, all in one gather a layer."""
+        if slots is not None and slots.unstored:
+            held, slots.unstored = slots.unstored, {}
+            self.prompt_cache.store_rows(list(held.values()), slots.kv, list(held))
 
 
 def rows_of(x, rows, width):

@@ -107,6 +107,7 @@ class Slots:
         self.pos = [0] * size
         self.feed = {}  # slot -> host tokens it feeds next, in order (a newcomer's prompt)
         self.left = [()] * size  # free slot -> the token ids its positions 0.. still hold
+        self.unstored = {}  # free slot -> its left, where the prompt cache does not hold it yet (batch.py)
         self.table = None  # left as prompt_cache.token_rows: reuse
         self.tokens = None  # (size,) uint32 device array: the last step's tokens
         self.dirty = True
@@ -131,7 +132,7 @@ class Slots:
         (len(requests), heads, n, dim); none: nothing cached) up to its lengths[j] positions (those
         after are never read: a row attends up to its position, and writes it), and feeds the
         tokens feeds[j] next, one a step. Returns their slots."""
-        free = [i for i, r in enumerate(self.rows) if r is None][:len(requests)]
+        free = self.free()[:len(requests)]
         n = kv[0][0].shape[2] if kv else 0
         if n:
             first, run = free[0], free == list(range(free[0], free[0] + len(free)))
@@ -145,6 +146,10 @@ class Slots:
             self.rows[i], self.pos[i], self.feed[i] = request, m, list(feed)
         self.dirty = True
         return free
+
+    def free(self):
+        """The free slots, in the order insert takes them."""
+        return [i for i, r in enumerate(self.rows) if r is None]
 
     def reuse(self, tokens):
         """(slot, n): the free slot whose kept tokens share the longest prefix with tokens, n of
@@ -179,7 +184,7 @@ class Slots:
         new.rows = [self.rows[i] for i in live] + [None] * (size - len(live))
         new.pos = [self.pos[i] for i in live] + [0] * (size - len(live))
         new.feed = {j: self.feed[i] for j, i in enumerate(live) if i in self.feed}
-        new.left, new.table = [()] * size, None  # free slots' contents are not carried
+        new.left, new.table, new.unstored = [()] * size, None, {}  # free slots' contents are not carried
         new.tokens = None if self.tokens is None else mx.pad(self.tokens[idx], [(0, size - len(live))])
         new.dirty, new.offset, new.inc = True, None, None
         return new

@@ -346,6 +346,152 @@ def test_lone_newcomer_goes_solo_and_the_next_wave_finds_the_kept_slots(llama, m
         assert r.generated == single(llama, r.tokens, r.max_tokens)[0]
 
 
+def test_rows_leaving_while_others_decode_are_stored_once_the_engine_idles(llama, monkeypatch):
+    """Rows that finish while others decode keep what they read in their slots; the prompt cache
+    stores none of it until the engine idles, then all of it in one store."""
+    engine = BatchEngine(llama, prompt_cache=PromptCache(1 << 24))
+    rows = [Request(prompt(llama, 6 + i, seed=60 + i), max_tokens=2 + 3 * i) for i in range(3)]
+    for r in rows:
+        engine.add(r)
+    engine.step()
+    stores = []
+    monkeypatch.setattr(PromptCache, "store_rows", lambda self, seqs, *rest, f=PromptCache.store_rows: stores.append(
+        len(seqs)) or f(self, seqs, *rest))
+    while rows[1].slot is not None or not rows[1].generated:
+        engine.step()
+    assert rows[2].slot is not None and not stores and len(engine.slots.unstored) == 2
+    while engine.busy:
+        engine.step()
+    assert stores == [3] and not engine.slots.unstored
+    for r in rows:
+        read = r.tokens + r.generated
+        assert engine.prompt_cache.fetch(read)[0] == len(read) - 1
+
+
+def again_from_the_prompt_cache(engine, model, read):
+    """A request reading `read` again, run with no kept slots (from the prompt cache): its tokens
+    are its one-request tokens only if the stored keys and values are those of `read`."""
+    engine.slots = engine.spare = None
+    again = Request(read + prompt(model, 2, seed=79), max_tokens=4)
+    run(engine, [again])
+    assert again.cached == len(read) and again.generated == single(model, again.tokens, 4)[0]
+
+
+def test_a_kept_slot_is_stored_before_a_newcomer_takes_it(llama):
+    """A newcomer sharing the start of what a free slot kept takes that slot (fed the rest, which
+    writes over the rest of it): the slot's tokens go to the prompt cache first, as they were."""
+    engine = BatchEngine(llama, prompt_cache=PromptCache(1 << 24))
+    running, short = Request(prompt(llama, 5, seed=70), max_tokens=STEPS), Request(prompt(llama, 10, seed=71), 2)
+    engine.add(running)
+    engine.add(short)
+    while short.slot is not None or not short.generated:
+        engine.step()
+    read = (short.tokens + short.generated)[:-1]
+    assert engine.slots.unstored and engine.prompt_cache.fetch(read + [0])[0] < len(read)
+    late = Request(short.tokens[:6] + prompt(llama, 3, seed=72), max_tokens=4)
+    engine.add(late)
+    engine.step()
+    assert late.cached == 6 and late.slot is not None and not engine.slots.unstored
+    assert engine.prompt_cache.fetch(read + [0])[0] == len(read)
+    while engine.busy:
+        engine.step()
+    assert late.generated == single(llama, late.tokens, 4)[0]
+    again_from_the_prompt_cache(engine, llama, read)
+
+
+def test_a_kept_slot_is_stored_before_a_prefilled_newcomer_is_put_in_it(llama):
+    """A prefilled newcomer sharing nothing with a free slot's tokens is put in it (Slots.insert):
+    the slot's tokens go to the prompt cache first, as they were."""
+    engine = BatchEngine(llama, prompt_cache=PromptCache(1 << 24), feed=0)
+    running, short = Request(prompt(llama, 5, seed=74), max_tokens=STEPS), Request(prompt(llama, 10, seed=75), 2)
+    engine.add(running)
+    engine.add(short)
+    while short.slot is not None or not short.generated:
+        engine.step()
+    slot, read = next(iter(engine.slots.unstored.items()))
+    assert engine.prompt_cache.fetch(read + [0])[0] < len(read)
+    late = Request(prompt(llama, 7, seed=76), max_tokens=4)
+    engine.add(late)
+    engine.step()
+    assert late.slot == slot and not engine.slots.unstored
+    assert engine.prompt_cache.fetch(read + [0])[0] == len(read)
+    while engine.busy:
+        engine.step()
+    assert late.generated == single(llama, late.tokens, 4)[0]
+    again_from_the_prompt_cache(engine, llama, list(read))
+
+
+def test_a_newcomer_too_long_to_feed_finds_a_kept_slots_tokens_in_the_prompt_cache(llama):
+    """A newcomer sharing the start of what a free slot kept, with more left than the engine feeds,
+    is prefilled from the prompt cache: the slot's tokens are stored first, so it is prefilled from
+    them, not from scratch, and gets its one-request tokens."""
+    engine = BatchEngine(llama, prompt_cache=PromptCache(1 << 24), feed=4)
+    running, short = Request(prompt(llama, 5, seed=77), max_tokens=STEPS), Request(prompt(llama, 10, seed=78), 2)
+    engine.add(running)
+    engine.add(short)
+    while short.slot is not None or not short.generated:
+        engine.step()
+    late = Request(short.tokens[:9] + prompt(llama, 8, seed=80), max_tokens=4)
+    engine.add(late)
+    engine.step()
+    assert late.cached == 9 and not engine.slots.unstored
+    while engine.busy:
+        engine.step()
+    assert late.generated == single(llama, late.tokens, 4)[0]
+
+
+def test_kept_slots_are_stored_before_the_batch_is_rebuilt(llama):
+    """Slots that kept rows' tokens are stored before their Slots is resized (the batch grows), made
+    anew (rows cancelled as a larger wave comes) or left (the lone row's slots, as the batch grows
+    into the wave's): what they read is in the prompt cache, as it was."""
+    def finish(engine, rows):
+        while any(r.slot is not None or not r.generated for r in rows):
+            engine.step()
+
+    engine = BatchEngine(llama, prompt_cache=PromptCache(1 << 24))  # resized: 2 -> 4 slots
+    running, short = Request(prompt(llama, 5, seed=81), max_tokens=STEPS), Request(prompt(llama, 10, seed=82), 2)
+    engine.add(running)
+    engine.add(short)
+    finish(engine, [short])
+    read = (short.tokens + short.generated)[:-1]
+    for i in range(2):
+        engine.add(Request(prompt(llama, 6, seed=83 + i), max_tokens=3))
+    engine.step()
+    assert engine.slots.size == 4 and engine.prompt_cache.fetch(read + [0])[0] == len(read)
+    while engine.busy:
+        engine.step()
+    again_from_the_prompt_cache(engine, llama, read)
+
+    engine = BatchEngine(llama, prompt_cache=PromptCache(1 << 24))  # made anew: rows cancelled, 4 come
+    rows = [Request(prompt(llama, 5 + i, seed=85 + i), max_tokens=STEPS) for i in range(2)]
+    for r in rows:
+        engine.add(r)
+    for _ in range(3):
+        engine.step()
+    for r in rows:
+        r.cancelled = True
+    for i in range(4):
+        engine.add(Request(prompt(llama, 6, seed=87 + i), max_tokens=3))
+    engine.step()
+    for r in rows:
+        read = (r.tokens + r.generated)[:-1]
+        assert engine.prompt_cache.fetch(read + [0])[0] == len(read)
+
+    engine = BatchEngine(llama, prompt_cache=PromptCache(1 << 24))  # the lone row's slots left
+    run(engine, [Request(prompt(llama, 8, seed=91 + i), max_tokens=2) for i in range(4)])
+    lone = Request(prompt(llama, 9, seed=95), max_tokens=STEPS)
+    engine.add(lone)
+    for _ in range(3):
+        engine.step()
+    assert engine.solo and engine.spare is not None
+    lone.cancelled = True
+    for i in range(2):
+        engine.add(Request(prompt(llama, 6, seed=96 + i), max_tokens=3))
+    engine.step()
+    read = (lone.tokens + lone.generated)[:-1]
+    assert engine.spare is None and engine.prompt_cache.fetch(read + [0])[0] == len(read)
+
+
 def test_row_cancelled_while_fed_keeps_only_what_it_read(llama):
     """A fed newcomer cancelled before its prompt is in: the prompt cache keeps the positions it
     wrote, no more, and a request with its prompt later gets its one-request tokens from them."""
