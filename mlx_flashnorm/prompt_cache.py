@@ -104,7 +104,7 @@ class PromptCache:
         values)] per layer, (rows, heads, positions, dim), at least len(seqs[j]) positions). They
         are copied out in one gather per layer (a batch's rows leaving together: not a copy per row
         and layer), and their entries share that block, counted in nbytes until the last of them
-        goes."""
+        goes. Where the block would not fit max_bytes, the last sequences that fit are kept."""
         if self.max_bytes <= 0:
             return
         kept = {}  # key -> its row
@@ -120,13 +120,14 @@ class PromptCache:
                 for i in np.flatnonzero(shared == lengths):  # these tokens begin with it
                     self._drop(keys[i])
             kept[key] = row
+        per = sum(k.shape[1] * k.shape[3] * k.dtype.size + v.shape[1] * v.shape[3] * v.dtype.size for k, v in kv)
+        while kept and len(kept) * max(map(len, kept)) * per > self.max_bytes:  # the latest that fit
+            del kept[next(iter(kept))]
         if not kept:
             return
         n, index = max(map(len, kept)), mx.array(list(kept.values()))
         block = [(k[index, :, :n, :], v[index, :, :n, :]) for k, v in kv]  # copies, not views of kv
         size = sum(k.nbytes + v.nbytes for k, v in block)
-        if size > self.max_bytes:
-            return
         mx.async_eval(block)  # the copies queued, not waited for: the batch's queued step runs on
         shares = Block(block, size, len(kept))
         for j, key in enumerate(kept):  # an entry is its block's row j, cut to length by fetch, not a view

@@ -670,6 +670,18 @@ def test_prompt_cache_rows_stored_together_share_one_copy():
     assert len(cache) == 3 and cache.nbytes == 2 * (4 + 3 + 6) * 2 * 4
 
 
+def test_prompt_cache_rows_stored_together_keep_the_latest_that_fit():
+    """Rows stored together whose one copy would pass the bound: the last of them that fit are
+    kept (a batch's rows stored at once when the engine idles), not none."""
+    keys = mx.arange(3 * 6 * 2, dtype=mx.float32).reshape(3, 1, 6, 2)
+    cache = PromptCache(2 * 5 * 16)  # two rows of 5 positions (8 bytes of keys and 8 of values each)
+    cache.store_rows([[1, 2, 3], [4, 5, 6, 7, 8], [9, 1]], [(keys, -keys)], [2, 0, 1])
+    assert len(cache) == 2 and cache.nbytes == 2 * 5 * 16
+    assert cache.fetch([1, 2, 3, 0])[0] == 0 and cache.fetch([9, 1, 0])[0] == 2
+    n, got = cache.fetch([4, 5, 6, 7, 8, 0])
+    assert n == 5 and mx.array_equal(got[0][0], keys[0:1, :, :5]).item()
+
+
 def test_cancel_and_context(llama):
     """A cancelled request leaves at the next step while the others go on; max_tokens is cut to
     the context; a prompt that fills the context is refused."""
