@@ -48,7 +48,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from . import forms
-from .batch_cache import Slots, bucket, kv_layout, needed_capacity
+from .batch_cache import Slots, bucket, kv_layout, needed_capacity, one_row_cache, rows_of
 from .generate import context_length, make_sampler_for
 from .prompt_cache import common_prefix
 from .worker import Ticket
@@ -122,13 +122,6 @@ class Filling(NamedTuple):
     request: Request
     cache: list
     todo: List[int]
-
-
-def one_row_cache(keys, values):
-    """An mlx-lm KVCache holding keys and values (1, kv_heads, n, head_dim) of n tokens."""
-    c = KVCache()
-    c.keys, c.values, c.offset = keys, values, keys.shape[2]
-    return c
 
 
 class Joining(NamedTuple):
@@ -236,8 +229,8 @@ class BatchEngine:
         if self.read_at is not None and calls == self.prefill_calls:
             self.periods.append(now - self.read_at)
         self.read_at = now if self.pending is not None else None
-        if not self.busy:  # idle: what the slots kept goes to the prompt cache now
-            self._store(self.slots)
+        if not self.busy and self.slots is not None:  # idle: what the slots kept goes to the prompt cache
+            self.slots.store(self.prompt_cache)
         return events
 
     def feedable(self, n):
@@ -257,7 +250,7 @@ class BatchEngine:
         s = self.spare
         if s is not None and self.waiting and len(self.rows) + len(self.waiting) > self.slots.size:  # growing:
             if not self.rows or needed_capacity(self.model, self.rows) <= s.capacity:  # into the slots set aside,
-                self._store(self.slots)
+                self.slots.store(self.prompt_cache)
                 self._renumber(self.slots.moved(s))  # with what they kept
             self.spare = None
         while self.waiting and len(self.rows) + len(self.filling) + len(self.joining) + len(fed) < self.max_batch:
@@ -269,7 +262,7 @@ class BatchEngine:
                 self._take(r, slot, kept)  # its prefix is in a free slot (or nearly, while rows decode:
                 continue  # feeding a few more tokens costs less than a copy)
             if slot is not None and slot in self.slots.unstored and kept > n:  # its prefix, for the find
-                self._store(self.slots)
+                self.slots.store(self.prompt_cache)
                 n, block, row = self.prompt_cache.find(r.tokens)
             r.cached = n
             if decoding and self.feedable(len(r.tokens) - n):  # fed through the decode steps: nobody waits for it
@@ -374,7 +367,7 @@ class BatchEngine:
         rest (a step of 17 newcomers' copies cost 26 ms of host time on an H100: bench/RESULTS.md,
         "Serving")."""
         if slot in self.slots.unstored:  # what it kept past n is written over from the next step
-            self._store(self.slots)
+            self.slots.store(self.prompt_cache)
         r.cached, r.slot = n, slot
         self.prefilled += len(r.tokens) - n
         self.slots.take(slot, r, n)
@@ -412,17 +405,18 @@ class BatchEngine:
         small = s is not None and size < s.size and (size == 1 and forms.compiled_decode() or 4 * size <= s.size)
         self.small = self.small + 1 if small else 0
         if s is None or not self.rows and (size > s.size or capacity > s.capacity):
-            self._store(s)
+            if s is not None:
+                s.store(self.prompt_cache)
             self.slots = Slots(self.model, self._layout(), size, capacity)
         elif self.idle and small and size == 1:  # a lone newcomer to an idle engine runs solo at once;
             self.spare = s  # the slots wait aside for the next wave, with what they kept
             self._renumber(s.resized(size, capacity))
             s.vacate()
         elif size > s.size or capacity > s.capacity or self.small > SHRINK_AFTER:
-            self._store(s)  # (free slots' contents are not carried)
+            s.store(self.prompt_cache)  # (free slots' contents are not carried)
             self._renumber(s.resized(size, capacity))
         if set(self.slots.free()[:len(self.joining)]) & set(self.slots.unstored):  # the slots insert takes
-            self._store(self.slots)
+            self.slots.store(self.prompt_cache)
         groups = {}  # those prefilled together (one kv, whole: they joined in this step), inserted together
         for j in self.joining:
             groups.setdefault(id(j.kv), []).append(j)
@@ -488,7 +482,7 @@ class BatchEngine:
 
     def _release(self, rows):
         """Take rows out of the batch. Each one's slot keeps what it read, for a newcomer to reuse;
-        the prompt cache stores it later (_store), when the slot is taken or dropped or the engine
+        the prompt cache stores it later (Slots.store), when the slot is taken or dropped or the engine
         idles: a store is a gather a layer, about 2.5 ms of host work a step on an H200, which the
         rows finishing one or two a step at a batch's end each paid (bench/RESULTS.md, "Serving")."""
         for r in rows:  # the last token sampled was never fed; a row that left while fed: what it read
@@ -497,21 +491,6 @@ class BatchEngine:
             if read:
                 self.slots.unstored[r.slot] = read
             r.slot = None
-
-    def _store(self, slots):
-        """Keep in the prompt cache what free slots of `slots` (a Slots or None) read and it has not
-        stored yet, all in one gather a layer."""
-        if slots is not None and slots.unstored:
-            held, slots.unstored = slots.unstored, {}
-            self.prompt_cache.store_rows(list(held.values()), slots.kv, list(held))
-
-
-def rows_of(x, rows, width):
-    """Rows `rows` (an index array) of x (rows, heads, positions, dim) at their first `width` positions
-    (zeros past its own)."""
-    x = x[rows, :, :width, :]
-    return mx.pad(x, [(0, 0), (0, 0), (0, width - x.shape[2]), (0, 0)]) if x.shape[2] < width else x
-
 
 def log_softmax(logits):
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)

@@ -107,7 +107,7 @@ class Slots:
         self.pos = [0] * size
         self.feed = {}  # slot -> host tokens it feeds next, in order (a newcomer's prompt)
         self.left = [()] * size  # free slot -> the token ids its positions 0.. still hold
-        self.unstored = {}  # free slot -> its left, where the prompt cache does not hold it yet (batch.py)
+        self.unstored = {}  # free slot -> its left, where the prompt cache does not hold it yet (store)
         self.table = None  # left as prompt_cache.token_rows: reuse
         self.tokens = None  # (size,) uint32 device array: the last step's tokens
         self.dirty = True
@@ -150,6 +150,12 @@ class Slots:
     def free(self):
         """The free slots, in the order insert takes them."""
         return [i for i, r in enumerate(self.rows) if r is None]
+
+    def store(self, prompt_cache):
+        """Keep in prompt_cache what free slots read and it does not hold yet (unstored), in one store."""
+        if self.unstored:
+            held, self.unstored = self.unstored, {}
+            prompt_cache.store_rows(list(held.values()), self.kv, list(held))
 
     def reuse(self, tokens):
         """(slot, n): the free slot whose kept tokens share the longest prefix with tokens, n of
@@ -250,6 +256,20 @@ class Slots:
             if r is not None:
                 self.pos[i] += 1
         return out, greedy
+
+
+def one_row_cache(keys, values):
+    """An mlx-lm KVCache holding keys and values (1, kv_heads, n, head_dim) of n tokens."""
+    c = KVCache()
+    c.keys, c.values, c.offset = keys, values, keys.shape[2]
+    return c
+
+
+def rows_of(x, rows, width):
+    """Rows `rows` (an index array) of x (rows, heads, positions, dim) at their first `width` positions
+    (zeros past its own)."""
+    x = x[rows, :, :width, :]
+    return mx.pad(x, [(0, 0), (0, 0), (0, width - x.shape[2]), (0, 0)]) if x.shape[2] < width else x
 
 
 def fit(x, size, capacity):
