@@ -44,6 +44,27 @@ def test_engine_round_feeds_the_requests_to_the_engine_alone(tiny_llama_dir):
     assert math.isnan(row["tpot_p50"]) or 0 < row["tpot_p50"] <= row["tpot_p99"] < row["wall_s"]
 
 
+def test_engine_round_samples_at_the_temperature_asked(tiny_llama_dir, monkeypatch):
+    """--temperature reaches every request: the engine alone's requests sample at it."""
+    from mlx_flashnorm.batch import BatchEngine
+
+    model, tokenizer = load(str(tiny_llama_dir), progress=False)
+    temps, add = [], BatchEngine.add
+    monkeypatch.setattr(BatchEngine, "add", lambda self, r: temps.append(r.temp) or add(self, r))
+    row = engine_round(model, tokenizer, clients=2, rounds=1, max_tokens=4, tag="t", temperature=0.7)
+    assert row["requests"] == 2 and temps[-2:] == [0.7, 0.7]
+
+
+def test_serve_bench_refuses_a_temperature_out_of_range(tmp_path):
+    import pytest
+
+    from mlx_flashnorm.bench.serve import main
+    from mlx_flashnorm.errors import UserError
+
+    with pytest.raises(UserError, match="--temperature must lie in 0..2"):
+        main(["--temperature", "3", "--no-peer", "--work", str(tmp_path)])
+
+
 def test_front_bench_streams_every_paced_token():
     """bench.front's row: our server in its own process fed a token every period per request by the
     stand-in worker; every client's tokens arrive (usage counts them), none failed, and TPOT is
@@ -87,8 +108,8 @@ def test_serve_bench_rows_hold_the_server_process_cpu(tiny_llama_dir, tmp_path):
 
     out = tmp_path / "serve.md"
     main(["--model", str(tiny_llama_dir), "--clients", "2", "--rounds", "1", "--max-tokens", "4", "--no-peer",
-          "--work", str(tmp_path / "work"), "--out", str(out)])
+          "--temperature", "0.5", "--work", str(tmp_path / "work"), "--out", str(out)])
     rows = json.loads(out.with_suffix(".json").read_text())
     assert [(r["server"], r["clients"], r["requests"], r["errors"]) for r in rows] == [("ours", 2, 2, 0)]
     assert 0 <= rows[0]["server_cpu_s"] < rows[0]["wall_s"] * 64  # (a few ms here: 0 at 10 ms ticks)
-    assert "| ours | 2 | 2 |" in out.read_text()
+    assert "| ours | 2 | 2 |" in out.read_text() and "temperature 0.5" in out.read_text()

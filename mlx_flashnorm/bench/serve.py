@@ -3,8 +3,8 @@
 Starts our server (python -m mlx_flashnorm.server) and, for the peer row, mlx_lm.server on the
 same weights, each in a process of its own on a free port of 127.0.0.1, and drives N concurrent
 streaming chat clients against each at every N of --clients. Each client sends --rounds requests
-one after another (distinct prompts, greedy, max_tokens each), so requests join and leave a
-running batch. Reported per server and N: aggregate tokens/s (completion tokens of all requests /
+one after another (distinct prompts, max_tokens each, greedy unless --temperature), so requests
+join and leave a running batch. Reported per server and N: aggregate tokens/s (completion tokens of all requests /
 wall time from the first request sent to the last answer's end), time to first token (TTFT) and
 time per output token after the first (TPOT: a stream's last content time less its first, over
 its tokens less one; a server may send several tokens in one chunk) at p50 and p99 over the
@@ -103,11 +103,11 @@ def start(kind, model, extra, log):
     raise UserError(f"the {kind} server did not answer within 600 s; see {log.name}")
 
 
-def stream_chat(port, prompt, max_tokens):
-    """One streamed greedy chat request: (seconds to the first content, seconds per token after it
+def stream_chat(port, prompt, max_tokens, temperature=0.0):
+    """One streamed chat request: (seconds to the first content, seconds per token after it
     (None below two tokens), completion tokens). Tokens come from the final usage chunk, else count
     chunks."""
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": temperature,
             "stream": True, "stream_options": {"include_usage": True}}
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
     sent = time.perf_counter()
@@ -150,14 +150,14 @@ def summary(clients, results, errors, wall):
             "ttft_p99": percentile(ttft, 99), "tpot_p50": percentile(tpot, 50), "tpot_p99": percentile(tpot, 99)}
 
 
-def load_round(port, clients, rounds, max_tokens, tag):
+def load_round(port, clients, rounds, max_tokens, tag, temperature=0.0):
     """clients threads, each sending rounds requests in turn; the row's measurements."""
     results, errors = [], []
 
     def client(i):
         for r in range(rounds):
             try:
-                results.append(stream_chat(port, prompt_of(i, r, tag), max_tokens))
+                results.append(stream_chat(port, prompt_of(i, r, tag), max_tokens, temperature))
             except Exception as e:  # counted and reported, the others go on
                 errors.append(str(e))
 
@@ -170,7 +170,7 @@ def load_round(port, clients, rounds, max_tokens, tag):
     return summary(clients, results, errors, time.perf_counter() - t0)
 
 
-def engine_round(model, tokenizer, clients, rounds, max_tokens, tag):
+def engine_round(model, tokenizer, clients, rounds, max_tokens, tag, temperature=0.0):
     """load_round's requests fed to a BatchEngine as the server's (server.MAX_CONCURRENT rows,
     its prompt cache and prefill step), warmed up; timed from the first request added. A token's
     time is that of the engine step that read it."""
@@ -189,9 +189,10 @@ def engine_round(model, tokenizer, clients, rounds, max_tokens, tag):
 
     def add(i):
         body = {"messages": [{"role": "user", "content": prompt_of(i, done[i], tag)}], "max_tokens": max_tokens,
-                "temperature": 0}
+                "temperature": temperature}
         call = parse_call(body, True, tokenizer, context_length(model), model.args.vocab_size, defaults)
-        r = Request(call.generation.tokens, max_tokens, stop_tokens=stops)
+        g = call.generation
+        r = Request(g.tokens, max_tokens, g.temp, g.top_p, g.top_k, g.min_p, g.seed, stops)
         sent[id(r)], times[id(r)], r.client = time.perf_counter(), [], i
         engine.add(r)
 
@@ -234,6 +235,7 @@ def arg_parser():
     p.add_argument("--clients", default="1,8,32,64", help="comma-separated concurrent client counts")
     p.add_argument("--rounds", type=int, default=2, help="requests each client sends in turn")
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request")
+    p.add_argument("--temperature", type=float, default=0.0, help="temperature of every request (0: greedy)")
     p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True,
                    help="also measure mlx_lm.server on the same weights")
     p.add_argument("--engine", action="store_true",
@@ -260,6 +262,8 @@ def main(argv=None):
     counts = parse_clients(args.clients)
     if args.rounds < 1 or args.max_tokens < 1:
         raise UserError("--rounds and --max-tokens must be at least 1")
+    if not 0 <= args.temperature <= 2:
+        raise UserError(f"--temperature must lie in 0..2 (the server's range), not {args.temperature:g}")
     model = Path(args.model) if args.model else mlx_folder(args.work)
     if not (model / "config.json").is_file():
         raise UserError(f"{model}: not an MLX model folder (config.json missing)")
@@ -272,7 +276,8 @@ def main(argv=None):
                 stream_chat(port, "Say hello.", 4)  # untimed: first-request costs
                 for n in counts:
                     before = cpu_seconds(process.pid)  # the server process's own (ours: its HTTP front)
-                    row = dict(load_round(port, n, args.rounds, args.max_tokens, f"{kind}{n}"), server=kind)
+                    row = dict(load_round(port, n, args.rounds, args.max_tokens, f"{kind}{n}", args.temperature),
+                               server=kind)
                     row["server_cpu_s"] = cpu_seconds(process.pid) - before
                     print(table([row]).splitlines()[-1], file=sys.stderr, flush=True)
                     rows.append(row)
@@ -282,11 +287,13 @@ def main(argv=None):
     if args.engine:
         ours, tokenizer = load(str(model), progress=False)
         for n in counts:
-            rows.append(dict(engine_round(ours, tokenizer, n, args.rounds, args.max_tokens, f"engine{n}"),
+            rows.append(dict(engine_round(ours, tokenizer, n, args.rounds, args.max_tokens, f"engine{n}",
+                                          args.temperature),
                              server="ours, engine alone"))
             print(table([rows[-1]]).splitlines()[-1], file=sys.stderr, flush=True)
     text = (f"{device_name()}, MLX {mx.__version__}, model {model.name}, {args.rounds} requests per client, "
-            f"max_tokens {args.max_tokens}, greedy, streamed\n\n{table(rows)}\n")
+            f"max_tokens {args.max_tokens}, {'temperature %g' % args.temperature if args.temperature else 'greedy'}, "
+            f"streamed\n\n{table(rows)}\n")
     print(text)
     if args.out:
         write_atomic(Path(args.out), text)
