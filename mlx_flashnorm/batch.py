@@ -249,6 +249,7 @@ class BatchEngine:
         self.idle = not decoding
         s = self.spare
         if s is not None and self.waiting and len(self.rows) + len(self.waiting) > self.slots.size:  # growing:
+            s.store(self.prompt_cache)  # (rows cancelled as the lone one came left theirs in it)
             if not self.rows or needed_capacity(self.model, self.rows) <= s.capacity:  # into the slots set aside,
                 self.slots.store(self.prompt_cache)
                 self._renumber(self.slots.moved(s))  # with what they kept

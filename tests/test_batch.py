@@ -491,6 +491,26 @@ def test_kept_slots_are_stored_before_the_batch_is_rebuilt(llama):
     read = (lone.tokens + lone.generated)[:-1]
     assert engine.spare is None and engine.prompt_cache.fetch(read + [0])[0] == len(read)
 
+    engine = BatchEngine(llama, prompt_cache=PromptCache(1 << 24))  # the spare's slots, grown into
+    wave = [Request(prompt(llama, 8, seed=101 + i), max_tokens=STEPS) for i in range(4)]
+    for r in wave:
+        engine.add(r)
+    for _ in range(3):
+        engine.step()
+    for r in wave:  # leaving as a lone request comes: the slots, with what they kept, are set aside
+        r.cancelled = True
+    engine.add(Request(prompt(llama, 9, seed=105), max_tokens=STEPS))
+    engine.step()
+    assert engine.solo and engine.spare is not None
+    for i in range(3):
+        engine.add(Request(prompt(llama, 6, seed=106 + i), max_tokens=3))
+    engine.step()
+    assert engine.spare is None
+    while engine.busy:
+        engine.step()
+    for r in wave:
+        again_from_the_prompt_cache(engine, llama, (r.tokens + r.generated)[:-1])
+
 
 def test_row_cancelled_while_fed_keeps_only_what_it_read(llama):
     """A fed newcomer cancelled before its prompt is in: the prompt cache keeps the positions it
