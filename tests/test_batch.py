@@ -266,6 +266,18 @@ def test_newcomers_fed_together_take_their_prefixes_in_one_copy(model, monkeypat
         assert r.generated == single(model, r.tokens, r.max_tokens)[0]
 
 
+def a_row_left(engine, model, seed, lengths=(5, 10)):
+    """(running, short): a request decoding and one of 2 tokens beside it, stepped until the short one
+    has left the batch (its slot free, keeping what it read)."""
+    running = Request(prompt(model, lengths[0], seed=seed), max_tokens=STEPS)
+    short = Request(prompt(model, lengths[1], seed=seed + 1), 2)
+    engine.add(running)
+    engine.add(short)
+    while short.slot is not None or not short.generated:
+        engine.step()
+    return running, short
+
+
 def test_newcomer_reuses_the_free_slot_holding_its_prefix(model, monkeypatch):
     """A row leaves; a newcomer whose prompt begins with what that row read takes its slot with no
     copy (not through Slots.insert) and is fed only the rest, beside a newcomer with nothing
@@ -274,11 +286,7 @@ def test_newcomer_reuses_the_free_slot_holding_its_prefix(model, monkeypatch):
     from mlx_flashnorm.batch_cache import Slots
 
     engine = BatchEngine(model, prompt_cache=PromptCache(1 << 24))
-    running, short = Request(prompt(model, 9, seed=31), max_tokens=STEPS), Request(prompt(model, 12, seed=32), 2)
-    engine.add(running)
-    engine.add(short)
-    while short.slot is not None or not short.generated:
-        engine.step()
+    running, short = a_row_left(engine, model, 31, (9, 12))
     slot, kept = engine.slots.reuse(short.tokens + [0])
     assert slot is not None and engine.slots.rows[slot] is None and kept == len(short.tokens)
     inserted = []
@@ -381,11 +389,7 @@ def test_a_kept_slot_is_stored_before_a_newcomer_takes_it(llama):
     """A newcomer sharing the start of what a free slot kept takes that slot (fed the rest, which
     writes over the rest of it): the slot's tokens go to the prompt cache first, as they were."""
     engine = BatchEngine(llama, prompt_cache=PromptCache(1 << 24))
-    running, short = Request(prompt(llama, 5, seed=70), max_tokens=STEPS), Request(prompt(llama, 10, seed=71), 2)
-    engine.add(running)
-    engine.add(short)
-    while short.slot is not None or not short.generated:
-        engine.step()
+    _, short = a_row_left(engine, llama, 70)
     read = (short.tokens + short.generated)[:-1]
     assert engine.slots.unstored and engine.prompt_cache.fetch(read + [0])[0] < len(read)
     late = Request(short.tokens[:6] + prompt(llama, 3, seed=72), max_tokens=4)
@@ -403,11 +407,7 @@ def test_a_kept_slot_is_stored_before_a_prefilled_newcomer_is_put_in_it(llama):
     """A prefilled newcomer sharing nothing with a free slot's tokens is put in it (Slots.insert):
     the slot's tokens go to the prompt cache first, as they were."""
     engine = BatchEngine(llama, prompt_cache=PromptCache(1 << 24), feed=0)
-    running, short = Request(prompt(llama, 5, seed=74), max_tokens=STEPS), Request(prompt(llama, 10, seed=75), 2)
-    engine.add(running)
-    engine.add(short)
-    while short.slot is not None or not short.generated:
-        engine.step()
+    _, short = a_row_left(engine, llama, 74)
     slot, read = next(iter(engine.slots.unstored.items()))
     assert engine.prompt_cache.fetch(read + [0])[0] < len(read)
     late = Request(prompt(llama, 7, seed=76), max_tokens=4)
@@ -426,11 +426,7 @@ def test_a_newcomer_too_long_to_feed_finds_a_kept_slots_tokens_in_the_prompt_cac
     is prefilled from the prompt cache: the slot's tokens are stored first, so it is prefilled from
     them, not from scratch, and gets its one-request tokens."""
     engine = BatchEngine(llama, prompt_cache=PromptCache(1 << 24), feed=4)
-    running, short = Request(prompt(llama, 5, seed=77), max_tokens=STEPS), Request(prompt(llama, 10, seed=78), 2)
-    engine.add(running)
-    engine.add(short)
-    while short.slot is not None or not short.generated:
-        engine.step()
+    _, short = a_row_left(engine, llama, 77)
     late = Request(short.tokens[:9] + prompt(llama, 8, seed=80), max_tokens=4)
     engine.add(late)
     engine.step()
@@ -444,15 +440,8 @@ def test_kept_slots_are_stored_before_the_batch_is_rebuilt(llama):
     """Slots that kept rows' tokens are stored before their Slots is resized (the batch grows), made
     anew (rows cancelled as a larger wave comes) or left (the lone row's slots, as the batch grows
     into the wave's): what they read is in the prompt cache, as it was."""
-    def finish(engine, rows):
-        while any(r.slot is not None or not r.generated for r in rows):
-            engine.step()
-
     engine = BatchEngine(llama, prompt_cache=PromptCache(1 << 24))  # resized: 2 -> 4 slots
-    running, short = Request(prompt(llama, 5, seed=81), max_tokens=STEPS), Request(prompt(llama, 10, seed=82), 2)
-    engine.add(running)
-    engine.add(short)
-    finish(engine, [short])
+    _, short = a_row_left(engine, llama, 81)
     read = (short.tokens + short.generated)[:-1]
     for i in range(2):
         engine.add(Request(prompt(llama, 6, seed=83 + i), max_tokens=3))
