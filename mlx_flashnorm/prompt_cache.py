@@ -127,7 +127,7 @@ class PromptCache:
             return
         n, index = max(map(len, kept)), mx.array(list(kept.values()))
         block = [(k[index, :, :n, :], v[index, :, :n, :]) for k, v in kv]  # copies, not views of kv
-        size = sum(k.nbytes + v.nbytes for k, v in block)
+        size = len(kept) * n * per  # the block's bytes
         mx.async_eval(block)  # the copies queued, not waited for: the batch's queued step runs on
         shares = Block(block, size, len(kept))
         for j, key in enumerate(kept):  # an entry is its block's row j, cut to length by fetch, not a view
