@@ -4,11 +4,11 @@ Starts our server (python -m mlx_flashnorm.server) and, for the peer row, mlx_lm
 same weights, each in a process of its own on a free port of 127.0.0.1, and drives N concurrent
 streaming chat clients against each at every N of --clients. Each client sends --rounds requests
 one after another (distinct prompts, max_tokens each, greedy unless --temperature), so requests
-join and leave a running batch. Reported per server and N: aggregate tokens/s (completion tokens of all requests /
-wall time from the first request sent to the last answer's end), time to first token (TTFT) and
-time per output token after the first (TPOT: a stream's last content time less its first, over
-its tokens less one; a server may send several tokens in one chunk) at p50 and p99 over the
-requests, as a markdown table; the rows in JSON also hold each server process's CPU seconds
+join and leave a running batch. Reported per server and N: aggregate tokens/s (completion tokens
+of all requests / wall time from the first request sent to the last answer's end), time to first
+token (TTFT) and time per output token after the first (TPOT: a stream's last content time less
+its first, over its tokens less one; a server may send several tokens in one chunk) at p50 and
+p99 over the requests, as a markdown table; the rows in JSON also hold each server process's CPU seconds
 (ours: the HTTP front alone, its engine in a child process; mlx_lm.server: everything).
 
 Without --model the embedded SmolLM2 GGUF is written once as an MLX folder (its quantized weights
