@@ -356,9 +356,6 @@ class Handler(BaseHTTPRequestHandler):
         except OSError as e:
             raise ClientGone() from e
 
-    def write_event(self, obj):
-        self.write(event(obj))
-
     def stream(self, stream):
         """The answer's events, written by the server's Streamer once the headers are out."""
         try:
@@ -369,7 +366,7 @@ class Handler(BaseHTTPRequestHandler):
         except OSError as e:
             raise ClientGone() from e
         if stream.answer.call.chat:
-            self.write_event(stream.answer.chunk("", None, [], role="assistant"))
+            self.write(event(stream.answer.chunk("", None, [], role="assistant")))
         if not self.server.streamer.run(stream):
             raise ClientGone()
 
