@@ -4,7 +4,7 @@ import math
 import time
 
 from mlx_flashnorm import load
-from mlx_flashnorm.bench.serve import engine_round, free_port, load_round, percentile, table
+from mlx_flashnorm.bench.serve import engine_round, free_port, load_round, percentile, step_profile, table
 from mlx_flashnorm.server import Server
 
 from conftest import serving
@@ -42,6 +42,17 @@ def test_engine_round_feeds_the_requests_to_the_engine_alone(tiny_llama_dir):
     assert 6 <= row["tokens"] <= 24
     assert 0 < row["ttft_p50"] <= row["ttft_p99"] < row["wall_s"] and row["tok_s"] == row["tokens"] / row["wall_s"]
     assert math.isnan(row["tpot_p50"]) or 0 < row["tpot_p50"] <= row["tpot_p99"] < row["wall_s"]
+    assert row["steps"] >= 8 and 0 < row["steady_step_s"] and row["steady_s"] < row["wall_s"]
+    assert 0 < row["first_full_s"] < row["wall_s"]
+
+
+def test_step_profile_finds_the_steady_step_and_the_time_in_it():
+    """The steady step is the median of the steps holding the most rows; only those within 1.5x of
+    it count as time in it; the end of the first of them, when every row decodes."""
+    steps = [(0.0, 0.05, 2), (0.05, 0.01, 3), (0.06, 0.01, 3), (0.07, 0.02, 3), (0.09, 0.01, 1)]
+    p = step_profile(steps)
+    assert p["steps"] == 5 and math.isclose(p["first_full_s"], 0.06)
+    assert math.isclose(p["steady_step_s"], 0.01) and math.isclose(p["steady_s"], 0.02)
 
 
 def test_engine_round_samples_at_the_temperature_asked(tiny_llama_dir, monkeypatch):

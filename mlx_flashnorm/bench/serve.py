@@ -18,7 +18,9 @@ cannot read a GGUF's Q4_1 blocks itself.
 --engine adds a row for our engine alone: the same requests, as our server would tokenize them,
 fed to a batch.BatchEngine configured as the server's in this process, each client's next request
 added when its last one ends (no HTTP, no threads): what the server's front costs is the
-difference."""
+difference. Below the table, each engine row's steps: the steady step (the median of those holding
+the most rows), the seconds spent in such steps within 1.5x of it, and when the first of them
+ended: the rest of the wall time went to arrivals, turns between rounds and the last rows."""
 import argparse
 import http.client
 import json
@@ -199,10 +201,12 @@ def engine_round(model, tokenizer, clients, rounds, max_tokens, tag, temperature
     t0 = time.perf_counter()
     for i in range(clients):
         add(i)
-    results = []
+    results, steps = [], []
     while engine.busy:
+        began = time.perf_counter()
         events = engine.step()
         now = time.perf_counter()
+        steps.append((began - t0, now - began, len(engine.rows)))
         for e in events:
             r = e.request
             times[id(r)].append(now)
@@ -212,7 +216,18 @@ def engine_round(model, tokenizer, clients, rounds, max_tokens, tag, temperature
                 done[r.client] += 1
                 if done[r.client] < rounds:
                     add(r.client)
-    return summary(clients, results, [], time.perf_counter() - t0)
+    return dict(summary(clients, results, [], time.perf_counter() - t0), **step_profile(steps))
+
+
+def step_profile(steps):
+    """An engine's steps [(start s, seconds, rows after it)]: their count, the steady step (the median
+    of those holding the most rows), the seconds spent in such steps within 1.5x of it, and when the
+    first of them ended (every client's row decoding from there)."""
+    most = max(rows for _, _, rows in steps)
+    full = [(t, dt) for t, dt, rows in steps if rows == most]
+    steady = percentile([dt for _, dt in full], 50)
+    return {"steps": len(steps), "steady_step_s": steady, "steady_s": sum(dt for _, dt in full if dt <= 1.5 * steady),
+            "first_full_s": sum(full[0])}
 
 
 def table(rows):
@@ -294,6 +309,11 @@ def main(argv=None):
     text = (f"{device_name()}, MLX {mx.__version__}, model {model.name}, {args.rounds} requests per client, "
             f"max_tokens {args.max_tokens}, {'temperature %g' % args.temperature if args.temperature else 'greedy'}, "
             f"streamed\n\n{table(rows)}\n")
+    for r in rows:
+        if "steps" in r:
+            text += (f"\n{r['server']}, {r['clients']} clients: {r['steps']} steps, the steady step "
+                     f"{1e3 * r['steady_step_s']:.2f} ms; {r['steady_s']:.2f} s of {r['wall_s']:.2f} in such steps, "
+                     f"the first ended at {r['first_full_s']:.2f} s")
     print(text)
     if args.out:
         write_atomic(Path(args.out), text)
