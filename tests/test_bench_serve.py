@@ -110,17 +110,23 @@ def test_cpu_seconds_counts_a_process_own_work():
     assert math.isnan(cpu_seconds(2**22 + 12345))  # no such process
 
 
-def test_serve_bench_rows_hold_the_server_process_cpu(tiny_llama_dir, tmp_path):
-    """bench.serve end to end (our server only, a process of its own): the table and the JSON rows,
-    each with the server process's CPU seconds for its requests."""
+def test_serve_bench_rows_hold_the_server_process_cpu(tiny_llama_dir, tmp_path, monkeypatch):
+    """bench.serve end to end (our server only, a process of its own, and --engine): the table and
+    the JSON rows, each served row with the server process's CPU seconds for its requests; the engine
+    alone, like the server, first takes an untimed request."""
     import json
 
-    from mlx_flashnorm.bench.serve import main
+    from mlx_flashnorm.bench import serve
 
+    rounds = []
+    monkeypatch.setattr(serve, "engine_round",
+                        lambda *a, f=serve.engine_round, **k: rounds.append(a[2:5]) or f(*a, **k))
     out = tmp_path / "serve.md"
-    main(["--model", str(tiny_llama_dir), "--clients", "2", "--rounds", "1", "--max-tokens", "4", "--no-peer",
-          "--temperature", "0.5", "--work", str(tmp_path / "work"), "--out", str(out)])
+    serve.main(["--model", str(tiny_llama_dir), "--clients", "2", "--rounds", "1", "--max-tokens", "4", "--no-peer",
+                "--temperature", "0.5", "--engine", "--work", str(tmp_path / "work"), "--out", str(out)])
     rows = json.loads(out.with_suffix(".json").read_text())
-    assert [(r["server"], r["clients"], r["requests"], r["errors"]) for r in rows] == [("ours", 2, 2, 0)]
+    assert [(r["server"], r["clients"], r["requests"], r["errors"]) for r in rows] == [
+        ("ours", 2, 2, 0), ("ours, engine alone", 2, 2, 0)]
+    assert rounds == [(1, 1, 4), (2, 1, 4)]  # (clients, rounds, max_tokens): the untimed one first
     assert 0 <= rows[0]["server_cpu_s"] < rows[0]["wall_s"] * 64  # (a few ms here: 0 at 10 ms ticks)
     assert "| ours | 2 | 2 |" in out.read_text() and "temperature 0.5" in out.read_text()

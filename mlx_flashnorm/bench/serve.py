@@ -17,10 +17,11 @@ cannot read a GGUF's Q4_1 blocks itself.
 
 --engine adds a row for our engine alone: the same requests, as our server would tokenize them,
 fed to a batch.BatchEngine configured as the server's in this process, each client's next request
-added when its last one ends (no HTTP, no threads): what the server's front costs is the
-difference. Below the table, each engine row's steps: the steady step (the median of those holding
-the most rows), the seconds spent in such steps within 1.5x of it, and when the first of them
-ended: the rest of the wall time went to arrivals, turns between rounds and the last rows."""
+added when its last one ends (no HTTP, no threads; after an untimed request, as each server gets
+one): what the server's front costs is the difference. Below the table, each engine row's steps:
+the steady step (the median of those holding the most rows), the seconds spent in such steps
+within 1.5x of it, and when the first of them ended: the rest of the wall time went to arrivals,
+turns between rounds and the last rows."""
 import argparse
 import http.client
 import json
@@ -301,6 +302,7 @@ def main(argv=None):
                 process.wait(timeout=60)
     if args.engine:
         ours, tokenizer = load(str(model), progress=False)
+        engine_round(ours, tokenizer, 1, 1, 4, "engine")  # untimed: first-request costs, as the servers'
         for n in counts:
             rows.append(dict(engine_round(ours, tokenizer, n, args.rounds, args.max_tokens, f"engine{n}",
                                           args.temperature),
