@@ -96,8 +96,8 @@ def warmup(engine, prompt=16, steps=3):
     (generate.warmup's reason) and the prompt cache's copies too (a first store of 32 rows
     took 0.33 s on an H200: bench/RESULTS.md, "Serving"), with no bound on feeding (its steps
     compile) and no step period kept; then trace the batched step of every
-    bucket up to max_batch, at the first capacity; last, give MLX's cache of freed buffers back
-    (bench/RESULTS.md, "Serving"). Call it on the thread that will step the engine."""
+    bucket up to max_batch, at the first capacity. Call it on the thread that will step the
+    engine."""
     kept, counted, wait = engine.prompt_cache, (engine.prefilled, engine.prefill_calls), engine.feed_wait
     engine.feed_wait = None
     engine.prompt_cache = None if kept is None else PromptCache(1 << 26)
@@ -137,9 +137,9 @@ def warmup(engine, prompt=16, steps=3):
         size = 2
         while size <= bucket(engine.max_batch):
             engine._layout()
-            mx.eval(Slots(engine.model, engine.layout, size, needed_capacity(engine.model, [Request([0], 1)])).step())
+            slots = Slots(engine.model, engine.layout, size, needed_capacity(engine.model, [Request([0], 1)]))
+            mx.eval(slots.step())
             size *= 2
     finally:
         engine.prompt_cache, (engine.prefilled, engine.prefill_calls), engine.feed_wait = kept, counted, wait
         engine.periods.clear()
-        mx.clear_cache()  # left cached, the 1.9 GB it freed slowed an H200's first full batch 1.8x (engine alone)

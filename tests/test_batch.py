@@ -765,7 +765,7 @@ def test_batch_worker_gathers_a_burst_into_one_prefill_call(llama):
 def test_warmup_leaves_no_trace(llama, monkeypatch):
     """warmup() runs the model (a shared prefill call among its calls, newcomers fed whatever the
     engine's feed_wait) but leaves the prompt cache, the counts, the bound, no measured step periods
-    and the batch as they were, and MLX's cache of freed buffers empty."""
+    and the batch as they were."""
     engine = BatchEngine(llama, prompt_cache=PromptCache(1 << 24), feed_wait=1e-9)  # (no bound in the warm-up)
     from mlx_flashnorm.batch_cache import Slots
 
@@ -780,7 +780,6 @@ def test_warmup_leaves_no_trace(llama, monkeypatch):
     assert [16, 16] in fed and [1, 3] in inserted  # two newcomers fed beside running rows, cached prefixes, slots apart
     assert moved == [4]  # a lone request's batch grown into the slots set aside
     assert len(engine.prompt_cache) == 0 and not engine.busy and engine.feed_wait == 1e-9 and not engine.periods
-    assert mx.get_cache_memory() == 0
     r = Request(prompt(llama, 9), max_tokens=STEPS)
     run(engine, [r])
     assert r.generated == single(llama, r.tokens)[0] and (engine.prefilled, engine.prefill_calls) == (9, 1)
