@@ -101,8 +101,8 @@ def test_other_blocks_keep_their_loop():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs the CUDA compiler (this CPU machine has one)")
 def test_cuda_source_compiles(tmp_path):
-    """Both kernels (one row, and rows.py's batch with 8 and 16 rows per matvec pass, the latter
-    with bench.rows_phases' clock stamps) as NVRTC compiles them on a GPU, for each activation
+    """Both kernels (one row, and rows.py's batch with 8 and 16 rows per matvec pass, gate/up's 16,
+    the latter with bench.rows_phases' clock stamps) as NVRTC compiles them on a GPU, for each activation
     dtype, both bit widths and head sizes: a syntax or type error shows here."""
     from mlx_flashnorm.bench import rows_phases
     from mlx_flashnorm.kernels import rows
@@ -123,8 +123,8 @@ def test_cuda_source_compiles(tmp_path):
         code = build.cuda_source("fn_decode_layers", step_source.input_names(L),
                                  ["y", "p", "ys", "work"], body, build.HEADERS["cuda"] + header, types,
                                  [T, T, mx.float32, mx.float32],
-                                 template + ([("G", G), ("GD", max(8, G // 2)), ("IC", 128 if G == 16 else 384)]
-                                             if G else []))
+                                 template + ([("G", G), ("GD", max(8, G // 2)), ("GU", 16),
+                                              ("IC", 128 if G == 16 else 384)] if G else []))
         (tmp_path / f"s{i}.cu").write_text(code)
         done = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-o", str(tmp_path / f"s{i}.cubin"),
                                str(tmp_path / f"s{i}.cu")], capture_output=True, text=True)
@@ -287,6 +287,18 @@ def test_rows_per_pass(monkeypatch):
     for B in (1, 8, 32, 64):
         G, GD, IC = rows.rows_per_pass(B, 2048, 8192)
         assert rows.dynamic_bytes(G, GD, 2048, IC) <= rows.SHARED_MAX and IC % 32 == 0
+
+
+def test_gate_up_rows():
+    """gate/up's rows per pass: the other phases' G, but 16 where those take 8 and the batch has
+    more (9 to 16 rows: one pass of gate/up), and a launch's shared memory holds them."""
+    from mlx_flashnorm.kernels import rows
+
+    assert [rows.gate_up_rows(B, rows.rows_per_pass(B, 576, 1536)[0], 576) for B in (1, 8, 9, 16, 17, 32, 64)] == [
+        8, 8, 16, 16, 16, 16, 16]
+    template, _, shared = rows.launch_plan(12, 576, 1536, 64, 9, 3, 30)
+    assert dict(template)["G"] == 8 and dict(template)["GU"] == 16
+    assert shared >= rows.dynamic_bytes(16, 8, 576, 1536) > rows.dynamic_bytes(8, 8, 576, 1536)
 
 
 def test_launches_pass_every_array(monkeypatch):

@@ -1,30 +1,30 @@
 """decode_rows: kernels.decode_layers for a batch, B rows each at its own position (the batched
 server's step, batch_cache.RowsKVCache), in one persistent CUDA launch.
 
-The one-row kernel's phases (step.py) with every matvec on the tensor cores: a block takes a tile
-of 16 weight rows, its 8 warps split the input into spans of 32 values (mma m16n8k8 in tf32, G
-input rows at once), and their partial sums are added in a fixed order. A packed 4- or 8-bit
-value is exact in tf32 and each input is split into two tf32 parts, so a product keeps 21 bits or
-more; the sum's order is the mma's, not the one-row kernel's (the batched step's tokens are the
-one-request tokens where no two logits are within float32 rounding: the GPU tests check it).
-A row's output does not depend on the other rows (each mma column is its own row), so a request
-decodes alike at any batch size. Rows go in passes of G (8 or 16, GMAX: as many as the batch needs
-and the shared memory holds; down_proj's wider input in passes of GD <= G, in chunks where even 8
-rows of it do not fit). A matvec phase's items, (pass, tile), are spread over the grid, so that a
-batch of several passes fills more of it at once (when each block ran its tiles pass after pass,
-a 32-row step took 3.6-3.8 ms against 2.4-2.6: bench/RESULTS.md, "The batched step"); item i is
-of pass i % passes, so a block's next item (i + grid) is of the same pass and keeps its input
-rows. The rows between phases live in device memory as T (their values are T's: the one-row
-kernel rounds them there), half the bytes of float; the residual stream in two buffers, to which
-o_proj's and down_proj's stores add their outputs (down_proj's times its deferred scale), each
-value once. Each row's 1/RSSe and deferred scale are there too, written by the block of its
-pass's first tile. Each block of a phase waits for its pass's rows, so their loads' latency is
-the phase's: 16 bytes a load, several in flight, each value converted where it is used (one value
-a load, converted next to it and so waited for, made the norms 16 us of a 32-row layer's 86:
-bench/RESULTS.md, "The batched step"); the squares are summed in the one-row
-kernel's order. Attention is split over (row, kv head, split of positions), each row into the
-one-row kernel's splits at its position, capped so the batch's items about fill the grid once; the
-splits are merged once, over the grid, in a phase of their own.
+The one-row kernel's phases (step.py) with every matvec on the tensor cores: a block takes a tile of
+16 weight rows, its 8 warps split the input into spans of 32 values (mma m16n8k8 in tf32, G input
+rows at once), and their partial sums are added in a fixed order. A packed 4- or 8-bit value is
+exact in tf32 and each input is split into two tf32 parts, so a product keeps 21 bits or more; the
+sum's order is the mma's, not the one-row kernel's (the batched step's tokens are the one-request
+tokens where no two logits are within float32 rounding: the GPU tests check it). A row's output does
+not depend on the other rows (each mma column is its own row), so a request decodes alike at any
+batch size. Rows go in passes of G (8 or 16, GMAX: as many as the batch needs and the shared memory
+holds; gate/up's of GU, 16 where G is 8 and the batch has more; down_proj's wider input in passes of
+GD <= G, in chunks where 8 rows do not fit). A matvec phase's items, (pass, tile), are spread over
+the grid, so that a batch of several passes fills more of it at once (when each block ran its tiles
+pass after pass, a 32-row step took 3.6-3.8 ms against 2.4-2.6: bench/RESULTS.md, "The batched
+step"); item i is of pass i % passes, so a block's next item (i + grid) is of the same pass and
+keeps its input rows. The rows between phases live in device memory as T (their values are T's: the
+one-row kernel rounds them there), half the bytes of float; the residual stream in two buffers, to
+which o_proj's and down_proj's stores add their outputs (down_proj's times its deferred scale), each
+value once. Each row's 1/RSSe and deferred scale are there too, written by the block of its pass's
+first tile. Each block of a phase waits for its pass's rows, so their loads' latency is the phase's:
+16 bytes a load, several in flight, each value converted where it is used (one value a load,
+converted next to it and so waited for, made the norms 16 us of a 32-row layer's 86:
+bench/RESULTS.md, "The batched step"); the squares are summed in the one-row kernel's order.
+Attention is split over (row, kv head, split of positions), each row into the one-row kernel's
+splits at its position, capped so the batch's items about fill the grid once; the splits are merged
+once, over the grid, in a phase of their own.
 
 Before the tensor cores (2026-11-26, H200), a warp multiplied each weight row into G <= 8 rows on
 the CUDA cores, one shared load per product: 9.6 ms a step at 32 rows, 18.4 at 64, slower than the
@@ -243,9 +243,9 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
 
 _ROWS_BODY = """
   // T, BITS, D, GQ, NL, SMAX, G and GD (rows per matvec pass, 8 or 16 (rows.GMAX): of the phases with
-  // inputs of K or HQ * D values, and of down_proj's I), IC (down_proj's input values held at
-  // once, a multiple of 32): template constants
-  constexpr int NW = 8, BMAX = 64, NT = G / 8, NTD = GD / 8;
+  // inputs of K or HQ * D values, and of down_proj's I), GU (gate/up's rows per pass, G or 2G), IC
+  // (down_proj's input values held at once, a multiple of 32): template constants
+  constexpr int NW = 8, BMAX = 64, NT = G / 8, NTD = GD / 8, NTU = GU / 8;
   constexpr int EPL = 16 / sizeof(T), LPR = D / EPL, RPW = 32 / LPR;
   const int K = dims[0], GS = dims[1], HQ = dims[2], HKV = dims[3], I = dims[4], C = dims[5], NB = dims[6];
   const bool has_g = dims[8] != 0, prescale = dims[9] != 0, qk_norm = dims[10] != 0;
@@ -271,10 +271,10 @@ _ROWS_BODY = """
   T* mbuf = res1 + long(B) * K;  // B * KO: attention's output, the splits merged
   T* abuf = mbuf + long(B) * KO;  // B * I: down_proj's input
   extern __shared__ float smem[];
-  float* xin = smem;                               // G * XS or GD * XSD: the running matvec's input rows
-  float* rb = xin + max(G * XS, GD * XSD);        // 2 * NW * NT * 128: the warps' partial sums of a tile (two tiles)
-  float* rb2 = rb + NW * NT * 128;
-  __shared__ float red[NW][G];
+  float* xin = smem;                               // GU * XS or GD * XSD: the running matvec's input rows
+  float* rb = xin + max(GU * XS, GD * XSD);       // 2 * NW * NTU * 128: the warps' partial sums of a tile (two tiles)
+  float* rb2 = rb + NW * NTU * 128;
+  __shared__ float red[NW][G], redu[NW][GU];
   __shared__ float srow[BMAX], prow[BMAX];  // per row of the block's passes: 1/RSSe and its power of two
   __shared__ const void* tab[14 * NL];
   __shared__ float qsh[GQ][D], sm[NW][GQ], sl[NW][GQ], sacc[NW][GQ][D];
@@ -292,7 +292,7 @@ _ROWS_BODY = """
   __syncthreads();
   // A matvec phase's items, (pass of G rows, tile of 16 weight rows), spread over the grid: a block
   // loads a pass's input rows (and their norms) when its item is of another pass than the last one
-  const int NP = (B + G - 1) / G, NPD = (B + GD - 1) / GD;
+  const int NP = (B + G - 1) / G, NPD = (B + GD - 1) / GD, NPU = (B + GU - 1) / GU;
   for (int l = 0; l < NL; ++l) {
 LAYER
     // 1. per row: p (x in the first layer, then res1), s = 1/RSSe(p); the q/k/v rows of p * g
@@ -349,21 +349,21 @@ ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by th
     }
     fn_grid_sync(bar, target += NB);
     // 5. per row: s2 = 1/RSSe(p2), gate/up rows of p2 * g2, a = silu(gate * s2) * up * P2
-    for (int item = blockIdx.x, have = -1; item < NP * (I / 16); item += NB) {
-      const int b0 = item % NP * G, tile = item / NP, rows = min(G, B - b0);
+    for (int item = blockIdx.x, have = -1; item < NPU * (I / 16); item += NB) {
+      const int b0 = item % NPU * GU, tile = item / NPU, rows = min(GU, B - b0);
       if (b0 != have) {
-        fn_row_norms<T, G>(res0, nullptr, has_g ? g2 : nullptr, long(b0) * K, rows, K, xin, XS, red, srow + b0,
-                           prow + b0, K * eps, prescale);
+        fn_row_norms<T, GU>(res0, nullptr, has_g ? g2 : nullptr, long(b0) * K, rows, K, xin, XS, redu, srow + b0,
+                            prow + b0, K * eps, prescale);
         if (tile == 0 && threadIdx.x < rows)  // down_proj's deferred scale, for the next layer
           xsg[b0 + threadIdx.x] = srow[b0 + threadIdx.x] / prow[b0 + threadIdx.x];
         have = b0;
       }
-      float acc[NT][4] = {}, acc2[NT][4] = {};
-      fn_tile<T, BITS, NT>(wgu, sgu, bgu, tile * 16, K / 32, 0, K / 32, K / GS, GS, xin, XS, acc);
-      fn_tile<T, BITS, NT>(wgu, sgu, bgu, I + tile * 16, K / 32, 0, K / 32, K / GS, GS, xin, XS, acc2);
-      fn_tile_put<NT>(acc2, rb2);  // up, read with gate's outputs
-      fn_tile_store<NT>(acc, rb, rows, [&](int f, int n, float gate) {
-        const float gt = gate * srow[b0 + n], up = fn_tile_get<NT>(rb2, f, n);
+      float acc[NTU][4] = {}, acc2[NTU][4] = {};
+      fn_tile<T, BITS, NTU>(wgu, sgu, bgu, tile * 16, K / 32, 0, K / 32, K / GS, GS, xin, XS, acc);
+      fn_tile<T, BITS, NTU>(wgu, sgu, bgu, I + tile * 16, K / 32, 0, K / 32, K / GS, GS, xin, XS, acc2);
+      fn_tile_put<NTU>(acc2, rb2);  // up, read with gate's outputs
+      fn_tile_store<NTU>(acc, rb, rows, [&](int f, int n, float gate) {
+        const float gt = gate * srow[b0 + n], up = fn_tile_get<NTU>(rb2, f, n);
         abuf[long(b0 + n) * I + tile * 16 + f] = fn_cast<T>(gt / (1.0f + expf(-gt)) * up * prow[b0 + n]);
       });
     }
@@ -420,17 +420,24 @@ def rows_per_pass(B, xa, xi):
     return G, GD, IC
 
 
+def gate_up_rows(B, G, xa):
+    """GU, gate/up's rows per pass: 16 where G is 8 and the batch has more, else G (passes of 32
+    made a 64-row step slower: bench/RESULTS.md, "The batched step")."""
+    return 16 if G == 8 and B > 8 and dynamic_bytes(16, 8, xa, 32) <= SHARED_MAX else G
+
+
 def dynamic_bytes(G, GD, xa, xi):
     """A launch's dynamic shared memory: G input rows of xa values (or GD of xi), each padded by 4,
     and the warps' partial sums of two 16-row tiles."""
     return 4 * (max(G * (xa + 4), GD * (xi + 4)) + 2 * 8 * (G // 8) * 128)
 
 
-def shared_bytes(G, GD, xa, xi, D, GQ, L):
-    """dynamic_bytes, at least 48004 where it and the static arrays pass 48 KB (step.shared_bytes
-    says why)."""
-    dynamic = dynamic_bytes(G, GD, xa, xi)
-    static = 4 * 8 * G + 2 * 4 * BMAX + 4 * (BMAX + 1) + 8 * 14 * L + 4 * GQ * D * (1 + 8) + 4 * 2 * 8 * GQ
+def shared_bytes(G, GD, xa, xi, D, GQ, L, GU=None):
+    """dynamic_bytes (with GU's rows where more than G), at least 48004 where it and the static
+    arrays pass 48 KB (step.shared_bytes says why)."""
+    GU = GU or G
+    dynamic = dynamic_bytes(GU, GD, xa, xi)
+    static = 4 * 8 * (G + GU) + 2 * 4 * BMAX + 4 * (BMAX + 1) + 8 * 14 * L + 4 * GQ * D * (1 + 8) + 4 * 2 * 8 * GQ
     return max(dynamic, 48004) if dynamic + static > 48 * 1024 else dynamic
 
 
@@ -458,10 +465,11 @@ def launch_plan(B, K, I, D, n_heads, n_kv_heads, L):
     """(template, work, shared) of a launch for B rows: its rows per pass (G, GD, IC:
     rows_per_pass), its work buffer's floats and its shared memory bytes."""
     G, GD, IC = rows_per_pass(B, max(K, n_heads * D), I)
+    GU = gate_up_rows(B, G, max(K, n_heads * D))
     floats = B * ((n_heads + 2 * n_kv_heads) * D + n_heads * step.SMAX * (D + 2) + 3)
     work = -(-floats // 4) * 4 + B * (2 * K + n_heads * D + I)  # the T rows after the floats, as if of 4 bytes
-    return ([("G", G), ("GD", GD), ("IC", IC)], work,
-            shared_bytes(G, GD, max(K, n_heads * D), IC, D, n_heads // n_kv_heads, L))
+    return ([("G", G), ("GD", GD), ("GU", GU), ("IC", IC)], work,
+            shared_bytes(G, GD, max(K, n_heads * D), IC, D, n_heads // n_kv_heads, L, GU))
 
 
 def reference(x, positions, layers, caches, *args):
