@@ -243,7 +243,7 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
 
 _ROWS_BODY = """
   // T, BITS, D, GQ, NL, SMAX, G and GD (rows per matvec pass, 8 or 16 (rows.GMAX): of the phases with
-  // inputs of K or HQ * D values, and of down_proj's I), GU (gate/up's rows per pass, G or 2G), IC
+  // inputs of K or HQ * D values, and of down_proj's I), GU (gate/up's: G, or 16 where G is 8), IC
   // (down_proj's input values held at once, a multiple of 32): template constants
   constexpr int NW = 8, BMAX = 64, NT = G / 8, NTD = GD / 8, NTU = GU / 8;
   constexpr int EPL = 16 / sizeof(T), LPR = D / EPL, RPW = 32 / LPR;
@@ -432,10 +432,9 @@ def dynamic_bytes(G, GD, xa, xi):
     return 4 * (max(G * (xa + 4), GD * (xi + 4)) + 2 * 8 * (G // 8) * 128)
 
 
-def shared_bytes(G, GD, xa, xi, D, GQ, L, GU=None):
-    """dynamic_bytes (with GU's rows where more than G), at least 48004 where it and the static
-    arrays pass 48 KB (step.shared_bytes says why)."""
-    GU = GU or G
+def shared_bytes(G, GD, GU, xa, xi, D, GQ, L):
+    """dynamic_bytes (GU input rows: at least G), at least 48004 where it and the static arrays pass
+    48 KB (step.shared_bytes says why)."""
     dynamic = dynamic_bytes(GU, GD, xa, xi)
     static = 4 * 8 * (G + GU) + 2 * 4 * BMAX + 4 * (BMAX + 1) + 8 * 14 * L + 4 * GQ * D * (1 + 8) + 4 * 2 * 8 * GQ
     return max(dynamic, 48004) if dynamic + static > 48 * 1024 else dynamic
@@ -463,13 +462,14 @@ def decode_rows(x, positions, layers, caches, gains, qk_gains, theta, eps, facto
 
 def launch_plan(B, K, I, D, n_heads, n_kv_heads, L):
     """(template, work, shared) of a launch for B rows: its rows per pass (G, GD, IC:
-    rows_per_pass), its work buffer's floats and its shared memory bytes."""
-    G, GD, IC = rows_per_pass(B, max(K, n_heads * D), I)
-    GU = gate_up_rows(B, G, max(K, n_heads * D))
+    rows_per_pass; GU: gate_up_rows), its work buffer's floats and its shared memory bytes."""
+    xa = max(K, n_heads * D)
+    G, GD, IC = rows_per_pass(B, xa, I)
+    GU = gate_up_rows(B, G, xa)
     floats = B * ((n_heads + 2 * n_kv_heads) * D + n_heads * step.SMAX * (D + 2) + 3)
     work = -(-floats // 4) * 4 + B * (2 * K + n_heads * D + I)  # the T rows after the floats, as if of 4 bytes
     return ([("G", G), ("GD", GD), ("GU", GU), ("IC", IC)], work,
-            shared_bytes(G, GD, max(K, n_heads * D), IC, D, n_heads // n_kv_heads, L, GU))
+            shared_bytes(G, GD, GU, xa, IC, D, n_heads // n_kv_heads, L))
 
 
 def reference(x, positions, layers, caches, *args):
