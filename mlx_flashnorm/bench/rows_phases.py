@@ -24,7 +24,7 @@ from ..kernels.step_source import HEADER, input_names, table
 from ..loader import load
 from .decode import device_name
 
-PHASES = ["qkv", "attention", "merge", "o_proj", "gate_up", "down"]  # five barriers and a layer's end
+PHASES = ["qkv", "attention", "merge", "o_proj", "gate_up", "down"]  # after each barrier (merge: about 0 where skipped)
 STAMP = ("if (blockIdx.x == 0 && threadIdx.x == 0) { unsigned long long t_; "
          "asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(t_)); "
          "reinterpret_cast<unsigned long long*>(stamps_)[ti_++] = t_; }")

@@ -1,38 +1,29 @@
-"""decode_rows: kernels.decode_layers for a batch, B rows each at its own position (the batched
-server's step, batch_cache.RowsKVCache), in one persistent CUDA launch.
+"""decode_rows: kernels.decode_layers for a batch, B rows each at its own position (the batched server's step,
+batch_cache.RowsKVCache), in one persistent CUDA launch.
 
-The one-row kernel's phases (step.py) with every matvec on the tensor cores: a block takes a tile of
-16 weight rows, its 8 warps split the input into spans of 32 values (mma m16n8k8 in tf32, G input
-rows at once), and their partial sums are added in a fixed order. A packed 4- or 8-bit value is
-exact in tf32 and each input is split into two tf32 parts, so a product keeps 21 bits or more; the
-sum's order is the mma's, not the one-row kernel's (the batched step's tokens are the one-request
-tokens where no two logits are within float32 rounding: the GPU tests check it). A row's output does
-not depend on the other rows (each mma column is its own row), so a request decodes alike at any
-batch size. Rows go in passes of G (8 or 16, GMAX: as many as the batch needs and the shared memory
-holds; gate/up's of GU, 16 where G is 8 and the batch has more; down_proj's wider input in passes of
-GD <= G, in chunks where 8 rows do not fit). A matvec phase's items, (pass, tile), are spread over
-the grid, so that a batch of several passes fills more of it at once (when each block ran its tiles
-pass after pass, a 32-row step took 3.6-3.8 ms against 2.4-2.6: bench/RESULTS.md, "The batched
-step"); item i is of pass i % passes, so a block's next item (i + grid) is of the same pass and
-keeps its input rows. The rows between phases live in device memory as T (their values are T's: the
-one-row kernel rounds them there), half the bytes of float; the residual stream in two buffers, to
-which o_proj's and down_proj's stores add their outputs (down_proj's times its deferred scale), each
-value once. Each row's 1/RSSe and deferred scale are there too, written by the block of its pass's
-first tile. Each block of a phase waits for its pass's rows, so their loads' latency is the phase's:
-16 bytes a load, several in flight, each value converted where it is used (one value a load,
-converted next to it and so waited for, made the norms 16 us of a 32-row layer's 86:
-bench/RESULTS.md, "The batched step"); the squares are summed in the one-row kernel's order.
-Attention is split over (row, kv head, split of positions), each row into the one-row kernel's
-splits at its position, capped so the batch's items about fill the grid once; the splits are merged
-once, over the grid, in a phase of their own.
+The one-row kernel's phases (step.py) with every matvec on the tensor cores: a block takes a tile of 16 weight
+rows, its 8 warps split the input into spans of 32 values (mma m16n8k8 in tf32, G input rows at once), and their
+partial sums are added in a fixed order. A packed 4- or 8-bit value is exact in tf32 and each input is split into
+two tf32 parts, so a product keeps 21 bits or more; the sum's order is the mma's, not the one-row kernel's (the
+batched step's tokens are the one-request tokens where no two logits are within float32 rounding: the GPU tests
+check it). A row's output does not depend on the other rows (each mma column is its own row), so a request
+decodes alike at any batch size. Rows go in passes of G (8 or 16, GMAX: as many as the batch needs and the shared
+memory holds; gate/up's of GU, 16 where G is 8 and the batch has more; down_proj's wider input in passes of GD <=
+G, in chunks where 8 rows do not fit). A matvec phase's items, (pass, tile), are spread over the grid, so that a
+batch of several passes fills more of it at once (bench/RESULTS.md, "The batched step"); item i is of pass i %
+passes, so a block's next item (i + grid) is of the same pass and keeps its input rows. The rows between phases
+live in device memory as T (their values are T's: the one-row kernel rounds them there), half the bytes of float;
+the residual stream in two buffers, to which o_proj's and down_proj's stores add their outputs (down_proj's times
+its deferred scale), each value once. Each row's 1/RSSe and deferred scale are there too, written by the block of
+its pass's first tile. Each block of a phase waits for its pass's rows, so their loads' latency is the phase's:
+16 bytes a load, several in flight, each value converted where it is used; the squares are summed in the one-row
+kernel's order. Attention is split over (row, kv head, split of positions), each row into the one-row kernel's
+splits at its position, capped so the batch's items about fill the grid once; a row's splits are merged once,
+over the grid, in a phase of their own, which a batch of rows of one split each skips (its blocks write their
+outputs). Its plain-MLX reference runs step._reference row by row.
 
-Before the tensor cores (2026-11-26, H200), a warp multiplied each weight row into G <= 8 rows on
-the CUDA cores, one shared load per product: 9.6 ms a step at 32 rows, 18.4 at 64, slower than the
-layer loop there. Its plain-MLX reference runs step._reference row by row.
-
-On CUDA (sm_80 on) it runs only after its self-check (CHECK) passed; the GPU tests in
-tests/test_step_kernel.py check it against the reference and against one-request decoding
-(bench/RESULTS.md, "GPU tests")."""
+On CUDA (sm_80 on) it runs only after its self-check (CHECK) passed; the GPU tests in tests/test_step_kernel.py
+check it against the reference and against one-request decoding (bench/RESULTS.md, "GPU tests")."""
 from functools import lru_cache
 
 import mlx.core as mx
@@ -48,10 +39,10 @@ SHARED_MAX = 160 * 1024  # dynamic shared bytes a launch may ask for (227 KB per
 _HEADER = r"""
 template <typename A>
 __device__ inline void fn_rows_in(const A* src, int n, int stride, int rows, float* xin, int xs, A* copy = nullptr) {
-  // n values (a multiple of 16 bytes, aligned) of `rows` rows `stride` apart, written in this
-  // launch, into the shared input rows (and, as loaded, into copy where given): 16-byte loads, R in
-  // flight per thread before their values are used (a value converted next to its load waits for
-  // it); a load's row and chunk found by steps from the first's (a division each cost more than the load)
+  // n values (a multiple of 16 bytes, aligned) of `rows` rows `stride` apart, written in this launch, into the
+  // shared input rows (and, as loaded, into copy where given): 16-byte loads, R in flight per thread before their
+  // values are used (a value converted next to its load waits for it); a load's row and chunk found by steps
+  // from the first's (a division each cost more than the load)
   constexpr int N = 16 / sizeof(A), R = 4;
   const int per = n / N, total = rows * per, qs = blockDim.x / per, rs = blockDim.x % per;
   for (int e0 = threadIdx.x; e0 < total; e0 += R * blockDim.x) {
@@ -86,12 +77,11 @@ __device__ inline void fn_rows_in(const A* src, int n, int stride, int rows, flo
 template <typename A, int G>
 __device__ inline void fn_row_norms(const A* a, A* rout, const float* gain, long at0, int rows, int K, float* xin,
                                     int xs, float (*red)[G], float* srow, float* prow, float keps, bool prescale) {
-  // for `rows` rows (of G) of p (a, from element at0): p into rout (optional: one block writes it)
-  // and, times gain (optional), into the shared input rows (row g at xin + g * xs); then each
-  // row's 1/RSSe and its power of two P (half precision) into srow and prow. The rows are loaded
-  // by fn_rows_in; the squares are then summed from shared memory in the one-row kernel's order
-  // (value i by thread i % blockDim.x, its warp's sum, the warps' in order), so a row's norm is the
-  // one it gets alone.
+  // for `rows` rows (of G) of p (a, from element at0): p into rout (optional: one block writes it) and, times
+  // gain (optional), into the shared input rows (row g at xin + g * xs); then each row's 1/RSSe and its power of
+  // two P (half precision) into srow and prow. The rows are loaded by fn_rows_in; the squares are then summed
+  // from shared memory in the one-row kernel's order (value i by thread i % blockDim.x, its warp's sum, the
+  // warps' in order), so a row's norm is the one it gets alone.
   fn_rows_in(a + at0, K, K, rows, xin, xs, rout ? rout + at0 : nullptr);
   __syncthreads();
   float ss[G];
@@ -137,17 +127,15 @@ __device__ inline void fn_mma_tf32(float* c, const unsigned int* a, unsigned int
 template <typename T, int BITS, int NT>
 __device__ inline void fn_tile(const unsigned int* w, const T* sc, const T* bi, long row0, int nrow, int sp0, int nsp,
                                int gpr, int gs, const float* xin, int xs, float (*acc)[4]) {
-  // rows row0 .. row0 + 15 of an affine BITS-bit matrix (nrow spans of 32 values a row), spans sp0
-  // .. sp0 + nsp - 1 of them, times the NT * 8 shared input rows (those spans), on the tensor cores
-  // (mma m16n8k8, tf32): the warp's share of the spans (warp, warp + 8, ...) added into acc, to be
-  // added over the warps (fn_tile_put, fn_tile_get).
-  // Lane (gid, tig) holds weight rows gid and gid + 8 and input row gid of each group of 8; it
-  // loads the span's values 8 tig .. 8 tig + 7 of them (one word of 4-bit values, two of 8-bit),
-  // and k-step ks takes values 8 tig + 2 ks (the mma's column tig) and 8 tig + 2 ks + 1 (its
-  // column tig + 4): the order of the sum is the mma's, the same for weights and inputs. An input
-  // is split into two tf32 parts (hi + lo: 21 bits and more); the 4- or 8-bit values are exact.
-  // A span lies in one quantization group: sum(w x) = scale (q . x) + bias sum(x); an input row's
-  // sum(x) is added from its lanes' values (their 8 in pairs, then the 4 lanes' by two shuffles).
+  // rows row0 .. row0 + 15 of an affine BITS-bit matrix (nrow spans of 32 values a row), spans sp0 .. sp0 + nsp - 1
+  // of them, times the NT * 8 shared input rows (those spans), on the tensor cores (mma m16n8k8, tf32): the
+  // warp's share of the spans (warp, warp + 8, ...) added into acc, to be added over the warps (fn_tile_put/get).
+  // Lane (gid, tig) holds weight rows gid and gid + 8 and input row gid of each group of 8; it loads the span's
+  // values 8 tig .. 8 tig + 7 of them (one word of 4-bit values, two of 8-bit), and k-step ks takes values
+  // 8 tig + 2 ks (the mma's column tig) and 8 tig + 2 ks + 1 (its column tig + 4): the order of the sum is the
+  // mma's, the same for weights and inputs. An input is split into two tf32 parts (hi + lo: 21 bits and more);
+  // the 4- or 8-bit values are exact. A span lies in one quantization group: sum(w x) = scale (q . x) + bias
+  // sum(x); an input row's sum(x) is added from its lanes' values (their 8 in pairs, then by two shuffles).
   constexpr int WORDS = BITS / 4;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gid = lane / 4, tig = lane % 4;
   const long r0 = row0 + gid, r1 = r0 + 8;
@@ -323,15 +311,28 @@ LAYER
       const float s = __ldcg(s1g + b), P = __ldcg(p1g + b);
       const float* rbase = raw + long(b) * NQKV;
       const long cbase = long(b * HKV + kvh) * C, head0 = long(b) * HQ + kvh * GQ;
-ATTEND      __syncthreads();  // qsh and the warps' partials are rewritten by the block's next item
+ATTEND      for (int i = threadIdx.x; i < GQ * D && S == 1; i += blockDim.x) {  // the row's one split: its output
+        const int h = i / D;  // into mbuf here, as phase 3 would: v / sum, added over the warps as just above
+        float M = -1e30f, v = 0.0f, lz = 0.0f;
+        for (int w = 0; w < NW; ++w) M = fmaxf(M, sm[w][h]);
+        for (int w = 0; w < NW; ++w) {
+          const float c = exp2f(sm[w][h] - M);
+          v += sacc[w][h][i % D] * c;
+          lz += sl[w][h] * c;
+        }
+        mbuf[(head0 + h) * D + i % D] = fn_cast<T>(v / lz);
+      }
+      __syncthreads();  // qsh and the warps' partials are rewritten by the block's next item
     }
     fn_grid_sync(bar, target += NB);
-    // 3. each row's splits merged, once (spread over the grid), into mbuf
-    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < B * KO; e += NB * blockDim.x) {
+    // 3. the splits of each row that has several merged, once (spread over the grid), into mbuf; no
+    // phase where no row has (the grid's blocks all know it from first)
+    const bool merge = first[B] > B * HKV;
+    for (int e = blockIdx.x * blockDim.x + threadIdx.x; merge && e < B * KO; e += NB * blockDim.x) {
       const int b = e / KO, k = e % KO, S = (first[b + 1] - first[b]) / HKV;
-      mbuf[e] = fn_cast<T>(fn_merged(part + (long(b) * HQ + k / D) * SMAX * (D + 2), S, D, k % D));
+      if (S > 1) mbuf[e] = fn_cast<T>(fn_merged(part + (long(b) * HQ + k / D) * SMAX * (D + 2), S, D, k % D));
     }
-    fn_grid_sync(bar, target += NB);
+    if (merge) fn_grid_sync(bar, target += NB);
     // 4. per row: o_proj, and p2 = o + p into res0
     for (int item = blockIdx.x, have = -1; item < NP * (K / 16); item += NB) {
       const int b0 = item % NP * G, tile = item / NP, rows = min(G, B - b0);
@@ -402,11 +403,10 @@ _ROWS = _ROWS_BODY.replace("ATTEND", ATTEND).replace("LAYER\n", LAYER)
 
 
 def rows_per_pass(B, xa, xi):
-    """(G, GD, IC): the rows one matvec pass takes, 8 or 16 (GMAX; the tensor cores' groups of 8):
-    16 beyond 16 rows where the shared memory holds it (SHARED_MAX), else 8 (at 16 rows two passes
-    of 8 fill more of the grid than one of 16: 1.7 against 2.0 ms a step, H100): G for the inputs of xa
-    values (K or HQ * D), GD (at most G) for down_proj's xi (I), whose input is held IC values at
-    a time (all of them, or the fewest chunks of equal multiples of 32 that fit)."""
+    """(G, GD, IC): the rows one matvec pass takes, 8 or 16 (GMAX; the tensor cores' groups of 8): 16 beyond 16
+    rows where the shared memory holds it (SHARED_MAX), else 8 (at 16 rows two passes of 8 fill more of the grid
+    than one of 16: 1.7 against 2.0 ms a step, H100): G for the inputs of xa values (K or HQ * D), GD (at most G)
+    for down_proj's xi (I), held IC values at a time (all, or the fewest chunks of equal multiples of 32 that fit)."""
     G = 8
     while G < GMAX and 2 * G < B and dynamic_bytes(2 * G, 8, xa, 32) <= SHARED_MAX:
         G *= 2
@@ -421,14 +421,14 @@ def rows_per_pass(B, xa, xi):
 
 
 def gate_up_rows(B, G, xa):
-    """GU, gate/up's rows per pass: 16 where G is 8 and the batch has more, else G (passes of 32
-    made a 64-row step slower: bench/RESULTS.md, "The batched step")."""
+    """GU, gate/up's rows per pass: 16 where G is 8 and the batch has more, else G (passes of 32 made a 64-row
+    step slower: bench/RESULTS.md, "The batched step")."""
     return 16 if G == 8 and B > 8 and dynamic_bytes(16, 8, xa, 32) <= SHARED_MAX else G
 
 
 def dynamic_bytes(G, GD, xa, xi):
-    """A launch's dynamic shared memory: G input rows of xa values (or GD of xi), each padded by 4,
-    and the warps' partial sums of two 16-row tiles."""
+    """A launch's dynamic shared memory: G input rows of xa values (or GD of xi), each padded by 4, and the
+    warps' partial sums of two 16-row tiles."""
     return 4 * (max(G * (xa + 4), GD * (xi + 4)) + 2 * 8 * (G // 8) * 128)
 
 
@@ -448,8 +448,8 @@ def rows_kernel(layers):
 
 def decode_rows(x, positions, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads, n_kv_heads,
                 group_size, bits):
-    """step.decode_layers for B rows (x: (B, 1, K), positions: (B,) int32, caches (B, kv heads,
-    capacity, D) per layer): one launch where step.supported says it runs, else the reference."""
+    """step.decode_layers for B rows (x: (B, 1, K), positions: (B,) int32, caches (B, kv heads, capacity, D)
+    per layer): one launch where step.supported says it runs, else the reference."""
     if not step.supported(x, layers, caches, n_heads, n_kv_heads, group_size, bits, name="decode_rows"):
         return reference(x, positions, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads,
                          n_kv_heads, group_size, bits)
