@@ -124,7 +124,7 @@ def test_cuda_source_compiles(tmp_path):
                                  ["y", "p", "ys", "work"], body, build.HEADERS["cuda"] + header, types,
                                  [T, T, mx.float32, mx.float32],
                                  template + ([("G", G), ("GD", max(8, G // 2)), ("GU", 16),
-                                              ("IC", 128 if G == 16 else 384)] if G else []))
+                                              ("IC", 128 if G == 16 else 384), ("NW", 12 if G == 16 else 8)] if G else []))
         (tmp_path / f"s{i}.cu").write_text(code)
         done = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-o", str(tmp_path / f"s{i}.cubin"),
                                str(tmp_path / f"s{i}.cu")], capture_output=True, text=True)
@@ -343,13 +343,15 @@ def test_launches_pass_every_array(monkeypatch):
         assert [a is b for a, b in zip(call["inputs"][19::2], [k for k, _ in kv])] == [True] * L
         # ys (a float a row) in 16 bytes at least: MLX keeps an array of 8 bytes or less in a managed page
         assert call["output_shapes"][:3] == [(B, 1, K), (B, 1, K), (max(B, 4),)]
-        assert call["grid"] == (132 * 256, 1, 1) and call["threadgroup"] == (256, 1, 1)
+        threads = 256 if B == 1 else 32 * rows.WARPS  # the one-row kernel's 8 warps, the rows kernel's NW
+        assert call["grid"] == (132 * threads, 1, 1) and call["threadgroup"] == (threads, 1, 1)
         assert y.shape == (B, 1, K) and ys.shape == (B, 1, 1) and [a.shape for a in out[0]] == [kv[0][0].shape] * 2
     assert calls[0]["name"] == "fn_decode_layers" and calls[1]["name"] == "fn_decode_rows"
     # 5 rows in one pass of 8 (the tensor cores' group), each an input row of max(K, HQ * D, I) floats
-    # padded by 4, and 8 warps' partial sums of two 16 x 8 tiles
-    assert calls[1]["shared_memory"] == 4 * (8 * (I + 4) + 2 * 8 * 128)
-    assert all(f"constexpr int {c};" in files[1] for c in ("G = 8", "GD = 8", "IC = 384"))
+    # padded by 4, and the warps' partial sums of two 16 x 8 tiles; the kernel bounded to NW warps
+    assert calls[1]["shared_memory"] == 4 * (8 * (I + 4) + 2 * rows.WARPS * 128)
+    assert all(f"constexpr int {c};" in files[1] for c in ("G = 8", "GD = 8", "IC = 384", f"NW = {rows.WARPS}"))
+    assert f"__launch_bounds__({32 * rows.WARPS}) fn_decode_rows(" in files[1] and "__launch_bounds__" not in files[0]
     assert "constexpr int NL = 3;" in files[0]
     step.step_kernel.cache_clear()
     rows.rows_kernel.cache_clear()

@@ -159,7 +159,9 @@ def reads_shape(name, body):
 def cuda_source(name, input_names, output_names, body, header, input_types, output_dtypes, template):
     """The whole CUDA file of one kernel variant: an extern "C" __global__ function of the inputs
     (input_types: (dtype, ndim) each), the outputs and then, for each input whose shape the body
-    reads, its sizes as int arguments (the launch passes them); template arguments as constants."""
+    reads, its sizes as int arguments (the launch passes them); template arguments as constants. A
+    template constant NW (warps a block) bounds the launch to 32 NW threads (__launch_bounds__), so
+    that the compiler fits each thread's registers to that many."""
     params = [f"const {CUDA_TYPES[d]}* {n}" for n, (d, _) in zip(input_names, input_types)]
     params += [f"{CUDA_TYPES[d]}* {n}" for n, d in zip(output_names, output_dtypes)]
     lines = []
@@ -174,7 +176,8 @@ def cuda_source(name, input_names, output_names, body, header, input_types, outp
             lines.append(f"  using {k} = {CUDA_TYPES[v]};")
         else:
             lines.append(f"  constexpr {'bool' if isinstance(v, bool) else 'int'} {k} = {str(v).lower()};")
-    return (f"{CUDA_PRELUDE}{header}\nextern \"C\" __global__ void {name}({', '.join(params)}) {{\n"
+    bounds = "".join(f"__launch_bounds__({32 * v}) " for k, v in template if k == "NW")
+    return (f"{CUDA_PRELUDE}{header}\nextern \"C\" __global__ void {bounds}{name}({', '.join(params)}) {{\n"
             + "\n".join(lines) + f"\n{body}\n}}\n")
 
 

@@ -2,7 +2,7 @@
 batch_cache.RowsKVCache), in one persistent CUDA launch.
 
 The one-row kernel's phases (step.py) with every matvec on the tensor cores: a block takes a tile of 16 weight
-rows, its 8 warps split the input into spans of 32 values (mma m16n8k8 in tf32, G input rows at once), and their
+rows, its NW warps split the input into spans of 32 values (mma m16n8k8 in tf32, G input rows at once), and their
 partial sums are added in a fixed order. A packed 4- or 8-bit value is exact in tf32 and each input is split into
 two tf32 parts, so a product keeps 21 bits or more; the sum's order is the mma's, not the one-row kernel's (the
 batched step's tokens are the one-request tokens where no two logits are within float32 rounding: the GPU tests
@@ -34,6 +34,7 @@ from .step_source import ATTEND, HEADER, LAYER, input_names, table
 
 BMAX = step.MAX_ROWS
 GMAX = 16  # rows per pass, at most: 32 was slower (H100, 2026-11-26: 3.88 ms a 32-row step against 3.45)
+WARPS = 12  # NW, a block's warps (at most 168 registers a thread): a 32-row step 4-8% faster than with 8, 16 slower
 SHARED_MAX = 160 * 1024  # dynamic shared bytes a launch may ask for (227 KB per block on Hopper)
 
 _HEADER = r"""
@@ -78,16 +79,15 @@ template <typename A, int G>
 __device__ inline void fn_row_norms(const A* a, A* rout, const float* gain, long at0, int rows, int K, float* xin,
                                     int xs, float (*red)[G], float* srow, float* prow, float keps, bool prescale) {
   // for `rows` rows (of G) of p (a, from element at0): p into rout (optional: one block writes it) and, times
-  // gain (optional), into the shared input rows (row g at xin + g * xs); then each row's 1/RSSe and its power of
-  // two P (half precision) into srow and prow. The rows are loaded by fn_rows_in; the squares are then summed
-  // from shared memory in the one-row kernel's order (value i by thread i % blockDim.x, its warp's sum, the
-  // warps' in order), so a row's norm is the one it gets alone.
+  // gain (optional), into the shared input rows (row g at xin + g * xs); then each row's 1/RSSe and its power
+  // of two P (half precision) into srow and prow. The rows are loaded by fn_rows_in; the squares are then summed
+  // in the one-row kernel's order (value i by thread i % 256, its 8 warps' sums in order): its norm alone.
   fn_rows_in(a + at0, K, K, rows, xin, xs, rout ? rout + at0 : nullptr);
   __syncthreads();
   float ss[G];
   #pragma unroll
   for (int g = 0; g < G; ++g) ss[g] = 0.0f;
-  for (int i = threadIdx.x; i < K; i += blockDim.x) {
+  for (int i = threadIdx.x; i < K && threadIdx.x < 256; i += 256) {
     const float gv = gain ? __ldg(gain + i) : 1.0f;
     float p[G];  // loaded before any store (which the compiler would otherwise keep between them)
     #pragma unroll
@@ -100,14 +100,14 @@ __device__ inline void fn_row_norms(const A* a, A* rout, const float* gain, long
   }
   #pragma unroll
   for (int g = 0; g < G; ++g) ss[g] = fn_warp_sum(ss[g]);
-  if (threadIdx.x % 32 == 0) {
+  if (threadIdx.x % 32 == 0 && threadIdx.x < 256) {
     #pragma unroll
     for (int g = 0; g < G; ++g) red[threadIdx.x / 32][g] = ss[g];
   }
   __syncthreads();
   if (threadIdx.x < rows) {
     float t = 0.0f;
-    for (int w = 0; w < int(blockDim.x / 32); ++w) t += red[w][threadIdx.x];
+    for (int w = 0; w < 8; ++w) t += red[w][threadIdx.x];
     const float s = rsqrtf(t + keps);
     srow[threadIdx.x] = s;
     prow[threadIdx.x] = prescale ? __int_as_float(__float_as_int(s) & 0x7f800000) : 1.0f;
@@ -129,7 +129,7 @@ __device__ inline void fn_tile(const unsigned int* w, const T* sc, const T* bi, 
                                int gpr, int gs, const float* xin, int xs, float (*acc)[4]) {
   // rows row0 .. row0 + 15 of an affine BITS-bit matrix (nrow spans of 32 values a row), spans sp0 .. sp0 + nsp - 1
   // of them, times the NT * 8 shared input rows (those spans), on the tensor cores (mma m16n8k8, tf32): the
-  // warp's share of the spans (warp, warp + 8, ...) added into acc, to be added over the warps (fn_tile_put/get).
+  // warp's share of the spans (warp, warp + NW, ...) added into acc, to be added over the warps (fn_tile_put/get).
   // Lane (gid, tig) holds weight rows gid and gid + 8 and input row gid of each group of 8; it loads the span's
   // values 8 tig .. 8 tig + 7 of them (one word of 4-bit values, two of 8-bit), and k-step ks takes values
   // 8 tig + 2 ks (the mma's column tig) and 8 tig + 2 ks + 1 (its column tig + 4): the order of the sum is the
@@ -201,7 +201,7 @@ __device__ inline void fn_tile(const unsigned int* w, const T* sc, const T* bi, 
 }
 template <int NT>
 __device__ inline void fn_tile_put(float (*acc)[4], float* rb) {
-  // a warp's partial sums of a tile into rb (8 warps x NT x 4 x 32 floats)
+  // a warp's partial sums of a tile into rb (NW warps x NT x 4 x 32 floats)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   #pragma unroll
   for (int t = 0; t < NT; ++t) {
@@ -232,8 +232,8 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
 _ROWS_BODY = """
   // T, BITS, D, GQ, NL, SMAX, G and GD (rows per matvec pass, 8 or 16 (rows.GMAX): of the phases with
   // inputs of K or HQ * D values, and of down_proj's I), GU (gate/up's: G, or 16 where G is 8), IC
-  // (down_proj's input values held at once, a multiple of 32): template constants
-  constexpr int NW = 8, BMAX = 64, NT = G / 8, NTD = GD / 8, NTU = GU / 8;
+  // (down_proj's input values held at once, a multiple of 32), NW (warps; rows.WARPS): template constants
+  constexpr int BMAX = 64, NT = G / 8, NTD = GD / 8, NTU = GU / 8;
   constexpr int EPL = 16 / sizeof(T), LPR = D / EPL, RPW = 32 / LPR;
   const int K = dims[0], GS = dims[1], HQ = dims[2], HKV = dims[3], I = dims[4], C = dims[5], NB = dims[6];
   const bool has_g = dims[8] != 0, prescale = dims[9] != 0, qk_norm = dims[10] != 0;
@@ -262,7 +262,7 @@ _ROWS_BODY = """
   float* xin = smem;                               // GU * XS or GD * XSD: the running matvec's input rows
   float* rb = xin + max(GU * XS, GD * XSD);       // 2 * NW * NTU * 128: the warps' partial sums of a tile (two tiles)
   float* rb2 = rb + NW * NTU * 128;
-  __shared__ float red[NW][G], redu[NW][GU];
+  __shared__ float red[8][G], redu[8][GU];
   __shared__ float srow[BMAX], prow[BMAX];  // per row of the block's passes: 1/RSSe and its power of two
   __shared__ const void* tab[14 * NL];
   __shared__ float qsh[GQ][D], sm[NW][GQ], sl[NW][GQ], sacc[NW][GQ][D];
@@ -429,14 +429,14 @@ def gate_up_rows(B, G, xa):
 def dynamic_bytes(G, GD, xa, xi):
     """A launch's dynamic shared memory: G input rows of xa values (or GD of xi), each padded by 4, and the
     warps' partial sums of two 16-row tiles."""
-    return 4 * (max(G * (xa + 4), GD * (xi + 4)) + 2 * 8 * (G // 8) * 128)
+    return 4 * (max(G * (xa + 4), GD * (xi + 4)) + 2 * WARPS * (G // 8) * 128)
 
 
 def shared_bytes(G, GD, GU, xa, xi, D, GQ, L):
     """dynamic_bytes (GU input rows: at least G), at least 48004 where it and the static arrays pass
     48 KB (step.shared_bytes says why)."""
     dynamic = dynamic_bytes(GU, GD, xa, xi)
-    static = 4 * 8 * (G + GU) + 2 * 4 * BMAX + 4 * (BMAX + 1) + 8 * 14 * L + 4 * GQ * D * (1 + 8) + 4 * 2 * 8 * GQ
+    static = 4 * 8 * (G + GU) + 2 * 4 * BMAX + 4 * (BMAX + 1) + 8 * 14 * L + 4 * GQ * (D * (1 + WARPS) + 2 * WARPS)
     return max(dynamic, 48004) if dynamic + static > 48 * 1024 else dynamic
 
 
@@ -468,7 +468,7 @@ def launch_plan(B, K, I, D, n_heads, n_kv_heads, L):
     GU = gate_up_rows(B, G, xa)
     floats = B * ((n_heads + 2 * n_kv_heads) * D + n_heads * step.SMAX * (D + 2) + 3)
     work = -(-floats // 4) * 4 + B * (2 * K + n_heads * D + I)  # the T rows after the floats, as if of 4 bytes
-    return ([("G", G), ("GD", GD), ("GU", GU), ("IC", IC)], work,
+    return ([("G", G), ("GD", GD), ("GU", GU), ("IC", IC), ("NW", WARPS)], work,
             shared_bytes(G, GD, GU, xa, IC, D, n_heads // n_kv_heads, L))
 
 

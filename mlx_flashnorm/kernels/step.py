@@ -169,12 +169,13 @@ def stacked(layers):
 def launch(kernel, x, positions, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads, n_kv_heads,
            group_size, bits, work, shared_memory, rows=(), template=(), keep_work=False):
     """One launch of a whole-step kernel (this file's; rows.py's adds its row count to the sizes
-    (rows) and its rows per matvec pass to the template): one block per SM, the shared inputs, the
-    12 stacked matrices (stacked) and every layer's caches. Returns (y, ys, p, caches); the caches
-    were written in place, so they are handed out as depending on the launch (reading them runs it
-    first). keep_work: the work buffer (work floats) too, last (bench.rows_phases reads its clock
-    stamps there)."""
+    (rows) and its rows per matvec pass and warps (NW) to the template): one block per SM of 8
+    warps (or NW), the shared inputs, the 12 stacked matrices (stacked) and every layer's caches.
+    Returns (y, ys, p, caches); the caches were written in place, so they are handed out as
+    depending on the launch (reading them runs it first). keep_work: the work buffer (work floats)
+    too, last (bench.rows_phases reads its clock stamps there)."""
     K, D, I, xmax = sizes(x, layers, theta, n_heads)
+    threads = 32 * dict(template).get("NW", THREADS // 32)
     none = constant(mx.float32, 0.0)
     dims = (K, group_size, n_heads, n_kv_heads, I, caches[0][0].shape[2], sm_count(), xmax, gains is not None,
             x.dtype != mx.float32, qk_gains is not None, float_bits(eps), float_bits(factor), float_bits(qk_eps),
@@ -185,7 +186,7 @@ def launch(kernel, x, positions, layers, caches, gains, qk_gains, theta, eps, fa
         + [a for kv in caches for a in kv],
         template=[("T", x.dtype), ("BITS", bits), ("D", D), ("GQ", n_heads // n_kv_heads), ("NL", len(layers)),
                   ("SMAX", SMAX), *template],
-        grid=(sm_count() * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+        grid=(sm_count() * threads, 1, 1), threadgroup=(threads, 1, 1),
         output_shapes=[x.shape, x.shape, (max(x.shape[0], 4),), (work,)],
         output_dtypes=[x.dtype, x.dtype, mx.float32, mx.float32], shared_memory=shared_memory)
     # ys (a float a row) comes in 16 bytes at least and is read through a view: MLX keeps an array

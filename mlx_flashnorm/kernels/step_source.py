@@ -114,8 +114,9 @@ LAYER = """    const unsigned int* wqkv = (const unsigned int*)tab[14 * l];
 # split, its partial state in `part`. The body around it names the row: rbase (its raw q/k/v),
 # cbase (its kv head's first cache row), head0 (its first query head among all rows' heads), pos,
 # lo, hi, mine, s and P.
-ATTEND = """      // rounds of a warp's positions loaded and scored at once, as many as the registers allow
-      constexpr int UA = GQ <= 4 ? 4 : (GQ * D < 512 ? 2 : 1);
+ATTEND = """      // rounds of a warp's positions loaded and scored at once, as many as the registers allow (fewer
+      // where a block of more than 8 warps leaves each thread fewer)
+      constexpr int UA = GQ <= 4 && NW <= 8 ? 4 : (GQ * D < 512 ? 2 : 1);
       for (int vi = warp; vi < GQ + 2; vi += NW) {
         const bool is_q = vi < GQ, is_k = vi == GQ;
         if (!is_q && !mine) continue;
