@@ -17,8 +17,7 @@ from mlx_flashnorm.server import Server
 from conftest import cli, openai_client, serving
 
 COUNTING = "1, 2, 3, 4,"  # SmolLM2 counts on for as long as it may
-QUESTIONS = ["What is the capital of France?", "What is the capital of Germany?", "Name a color.",
-             "What is 2 + 2?"]
+QUESTIONS = ["What is the capital of France?", "What is the capital of Germany?"]
 SYSTEM = ("You are a helpful assistant for a travel agency. Answer in one short sentence, name the "
           "country where it helps, and never make up facts you are unsure of.")
 
@@ -50,7 +49,7 @@ def test_default_worker_batches():
 
 
 def test_concurrent_requests_get_their_single_answers(server, client, smollm2):
-    """Four chats at once, two streamed, decode in one batch; each answer is the one-request one."""
+    """Two chats at once, one streamed, decode in one batch; each answer is the one-request one."""
     model, tokenizer = smollm2
     answers = {}
 

@@ -109,7 +109,7 @@ def main(argv=None):
     spec = _spec(model.layers)
     spec["layers"] = _stacked(model.layers, spec["layers"])  # the loader's stacks, as the step passes them
     print(f"{device_name()}, MLX {mx.__version__}, SmolLM2-135M float16, {args.reps} launches a point\n")
-    print("| kernel | rows | position | G, GD, GU | " + " | ".join(PHASES) + " | layer | step |")
+    print("| kernel | rows | position | G, GD, GU, NW | " + " | ".join(PHASES) + " | layer | step |")
     print("| --- | ---: | ---: | --- |" + " ---: |" * (len(PHASES) + 2))
     for i, source in enumerate([None] + args.source):
         module = rows_module(source)
@@ -117,7 +117,7 @@ def main(argv=None):
         for B in counts:
             for position in positions:
                 phases, total, plan = phase_times(module, kernel, spec, B, position, args.reps)
-                passes = f"{plan['G']}, {plan['GD']}, {plan.get('GU', plan['G'])}"  # (GU: since 8dfacca)
+                passes = f"{plan['G']}, {plan['GD']}, {plan.get('GU', plan['G'])}, {plan.get('NW', 8)}"  # GU, NW: later
                 print(f"| {source or 'current'} | {B} | {position} | {passes} | "
                       + " | ".join(f"{v:.1f}" for v in phases) + f" | {phases.sum():.1f} | {total:.0f} |", flush=True)
 
