@@ -124,7 +124,8 @@ def test_cuda_source_compiles(tmp_path):
                                  ["y", "p", "ys", "work"], body, build.HEADERS["cuda"] + header, types,
                                  [T, T, mx.float32, mx.float32],
                                  template + ([("G", G), ("GD", max(8, G // 2)), ("GU", 16),
-                                              ("IC", 128 if G == 16 else 384), ("NW", 12 if G == 16 else 8)] if G else []))
+                                              ("IC", 128 if G == 16 else 384), ("NW", 12 if G == 16 else 8)]
+                                             if G else []))
         (tmp_path / f"s{i}.cu").write_text(code)
         done = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-o", str(tmp_path / f"s{i}.cubin"),
                                str(tmp_path / f"s{i}.cu")], capture_output=True, text=True)
@@ -294,11 +295,33 @@ def test_gate_up_rows():
     more (9 to 16 rows: one pass of gate/up), and a launch's shared memory holds them."""
     from mlx_flashnorm.kernels import rows
 
-    assert [rows.gate_up_rows(B, rows.rows_per_pass(B, 576, 1536)[0], 576) for B in (1, 8, 9, 16, 17, 32, 64)] == [
-        8, 8, 16, 16, 16, 16, 16]
+    plans = [(B, *rows.rows_per_pass(B, 576, 1536)) for B in (1, 8, 9, 16, 17, 32, 64)]
+    assert [rows.gate_up_rows(B, G, GD, 576, IC) for B, G, GD, IC in plans] == [8, 8, 16, 16, 16, 16, 16]
     template, _, shared = rows.launch_plan(12, 576, 1536, 64, 9, 3, 30)
     assert dict(template)["G"] == 8 and dict(template)["GU"] == 16
     assert shared >= rows.dynamic_bytes(16, 8, 576, 1536) > rows.dynamic_bytes(8, 8, 576, 1536)
+
+
+@pytest.mark.parametrize("limit", [227 * 1024, 163 * 1024, 99 * 1024])  # Hopper, an A100, sm_86 and sm_89
+def test_rows_plans_fit_the_gpus_shared_memory(monkeypatch, limit):
+    """decode_rows' passes fit the shared memory the GPU gives a block (its dynamic and static arrays
+    together) at every batch size, or there is no plan (decode_rows then runs its reference):
+    SmolLM2's shape has one on each GPU, a 4096-wide one (8 rows of 4096 floats) on Hopper only."""
+    from mlx_flashnorm.kernels import rows
+
+    monkeypatch.setattr(step, "shared_limit", lambda: limit)
+    for K, I, HQ, HKV, D, L in ((576, 1536, 9, 3, 64, 30), (4096, 14336, 32, 8, 128, 32)):
+        for B in (2, 9, 17, 32, 64):
+            plan = rows.launch_plan(B, K, I, D, HQ, HKV, L)
+            assert (plan is None) == (K == 4096 and limit < 227 * 1024)
+            if plan is None:
+                continue
+            template, _, shared = plan
+            t = dict(template)
+            assert shared + rows.static_bytes(t["G"], t["GU"], D, HQ // HKV, L) <= limit, (K, B, t)
+            assert shared >= rows.dynamic_bytes(t["GU"], t["GD"], max(K, HQ * D), t["IC"])
+        if limit == 99 * 1024 and K == 576:  # the 32-row pass of 16 down_proj rows (123 KB) does not fit
+            assert dict(rows.launch_plan(32, K, I, D, HQ, HKV, L)[0])["GD"] == 8
 
 
 def test_launches_pass_every_array(monkeypatch):
@@ -353,6 +376,15 @@ def test_launches_pass_every_array(monkeypatch):
     assert all(f"constexpr int {c};" in files[1] for c in ("G = 8", "GD = 8", "IC = 384", f"NW = {rows.WARPS}"))
     assert f"__launch_bounds__({32 * rows.WARPS}) fn_decode_rows(" in files[1] and "__launch_bounds__" not in files[0]
     assert "constexpr int NL = 3;" in files[0]
+    # a GPU giving a block less shared memory than either kernel needs: both run their references
+    monkeypatch.setattr(step, "shared_limit", lambda: 4 * 1024)
+    for B in (1, 5):
+        kv = [tuple(mx.concatenate([a.astype(mx.float16)] * B) for a in c) for c in caches]
+        args = (layers, kv, None, None, theta, 1e-5, 0.5, 0.0, HQ, HKV, 64, 4)
+        x = mx.zeros((B, 1, K), mx.float16)
+        y = (step.decode_layers(x, 9, *args) if B == 1 else rows.decode_rows(x, mx.arange(B, dtype=mx.int32), *args))[0]
+        mx.eval(y)
+        assert y.shape == (B, 1, K) and len(calls) == 2
     step.step_kernel.cache_clear()
     rows.rows_kernel.cache_clear()
 

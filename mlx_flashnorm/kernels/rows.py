@@ -1,26 +1,20 @@
 """decode_rows: kernels.decode_layers for a batch, B rows each at its own position (the batched server's step,
-batch_cache.RowsKVCache), in one persistent CUDA launch.
+batch_cache.RowsKVCache), in one persistent CUDA launch of NW warps a block (WARPS).
 
 The one-row kernel's phases (step.py) with every matvec on the tensor cores: a block takes a tile of 16 weight
-rows, its NW warps split the input into spans of 32 values (mma m16n8k8 in tf32, G input rows at once), and their
+rows, its warps split the input into spans of 32 values (mma m16n8k8 in tf32, G input rows at once), and their
 partial sums are added in a fixed order. A packed 4- or 8-bit value is exact in tf32 and each input is split into
 two tf32 parts, so a product keeps 21 bits or more; the sum's order is the mma's, not the one-row kernel's (the
 batched step's tokens are the one-request tokens where no two logits are within float32 rounding: the GPU tests
 check it). A row's output does not depend on the other rows (each mma column is its own row), so a request
-decodes alike at any batch size. Rows go in passes of G (8 or 16, GMAX: as many as the batch needs and the shared
-memory holds; gate/up's of GU, 16 where G is 8 and the batch has more; down_proj's wider input in passes of GD <=
-G, in chunks where 8 rows do not fit). A matvec phase's items, (pass, tile), are spread over the grid, so that a
-batch of several passes fills more of it at once (bench/RESULTS.md, "The batched step"); item i is of pass i %
-passes, so a block's next item (i + grid) is of the same pass and keeps its input rows. The rows between phases
-live in device memory as T (their values are T's: the one-row kernel rounds them there), half the bytes of float;
-the residual stream in two buffers, to which o_proj's and down_proj's stores add their outputs (down_proj's times
-its deferred scale), each value once. Each row's 1/RSSe and deferred scale are there too, written by the block of
-its pass's first tile. Each block of a phase waits for its pass's rows, so their loads' latency is the phase's:
-16 bytes a load, several in flight, each value converted where it is used; the squares are summed in the one-row
-kernel's order. Attention is split over (row, kv head, split of positions), each row into the one-row kernel's
-splits at its position, capped so the batch's items about fill the grid once; a row's splits are merged once,
-over the grid, in a phase of their own, which a batch of rows of one split each skips (its blocks write their
-outputs). Its plain-MLX reference runs step._reference row by row.
+decodes alike at any batch size. Rows go in passes (launch_plan); a matvec phase's items, (pass, tile), are spread
+over the grid, item i of pass i % passes, so a block's next item (i + grid) keeps its input rows. The rows between
+phases live in device memory as T (the one-row kernel rounds them there); o_proj's and down_proj's stores add their
+outputs to the residual stream (down_proj's times its deferred scale) once; each row's 1/RSSe and deferred scale
+are written by the block of its pass's first tile. A phase waits for its rows' loads: 16 bytes a load, several in
+flight. Attention is split over (row, kv head, split of positions), capped so that the batch's items about fill
+the grid once; a row's splits are merged in a phase of their own, which a batch of one split a row skips (its
+blocks write their outputs). Its plain-MLX reference runs step._reference row by row.
 
 On CUDA (sm_80 on) it runs only after its self-check (CHECK) passed; the GPU tests in tests/test_step_kernel.py
 check it against the reference and against one-request decoding (bench/RESULTS.md, "GPU tests")."""
@@ -40,10 +34,9 @@ SHARED_MAX = 160 * 1024  # dynamic shared bytes a launch may ask for (227 KB per
 _HEADER = r"""
 template <typename A>
 __device__ inline void fn_rows_in(const A* src, int n, int stride, int rows, float* xin, int xs, A* copy = nullptr) {
-  // n values (a multiple of 16 bytes, aligned) of `rows` rows `stride` apart, written in this launch, into the
-  // shared input rows (and, as loaded, into copy where given): 16-byte loads, R in flight per thread before their
-  // values are used (a value converted next to its load waits for it); a load's row and chunk found by steps
-  // from the first's (a division each cost more than the load)
+  // n values (16-byte aligned) of `rows` rows `stride` apart, written in this launch, into the shared input rows
+  // (and copy where given): 16-byte loads, R in flight per thread before their values are used; a load's row and
+  // chunk found by steps from the first's (a division each cost more than the load)
   constexpr int N = 16 / sizeof(A), R = 4;
   const int per = n / N, total = rows * per, qs = blockDim.x / per, rs = blockDim.x % per;
   for (int e0 = threadIdx.x; e0 < total; e0 += R * blockDim.x) {
@@ -127,15 +120,13 @@ __device__ inline void fn_mma_tf32(float* c, const unsigned int* a, unsigned int
 template <typename T, int BITS, int NT>
 __device__ inline void fn_tile(const unsigned int* w, const T* sc, const T* bi, long row0, int nrow, int sp0, int nsp,
                                int gpr, int gs, const float* xin, int xs, float (*acc)[4]) {
-  // rows row0 .. row0 + 15 of an affine BITS-bit matrix (nrow spans of 32 values a row), spans sp0 .. sp0 + nsp - 1
-  // of them, times the NT * 8 shared input rows (those spans), on the tensor cores (mma m16n8k8, tf32): the
-  // warp's share of the spans (warp, warp + NW, ...) added into acc, to be added over the warps (fn_tile_put/get).
-  // Lane (gid, tig) holds weight rows gid and gid + 8 and input row gid of each group of 8; it loads the span's
-  // values 8 tig .. 8 tig + 7 of them (one word of 4-bit values, two of 8-bit), and k-step ks takes values
-  // 8 tig + 2 ks (the mma's column tig) and 8 tig + 2 ks + 1 (its column tig + 4): the order of the sum is the
-  // mma's, the same for weights and inputs. An input is split into two tf32 parts (hi + lo: 21 bits and more);
-  // the 4- or 8-bit values are exact. A span lies in one quantization group: sum(w x) = scale (q . x) + bias
-  // sum(x); an input row's sum(x) is added from its lanes' values (their 8 in pairs, then by two shuffles).
+  // rows row0 .. row0 + 15 of an affine BITS-bit matrix (nrow spans of 32 values a row), spans sp0 .. sp0 + nsp - 1,
+  // times the NT * 8 shared input rows, on the tensor cores (mma m16n8k8, tf32): a warp's spans (warp, warp + NW,
+  // ...) added into acc, to be added over the warps (fn_tile_put/get). Lane (gid, tig) holds weight rows gid and
+  // gid + 8 and input row gid of each group of 8; it loads a span's values 8 tig .. 8 tig + 7 (a word of 4-bit
+  // values, two of 8-bit), and k-step ks takes values 8 tig + 2 ks (the mma's column tig) and 8 tig + 2 ks + 1
+  // (column tig + 4). An input is split into two tf32 parts (hi + lo); the packed values are exact. A span lies in
+  // one quantization group: sum(w x) = scale (q . x) + bias sum(x), sum(x) from its lanes' values by shuffles.
   constexpr int WORDS = BITS / 4;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gid = lane / 4, tig = lane % 4;
   const long r0 = row0 + gid, r1 = r0 + 8;
@@ -219,9 +210,8 @@ __device__ inline float fn_tile_get(const float* rb, int f, int n) {
 }
 template <int NT, typename Store>
 __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store store) {
-  // a tile's outputs, the warps' partial sums added: store(f, n, v) for its row f (0..15) and
-  // input row n (0 .. rows - 1), between barriers (rb and any tile put before are read once all
-  // warps wrote them, and may be rewritten after)
+  // a tile's outputs, the warps' partial sums added: store(f, n, v) for its row f (0..15) and input row n
+  // (0 .. rows - 1), between barriers (rb and any tile put before it are read once all warps wrote them)
   fn_tile_put<NT>(acc, rb);
   __syncthreads();
   for (int o = threadIdx.x; o < 16 * rows; o += blockDim.x) store(o % 16, o / 16, fn_tile_get<NT>(rb, o % 16, o / 16));
@@ -240,8 +230,7 @@ _ROWS_BODY = """
   const float eps = __int_as_float(dims[11]), factor = __int_as_float(dims[12]), qk_eps = __int_as_float(dims[13]);
   const int B = dims[14];
   const int KO = HQ * D, NQKV = (HQ + 2 * HKV) * D;
-  // strides of an input row in shared memory (down_proj's: XSD, for its input in chunks of IC values
-  // where all I do not fit)
+  // strides of an input row in shared memory (down_proj's: XSD, its input in chunks of IC values)
   const int XS = max(K, KO) + 4, XSD = min(IC, I) + 4;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   unsigned int* bar = const_cast<unsigned int*>(sync);
@@ -251,8 +240,7 @@ _ROWS_BODY = """
   float* s1g = part + long(B) * HQ * SMAX * (D + 2);  // B each: per row 1/RSSe and its power of two
   float* p1g = s1g + B;                             // (phase 1, for attention), down_proj's deferred
   float* xsg = p1g + B;                             // scale (phase 5, for the next layer's add)
-  // the rows between phases, each value one of T (they are rounded to T where the one-row kernel
-  // rounds them), 16-byte aligned:
+  // the rows between phases, in T (rounded where the one-row kernel rounds them), 16-byte aligned:
   T* res0 = reinterpret_cast<T*>(work + ((long(B) * (NQKV + HQ * SMAX * (D + 2)) + 3 * B + 3) & ~3L));
   // res0, B * K: the stream after attention (p2, phase 4's); res1, B * K: before it (p, phase 6's or x)
   T* res1 = res0 + long(B) * K;
@@ -325,8 +313,7 @@ ATTEND      for (int i = threadIdx.x; i < GQ * D && S == 1; i += blockDim.x) {  
       __syncthreads();  // qsh and the warps' partials are rewritten by the block's next item
     }
     fn_grid_sync(bar, target += NB);
-    // 3. the splits of each row that has several merged, once (spread over the grid), into mbuf; no
-    // phase where no row has (the grid's blocks all know it from first)
+    // 3. the splits of each row that has several merged, once (spread over the grid), into mbuf; none if no row has
     const bool merge = first[B] > B * HKV;
     for (int e = blockIdx.x * blockDim.x + threadIdx.x; merge && e < B * KO; e += NB * blockDim.x) {
       const int b = e / KO, k = e % KO, S = (first[b + 1] - first[b]) / HKV;
@@ -369,9 +356,8 @@ ATTEND      for (int i = threadIdx.x; i < GQ * D && S == 1; i += blockDim.x) {  
       });
     }
     fn_grid_sync(bar, target += NB);
-    // 6. per row: down_proj, its scale xsg deferred to the next layer's add p = y * xs + p2 (into
-    // res1; the last layer's y is the output); its input in chunks of IC values where all I do not
-    // fit the shared memory (then each item loads them anew)
+    // 6. per row: down_proj, its scale xsg deferred to the next layer's add p = y * xs + p2 (into res1; the
+    // last layer's y is the output); its input in chunks of IC values where all I do not fit (loaded anew each)
     for (int item = blockIdx.x, have = -1; item < NPD * (K / 16); item += NB) {
       const int b0 = item % NPD * GD, tile = item / NPD, rows = min(GD, B - b0);
       float acc[NTD][4] = {};
@@ -402,42 +388,46 @@ ATTEND      for (int i = threadIdx.x; i < GQ * D && S == 1; i += blockDim.x) {  
 _ROWS = _ROWS_BODY.replace("ATTEND", ATTEND).replace("LAYER\n", LAYER)
 
 
-def rows_per_pass(B, xa, xi):
+def rows_per_pass(B, xa, xi, limit=SHARED_MAX):
     """(G, GD, IC): the rows one matvec pass takes, 8 or 16 (GMAX; the tensor cores' groups of 8): 16 beyond 16
-    rows where the shared memory holds it (SHARED_MAX), else 8 (at 16 rows two passes of 8 fill more of the grid
+    rows where the dynamic shared memory (limit) holds it, else 8 (at 16 rows two passes of 8 fill more of the grid
     than one of 16: 1.7 against 2.0 ms a step, H100): G for the inputs of xa values (K or HQ * D), GD (at most G)
-    for down_proj's xi (I), held IC values at a time (all, or the fewest chunks of equal multiples of 32 that fit)."""
+    for down_proj's xi (I), IC values at a time (all, or the fewest chunks of multiples of 32 that fit); or None."""
+    if dynamic_bytes(8, 8, xa, 32) > limit:
+        return None
     G = 8
-    while G < GMAX and 2 * G < B and dynamic_bytes(2 * G, 8, xa, 32) <= SHARED_MAX:
+    while G < GMAX and 2 * G < B and dynamic_bytes(2 * G, 8, xa, 32) <= limit:
         G *= 2
     GD = G
-    while GD > 8 and dynamic_bytes(G, GD, xa, xi) > SHARED_MAX:
+    while GD > 8 and dynamic_bytes(G, GD, xa, xi) > limit:
         GD //= 2
     chunks, IC = 1, xi
-    while dynamic_bytes(G, GD, xa, IC) > SHARED_MAX:
+    while dynamic_bytes(G, GD, xa, IC) > limit:
         chunks += 1
         IC = 32 * -(-xi // (32 * chunks))
     return G, GD, IC
 
 
-def gate_up_rows(B, G, xa):
-    """GU, gate/up's rows per pass: 16 where G is 8 and the batch has more, else G (passes of 32 made a 64-row
-    step slower: bench/RESULTS.md, "The batched step")."""
-    return 16 if G == 8 and B > 8 and dynamic_bytes(16, 8, xa, 32) <= SHARED_MAX else G
+def gate_up_rows(B, G, GD, xa, IC, limit=SHARED_MAX):
+    """GU, gate/up's rows per pass: 16 where G is 8, the batch has more and the shared memory holds them, else G
+    (passes of 32 made a 64-row step slower: bench/RESULTS.md, "The batched step")."""
+    return 16 if G == 8 and B > 8 and dynamic_bytes(16, GD, xa, IC) <= limit else G
 
 
 def dynamic_bytes(G, GD, xa, xi):
-    """A launch's dynamic shared memory: G input rows of xa values (or GD of xi), each padded by 4, and the
-    warps' partial sums of two 16-row tiles."""
+    """Dynamic shared memory: G input rows of xa values (or GD of xi), padded by 4; two tiles' partial sums."""
     return 4 * (max(G * (xa + 4), GD * (xi + 4)) + 2 * WARPS * (G // 8) * 128)
 
 
 def shared_bytes(G, GD, GU, xa, xi, D, GQ, L):
-    """dynamic_bytes (GU input rows: at least G), at least 48004 where it and the static arrays pass
-    48 KB (step.shared_bytes says why)."""
+    """dynamic_bytes (GU rows: G or more), at least 48004 where it and static_bytes pass 48 KB (step.shared_bytes)."""
     dynamic = dynamic_bytes(GU, GD, xa, xi)
-    static = 4 * 8 * (G + GU) + 2 * 4 * BMAX + 4 * (BMAX + 1) + 8 * 14 * L + 4 * GQ * (D * (1 + WARPS) + 2 * WARPS)
-    return max(dynamic, 48004) if dynamic + static > 48 * 1024 else dynamic
+    return max(dynamic, 48004) if dynamic + static_bytes(G, GU, D, GQ, L) > 48 * 1024 else dynamic
+
+
+def static_bytes(G, GU, D, GQ, L):
+    """The body's static shared arrays."""
+    return 4 * 8 * (G + GU) + 2 * 4 * BMAX + 4 * (BMAX + 1) + 8 * 14 * L + 4 * GQ * (D * (1 + WARPS) + 2 * WARPS)
 
 
 @lru_cache(maxsize=None)
@@ -454,22 +444,32 @@ def decode_rows(x, positions, layers, caches, gains, qk_gains, theta, eps, facto
         return reference(x, positions, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads,
                          n_kv_heads, group_size, bits)
     K, D, I, _ = step.sizes(x, layers, theta, n_heads)
-    template, work, shared = launch_plan(x.shape[0], K, I, D, n_heads, n_kv_heads, len(layers))
+    plan = launch_plan(x.shape[0], K, I, D, n_heads, n_kv_heads, len(layers))
+    if plan is None:  # more shared memory than this GPU gives a block
+        return reference(x, positions, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads,
+                         n_kv_heads, group_size, bits)
+    template, work, shared = plan
     return step.launch(rows_kernel(len(layers)), x, positions.astype(mx.int32), layers, caches, gains, qk_gains, theta,
                        eps, factor, qk_eps, n_heads, n_kv_heads, group_size, bits, work=work, shared_memory=shared,
                        rows=(x.shape[0],), template=template)
 
 
 def launch_plan(B, K, I, D, n_heads, n_kv_heads, L):
-    """(template, work, shared) of a launch for B rows: its rows per pass (G, GD, IC:
-    rows_per_pass; GU: gate_up_rows), its work buffer's floats and its shared memory bytes."""
-    xa = max(K, n_heads * D)
-    G, GD, IC = rows_per_pass(B, xa, I)
-    GU = gate_up_rows(B, G, xa)
+    """(template, work, shared) of a launch for B rows: its rows per pass (G, GD, IC: rows_per_pass; GU:
+    gate_up_rows) within the shared memory the GPU gives a block (step.shared_limit), its work buffer's
+    floats and its shared memory bytes; None where it cannot fit."""
+    xa, GQ = max(K, n_heads * D), n_heads // n_kv_heads
+    limit = min(SHARED_MAX, step.shared_limit() - static_bytes(GMAX, GMAX, D, GQ, L))
+    if (plan := rows_per_pass(B, xa, I, limit)) is None:
+        return None
+    G, GD, IC = plan
+    GU = gate_up_rows(B, G, GD, xa, IC, limit)
+    shared = shared_bytes(G, GD, GU, xa, IC, D, GQ, L)
+    if shared + static_bytes(G, GU, D, GQ, L) > step.shared_limit():
+        return None
     floats = B * ((n_heads + 2 * n_kv_heads) * D + n_heads * step.SMAX * (D + 2) + 3)
     work = -(-floats // 4) * 4 + B * (2 * K + n_heads * D + I)  # the T rows after the floats, as if of 4 bytes
-    return ([("G", G), ("GD", GD), ("GU", GU), ("IC", IC), ("NW", WARPS)], work,
-            shared_bytes(G, GD, GU, xa, IC, D, n_heads // n_kv_heads, L))
+    return [("G", G), ("GD", GD), ("GU", GU), ("IC", IC), ("NW", WARPS)], work, shared
 
 
 def reference(x, positions, layers, caches, *args):

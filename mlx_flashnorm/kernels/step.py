@@ -40,14 +40,23 @@ def step_kernel(layers):
                        HEADERS["cuda"] + HEADER)
 
 
-def shared_bytes(K, xmax, bits, D, GQ, L):
+def shared_bytes(K, xmax, bits, D, GQ, L, total=False):
     """The dynamic shared memory of a launch: the residual row and the matvec input with its chunk
     sums. Where it and the body's static arrays pass 48 KB, at least 48004 bytes are asked for:
     only then does MLX raise the kernel's limit (cuFuncSetAttribute), without which the launch
-    is refused."""
+    is refused. total: that and the static arrays."""
     dynamic = 4 * (K + xmax + xmax // (4 * 32 // bits))
     static = 4 * 8 + 8 * 14 * L + 4 * GQ * D * (1 + 8) + 4 * 2 * 8 * GQ  # red, tab, qsh + sacc, sm + sl
-    return max(dynamic, 48004) if dynamic + static > 48 * 1024 else dynamic
+    asked = max(dynamic, 48004) if dynamic + static > 48 * 1024 else dynamic
+    return asked + static if total else asked
+
+
+@lru_cache(maxsize=None)
+def shared_limit():
+    """The shared memory a block may use, static and dynamic together: the GPU's opt-in maximum
+    (227 KB on Hopper, 163 KB on an A100, 99 KB on sm_86 and sm_89); Hopper's where it cannot be
+    asked."""
+    return _device_attribute(97) or 227 * 1024
 
 
 def _device_attribute(number):
@@ -95,7 +104,8 @@ def supported(x, layers, caches, n_heads, n_kv_heads, group_size, bits, name="de
     """Whether the kernel `name` takes this stack: CUDA with our kernels on, x one row ((1, 1, K);
     decode_rows: (B, 1, K), B <= MAX_ROWS), 4 or 8 bits, every layer's matrices alike, sizes in
     whole 16-byte chunks and groups (decode_rows: spans of 32 values, tensor cores with tf32),
-    head size 64 or 128, at most 8 query heads per kv head."""
+    head size 64 or 128, at most 8 query heads per kv head; decode_layers' shared memory within
+    what the GPU gives a block (shared_limit; decode_rows fits its passes to it: rows.launch_plan)."""
     B = x.shape[0]
     if not (use_decode_layers(name) and x.ndim == 3 and x.shape[1] == 1 and (B == 1 if name == "decode_layers" else
                                                                              B <= MAX_ROWS)
@@ -109,7 +119,9 @@ def supported(x, layers, caches, n_heads, n_kv_heads, group_size, bits, name="de
         if compute_capability() < 8:
             return False
     if (D not in (64, 128) or n_heads % n_kv_heads or n_heads // n_kv_heads > 8 or group_size % cw
-            or any(v % group_size or v % cw for v in (K, n_heads * D, I))):
+            or any(v % group_size or v % cw for v in (K, n_heads * D, I)) or name == "decode_layers"
+            and shared_bytes(K, max(K, n_heads * D, I), bits, D, n_heads // n_kv_heads, len(layers), True)
+            > shared_limit()):
         return False
     shapes = [(K * bits // 32, n_heads * D + 2 * n_kv_heads * D), (n_heads * D * bits // 32, K),
               (K * bits // 32, 2 * I), (I * bits // 32, K)]
