@@ -29,7 +29,7 @@ from .step_source import ATTEND, HEADER, LAYER, input_names, table
 BMAX = step.MAX_ROWS
 GMAX = 16  # rows per pass, at most: 32 was slower (H100, 2026-11-26: 3.88 ms a 32-row step against 3.45)
 WARPS = 12  # NW, a block's warps (at most 168 registers a thread): a 32-row step 4-8% faster than with 8, 16 slower
-SHARED_MAX = 160 * 1024  # dynamic shared bytes a launch may ask for (227 KB per block on Hopper)
+SHARED_MAX = 160 * 1024  # dynamic shared bytes a launch asks for at most (and within step.shared_limit)
 
 _HEADER = r"""
 template <typename A>
