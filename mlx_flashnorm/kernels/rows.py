@@ -439,13 +439,11 @@ def rows_kernel(layers):
 def decode_rows(x, positions, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads, n_kv_heads,
                 group_size, bits):
     """step.decode_layers for B rows (x: (B, 1, K), positions: (B,) int32, caches (B, kv heads, capacity, D)
-    per layer): one launch where step.supported says it runs, else the reference."""
-    if not step.supported(x, layers, caches, n_heads, n_kv_heads, group_size, bits, name="decode_rows"):
-        return reference(x, positions, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads,
-                         n_kv_heads, group_size, bits)
+    per layer): one launch where step.supported says it runs and its plan fits the GPU, else the reference."""
     K, D, I, _ = step.sizes(x, layers, theta, n_heads)
-    plan = launch_plan(x.shape[0], K, I, D, n_heads, n_kv_heads, len(layers))
-    if plan is None:  # more shared memory than this GPU gives a block
+    plan = (step.supported(x, layers, caches, n_heads, n_kv_heads, group_size, bits, name="decode_rows")
+            and launch_plan(x.shape[0], K, I, D, n_heads, n_kv_heads, len(layers)))
+    if not plan:
         return reference(x, positions, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads,
                          n_kv_heads, group_size, bits)
     template, work, shared = plan
