@@ -171,7 +171,7 @@ def test_rows_kernel_matches_reference(monkeypatch, dtype, tol, B, chunked):
     from mlx_flashnorm.kernels import rows
 
     if chunked:
-        monkeypatch.setattr(rows, "rows_per_pass", lambda B, xa, xi: (16, 8, 128))
+        monkeypatch.setattr(rows, "rows_per_pass", lambda B, xa, xi, limit: (16, 8, 128))
 
     L, K, HQ, HKV, D, I, C = 2, 256, 4, 2, 64, 384, 1024
     layers, caches = step._random_stack(L, K, HQ, HKV, D, I, C, 700, 70)

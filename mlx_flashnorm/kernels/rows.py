@@ -12,7 +12,9 @@ over the grid, item i of pass i % passes, so a block's next item (i + grid) keep
 phases live in device memory as T (the one-row kernel rounds them there); o_proj's and down_proj's stores add their
 outputs to the residual stream (down_proj's times its deferred scale) once; each row's 1/RSSe and deferred scale
 are written by the block of its pass's first tile. A phase waits for its rows' loads: 16 bytes a load, several in
-flight. Attention is split over (row, kv head, split of positions), capped so that the batch's items about fill
+flight, and under them a tile's first span (weights, scales, biases: a load from device memory each phase waited
+for after its rows) and, in passes of 8 rows, the norms' gains; gate/up's two tiles give their spans to the warps
+from opposite ends, so that each warp takes as many (rows_source.py). Attention is split over (row, kv head, split of positions), capped so that the batch's items about fill
 the grid once; a row's splits are merged in a phase of their own, which a batch of one split a row skips (its
 blocks write their outputs). Its plain-MLX reference runs step._reference row by row.
 
@@ -24,200 +26,13 @@ import mlx.core as mx
 
 from .build import HEADERS, make_kernel, rand
 from . import step
+from .rows_source import HEADER as _HEADER
 from .step_source import ATTEND, HEADER, LAYER, input_names, table
 
 BMAX = step.MAX_ROWS
 GMAX = 16  # rows per pass, at most: 32 was slower (H100, 2026-11-26: 3.88 ms a 32-row step against 3.45)
 WARPS = 12  # NW, a block's warps (at most 168 registers a thread): a 32-row step 4-8% faster than with 8, 16 slower
 SHARED_MAX = 160 * 1024  # dynamic shared bytes a launch asks for at most (and within step.shared_limit)
-
-_HEADER = r"""
-template <typename A>
-__device__ inline void fn_rows_in(const A* src, int n, int stride, int rows, float* xin, int xs, A* copy = nullptr) {
-  // n values (16-byte aligned) of `rows` rows `stride` apart, written in this launch, into the shared input rows
-  // (and copy where given): 16-byte loads, R in flight per thread before their values are used; a load's row and
-  // chunk found by steps from the first's (a division each cost more than the load)
-  constexpr int N = 16 / sizeof(A), R = 4;
-  const int per = n / N, total = rows * per, qs = blockDim.x / per, rs = blockDim.x % per;
-  for (int e0 = threadIdx.x; e0 < total; e0 += R * blockDim.x) {
-    uint4 v[R];
-    int q[R], r[R];  // element e0 + u * blockDim.x: row q[u], its chunk r[u]
-    q[0] = e0 / per;
-    r[0] = e0 - q[0] * per;
-    #pragma unroll
-    for (int u = 1; u < R; ++u) {
-      q[u] = q[u - 1] + qs;
-      r[u] = r[u - 1] + rs;
-      if (r[u] >= per) { r[u] -= per; ++q[u]; }
-    }
-    #pragma unroll
-    for (int u = 0; u < R; ++u) {
-      if (e0 + u * blockDim.x < total)
-        v[u] = __ldcg(reinterpret_cast<const uint4*>(src + long(q[u]) * stride + N * r[u]));
-    }
-    #pragma unroll
-    for (int u = 0; u < R; ++u) {
-      if (e0 + u * blockDim.x < total) {
-        if (copy) *reinterpret_cast<uint4*>(copy + long(q[u]) * stride + N * r[u]) = v[u];
-        float f[N];
-        fn_unpack<A, N>(v[u], f);
-        float4* o = reinterpret_cast<float4*>(xin + q[u] * xs + N * r[u]);  // 16-byte aligned: xs, N in 4s
-        #pragma unroll
-        for (int k = 0; k < N / 4; ++k) o[k] = make_float4(f[4 * k], f[4 * k + 1], f[4 * k + 2], f[4 * k + 3]);
-      }
-    }
-  }
-}
-template <typename A, int G>
-__device__ inline void fn_row_norms(const A* a, A* rout, const float* gain, long at0, int rows, int K, float* xin,
-                                    int xs, float (*red)[G], float* srow, float* prow, float keps, bool prescale) {
-  // for `rows` rows (of G) of p (a, from element at0): p into rout (optional: one block writes it) and, times
-  // gain (optional), into the shared input rows (row g at xin + g * xs); then each row's 1/RSSe and its power
-  // of two P (half precision) into srow and prow. The rows are loaded by fn_rows_in; the squares are then summed
-  // in the one-row kernel's order (value i by thread i % 256, its 8 warps' sums in order): its norm alone.
-  fn_rows_in(a + at0, K, K, rows, xin, xs, rout ? rout + at0 : nullptr);
-  __syncthreads();
-  float ss[G];
-  #pragma unroll
-  for (int g = 0; g < G; ++g) ss[g] = 0.0f;
-  for (int i = threadIdx.x; i < K && threadIdx.x < 256; i += 256) {
-    const float gv = gain ? __ldg(gain + i) : 1.0f;
-    float p[G];  // loaded before any store (which the compiler would otherwise keep between them)
-    #pragma unroll
-    for (int g = 0; g < G; ++g) p[g] = g < rows ? xin[g * xs + i] : 0.0f;
-    #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      ss[g] += p[g] * p[g];
-      if (gain && g < rows) xin[g * xs + i] = p[g] * gv;
-    }
-  }
-  #pragma unroll
-  for (int g = 0; g < G; ++g) ss[g] = fn_warp_sum(ss[g]);
-  if (threadIdx.x % 32 == 0 && threadIdx.x < 256) {
-    #pragma unroll
-    for (int g = 0; g < G; ++g) red[threadIdx.x / 32][g] = ss[g];
-  }
-  __syncthreads();
-  if (threadIdx.x < rows) {
-    float t = 0.0f;
-    for (int w = 0; w < 8; ++w) t += red[w][threadIdx.x];
-    const float s = rsqrtf(t + keps);
-    srow[threadIdx.x] = s;
-    prow[threadIdx.x] = prescale ? __int_as_float(__float_as_int(s) & 0x7f800000) : 1.0f;
-  }
-}
-template <int BITS>
-__device__ inline unsigned int fn_q_tf32(const unsigned int* q, int e) {
-  // packed value e (0..7) of a thread's words, as a tf32 operand (an exact float: 0 .. 2^BITS - 1)
-  const unsigned int v = BITS == 4 ? (q[0] >> (4 * e)) & 15u : (q[e / 4] >> (8 * (e % 4))) & 255u;
-  return __float_as_uint(__uint_as_float(0x4b000000u | v) - 8388608.0f);
-}
-__device__ inline void fn_mma_tf32(float* c, const unsigned int* a, unsigned int b0, unsigned int b1) {
-  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};" : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-template <typename T, int BITS, int NT>
-__device__ inline void fn_tile(const unsigned int* w, const T* sc, const T* bi, long row0, int nrow, int sp0, int nsp,
-                               int gpr, int gs, const float* xin, int xs, float (*acc)[4]) {
-  // rows row0 .. row0 + 15 of an affine BITS-bit matrix (nrow spans of 32 values a row), spans sp0 .. sp0 + nsp - 1,
-  // times the NT * 8 shared input rows, on the tensor cores (mma m16n8k8, tf32): a warp's spans (warp, warp + NW,
-  // ...) added into acc, to be added over the warps (fn_tile_put/get). Lane (gid, tig) holds weight rows gid and
-  // gid + 8 and input row gid of each group of 8; it loads a span's values 8 tig .. 8 tig + 7 (a word of 4-bit
-  // values, two of 8-bit), and k-step ks takes values 8 tig + 2 ks (the mma's column tig) and 8 tig + 2 ks + 1
-  // (column tig + 4). An input is split into two tf32 parts (hi + lo); the packed values are exact. A span lies in
-  // one quantization group: sum(w x) = scale (q . x) + bias sum(x), sum(x) from its lanes' values by shuffles.
-  constexpr int WORDS = BITS / 4;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gid = lane / 4, tig = lane % 4;
-  const long r0 = row0 + gid, r1 = r0 + 8;
-  const int step = blockDim.x / 32;  // spans a warp steps by
-  const float rspg = 32.0f / gs;  // 1 / the spans in a group: span sp's group is int((sp + 0.5) * rspg)
-  const unsigned int* w0 = w + r0 * nrow * BITS + WORDS * tig;
-  const unsigned int* w1 = w + r1 * nrow * BITS + WORDS * tig;
-  const T *sc0 = sc + r0 * gpr, *sc1 = sc + r1 * gpr, *bi0 = bi + r0 * gpr, *bi1 = bi + r1 * gpr;
-  unsigned int n0[WORDS], n1[WORDS];  // the next span's weights, scales and biases, loaded a span ahead
-  T ns0, ns1, nc0, nc1;
-  auto fetch = [&](int sp) {
-    #pragma unroll
-    for (int u = 0; u < WORDS; ++u) {
-      n0[u] = __ldg(w0 + sp * BITS + u);
-      n1[u] = __ldg(w1 + sp * BITS + u);
-    }
-    const int g = int((sp + 0.5f) * rspg);
-    ns0 = __ldg(sc0 + g); ns1 = __ldg(sc1 + g); nc0 = __ldg(bi0 + g); nc1 = __ldg(bi1 + g);
-  };
-  if (warp < nsp) fetch(sp0 + warp);
-  for (int j = warp; j < nsp; j += step) {
-    unsigned int q0[WORDS], q1[WORDS];
-    #pragma unroll
-    for (int u = 0; u < WORDS; ++u) { q0[u] = n0[u]; q1[u] = n1[u]; }
-    const float s0 = fn_f(ns0), s1 = fn_f(ns1), c0 = fn_f(nc0), c1 = fn_f(nc1);
-    if (j + step < nsp) fetch(sp0 + j + step);
-    float xv[NT][8], ch[NT][4], cl[NT][4], xs_sum[NT][2];
-    #pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      const float4* xr = reinterpret_cast<const float4*>(xin + (t * 8 + gid) * xs + j * 32 + 8 * tig);
-      const float4 xa = xr[0], xb = xr[1];
-      xv[t][0] = xa.x; xv[t][1] = xa.y; xv[t][2] = xa.z; xv[t][3] = xa.w;
-      xv[t][4] = xb.x; xv[t][5] = xb.y; xv[t][6] = xb.z; xv[t][7] = xb.w;
-      float sum = ((xa.x + xa.y) + (xa.z + xa.w)) + ((xb.x + xb.y) + (xb.z + xb.w));
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);  // the span's sum of input row 8 t + gid
-      xs_sum[t][0] = __shfl_sync(0xffffffffu, sum, 8 * tig);  // of input rows 8 t + 2 tig and 8 t + 2 tig + 1
-      xs_sum[t][1] = __shfl_sync(0xffffffffu, sum, 8 * tig + 4);
-      #pragma unroll
-      for (int i = 0; i < 4; ++i) { ch[t][i] = 0.0f; cl[t][i] = 0.0f; }
-    }
-    #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      const unsigned int a[4] = {fn_q_tf32<BITS>(q0, 2 * ks), fn_q_tf32<BITS>(q1, 2 * ks),
-                                 fn_q_tf32<BITS>(q0, 2 * ks + 1), fn_q_tf32<BITS>(q1, 2 * ks + 1)};
-      #pragma unroll
-      for (int t = 0; t < NT; ++t) {
-        const unsigned int h0 = __float_as_uint(xv[t][2 * ks]) & 0xffffe000u;
-        const unsigned int h1 = __float_as_uint(xv[t][2 * ks + 1]) & 0xffffe000u;
-        const unsigned int l0 = __float_as_uint(xv[t][2 * ks] - __uint_as_float(h0)) & 0xffffe000u;
-        const unsigned int l1 = __float_as_uint(xv[t][2 * ks + 1] - __uint_as_float(h1)) & 0xffffe000u;
-        fn_mma_tf32(ch[t], a, h0, h1);
-        fn_mma_tf32(cl[t], a, l0, l1);
-      }
-    }
-    #pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      #pragma unroll
-      for (int i = 0; i < 4; ++i)  // element i: weight row gid + 8 (i / 2), input row 8 t + 2 tig + i % 2
-        acc[t][i] += (i < 2 ? s0 : s1) * (ch[t][i] + cl[t][i]) + (i < 2 ? c0 : c1) * xs_sum[t][i & 1];
-    }
-  }
-}
-template <int NT>
-__device__ inline void fn_tile_put(float (*acc)[4], float* rb) {
-  // a warp's partial sums of a tile into rb (NW warps x NT x 4 x 32 floats)
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  #pragma unroll
-  for (int t = 0; t < NT; ++t) {
-    #pragma unroll
-    for (int i = 0; i < 4; ++i) rb[((warp * NT + t) * 4 + i) * 32 + lane] = acc[t][i];
-  }
-}
-template <int NT>
-__device__ inline float fn_tile_get(const float* rb, int f, int n) {
-  // the tile's output f (its row row0 + f) for input row n: the warps' partial sums, in order
-  const int t = n / 8, m = n % 8, lane = (f % 8) * 4 + m / 2, i = (f / 8) * 2 + m % 2;
-  float v = 0.0f;
-  for (int w = 0; w < int(blockDim.x / 32); ++w) v += rb[((w * NT + t) * 4 + i) * 32 + lane];
-  return v;
-}
-template <int NT, typename Store>
-__device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store store) {
-  // a tile's outputs, the warps' partial sums added: store(f, n, v) for its row f (0..15) and input row n
-  // (0 .. rows - 1), between barriers (rb and any tile put before it are read once all warps wrote them)
-  fn_tile_put<NT>(acc, rb);
-  __syncthreads();
-  for (int o = threadIdx.x; o < 16 * rows; o += blockDim.x) store(o % 16, o / 16, fn_tile_get<NT>(rb, o % 16, o / 16));
-  __syncthreads();
-}
-"""
 
 _ROWS_BODY = """
   // T, BITS, D, GQ, NL, SMAX, G and GD (rows per matvec pass, 8 or 16 (rows.GMAX): of the phases with
@@ -274,6 +89,7 @@ LAYER
     // 1. per row: p (x in the first layer, then res1), s = 1/RSSe(p); the q/k/v rows of p * g
     for (int item = blockIdx.x, have = -1; item < NP * (NQKV / 16); item += NB) {
       const int b0 = item % NP * G, tile = item / NP, rows = min(G, B - b0);
+      const auto f1 = fn_tile_first<T, BITS>(wqkv, sqkv, bqkv, tile * 16, K / 32, 0, K / 32, K / GS, GS);
       if (b0 != have) {
         fn_row_norms<T, G>(l == 0 ? x : res1, l == 0 && tile == 0 ? res1 : nullptr, has_g ? g1 : nullptr, long(b0) * K,
                            rows, K, xin, XS, red, srow + b0, prow + b0, K * eps, prescale);
@@ -284,7 +100,7 @@ LAYER
         have = b0;
       }
       float acc[NT][4] = {};
-      fn_tile<T, BITS, NT>(wqkv, sqkv, bqkv, tile * 16, K / 32, 0, K / 32, K / GS, GS, xin, XS, acc);
+      fn_tile<T, BITS, NT>(wqkv, sqkv, bqkv, tile * 16, K / 32, 0, K / 32, K / GS, GS, xin, XS, acc, f1);
       fn_tile_store<NT>(acc, rb, rows, [&](int f, int n, float v) { raw[long(b0 + n) * NQKV + tile * 16 + f] = v; });
     }
     fn_grid_sync(bar, target += NB);
@@ -323,13 +139,14 @@ ATTEND      for (int i = threadIdx.x; i < GQ * D && S == 1; i += blockDim.x) {  
     // 4. per row: o_proj, and p2 = o + p into res0
     for (int item = blockIdx.x, have = -1; item < NP * (K / 16); item += NB) {
       const int b0 = item % NP * G, tile = item / NP, rows = min(G, B - b0);
+      const auto f1 = fn_tile_first<T, BITS>(wo, so, bo, tile * 16, KO / 32, 0, KO / 32, KO / GS, GS);
       if (b0 != have) {
         fn_rows_in(mbuf + long(b0) * KO, KO, KO, rows, xin, XS);
         __syncthreads();
         have = b0;
       }
       float acc[NT][4] = {};
-      fn_tile<T, BITS, NT>(wo, so, bo, tile * 16, KO / 32, 0, KO / 32, KO / GS, GS, xin, XS, acc);
+      fn_tile<T, BITS, NT>(wo, so, bo, tile * 16, KO / 32, 0, KO / 32, KO / GS, GS, xin, XS, acc, f1);
       fn_tile_store<NT>(acc, rb, rows, [&](int f, int n, float v) {
         const long at = long(b0 + n) * K + tile * 16 + f;
         res0[at] = fn_cast<T>(fn_f(fn_cast<T>(v)) + fn_f(__ldcg(res1 + at)));
@@ -339,6 +156,9 @@ ATTEND      for (int i = threadIdx.x; i < GQ * D && S == 1; i += blockDim.x) {  
     // 5. per row: s2 = 1/RSSe(p2), gate/up rows of p2 * g2, a = silu(gate * s2) * up * P2
     for (int item = blockIdx.x, have = -1; item < NPU * (I / 16); item += NB) {
       const int b0 = item % NPU * GU, tile = item / NPU, rows = min(GU, B - b0);
+      // up's spans go to the warps in turn from warp NW / 2: each warp takes about as many of both tiles' spans
+      const auto f1 = fn_tile_first<T, BITS>(wgu, sgu, bgu, tile * 16, K / 32, 0, K / 32, K / GS, GS);
+      const auto f2 = fn_tile_first<T, BITS>(wgu, sgu, bgu, I + tile * 16, K / 32, 0, K / 32, K / GS, GS, NW / 2);
       if (b0 != have) {
         fn_row_norms<T, GU>(res0, nullptr, has_g ? g2 : nullptr, long(b0) * K, rows, K, xin, XS, redu, srow + b0,
                             prow + b0, K * eps, prescale);
@@ -346,12 +166,15 @@ ATTEND      for (int i = threadIdx.x; i < GQ * D && S == 1; i += blockDim.x) {  
           xsg[b0 + threadIdx.x] = srow[b0 + threadIdx.x] / prow[b0 + threadIdx.x];
         have = b0;
       }
-      float acc[NTU][4] = {}, acc2[NTU][4] = {};
-      fn_tile<T, BITS, NTU>(wgu, sgu, bgu, tile * 16, K / 32, 0, K / 32, K / GS, GS, xin, XS, acc);
-      fn_tile<T, BITS, NTU>(wgu, sgu, bgu, I + tile * 16, K / 32, 0, K / 32, K / GS, GS, xin, XS, acc2);
-      fn_tile_put<NTU>(acc2, rb2);  // up, read with gate's outputs
-      fn_tile_store<NTU>(acc, rb, rows, [&](int f, int n, float gate) {
-        const float gt = gate * srow[b0 + n], up = fn_tile_get<NTU>(rb2, f, n);
+      {
+        float acc[NTU][4] = {};
+        fn_tile<T, BITS, NTU>(wgu, sgu, bgu, tile * 16, K / 32, 0, K / 32, K / GS, GS, xin, XS, acc, f1);
+        fn_tile_put<NTU>(acc, rb2);  // gate, read with up's outputs
+      }
+      float acc[NTU][4] = {};
+      fn_tile<T, BITS, NTU>(wgu, sgu, bgu, I + tile * 16, K / 32, 0, K / 32, K / GS, GS, xin, XS, acc, f2, NW / 2);
+      fn_tile_store<NTU>(acc, rb, rows, [&](int f, int n, float up) {
+        const float gt = fn_tile_get<NTU>(rb2, f, n) * srow[b0 + n];
         abuf[long(b0 + n) * I + tile * 16 + f] = fn_cast<T>(gt / (1.0f + expf(-gt)) * up * prow[b0 + n]);
       });
     }
@@ -363,12 +186,13 @@ ATTEND      for (int i = threadIdx.x; i < GQ * D && S == 1; i += blockDim.x) {  
       float acc[NTD][4] = {};
       for (int c0 = 0; c0 < I; c0 += IC) {
         const int n = min(IC, I - c0);
+        const auto f1 = fn_tile_first<T, BITS>(wd, sd, bd, tile * 16, I / 32, c0 / 32, n / 32, I / GS, GS);
         if (IC < I || b0 != have) {
           fn_rows_in(abuf + long(b0) * I + c0, n, I, rows, xin, XSD);
           __syncthreads();
           have = b0;
         }
-        fn_tile<T, BITS, NTD>(wd, sd, bd, tile * 16, I / 32, c0 / 32, n / 32, I / GS, GS, xin, XSD, acc);
+        fn_tile<T, BITS, NTD>(wd, sd, bd, tile * 16, I / 32, c0 / 32, n / 32, I / GS, GS, xin, XSD, acc, f1);
         if (IC < I) __syncthreads();  // the chunk read before the next is loaded
       }
       fn_tile_store<NTD>(acc, rb, rows, [&](int f, int n, float v) {
