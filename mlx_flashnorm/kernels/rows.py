@@ -14,9 +14,10 @@ outputs to the residual stream (down_proj's times its deferred scale) once; each
 are written by the block of its pass's first tile. A phase waits for its rows' loads: 16 bytes a load, several in
 flight, and under them a tile's first span (weights, scales, biases: a load from device memory each phase waited
 for after its rows) and, in passes of 8 rows, the norms' gains; gate/up's two tiles give their spans to the warps
-from opposite ends, so that each warp takes as many (rows_source.py). Attention is split over (row, kv head, split of positions), capped so that the batch's items about fill
-the grid once; a row's splits are merged in a phase of their own, which a batch of one split a row skips (its
-blocks write their outputs). Its plain-MLX reference runs step._reference row by row.
+from opposite ends, so that each warp takes about as many (rows_source.py). Attention is split over (row, kv head,
+split of positions), capped so that the batch's items about fill the grid once; a row's splits are merged in a
+phase of their own, which a batch of one split a row skips (its blocks write their outputs). Its plain-MLX
+reference runs step._reference row by row.
 
 On CUDA (sm_80 on) it runs only after its self-check (CHECK) passed; the GPU tests in tests/test_step_kernel.py
 check it against the reference and against one-request decoding (bench/RESULTS.md, "GPU tests")."""

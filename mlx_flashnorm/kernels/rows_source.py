@@ -141,7 +141,8 @@ __device__ inline void fn_tile(const unsigned int* w, const T* sc, const T* bi, 
   // values, two of 8-bit), and k-step ks takes values 8 tig + 2 ks (the mma's column tig) and 8 tig + 2 ks + 1
   // (column tig + 4). An input is split into two tf32 parts (hi + lo); the packed values are exact. A span lies in
   // one quantization group: sum(w x) = scale (q . x) + bias sum(x), sum(x) from its lanes' values by shuffles.
-  const int warp = (threadIdx.x / 32 + rot) % (blockDim.x / 32), lane = threadIdx.x % 32, gid = lane / 4, tig = lane % 4;
+  const int warp = (threadIdx.x / 32 + rot) % (blockDim.x / 32), lane = threadIdx.x % 32;
+  const int gid = lane / 4, tig = lane % 4;
   const int step = blockDim.x / 32;  // spans a warp steps by
   const float rspg = 32.0f / gs;  // 1 / the spans in a group
   fn_span<T, BITS> nx = first;  // the next span, loaded a span ahead (the first by the caller)
