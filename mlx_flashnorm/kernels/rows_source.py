@@ -120,11 +120,15 @@ __device__ inline fn_span<T, BITS> fn_span_at(const unsigned int* w, const T* sc
   f.c0 = __ldg(bi + r0 * gpr + g); f.c1 = __ldg(bi + r1 * gpr + g);
   return f;
 }
+__device__ inline int fn_tile_warp(int rot) {
+  // the warp whose spans this warp takes in fn_tile (and whose first fn_tile_first loads): its own turned by rot
+  return (threadIdx.x / 32 + rot) % (blockDim.x / 32);
+}
 template <typename T, int BITS>
 __device__ inline fn_span<T, BITS> fn_tile_first(const unsigned int* w, const T* sc, const T* bi, long row0, int nrow,
                                                  int sp0, int nsp, int gpr, int gs, int rot = 0) {
   // the first span fn_tile's warp takes (rot as there), loaded before the tile's inputs are ready
-  const int warp = (threadIdx.x / 32 + rot) % (blockDim.x / 32);
+  const int warp = fn_tile_warp(rot);
   fn_span<T, BITS> f = {};
   if (warp < nsp) f = fn_span_at<T, BITS>(w, sc, bi, row0, nrow, sp0 + warp, gpr, 32.0f / gs);
   return f;
@@ -134,15 +138,14 @@ __device__ inline void fn_tile(const unsigned int* w, const T* sc, const T* bi, 
                                int gpr, int gs, const float* xin, int xs, float (*acc)[4],
                                const fn_span<T, BITS>& first, int rot = 0) {
   // rows row0 .. row0 + 15 of an affine BITS-bit matrix (nrow spans of 32 values a row), spans sp0 .. sp0 + nsp - 1,
-  // times the NT * 8 shared input rows, on the tensor cores (mma m16n8k8, tf32): warp w's spans (v, v + NW, ..., v
-  // = (w + rot) % NW; its first, `first`, loaded by the caller: fn_tile_first) added into acc, to be added over the
-  // warps (fn_tile_put/get). Lane (gid, tig) holds weight rows gid and
-  // gid + 8 and input row gid of each group of 8; it loads a span's values 8 tig .. 8 tig + 7 (a word of 4-bit
-  // values, two of 8-bit), and k-step ks takes values 8 tig + 2 ks (the mma's column tig) and 8 tig + 2 ks + 1
-  // (column tig + 4). An input is split into two tf32 parts (hi + lo); the packed values are exact. A span lies in
-  // one quantization group: sum(w x) = scale (q . x) + bias sum(x), sum(x) from its lanes' values by shuffles.
-  const int warp = (threadIdx.x / 32 + rot) % (blockDim.x / 32), lane = threadIdx.x % 32;
-  const int gid = lane / 4, tig = lane % 4;
+  // times the NT * 8 shared input rows, on the tensor cores (mma m16n8k8, tf32): a warp's spans (v, v + NW, ...,
+  // v = fn_tile_warp(rot); its first, `first`, loaded by the caller: fn_tile_first) added into acc, to be added
+  // over the warps (fn_tile_put/get). Lane (gid, tig) holds weight rows gid and gid + 8 and input row gid of each
+  // group of 8; it loads a span's values 8 tig .. 8 tig + 7 (a word of 4-bit values, two of 8-bit), and k-step ks
+  // takes values 8 tig + 2 ks (the mma's column tig) and 8 tig + 2 ks + 1 (column tig + 4). An input is split into
+  // two tf32 parts (hi + lo); the packed values are exact. A span lies in one quantization group:
+  // sum(w x) = scale (q . x) + bias sum(x), sum(x) from its lanes' values by shuffles.
+  const int warp = fn_tile_warp(rot), lane = threadIdx.x % 32, gid = lane / 4, tig = lane % 4;
   const int step = blockDim.x / 32;  // spans a warp steps by
   const float rspg = 32.0f / gs;  // 1 / the spans in a group
   fn_span<T, BITS> nx = first;  // the next span, loaded a span ahead (the first by the caller)
