@@ -114,20 +114,24 @@ def test_cpu_seconds_counts_a_process_own_work():
 def test_serve_bench_rows_hold_the_server_process_cpu(tiny_llama_dir, tmp_path, monkeypatch):
     """bench.serve end to end (our server only, a process of its own, and --engine): the table and
     the JSON rows, each served row with the server process's CPU seconds for its requests; the engine
-    alone, like the server, first takes an untimed request."""
+    alone, like the server, first takes an untimed request; --warm, an untimed round before each N's."""
     import json
 
     from mlx_flashnorm.bench import serve
 
-    rounds = []
+    rounds, served = [], []
     monkeypatch.setattr(serve, "engine_round",
                         lambda *a, f=serve.engine_round, **k: rounds.append(a[2:5]) or f(*a, **k))
+    monkeypatch.setattr(serve, "load_round",
+                        lambda *a, f=serve.load_round, **k: served.append(a[1:5]) or f(*a, **k))
     out = tmp_path / "serve.md"
-    serve.main(["--model", str(tiny_llama_dir), "--clients", "2", "--rounds", "1", "--max-tokens", "4", "--no-peer",
-                "--temperature", "0.5", "--engine", "--work", str(tmp_path / "work"), "--out", str(out)])
+    serve.main(["--model", str(tiny_llama_dir), "--clients", "2", "--rounds", "2", "--max-tokens", "4", "--no-peer",
+                "--temperature", "0.5", "--engine", "--warm", "--work", str(tmp_path / "work"), "--out", str(out)])
     rows = json.loads(out.with_suffix(".json").read_text())
     assert [(r["server"], r["clients"], r["requests"], r["errors"]) for r in rows] == [
-        ("ours", 2, 2, 0), ("ours, engine alone", 2, 2, 0)]
-    assert rounds == [(1, 1, 4), (2, 1, 4)]  # (clients, rounds, max_tokens): the untimed one first
+        ("ours", 2, 4, 0), ("ours, engine alone", 2, 4, 0)]
+    assert rounds == [(1, 1, 4), (2, 2, 4)]  # (clients, rounds, max_tokens): the untimed one first
+    assert served == [(2, 1, 4, "ours2-warm"), (2, 2, 4, "ours2")]  # --warm: an untimed round of its own prompts
     assert 0 <= rows[0]["server_cpu_s"] < rows[0]["wall_s"] * 64  # (a few ms here: 0 at 10 ms ticks)
-    assert "| ours | 2 | 2 |" in out.read_text() and "temperature 0.5" in out.read_text()
+    assert "| ours | 2 | 4 |" in out.read_text() and "temperature 0.5" in out.read_text()
+    assert "(after an untimed round at each N)" in out.read_text()

@@ -21,7 +21,12 @@ added when its last one ends (no HTTP, no threads; after an untimed request, as 
 one): what the server's front costs is the difference. Below the table, each engine row's steps:
 the steady step (the median of those holding the most rows), the seconds spent in such steps
 within 1.5x of it, and when the first of them ended: the rest of the wall time went to arrivals,
-turns between rounds and the last rows."""
+turns between rounds and the last rows.
+
+--warm plays, before each N's timed requests, an untimed round of one request a client at that N
+(prompts of their own, so the timed ones find only what the chat template shares in the prompt
+cache), on every server: a process's first batch of N rows is slower than later ones (bench/RESULTS.md,
+"Serving"), a cost a server pays once, which without --warm the first run at each N includes."""
 import argparse
 import http.client
 import json
@@ -254,6 +259,8 @@ def arg_parser():
     p.add_argument("--temperature", type=float, default=0.0, help="temperature of every request (0: greedy)")
     p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True,
                    help="also measure mlx_lm.server on the same weights")
+    p.add_argument("--warm", action="store_true",
+                   help="before each N's timed requests, an untimed round of one request a client at that N")
     p.add_argument("--engine", action="store_true",
                    help="also feed the same requests to our batch engine in this process (no HTTP)")
     p.add_argument("--server-args", default="", help="extra flags for our server, space-separated")
@@ -291,6 +298,8 @@ def main(argv=None):
             try:
                 stream_chat(port, "Say hello.", 4)  # untimed: first-request costs
                 for n in counts:
+                    if args.warm:
+                        load_round(port, n, 1, args.max_tokens, f"{kind}{n}-warm", args.temperature)
                     before = cpu_seconds(process.pid)  # the server process's own (ours: its HTTP front)
                     row = dict(load_round(port, n, args.rounds, args.max_tokens, f"{kind}{n}", args.temperature),
                                server=kind)
@@ -308,7 +317,8 @@ def main(argv=None):
                                           args.temperature),
                              server="ours, engine alone"))
             print(table([rows[-1]]).splitlines()[-1], file=sys.stderr, flush=True)
-    text = (f"{device_name()}, MLX {mx.__version__}, model {model.name}, {args.rounds} requests per client, "
+    text = (f"{device_name()}, MLX {mx.__version__}, model {model.name}, {args.rounds} requests per client"
+            f"{' (after an untimed round at each N)' if args.warm else ''}, "
             f"max_tokens {args.max_tokens}, {'temperature %g' % args.temperature if args.temperature else 'greedy'}, "
             f"streamed\n\n{table(rows)}\n")
     for r in rows:
