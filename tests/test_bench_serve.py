@@ -134,4 +134,4 @@ def test_serve_bench_rows_hold_the_server_process_cpu(tiny_llama_dir, tmp_path, 
     assert served == [(2, 1, 4, "ours2-warm"), (2, 2, 4, "ours2")]  # --warm: an untimed round of its own prompts
     assert 0 <= rows[0]["server_cpu_s"] < rows[0]["wall_s"] * 64  # (a few ms here: 0 at 10 ms ticks)
     assert "| ours | 2 | 4 |" in out.read_text() and "temperature 0.5" in out.read_text()
-    assert "(after an untimed round at each N)" in out.read_text()
+    assert "(the servers after an untimed round at each N)" in out.read_text()

@@ -25,8 +25,9 @@ turns between rounds and the last rows.
 
 --warm plays, before each N's timed requests, an untimed round of one request a client at that N
 (prompts of their own, so the timed ones find only what the chat template shares in the prompt
-cache), on every server: a process's first batch of N rows is slower than later ones (bench/RESULTS.md,
-"Serving"), a cost a server pays once, which without --warm the first run at each N includes."""
+cache), on every server (not the engine alone): a process's first batch of N rows is slower than later
+ones (bench/RESULTS.md, "Serving"), a cost a server pays once, which without --warm the first run at
+each N includes."""
 import argparse
 import http.client
 import json
@@ -318,7 +319,7 @@ def main(argv=None):
                              server="ours, engine alone"))
             print(table([rows[-1]]).splitlines()[-1], file=sys.stderr, flush=True)
     text = (f"{device_name()}, MLX {mx.__version__}, model {model.name}, {args.rounds} requests per client"
-            f"{' (after an untimed round at each N)' if args.warm else ''}, "
+            f"{' (the servers after an untimed round at each N)' if args.warm else ''}, "
             f"max_tokens {args.max_tokens}, {'temperature %g' % args.temperature if args.temperature else 'greedy'}, "
             f"streamed\n\n{table(rows)}\n")
     for r in rows:
