@@ -25,9 +25,9 @@ from mlx_flashnorm.errors import run_cli
 # The files whose tests take longest on the 2-core CI machine (a `--durations` run, 2026-11-27),
 # run first: under xdist's loadfile the files are handed out in collection order, so a long file
 # collected last kept one worker busy while the other sat idle.
-SLOW_FILES = ("test_server_batch.py", "test_batch.py", "test_half.py", "test_models.py", "test_server.py", "test_gemma3_gguf.py",
-              "test_chat.py", "test_distributed.py", "test_flashnorm.py", "test_convert.py", "test_engine_process.py",
-              "test_bench.py", "test_cli.py", "test_generation_flags.py")
+SLOW_FILES = ("test_server_batch.py", "test_batch.py", "test_half.py", "test_models.py", "test_server.py",
+              "test_gemma3_gguf.py", "test_chat.py", "test_distributed.py", "test_flashnorm.py", "test_convert.py",
+              "test_engine_process.py", "test_bench.py", "test_cli.py", "test_generation_flags.py")
 
 
 def pytest_collection_modifyitems(config, items):
