@@ -189,7 +189,7 @@ class BatchEngine:
     @property
     def rows(self):
         """The requests in the batch, in slot order."""
-        return [r for _, r in self.slots.live()] if self.slots is not None else []
+        return [r for r in self.slots.rows if r is not None] if self.slots is not None else []
 
     @property
     def solo(self):
@@ -217,19 +217,21 @@ class BatchEngine:
         calls = self.prefill_calls
         self._prefill()
         self._place()
-        if self.pending is None and self.rows:
-            self.pending = self._queue()
+        live = self.slots.live() if self.slots is not None else []  # (the rows' host work is per row: once a step)
+        if self.pending is None and live:
+            self.pending = self._queue(live)
         if self.pending is None:
             return []
-        more = any(r.queued < r.max_tokens for r in self.rows)
-        ahead = self._queue() if more else None
+        more = any(r.queued < r.max_tokens for _, r in live)
+        ahead = self._queue(live) if more else None
         events = self._read(self.pending)
-        self.pending = ahead if self.rows else None
+        left = self.rows
+        self.pending = ahead if left else None
         now = time.perf_counter()
         if self.read_at is not None and calls == self.prefill_calls:
             self.periods.append(now - self.read_at)
         self.read_at = now if self.pending is not None else None
-        if not self.busy and self.slots is not None:  # idle: what the slots kept goes to the prompt cache
+        if not left and not self.busy and self.slots is not None:  # idle: what the slots kept goes to the prompt cache
             self.slots.store(self.prompt_cache)
         return events
 
@@ -398,14 +400,15 @@ class BatchEngine:
 
     def _place(self):
         """Give the joining requests slots: a new or resized Slots where the bucket changes."""
-        if not self.joining and not self.rows:
+        running = self.rows
+        rows = running + [j.request for j in self.joining]
+        if not rows:
             return
-        rows = self.rows + [j.request for j in self.joining]
         size, capacity = bucket(len(rows)), needed_capacity(self.model, rows)
         s = self.slots
         small = s is not None and size < s.size and (size == 1 and forms.compiled_decode() or 4 * size <= s.size)
         self.small = self.small + 1 if small else 0
-        if s is None or not self.rows and (size > s.size or capacity > s.capacity):
+        if s is None or not running and (size > s.size or capacity > s.capacity):
             if s is not None:
                 s.store(self.prompt_cache)
             self.slots = Slots(self.model, self._layout(), size, capacity)
@@ -430,24 +433,29 @@ class BatchEngine:
                     j.request.seen = mx.array(j.request.tokens)
         self.joining = []
 
-    def _queue(self):
-        """Queue one decode step of every row in the slots; its tokens feed the step after."""
+    def _queue(self, live):
+        """Queue one decode step of every row in the slots (live: Slots.live()); its tokens feed the
+        step after."""
         s = self.slots
-        rows = [(i, r) for i, r in s.live() if not s.feeding(i)]  # a row fed its prompt samples nothing
-        raw = any(r.logits_processors for _, r in rows)
+        rows = [(i, r) for i, r in live if not s.feeding(i)] if s.feed else live  # a row fed its prompt samples nothing
+        raw = sampled = False
+        for i, r in rows:
+            r.queued += 1
+            raw = raw or bool(r.logits_processors)
+            sampled = sampled or r.temp != 0
         out, tokens = s.step(logits=raw)
         logprobs = out
         if raw:
             logprobs = log_softmax(self._process(out, rows))
             tokens = mx.argmax(logprobs, axis=-1)
-        sampled = [(i, r) for i, r in rows if not r.greedy]
         if sampled:
+            sampled = [(i, r) for i, r in rows if not r.greedy]
             drawn = [r.sample(logprobs[i:i + 1]).reshape(1) for i, r in sampled]
             tokens[mx.array([i for i, _ in sampled])] = mx.concatenate(drawn).astype(tokens.dtype)
-        for i, r in rows:
-            r.queued += 1
-            if r.logits_processors:
-                r.seen = mx.concatenate([r.seen, tokens[i:i + 1].astype(r.seen.dtype)])
+        if raw:
+            for i, r in rows:
+                if r.logits_processors:
+                    r.seen = mx.concatenate([r.seen, tokens[i:i + 1].astype(r.seen.dtype)])
         s.tokens = tokens
         mx.async_eval(tokens, logprobs)
         return Step(rows, tokens, logprobs)
@@ -455,15 +463,15 @@ class BatchEngine:
     def _read(self, step):
         """Events of a queued step's rows still in the batch (waiting for its tokens)."""
         events, leaving = [], []
-        tokens = step.tokens.tolist()
+        tokens, logprobs = step.tokens.tolist(), step.logprobs
         for i, r in step.rows:  # i: its slot when the step was queued
             if r.slot is None:  # it left after this step was queued
                 continue
-            t = tokens[i]
-            r.generated.append(t)
-            r.next = t
-            finish = "stop" if t in r.stop_tokens else ("length" if len(r.generated) >= r.max_tokens else None)
-            events.append(Event(r, t, step.logprobs, i, finish))
+            r.next = t = tokens[i]
+            generated = r.generated
+            generated.append(t)
+            finish = "stop" if t in r.stop_tokens else ("length" if len(generated) >= r.max_tokens else None)
+            events.append(Event(r, t, logprobs, i, finish))
             if finish:
                 leaving.append(r)
         self._release(leaving)

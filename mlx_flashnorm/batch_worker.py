@@ -30,16 +30,31 @@ class BatchWorker:
         self.engine = BatchEngine(model, max_batch, prefill_step, cache, feed_wait=FEED_WAIT)
         self.stop_tokens = frozenset(tokenizer.eos_token_ids)
         self.inbox = queue.Queue()
+        self.cancels = False  # a ticket was cancelled since the last look (set from any thread)
         serve_on_thread(model, self._serve, (lambda: warmup(self.engine)) if warm else None)
 
     def submit(self, generation):
-        ticket = Ticket(generation)
+        return self.enqueue(Ticket(generation))
+
+    def enqueue(self, ticket):
+        ticket.on_cancel = self.note_cancel
         self.inbox.put(ticket)
         return ticket
+
+    def note_cancel(self):
+        self.cancels = True
 
     def put(self, ticket, token):
         """Hand a Token to its ticket (on the worker thread)."""
         ticket.put(token)
+
+    def deliver(self, events):
+        """Each step's Events to their tickets, a request's None after its last."""
+        for e in events:
+            ticket = e.request.ticket
+            self.put(ticket, token_of(e, ticket.generation.top_logprobs))
+            if e.finish_reason:
+                self.put(ticket, None)
 
     def request(self, ticket):
         g = ticket.generation
@@ -52,8 +67,10 @@ class BatchWorker:
     def _serve(self):
         while True:
             self._admit(block=not self.engine.busy)
-            for r in self.engine.requests():
-                r.cancelled = r.cancelled or r.ticket.cancelled
+            if self.cancels:  # (a look at every request costs each step's host work a few us a row)
+                self.cancels = False
+                for r in self.engine.requests():
+                    r.cancelled = r.cancelled or r.ticket.cancelled
             try:
                 events = self.engine.step()
             except Exception as e:  # a failed step fails every request in flight, not the thread
@@ -61,10 +78,7 @@ class BatchWorker:
                     self.put(r.ticket, e)
                 self.engine.clear()
                 events = []
-            for e in events:
-                self.put(e.request.ticket, token_of(e, e.request.ticket.generation.top_logprobs))
-                if e.finish_reason:
-                    self.put(e.request.ticket, None)
+            self.deliver(events)
             self.flush()
 
     def _admit(self, block):

@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection
 from .batch_worker import BatchWorker
 from .errors import UserError
 from .generate import context_length, load_from_args
-from .worker import Ticket, Token
+from .worker import Ticket, Token, token_of
 
 CLOSE_TIMEOUT = 30  # seconds the child may take to stop once asked
 
@@ -136,8 +136,7 @@ class PipedWorker(BatchWorker):
     def submit(self, generation, key):
         ticket = self.tickets[key] = Ticket(generation)
         ticket.key = key
-        self.inbox.put(ticket)
-        return ticket
+        return self.enqueue(ticket)
 
     def put(self, ticket, item):
         if isinstance(item, Token) and item.logprob is None and not item.top_logprobs:
@@ -145,6 +144,18 @@ class PipedWorker(BatchWorker):
         self.outbox.append((ticket.key, item))
         if item is None or isinstance(item, BaseException):
             self.tickets.pop(ticket.key, None)
+
+    def deliver(self, events):
+        """As BatchWorker's, a token without log-probabilities straight into put's tuple (32 rows a
+        step each made a Token that put() took apart, in the step's host work)."""
+        out = self.outbox
+        for e in events:
+            ticket = e.request.ticket
+            top = ticket.generation.top_logprobs
+            out.append((ticket.key, (e.token, e.finish_reason) if top is None else token_of(e, top)))
+            if e.finish_reason:
+                out.append((ticket.key, None))
+                self.tickets.pop(ticket.key, None)
 
     def flush(self):
         if self.outbox:

@@ -84,9 +84,12 @@ class Ticket:
         self._out = queue.Queue()
         self._cancelled = threading.Event()
         self.listener = None  # called with the ticket after each put (streaming.Streamer's notify)
+        self.on_cancel = None  # called after cancel() (a batch worker's note to look for cancelled requests)
 
     def cancel(self):
         self._cancelled.set()
+        if self.on_cancel is not None:
+            self.on_cancel()
 
     @property
     def cancelled(self):
