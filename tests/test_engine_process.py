@@ -6,8 +6,10 @@ import threading
 import urllib.request
 from types import SimpleNamespace
 
+import mlx.core as mx
 import pytest
 
+from mlx_flashnorm.batch import Event
 from mlx_flashnorm.engine_process import EngineProcess, PipedWorker
 from mlx_flashnorm.errors import UserError
 from mlx_flashnorm.generate import stream_generate
@@ -100,11 +102,19 @@ def test_load_errors_are_one_line():
 
 
 def test_plain_tokens_cross_the_pipe_as_tuples():
-    """The child sends a token without log-probabilities as (id, finish) (a Token pickles ten times
-    slower), one with them as its Token; the requests above read both back as Tokens."""
-    child, ticket = SimpleNamespace(outbox=[], tickets={}), SimpleNamespace(key=7)
-    rich = Token(6, "stop", -0.5, [(6, -0.5)])
-    for item in (Token(5), Token(9, "length"), rich, None):
-        PipedWorker.put(child, ticket, item)
-    assert child.outbox == [(7, (5, None)), (7, (9, "length")), (7, rich), (7, None)]
-
+    """The child's deliver sends a token without log-probabilities as (id, finish) (a Token pickles
+    ten times slower), one with them as its Token, and None after a request's last, dropping its
+    ticket; the requests above read both back as Tokens."""
+    child = SimpleNamespace(outbox=[], tickets={7: "plain", 8: "rich"})
+    plain = SimpleNamespace(ticket=SimpleNamespace(key=7, generation=Generation([1], 4)))
+    rich = SimpleNamespace(ticket=SimpleNamespace(key=8, generation=Generation([1], 4, top_logprobs=1)))
+    logits = mx.array([[0.0, 1.0, 2.0], [2.0, 1.0, 0.0]])
+    step = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    PipedWorker.deliver(child, [Event(plain, 5, step, 0, None), Event(rich, 0, step, 1, "length")])
+    assert child.tickets == {7: "plain"}
+    PipedWorker.deliver(child, [Event(plain, 9, step, 0, "stop")])
+    assert child.outbox[:1] == [(7, (5, None))] and child.outbox[2:] == [(8, None), (7, (9, "stop")), (7, None)]
+    key, token = child.outbox[1]
+    assert key == 8 and isinstance(token, Token) and (token.id, token.finish_reason) == (0, "length")
+    assert token.top_logprobs[0][0] == 0 and abs(token.logprob - step[1, 0].item()) < 1e-6
+    assert child.tickets == {}
