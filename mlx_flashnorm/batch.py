@@ -1,22 +1,22 @@
 """Continuous batching: many requests decoded together, one model call per step for all of them.
 
 A request joins the running batch at any step and leaves it when it finishes, each with its own
-sampling (temperature, top-p, min-p, top-k, seed, logits processors), stop tokens and
-max_tokens. A newcomer that arrives while rows decode, with at most `feed` prompt tokens past
-its cached prefix, takes a slot at once and is fed those tokens through the batch's decode
-steps, one a step, sampling nothing until its last: a prefill call would hold every running row
-for its length (13-50 ms, the time of 10-35 steps: bench/RESULTS.md, "Serving"), a fed token
-costs the step nothing it does not already pay. But a fed newcomer waits a step a token: where
-steps are slow (the CPU, where a step's time grows with its rows) `feed_wait` bounds that wait
-by the fastest recent step (bench/RESULTS.md, "Serving"). Other prompts are prefilled (mlx-lm's
-KVCache) in chunks of at most `prefill_step` tokens per engine step, between the others' decode steps, so
-a long prompt delays the running streams by one chunk a step rather than by its whole length;
+sampling (temperature, top-p, min-p, top-k, seed, logits processors), stop tokens and max_tokens. A
+newcomer that arrives while rows decode, with at most `feed` prompt tokens past its cached prefix,
+takes a slot at once and is fed those tokens through the batch's decode steps, one a step,
+sampling nothing until its last: a prefill call would hold every running row for its length
+(13-50 ms, the time of 10-35 steps: bench/RESULTS.md, "Serving"), a fed token costs the step
+nothing it does not already pay. But a fed newcomer waits a step a token: where steps are slow
+(the CPU, where a step's time grows with its rows) `feed_wait` bounds that wait by the fastest
+recent step (bench/RESULTS.md, "Serving"). Other prompts are prefilled (mlx-lm's KVCache) in
+chunks of at most `prefill_step` tokens per engine step, between the others' decode steps, so a
+long prompt delays the running streams by one chunk a step rather than by its whole length;
 newcomers that arrive together and fit the step whole share one call (rows padded at their ends,
-each from the shortest of their cached prefixes). Once only its last token is left it takes a
-slot of the batch's static cache (batch_cache.Slots: one buffer per layer, a slot per row, each
-row at its own position) and the compiled batched step decodes it with the others; the host work
-of a step does not grow with the rows (one compiled call, one argmax for the greedy rows; only
-sampled rows and rows with logits processors add operations).
+each from the shortest of their cached prefixes). Once only its last token is left it takes a slot
+of the batch's static cache (batch_cache.Slots: one buffer per layer, a slot per row, each row at
+its own position) and the compiled batched step decodes it with the others: one compiled call and
+one argmax for the greedy rows (sampled rows and logits processors add operations), the host's
+other work a few microseconds a row (bench/RESULTS.md, "Serving").
 A prompt cache (prompt_cache.py) spares a newcomer the prefix an earlier request already read.
 So does a free slot: it keeps what its last row read, and a newcomer sharing a prefix with it
 takes it with no copy (fed the rest); the slots outlive an idle moment, and a lone request at an
@@ -36,8 +36,7 @@ its matvecs on the tensor cores: another summation order, so a greedy token may 
 one-request token only where two tokens tie); elsewhere the plain composition of MLX operations;
 a bucket of one slot runs the one-request compiled step.
 
-The engine is synchronous (BatchEngine.step); batch_worker.BatchWorker runs one on its own thread for
-the server."""
+The engine is synchronous (BatchEngine.step); batch_worker.BatchWorker runs one on its own thread for the server."""
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -112,9 +111,8 @@ class Event(NamedTuple):
         return self.step[self.row]
 
 
-SHRINK_AFTER = 32  # steps the rows fit a smaller bucket before it is taken: a wave of requests
-# that ends shrank the batch to one row and grew it back to 32 within 4 steps as the next came in
-# (each a copy of every row's cache: bench/RESULTS.md, "Serving")
+SHRINK_AFTER = 32  # steps the rows fit a smaller bucket before it is taken: a wave that ended shrank the batch to one
+# row and grew it to 32 again within 4 steps, copying every row's cache each time (bench/RESULTS.md, "Serving")
 
 
 class Filling(NamedTuple):
@@ -151,15 +149,15 @@ class BatchEngine:
 
     max_batch: requests decoded together at most (more wait their turn). prefill_step: prompt
     tokens prefilled per step at most. feed: a newcomer arriving while rows decode is fed its
-    prompt through the decode steps where at most this many tokens are left past its cached
-    prefix (0: never), and, with feed_wait (seconds; None: no bound), only where that many steps
-    at the fastest of the last few steps' periods (between step() calls that read a step, no
-    prefill call in it) take at most feed_wait. prompt_cache: a PromptCache, or None. prefilled counts the prompt tokens
-    the model computed (cache hits excluded; fed ones included), prefill_calls the model calls
-    that prefilled (newcomers arriving together share one: _prefill_together). The batch is a
-    batch_cache.Slots (self.slots, None while empty) of bucket(rows) slots: more rows than slots grow it, few rows
-    for more than SHRINK_AFTER steps shrink it (to a quarter, or one row: the one-request compiled
-    step, `solo`)."""
+    prompt through the decode steps where at most this many tokens are left past its cached prefix
+    (0: never), and, with feed_wait (seconds; None: no bound), only where that many steps at the
+    fastest of the last few steps' periods (between step() calls that read a step, no prefill call
+    in it) take at most feed_wait. prompt_cache: a PromptCache, or None. prefilled counts the
+    prompt tokens the model computed (cache hits excluded; fed ones included), prefill_calls the
+    model calls that prefilled (newcomers arriving together share one: _prefill_together). The
+    batch is a batch_cache.Slots (self.slots, None while empty) of bucket(rows) slots: more rows
+    grow it, few rows for more than SHRINK_AFTER steps shrink it (to a quarter, or one row: the
+    one-request compiled step, `solo`)."""
 
     def __init__(self, model, max_batch=32, prefill_step=2048, prompt_cache=None, feed=32, feed_wait=None):
         self.model, self.max_batch, self.prefill_step, self.feed = model, max_batch, prefill_step, feed
@@ -225,8 +223,7 @@ class BatchEngine:
         more = any(r.queued < r.max_tokens for _, r in live)
         ahead = self._queue(live) if more else None
         events = self._read(self.pending)
-        left = self.rows
-        self.pending = ahead if left else None
+        self.pending = ahead if (left := self.rows) else None
         now = time.perf_counter()
         if self.read_at is not None and calls == self.prefill_calls:
             self.periods.append(now - self.read_at)
@@ -434,8 +431,7 @@ class BatchEngine:
         self.joining = []
 
     def _queue(self, live):
-        """Queue one decode step of every row in the slots (live: Slots.live()); its tokens feed the
-        step after."""
+        """Queue one decode step of the live rows (Slots.live()); its tokens feed the step after."""
         s = self.slots
         rows = [(i, r) for i, r in live if not s.feeding(i)] if s.feed else live  # a row fed its prompt samples nothing
         raw = sampled = False
@@ -468,9 +464,8 @@ class BatchEngine:
             if r.slot is None:  # it left after this step was queued
                 continue
             r.next = t = tokens[i]
-            generated = r.generated
-            generated.append(t)
-            finish = "stop" if t in r.stop_tokens else ("length" if len(generated) >= r.max_tokens else None)
+            r.generated.append(t)
+            finish = "stop" if t in r.stop_tokens else ("length" if len(r.generated) >= r.max_tokens else None)
             events.append(Event(r, t, logprobs, i, finish))
             if finish:
                 leaving.append(r)
