@@ -438,7 +438,7 @@ class BatchEngine:
         for i, r in rows:
             r.queued += 1
             raw = raw or bool(r.logits_processors)
-            sampled = sampled or r.temp != 0
+            sampled = sampled or not r.greedy
         out, tokens = s.step(logits=raw)
         logprobs = out
         if raw:
