@@ -74,6 +74,8 @@ def test_serve_bench_refuses_a_temperature_out_of_range(tmp_path):
 
     with pytest.raises(UserError, match="--temperature must lie in 0..2"):
         main(["--temperature", "3", "--no-peer", "--work", str(tmp_path)])
+    with pytest.raises(UserError, match="--repeats must be at least 1"):
+        main(["--repeats", "0", "--no-peer", "--work", str(tmp_path)])
 
 
 def test_front_bench_streams_every_paced_token():
@@ -114,7 +116,8 @@ def test_cpu_seconds_counts_a_process_own_work():
 def test_serve_bench_rows_hold_the_server_process_cpu(tiny_llama_dir, tmp_path, monkeypatch):
     """bench.serve end to end (our server only, a process of its own, and --engine): the table and
     the JSON rows, each served row with the server process's CPU seconds for its requests; the engine
-    alone, like the server, first takes an untimed request; --warm, an untimed round before each N's."""
+    alone, like the server, first takes an untimed request; --warm, an untimed round before each N's;
+    --repeats, the served rows played again in the same process and summed up below the table."""
     import json
 
     from mlx_flashnorm.bench import serve
@@ -126,12 +129,29 @@ def test_serve_bench_rows_hold_the_server_process_cpu(tiny_llama_dir, tmp_path, 
                         lambda *a, f=serve.load_round, **k: served.append(a[1:5]) or f(*a, **k))
     out = tmp_path / "serve.md"
     serve.main(["--model", str(tiny_llama_dir), "--clients", "2", "--rounds", "2", "--max-tokens", "4", "--no-peer",
-                "--temperature", "0.5", "--engine", "--warm", "--work", str(tmp_path / "work"), "--out", str(out)])
+                "--temperature", "0.5", "--engine", "--warm", "--repeats", "2", "--work", str(tmp_path / "work"),
+                "--out", str(out)])
     rows = json.loads(out.with_suffix(".json").read_text())
-    assert [(r["server"], r["clients"], r["requests"], r["errors"]) for r in rows] == [
-        ("ours", 2, 4, 0), ("ours, engine alone", 2, 4, 0)]
+    assert [(r["server"], r["clients"], r["requests"], r["errors"], r.get("repeat")) for r in rows] == [
+        ("ours", 2, 4, 0, 0), ("ours", 2, 4, 0, 1), ("ours, engine alone", 2, 4, 0, None)]
     assert rounds == [(1, 1, 4), (2, 2, 4)]  # (clients, rounds, max_tokens): the untimed one first
-    assert served == [(2, 1, 4, "ours2-warm"), (2, 2, 4, "ours2")]  # --warm: an untimed round of its own prompts
+    # --warm: an untimed round of its own prompts before each timed one; --repeats: the list played again
+    assert served == [(2, 1, 4, "ours2-warm"), (2, 2, 4, "ours2"), (2, 1, 4, "ours2r1-warm"), (2, 2, 4, "ours2r1")]
+    assert "ours, 2 clients (2 rows): median" in out.read_text()
     assert 0 <= rows[0]["server_cpu_s"] < rows[0]["wall_s"] * 64  # (a few ms here: 0 at 10 ms ticks)
     assert "| ours | 2 | 4 |" in out.read_text() and "temperature 0.5" in out.read_text()
     assert "(the servers after an untimed round at each N)" in out.read_text()
+
+
+def test_paired_ratios_divide_by_the_same_repeats_first_single():
+    """--repeats: each N's rows over the repeats, each divided by its own repeat's first one-client row."""
+    from mlx_flashnorm.bench.serve import paired
+
+    rows = [dict(server="ours", clients=n, repeat=k, tok_s=t) for k, n, t in
+            [(0, 1, 100), (0, 32, 2000), (0, 1, 50), (1, 1, 200), (1, 32, 3000), (2, 1, 100), (2, 32, 2500)]]
+    rows.append(dict(server="mlx-lm", clients=32, repeat=0, tok_s=900))  # one row: no line
+    lines = paired(rows)
+    assert lines[0] == "ours, 1 clients (4 rows): median 100 tok/s"
+    assert lines[1] == ("ours, 32 clients (3 rows): median 2,500 tok/s, 20.0x the same repeat's first single stream "
+                        "(paired, median; 15.0-25.0x)")
+    assert len(lines) == 2

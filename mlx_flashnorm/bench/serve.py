@@ -23,6 +23,13 @@ the steady step (the median of those holding the most rows), the seconds spent i
 within 1.5x of it, and when the first of them ended: the rest of the wall time went to arrivals,
 turns between rounds and the last rows.
 
+--repeats R plays the --clients list R times over in each server process (1,32,1,32,... for
+--clients 1,32): one timed round at 32 clients lasts under a second on the GPU, and whole stretches
+of a process there ran up to 1.7x slower than others (bench/RESULTS.md, "Serving"), so a ratio is
+read from rows played side by side, several times over. Below the table, each server's and N's
+median aggregate tok/s over the repeats and its ratio to the same repeat's first one-client row (the
+median of those paired ratios, and their range).
+
 --warm plays, before each N's timed requests, an untimed round of one request a client at that N
 (prompts of their own, so the timed ones find only what the chat template shares in the prompt
 cache), on every server (not the engine alone): a process's first batch of N rows is slower than later
@@ -237,6 +244,30 @@ def step_profile(steps):
             "first_full_s": sum(full[0])}
 
 
+def paired(rows):
+    """Lines saying, for each server and N with more than one row (the rows of --repeats), the median
+    aggregate tok/s and the median (and range) of its ratio to the same repeat's first one-client row."""
+    lines, seen = [], {}
+    for r in rows:
+        if "repeat" in r:
+            seen.setdefault((r["server"], r["clients"]), []).append(r)
+    for (server, n), group in seen.items():
+        if len(group) < 2:
+            continue
+        median = percentile([r["tok_s"] for r in group], 50)
+        line = f"{server}, {n} clients ({len(group)} rows): median {median:,.0f} tok/s"
+        singles = {}
+        for r in rows:
+            if r["server"] == server and r["clients"] == 1 and "repeat" in r:
+                singles.setdefault(r["repeat"], r["tok_s"])
+        ratios = [r["tok_s"] / singles[r["repeat"]] for r in group if r["repeat"] in singles]
+        if n > 1 and ratios:
+            line += (f", {percentile(ratios, 50):.1f}x the same repeat's first single stream (paired, median; "
+                     f"{min(ratios):.1f}-{max(ratios):.1f}x)")
+        lines.append(line)
+    return lines
+
+
 def table(rows):
     lines = ["| server | clients | requests | tokens | aggregate tok/s | TTFT p50 (s) | TTFT p99 (s) "
              "| TPOT p50 (ms) | TPOT p99 (ms) |",
@@ -260,6 +291,9 @@ def arg_parser():
     p.add_argument("--temperature", type=float, default=0.0, help="temperature of every request (0: greedy)")
     p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True,
                    help="also measure mlx_lm.server on the same weights")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="play the --clients list this many times over in each server process, and report "
+                        "each N's median and its ratio to the same repeat's one-client row")
     p.add_argument("--warm", action="store_true",
                    help="before each N's timed requests, an untimed round of one request a client at that N")
     p.add_argument("--engine", action="store_true",
@@ -284,8 +318,8 @@ def parse_clients(text):
 def main(argv=None):
     args = arg_parser().parse_args(argv)
     counts = parse_clients(args.clients)
-    if args.rounds < 1 or args.max_tokens < 1:
-        raise UserError("--rounds and --max-tokens must be at least 1")
+    if args.rounds < 1 or args.max_tokens < 1 or args.repeats < 1:
+        raise UserError("--rounds, --max-tokens and --repeats must be at least 1")
     if not 0 <= args.temperature <= 2:
         raise UserError(f"--temperature must lie in 0..2 (the server's range), not {args.temperature:g}")
     model = Path(args.model) if args.model else mlx_folder(args.work)
@@ -298,12 +332,13 @@ def main(argv=None):
             process, port = start(kind, model, args.server_args.split(), log)
             try:
                 stream_chat(port, "Say hello.", 4)  # untimed: first-request costs
-                for n in counts:
+                for repeat, n in ((k, n) for k in range(args.repeats) for n in counts):
+                    tag = f"{kind}{n}" + (f"r{repeat}" if repeat else "")
                     if args.warm:
-                        load_round(port, n, 1, args.max_tokens, f"{kind}{n}-warm", args.temperature)
+                        load_round(port, n, 1, args.max_tokens, f"{tag}-warm", args.temperature)
                     before = cpu_seconds(process.pid)  # the server process's own (ours: its HTTP front)
-                    row = dict(load_round(port, n, args.rounds, args.max_tokens, f"{kind}{n}", args.temperature),
-                               server=kind)
+                    row = dict(load_round(port, n, args.rounds, args.max_tokens, tag, args.temperature),
+                               server=kind, repeat=repeat)
                     row["server_cpu_s"] = cpu_seconds(process.pid) - before
                     print(table([row]).splitlines()[-1], file=sys.stderr, flush=True)
                     rows.append(row)
@@ -327,6 +362,7 @@ def main(argv=None):
             text += (f"\n{r['server']}, {r['clients']} clients: {r['steps']} steps, the steady step "
                      f"{1e3 * r['steady_step_s']:.2f} ms; {r['steady_s']:.2f} s of {r['wall_s']:.2f} in such steps, "
                      f"the first ended at {r['first_full_s']:.2f} s")
+    text += "".join(f"\n{line}" for line in paired(rows)) if args.repeats > 1 else ""
     print(text)
     if args.out:
         write_atomic(Path(args.out), text)
