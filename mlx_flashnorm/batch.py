@@ -17,24 +17,24 @@ of the batch's static cache (batch_cache.Slots: one buffer per layer, a slot per
 its own position) and the compiled batched step decodes it with the others: one compiled call and
 one argmax for the greedy rows (sampled rows and logits processors add operations), the host's
 other work a few microseconds a row (bench/RESULTS.md, "Serving").
-A prompt cache (prompt_cache.py) spares a newcomer the prefix an earlier request already read.
-So does a free slot: it keeps what its last row read, and a newcomer sharing a prefix with it
-takes it with no copy (fed the rest); the slots outlive an idle moment, and a lone request at an
-idle engine runs the one-request step while the wave's slots wait aside for the next newcomers.
-What a slot kept goes to the prompt cache only before the slot is taken or its buffers rebuilt,
-or once the engine idles (_release).
+A prompt cache (prompt_cache.py) spares a newcomer the prefix an earlier request already read. So
+does a free slot: it keeps what its last row read, and a newcomer sharing a prefix with it takes it
+with no copy (fed the rest); the slots outlive an idle moment, and where a lone request at an idle
+engine runs the one-request step, or a batch shrinks, the wave's slots wait aside for the next.
+What a slot kept goes to the prompt cache only before the slot is taken or its buffers rebuilt, or
+once the engine idles (_release).
 
 Pipelining, as generate_step: step n+1 is queued (mx.async_eval) before step n's tokens are read,
 its input the tokens step n samples on the device. A row that finishes at step n is noticed when
-step n is read, so step n+1 computed one token too many for it (thrown away); a newcomer joins
-the step queued after it was prefilled.
+step n is read, so step n+1 computed one token too many for it (thrown away); a newcomer joins the
+step queued after it was prefilled.
 
-Exactness: every row's result is the one-request computation (a norm's deferred 1/RMS is per
-row), up to the summation order of a batched matmul and of attention over the whole capacity
-(masked positions count zero). On CUDA a step of several rows is one kernel (kernels.decode_rows,
-its matvecs on the tensor cores: another summation order, so a greedy token may differ from the
-one-request token only where two tokens tie); elsewhere the plain composition of MLX operations;
-a bucket of one slot runs the one-request compiled step.
+Exactness: every row's result is the one-request computation (a norm's deferred 1/RMS is per row),
+up to the summation order of a batched matmul and of attention over the whole capacity (masked
+positions count zero). On CUDA a step of several rows is one kernel (kernels.decode_rows, its
+matvecs on the tensor cores: another summation order, so a greedy token may differ from the
+one-request token only where two tokens tie); elsewhere the plain composition of MLX operations; a
+bucket of one slot runs the one-request compiled step.
 
 The engine is synchronous (BatchEngine.step); batch_worker.BatchWorker runs one on its own thread for the server."""
 import time
@@ -123,10 +123,9 @@ class Filling(NamedTuple):
 
 
 class Joining(NamedTuple):
-    """A request waiting for its slot: its row of kv ([(keys, values)] per layer, one row for each
-    request prefilled with it, in order; none: nothing cached) holds its first `length` positions,
-    and its slot feeds the tokens `feed` next (its last prompt token; every one past its cached
-    prefix where it is fed through the decode step)."""
+    """A request waiting for its slot: its row of kv ([(keys, values)] per layer, one row for each request
+    prefilled with it, in order; none: nothing cached) holds its first `length` positions, and its slot
+    feeds the tokens `feed` next (its last prompt token; every one past its cached prefix where fed)."""
     request: Request
     kv: list
     length: int
@@ -157,7 +156,7 @@ class BatchEngine:
     model calls that prefilled (newcomers arriving together share one: _prefill_together). The
     batch is a batch_cache.Slots (self.slots, None while empty) of bucket(rows) slots: more rows
     grow it, few rows for more than SHRINK_AFTER steps shrink it (to a quarter, or one row: the
-    one-request compiled step, `solo`)."""
+    one-request compiled step, `solo`), its larger slots set aside (spare) for the next wave."""
 
     def __init__(self, model, max_batch=32, prefill_step=2048, prompt_cache=None, feed=32, feed_wait=None):
         self.model, self.max_batch, self.prefill_step, self.feed = model, max_batch, prefill_step, feed
@@ -167,7 +166,7 @@ class BatchEngine:
         self.filling = []
         self.joining = []  # Joining: prefilled, taking a slot next step
         self.slots = None
-        self.spare = None  # the slots a lone newcomer to an idle engine left, kept for the next wave
+        self.spare = None  # the slots a lone newcomer or a shrink left, kept for the next wave
         self.idle = True  # no row decoded when this step began
         self.pending = None  # the Step queued and not read yet
         self.layout = None  # batch_cache.kv_layout, read once
@@ -289,12 +288,11 @@ class BatchEngine:
                 self._join(f)
 
     def _prefill_together(self):
-        """Newcomers not begun (nothing run past their cached prefix) whose prompts fit the step's
-        budget, prefilled in one model call: on a GPU a call costs its launches more than its
-        tokens. Each starts from the shortest cached prefix among them (the longer prefixes' extra
-        tokens are computed again: a few), its other tokens padded at their end to the longest, so
-        causal attention keeps the padding out of every real position. Returns the tokens the
-        call took (padded)."""
+        """Newcomers not begun (nothing run past their cached prefix) whose prompts fit the step's budget,
+        prefilled in one model call: on a GPU a call costs its launches more than its tokens. Each starts
+        from the shortest cached prefix among them (the longer prefixes' extra tokens are computed again:
+        a few), its other tokens padded at their end to the longest, so causal attention keeps the
+        padding out of every real position. Returns the tokens the call took (padded)."""
         group, longest, start = [], 0, None
         for f in self.filling:
             if self._begun(f) or not f.todo:
@@ -341,10 +339,10 @@ class BatchEngine:
         return f.cache[0].keys is not None and f.cache[0].offset > f.request.cached
 
     def _feed(self, fed):
-        """Newcomers [(request, prompt_cache.Block or None, its row)] to be fed their prompts past
-        their cached prefixes: those with a prefix join as one group, their rows of each block
-        gathered at once (a copy a row and layer, 120 operations for SmolLM2, cost a step of 17
-        newcomers 26 ms of host time on an H100: bench/RESULTS.md, "Serving")."""
+        """Newcomers [(request, prompt_cache.Block or None, its row)] to be fed their prompts past their
+        cached prefixes: those with a prefix join as one group, their rows of each block gathered at once
+        (a copy a row and layer, 120 operations for SmolLM2, cost a step of 17 newcomers 26 ms of host
+        time on an H100: bench/RESULTS.md, "Serving")."""
         groups = {}  # Block -> [(request, its row there)]
         for r, block, row in fed:
             self.prefilled += len(r.tokens) - r.cached
@@ -363,9 +361,8 @@ class BatchEngine:
                 self.joining.append(Joining(r, kv, r.cached, r.tokens[r.cached:]))
 
     def _take(self, r, slot, n):
-        """A newcomer joins at once in a free slot still holding its first n prompt tokens, fed the
-        rest (a step of 17 newcomers' copies cost 26 ms of host time on an H100: bench/RESULTS.md,
-        "Serving")."""
+        """A newcomer joins at once in a free slot still holding its first n prompt tokens, fed the rest
+        (a step of 17 newcomers' copies cost 26 ms of host time on an H100: bench/RESULTS.md, "Serving")."""
         if slot in self.slots.unstored:  # what it kept past n is written over from the next step
             self.slots.store(self.prompt_cache)
         r.cached, r.slot = n, slot
@@ -416,6 +413,9 @@ class BatchEngine:
         elif size > s.size or capacity > s.capacity or self.small > SHRINK_AFTER:
             s.store(self.prompt_cache)  # (free slots' contents are not carried)
             self._renumber(s.resized(size, capacity))
+            if size < s.size and self.spare is None:  # (a wave of 24 prefilled into 8 slots grown to 32: 40 ms
+                self.spare = s  # a first step against 5 where they waited aside: bench/RESULTS.md, "Serving")
+                s.vacate(ran=True)
         if set(self.slots.free()[:len(self.joining)]) & set(self.slots.unstored):  # the slots insert takes
             self.slots.store(self.prompt_cache)
         groups = {}  # those prefilled together (one kv, whole: they joined in this step), inserted together

@@ -220,9 +220,11 @@ class Slots:
             into.tokens = tokens
         return into
 
-    def vacate(self):
-        """Free every slot, each keeping what it kept before its row took it (a Slots set aside
-        before its rows ran in it)."""
+    def vacate(self, ran=False):
+        """Free every slot of a Slots set aside, each keeping what it kept before its row took it;
+        ran: its rows ran in it, so their slots keep nothing."""
+        if ran:
+            self.left, self.table = [() if r is not None else kept for r, kept in zip(self.rows, self.left)], None
         self.rows, self.feed, self.dirty = [None] * self.size, {}, True
 
     def inputs(self):

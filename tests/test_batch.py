@@ -354,6 +354,40 @@ def test_lone_newcomer_goes_solo_and_the_next_wave_finds_the_kept_slots(llama, m
         assert r.generated == single(llama, r.tokens, r.max_tokens)[0]
 
 
+def test_a_shrunk_batch_keeps_its_slots_aside_for_the_next_wave(llama, monkeypatch):
+    """Where the rows fit a smaller bucket for SHRINK_AFTER steps they move into it and the larger slots
+    wait aside, the slot a row ran in keeping nothing: a wave arriving later grows the batch back into
+    them and takes the slots that kept its prefix, with no copy of theirs; every request gets its
+    one-request tokens."""
+    from mlx_flashnorm.batch_cache import Slots
+
+    monkeypatch.setattr("mlx_flashnorm.batch.SHRINK_AFTER", 2)
+    system = prompt(llama, 12, seed=60)
+    engine = BatchEngine(llama, prompt_cache=PromptCache(1 << 24))
+    first = [Request(system + prompt(llama, 3, seed=61 + i), max_tokens=m) for i, m in enumerate((20, 2, 2, 2))]
+    for r in first:
+        engine.add(r)
+    while engine.slots is None or engine.slots.size == 4:
+        engine.step()
+    long, spare = first[0], engine.spare
+    assert engine.solo and spare is not None and spare.size == 4 and not any(spare.rows)
+    assert sum(kept == () for kept in spare.left) == 1  # the long row's slot: it ran there
+    assert all(kept[:len(system)] == tuple(system) for kept in spare.left if kept)
+    inserted = []
+    monkeypatch.setattr(Slots, "insert", lambda self, requests, *rest, f=Slots.insert: inserted.extend(
+        requests) or f(self, requests, *rest))
+    wave = [Request(system + prompt(llama, 5, seed=66 + i), max_tokens=4) for i in range(3)]
+    for r in wave:
+        engine.add(r)
+    engine.step()
+    assert engine.slots is spare and engine.spare is None and not inserted
+    assert all(r.cached >= len(system) for r in wave) and long in engine.rows
+    while engine.busy:
+        engine.step()
+    for r in first + wave:
+        assert r.generated == single(llama, r.tokens, r.max_tokens)[0]
+
+
 def test_rows_leaving_while_others_decode_are_stored_once_the_engine_idles(llama, monkeypatch):
     """Rows that finish while others decode keep what they read in their slots; the prompt cache
     stores none of it until the engine idles, then all of it in one store."""
