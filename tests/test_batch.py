@@ -38,6 +38,16 @@ def single(model, tokens, steps=STEPS):
     return [t for t, _ in out], mx.stack([lp for _, lp in out])
 
 
+def inserted_requests(monkeypatch):
+    """The requests Slots.insert places from now on (a list it fills)."""
+    from mlx_flashnorm.batch_cache import Slots
+
+    inserted = []
+    monkeypatch.setattr(Slots, "insert", lambda self, requests, *rest, f=Slots.insert: inserted.extend(
+        requests) or f(self, requests, *rest))
+    return inserted
+
+
 def run(engine, requests, joins=None):
     """Step the engine until idle, adding requests[i] before step joins[i]; (events per request)."""
     joins = joins or [0] * len(requests)
@@ -121,9 +131,7 @@ def test_newcomer_fed_on_real_weights(dtype, monkeypatch):
     from mlx_flashnorm import load
     from mlx_flashnorm.batch_cache import Slots
 
-    inserted, moved = [], []
-    monkeypatch.setattr(Slots, "insert", lambda self, requests, *rest, f=Slots.insert: inserted.extend(
-        requests) or f(self, requests, *rest))
+    inserted, moved = inserted_requests(monkeypatch), []
     monkeypatch.setattr(Slots, "moved", lambda self, into, f=Slots.moved: moved.append(into.size) or f(self, into))
     model, tok = load(None, norm="flash", dtype=dtype, progress=False)
     running, late = Request(tok.encode("One, two, three,"), max_tokens=14), Request(tok.encode("Water boils at"), 2)
@@ -283,15 +291,11 @@ def test_newcomer_reuses_the_free_slot_holding_its_prefix(model, monkeypatch):
     copy (not through Slots.insert) and is fed only the rest, beside a newcomer with nothing
     cached that grows the batch (the resize carries the reused prefix); all get their one-request
     tokens."""
-    from mlx_flashnorm.batch_cache import Slots
-
     engine = BatchEngine(model, prompt_cache=PromptCache(1 << 24))
     running, short = a_row_left(engine, model, 31, (9, 12))
     slot, kept = engine.slots.reuse(short.tokens + [0])
     assert slot is not None and engine.slots.rows[slot] is None and kept == len(short.tokens)
-    inserted = []
-    monkeypatch.setattr(Slots, "insert", lambda self, requests, *rest, f=Slots.insert: inserted.extend(
-        requests) or f(self, requests, *rest))
+    inserted = inserted_requests(monkeypatch)
     late, other = Request(short.tokens + prompt(model, 5, seed=33), 6), Request(prompt(model, 4, seed=34), 5)
     before = engine.prefilled
     engine.add(late)
@@ -310,14 +314,10 @@ def test_idle_engine_keeps_its_slots_for_the_next_request(llama, monkeypatch, ca
     """The batch's slots outlive an idle moment: the next request, its prompt beginning with the
     last one's, takes the slot that read it (no prefill call, no copy) and gets its one-request
     tokens; also where the prompt cache is too small to keep anything."""
-    from mlx_flashnorm.batch_cache import Slots
-
     engine = BatchEngine(llama, prompt_cache=PromptCache(cache_bytes))
     first = Request(prompt(llama, 14, seed=41), max_tokens=3)
     run(engine, [first])
-    inserted, calls = [], engine.prefill_calls
-    monkeypatch.setattr(Slots, "insert", lambda self, requests, *rest, f=Slots.insert: inserted.extend(
-        requests) or f(self, requests, *rest))
+    inserted, calls = inserted_requests(monkeypatch), engine.prefill_calls
     nxt = Request(first.tokens + prompt(llama, 4, seed=42), max_tokens=STEPS)
     run(engine, [nxt])
     assert nxt.cached == len(first.tokens) and not inserted and engine.prefill_calls == calls
@@ -329,8 +329,6 @@ def test_lone_newcomer_goes_solo_and_the_next_wave_finds_the_kept_slots(llama, m
     slots wait aside, and newcomers arriving while it decodes grow the batch into them (its row
     copied in) and take the slots holding their prefixes, with no copy of theirs; every request
     gets its one-request tokens."""
-    from mlx_flashnorm.batch_cache import Slots
-
     system = prompt(llama, 12, seed=50)
     engine = BatchEngine(llama, prompt_cache=PromptCache(1 << 24))
     run(engine, [Request(system + prompt(llama, 3, seed=51 + i), max_tokens=2) for i in range(4)])
@@ -339,9 +337,7 @@ def test_lone_newcomer_goes_solo_and_the_next_wave_finds_the_kept_slots(llama, m
     engine.add(lone)
     engine.step()
     assert engine.solo and engine.spare is not None and lone.cached == len(system)
-    inserted = []
-    monkeypatch.setattr(Slots, "insert", lambda self, requests, *rest, f=Slots.insert: inserted.extend(
-        requests) or f(self, requests, *rest))
+    inserted = inserted_requests(monkeypatch)
     wave = [Request(system + prompt(llama, 5, seed=56 + i), max_tokens=4) for i in range(3)]
     for r in wave:
         engine.add(r)
@@ -359,8 +355,6 @@ def test_a_shrunk_batch_keeps_its_slots_aside_for_the_next_wave(llama, monkeypat
     wait aside, the slot a row ran in keeping nothing: a wave arriving later grows the batch back into
     them and takes the slots that kept its prefix, with no copy of theirs; every request gets its
     one-request tokens."""
-    from mlx_flashnorm.batch_cache import Slots
-
     monkeypatch.setattr("mlx_flashnorm.batch.SHRINK_AFTER", 2)
     system = prompt(llama, 12, seed=60)
     engine = BatchEngine(llama, prompt_cache=PromptCache(1 << 24))
@@ -373,9 +367,7 @@ def test_a_shrunk_batch_keeps_its_slots_aside_for_the_next_wave(llama, monkeypat
     assert engine.solo and spare is not None and spare.size == 4 and not any(spare.rows)
     assert sum(kept == () for kept in spare.left) == 1  # the long row's slot: it ran there
     assert all(kept[:len(system)] == tuple(system) for kept in spare.left if kept)
-    inserted = []
-    monkeypatch.setattr(Slots, "insert", lambda self, requests, *rest, f=Slots.insert: inserted.extend(
-        requests) or f(self, requests, *rest))
+    inserted = inserted_requests(monkeypatch)
     wave = [Request(system + prompt(llama, 5, seed=66 + i), max_tokens=4) for i in range(3)]
     for r in wave:
         engine.add(r)
