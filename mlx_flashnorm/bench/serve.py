@@ -247,20 +247,18 @@ def step_profile(steps):
 def paired(rows):
     """Lines saying, for each server and N with more than one row (the rows of --repeats), the median
     aggregate tok/s and the median (and range) of its ratio to the same repeat's first one-client row."""
-    lines, seen = [], {}
+    lines, groups, singles = [], {}, {}  # (server, N) -> its rows; (server, repeat) -> its first single's tok/s
     for r in rows:
         if "repeat" in r:
-            seen.setdefault((r["server"], r["clients"]), []).append(r)
-    for (server, n), group in seen.items():
+            groups.setdefault((r["server"], r["clients"]), []).append(r)
+            if r["clients"] == 1:
+                singles.setdefault((r["server"], r["repeat"]), r["tok_s"])
+    for (server, n), group in groups.items():
         if len(group) < 2:
             continue
         median = percentile([r["tok_s"] for r in group], 50)
         line = f"{server}, {n} clients ({len(group)} rows): median {median:,.0f} tok/s"
-        singles = {}
-        for r in rows:
-            if r["server"] == server and r["clients"] == 1 and "repeat" in r:
-                singles.setdefault(r["repeat"], r["tok_s"])
-        ratios = [r["tok_s"] / singles[r["repeat"]] for r in group if r["repeat"] in singles]
+        ratios = [r["tok_s"] / singles[server, r["repeat"]] for r in group if (server, r["repeat"]) in singles]
         if n > 1 and ratios:
             line += (f", {percentile(ratios, 50):.1f}x the same repeat's first single stream (paired, median; "
                      f"{min(ratios):.1f}-{max(ratios):.1f}x)")
