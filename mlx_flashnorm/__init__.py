@@ -19,6 +19,11 @@ except PackageNotFoundError:  # run from a source tree that is not installed
 warnings.filterwarnings("ignore", r"'mlx_flashnorm\.\w+' found in sys\.modules", RuntimeWarning)
 
 from .loader import load  # noqa: E402
-from .generate import generate, stream_generate  # noqa: E402  (the function, not the module)
+# the command module first: importing it binds the package's `generate` to the module, which the
+# line after it binds to the function, for good (a later import finds the module loaded)
+from . import generate as _command  # noqa: E402
+from .decoding import generate, stream_generate  # noqa: E402
+
+del _command
 
 __all__ = ["load", "generate", "stream_generate", "__version__"]

@@ -11,7 +11,8 @@ import mlx.core as mx
 from .cache import make_cache
 from .cli import HelpFormatter, add_generation_args, add_model_args, add_sampling_args
 from .errors import UserError, run_cli
-from .generate import cache_capacity, context_length, eager_cache, generation_kwargs, load_from_args, stream_generate
+from .decoding import cache_capacity, context_length, eager_cache, load_from_args, stream_generate
+from .generate import generation_kwargs
 from .lockstep import lockstep, shared
 
 

@@ -2,15 +2,11 @@
 names."""
 import argparse
 
-import mlx.core as mx
-
+from .decoding import MAX_SEED
 from .errors import HelpFormatter
 from .loader import DTYPE_CHOICES, NORMS, QUANT_BITS, QUANT_GROUP_SIZES
 
-__all__ = ["HelpFormatter", "MAX_SEED", "add_generation_args", "add_model_args", "add_sampling_args",
-           "wants_warmup"]
-
-MAX_SEED = 2**64 - 1  # mx.random.seed takes an unsigned 64-bit integer
+__all__ = ["HelpFormatter", "MAX_SEED", "add_generation_args", "add_model_args", "add_sampling_args"]
 
 
 def add_model_args(p):
@@ -63,12 +59,3 @@ def add_generation_args(p):
                    help="quantize the KV cache to this many bits (mlx-lm's QuantizedKVCache; decodes "
                         "eagerly)")
     p.add_argument("--kv-group-size", type=int, default=64, help="values per scale/bias with --kv-bits")
-
-
-def wants_warmup(args):
-    """--warmup or --no-warmup as given, else on a GPU (where a first request compiles kernels for
-    seconds and the warm-up runs in milliseconds) and not on the CPU: there MLX keeps the kernels it
-    compiles on disk, so that after a machine's first run a first request pays ~0.2 s more than
-    later ones (the step's trace, loading the kernels), while the warm-up's CPU prefill and steps
-    take 1.4-1.9 s (bench/RESULTS.md, "Warm-up on the CPU")."""
-    return mx.default_device() == mx.gpu if args.warmup is None else args.warmup

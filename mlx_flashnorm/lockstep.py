@@ -5,7 +5,7 @@ step's row-parallel sums pair the ranks' operations one to one.
 The logits are the same on every rank (each sum is), and shard.connect seeded every rank's random
 generator alike, so the ranks sample the same tokens; lockstep() checks that after each token.
 What only rank 0 knows is handed on with broadcast(): a chat's input lines (shared), a server's
-requests (worker.Generation.shared; the server then takes one request at a time, its batching
+requests (serve.requests.Generation.shared; the server then takes one request at a time, its batching
 worker keeps no lockstep). Outside `mlx.launch -n N` (N > 1) every function here is the plain
 single-process behaviour."""
 import json

@@ -15,7 +15,7 @@ from mlx_lm.models.base import create_attention_mask
 
 from . import flashnorm
 from .errors import HelpFormatter, UserError, run_cli
-from .generate import generate_step
+from .decoding import generate_step
 from .loader import dequantize, load
 
 

@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from mlx_flashnorm.generate import generate_step
+from mlx_flashnorm.decoding import generate_step
 from mlx_flashnorm.loader import load
 from mlx_flashnorm.shard import shard, world
 

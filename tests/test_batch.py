@@ -7,11 +7,12 @@ import threading
 import time
 from types import SimpleNamespace
 
-from mlx_flashnorm.batch import SHRINK_AFTER, BatchEngine, Request
-from mlx_flashnorm.batch_worker import BatchWorker, warmup
-from mlx_flashnorm.worker import Generation
-from mlx_flashnorm.generate import generate_step
-from mlx_flashnorm.prompt_cache import PromptCache
+from mlx_flashnorm.serve.engine import SHRINK_AFTER, BatchEngine
+from mlx_flashnorm.serve.sequence import Request
+from mlx_flashnorm.serve.batch_worker import BatchWorker, warmup
+from mlx_flashnorm.serve.requests import Generation
+from mlx_flashnorm.decoding import generate_step
+from mlx_flashnorm.serve.prompt_cache import PromptCache
 
 from conftest import GEMMA3, QWEN2, QWEN3, TINY_LLAMA, TINY_OPENELM, f32_tol, random_model
 
@@ -40,7 +41,7 @@ def single(model, tokens, steps=STEPS):
 
 def inserted_requests(monkeypatch):
     """The requests Slots.insert places from now on (a list it fills)."""
-    from mlx_flashnorm.batch_cache import Slots
+    from mlx_flashnorm.serve.slots import Slots
 
     inserted = []
     monkeypatch.setattr(Slots, "insert", lambda self, requests, *rest, f=Slots.insert: inserted.extend(
@@ -129,7 +130,7 @@ def test_newcomer_fed_on_real_weights(dtype, monkeypatch):
     Then a lone request at the idle engine runs solo, and a newcomer moves its row into the slots
     set aside: the same holds for both."""
     from mlx_flashnorm import load
-    from mlx_flashnorm.batch_cache import Slots
+    from mlx_flashnorm.serve.slots import Slots
 
     inserted, moved = inserted_requests(monkeypatch), []
     monkeypatch.setattr(Slots, "moved", lambda self, into, f=Slots.moved: moved.append(into.size) or f(self, into))
@@ -249,7 +250,7 @@ def test_newcomers_fed_together_take_their_prefixes_in_one_copy(model, monkeypat
     different cached ones (20 and 26 tokens, two blocks of the prompt cache): their prefixes go
     into the batch in one insertion (a gather a block and layer), and each gets its one-request
     tokens."""
-    from mlx_flashnorm.batch_cache import Slots
+    from mlx_flashnorm.serve.slots import Slots
 
     a, b = prompt(model, 20, seed=21), prompt(model, 26, seed=22)
     engine = BatchEngine(model, prompt_cache=PromptCache(1 << 24))
@@ -355,7 +356,7 @@ def test_a_shrunk_batch_keeps_its_slots_aside_for_the_next_wave(llama, monkeypat
     wait aside, the slot a row ran in keeping nothing: a wave arriving later grows the batch back into
     them and takes the slots that kept its prefix, with no copy of theirs; every request gets its
     one-request tokens."""
-    monkeypatch.setattr("mlx_flashnorm.batch.SHRINK_AFTER", 2)
+    monkeypatch.setattr("mlx_flashnorm.serve.engine.SHRINK_AFTER", 2)
     system = prompt(llama, 12, seed=60)
     engine = BatchEngine(llama, prompt_cache=PromptCache(1 << 24))
     first = [Request(system + prompt(llama, 3, seed=61 + i), max_tokens=m) for i, m in enumerate((20, 2, 2, 2))]
@@ -793,7 +794,7 @@ def test_warmup_leaves_no_trace(llama, monkeypatch):
     engine's feed_wait) but leaves the prompt cache, the counts, the bound, no measured step periods
     and the batch as they were."""
     engine = BatchEngine(llama, prompt_cache=PromptCache(1 << 24), feed_wait=1e-9)  # (no bound in the warm-up)
-    from mlx_flashnorm.batch_cache import Slots
+    from mlx_flashnorm.serve.slots import Slots
 
     calls, fed, inserted = [], [], []
     monkeypatch.setattr(Slots, "insert", lambda *a, f=Slots.insert: inserted.append(f(*a)) or inserted[-1])
@@ -835,7 +836,7 @@ def test_solo_row_takes_the_compiled_step_and_back(model, monkeypatch):
     """A lone row runs the compiled one-request step (Solo); a newcomer turns it back into a batch
     row, and when the other leaves the last row goes solo again (at once here: SHRINK_AFTER 0);
     tokens stay the single ones."""
-    monkeypatch.setattr("mlx_flashnorm.batch.SHRINK_AFTER", 0)
+    monkeypatch.setattr("mlx_flashnorm.serve.engine.SHRINK_AFTER", 0)
     a, b = prompt(model, 9), prompt(model, 14)
     first, second = Request(a, max_tokens=STEPS), Request(b, max_tokens=4)
     engine = BatchEngine(model)

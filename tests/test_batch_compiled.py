@@ -5,13 +5,14 @@ import importlib
 import mlx.core as mx
 import pytest
 
-from mlx_flashnorm.batch import BatchEngine, Request
-from mlx_flashnorm.batch_cache import Slots, bucket, kv_layout
+from mlx_flashnorm.serve.engine import BatchEngine
+from mlx_flashnorm.serve.sequence import Request
+from mlx_flashnorm.serve.slots import Slots, bucket, kv_layout
 
 from conftest import GEMMA3, TINY_LLAMA, count_traces, random_model
 from test_batch import prompt, single
 
-generate = importlib.import_module("mlx_flashnorm.generate")  # the module (the package exports a function of its name)
+generate = importlib.import_module("mlx_flashnorm.decoding")  # the module (the package exports a function of its name)
 
 CONFIGS = {"llama": TINY_LLAMA, "gemma3": GEMMA3}
 
@@ -29,7 +30,7 @@ def test_buckets_grow_and_shrink(model, monkeypatch):
     """Rows joining grow the slots (1 -> 2 -> 8) and the capacity (a longer request), rows leaving
     shrink them (to a quarter, then one slot); every request gets its single tokens."""
     monkeypatch.setattr(generate, "CAPACITY_STEP", 16)  # capacity buckets of 16 positions
-    monkeypatch.setattr("mlx_flashnorm.batch.SHRINK_AFTER", 0)  # shrunk as soon as the rows fit
+    monkeypatch.setattr("mlx_flashnorm.serve.engine.SHRINK_AFTER", 0)  # shrunk as soon as the rows fit
     lengths, steps = (5, 9, 3, 12, 7), (14, 4, 6, 30, 5)
     requests = [Request(prompt(model, n), max_tokens=m) for n, m in zip(lengths, steps)]
     joins = {0: [0], 1: [1], 3: [2, 3, 4]}
@@ -104,9 +105,9 @@ def test_idle_slots_change_nothing(model):
         slots.release(2)
         slots.insert(["row"], kv, [[p[-1]]], [kv[0][0].shape[2]])
         assert slots.rows.index("row") == 0
-        step = [slots.step()]
+        step = [slots.decode()]
         slots.tokens = step[0][1]
-        step.append(slots.step())
+        step.append(slots.decode())
         outs.append(mx.stack([out[0] for out, _ in step]))
         assert slots.pos == ([10, 0, 0, 0] if not noise else [10, 0, 7, 2])
         assert mx.array_equal(slots.offset, mx.array(slots.pos)).item()

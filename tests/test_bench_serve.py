@@ -57,7 +57,7 @@ def test_step_profile_finds_the_steady_step_and_the_time_in_it():
 
 def test_engine_round_samples_at_the_temperature_asked(tiny_llama_dir, monkeypatch):
     """--temperature reaches every request: the engine alone's requests sample at it."""
-    from mlx_flashnorm.batch import BatchEngine
+    from mlx_flashnorm.serve.engine import BatchEngine
 
     model, tokenizer = load(str(tiny_llama_dir), progress=False)
     temps, add = [], BatchEngine.add

@@ -7,7 +7,7 @@ import pytest
 
 from mlx_flashnorm import chat
 
-gen = importlib.import_module("mlx_flashnorm.generate")  # the module (the package attribute is the function)
+gen = importlib.import_module("mlx_flashnorm.decoding")  # the module (the package attribute is the function)
 
 from conftest import cli
 

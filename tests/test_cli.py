@@ -128,7 +128,8 @@ def test_help_shows_every_default():
 
 def test_warmup_flags_and_default():
     """--warmup/--no-warmup decide; without either, the commands warm up on a GPU, not on the CPU."""
-    from mlx_flashnorm.generate import arg_parser, wants_warmup
+    from mlx_flashnorm.generate import arg_parser
+    from mlx_flashnorm.decoding import wants_warmup
 
     def wants(*flags):
         return wants_warmup(arg_parser().parse_args(["-p", "hi", *flags]))

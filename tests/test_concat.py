@@ -12,7 +12,7 @@ from conftest import TINY_LLAMA, f32_tol, random_weights, rel
 from mlx_flashnorm import concat, flashnorm, kernels, loader
 from mlx_flashnorm.kernels import cpu
 from mlx_flashnorm.bench.step_graph import step_ops
-from mlx_flashnorm.generate import generate_step
+from mlx_flashnorm.decoding import generate_step
 
 TOL = f32_tol(1e-5)  # float32; widened on a GPU (TF32 matmuls)
 SMALL = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4,

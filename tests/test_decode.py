@@ -11,7 +11,7 @@ from mlx_flashnorm.kernels import build, nvrtc
 from mlx_flashnorm.bench.step_graph import step_ops
 from mlx_flashnorm import cache as cache_module
 from mlx_flashnorm.cache import make_cache
-from mlx_flashnorm.generate import (StaticKVCache, decode_offset, generate_step, make_sampler_for, position,
+from mlx_flashnorm.decoding import (StaticKVCache, decode_offset, generate_step, make_sampler_for, position,
                                     warmup)
 from mlx_flashnorm.loader import build_model, model_args, prepare
 
@@ -203,7 +203,7 @@ def test_changed_model_gets_a_new_step(model):
     """compiled_decode keeps one step per model while the model is unchanged (each link of its
     tree checked by identity, no walk of its parameters per request) and makes a new one when a
     module is swapped, a child added or a weight replaced, even by an equal array."""
-    from mlx_flashnorm.generate import compiled_decode
+    from mlx_flashnorm.decoding import compiled_decode
 
     model._compiled_decode = None
     step = compiled_decode(model)

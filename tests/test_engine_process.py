@@ -9,12 +9,12 @@ from types import SimpleNamespace
 import mlx.core as mx
 import pytest
 
-from mlx_flashnorm.batch import Event
-from mlx_flashnorm.engine_process import EngineProcess, PipedWorker
+from mlx_flashnorm.serve.sequence import Event
+from mlx_flashnorm.serve.engine_process import EngineProcess, PipedWorker
 from mlx_flashnorm.errors import UserError
-from mlx_flashnorm.generate import stream_generate
+from mlx_flashnorm.decoding import stream_generate
 from mlx_flashnorm.server import Server, arg_parser
-from mlx_flashnorm.worker import Generation, Token
+from mlx_flashnorm.serve.requests import Generation, Token
 
 from conftest import cli, openai_client, serving
 

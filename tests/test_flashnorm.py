@@ -15,7 +15,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 from conftest import OPENELM_270M, TINY_LLAMA, random_weights
 from mlx_flashnorm import flashnorm as fn
 from mlx_flashnorm import loader
-from mlx_flashnorm.generate import generate_step
+from mlx_flashnorm.decoding import generate_step
 from mlx_flashnorm.nn import DyT
 from mlx_flashnorm.models import llama, openelm
 

@@ -11,7 +11,7 @@ from conftest import GEMMA3, load_folder as ours, random_weights, rel, write_che
 from mlx_flashnorm import flashnorm, loader
 from mlx_flashnorm.convert import export
 from mlx_flashnorm.errors import UserError
-from mlx_flashnorm.generate import generate_step
+from mlx_flashnorm.decoding import generate_step
 from mlx_flashnorm.models import gemma3
 
 TOL = 1e-4

@@ -8,7 +8,7 @@ from mlx_lm.models import gemma3_text
 from conftest import rel
 
 from mlx_flashnorm import flashnorm, loader
-from mlx_flashnorm.generate import generate
+from mlx_flashnorm.decoding import generate
 from mlx_flashnorm.gguf import read_gguf
 from mlx_flashnorm.models import gemma3
 

@@ -16,7 +16,7 @@ from mlx_flashnorm import chat, load
 from mlx_flashnorm.errors import UserError
 from mlx_flashnorm.loader import model_args
 
-gen = importlib.import_module("mlx_flashnorm.generate")  # the module (the package attribute is the function)
+gen = importlib.import_module("mlx_flashnorm.decoding")  # the module (the package attribute is the function)
 
 TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")

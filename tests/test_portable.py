@@ -9,7 +9,7 @@ from mlx.utils import tree_flatten
 from conftest import OPENELM_270M, TINY_LLAMA, f32_tol, random_weights, rel
 from mlx_flashnorm import flashnorm, forms, loader
 from mlx_flashnorm.bench.step_graph import step_ops
-from mlx_flashnorm.generate import generate_step
+from mlx_flashnorm.decoding import generate_step
 
 TINY_OPENELM = dict(OPENELM_270M, model_dim=128, num_transformer_layers=2, num_query_heads=[4, 4],
                     num_kv_heads=[2, 1], ffn_multipliers=[0.5, 1.0], vocab_size=512)

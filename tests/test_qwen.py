@@ -11,7 +11,7 @@ from mlx_lm.utils import load_model
 from conftest import QWEN2, QWEN3, load_folder as ours, random_weights, rel, write_checkpoint
 from mlx_flashnorm import flashnorm, loader
 from mlx_flashnorm.convert import export
-from mlx_flashnorm.generate import generate_step
+from mlx_flashnorm.decoding import generate_step
 
 TOL = 1e-4
 

@@ -11,7 +11,7 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from mlx_flashnorm import load, stream_generate
 from mlx_flashnorm.errors import UserError
-from mlx_flashnorm.generate import generate_step, make_sampler_for
+from mlx_flashnorm.decoding import generate_step, make_sampler_for
 from mlx_flashnorm.loader import build_model, model_args, prepare
 
 from conftest import TINY_LLAMA, f32_tol, random_weights

@@ -16,10 +16,11 @@ import openai
 import pytest
 
 from mlx_flashnorm import load
-from mlx_flashnorm.generate import generate, generate_step
-from mlx_flashnorm.openai_api import Call, Transcript
+from mlx_flashnorm.decoding import generate, generate_step
+from mlx_flashnorm.serve.openai_api import Call, Transcript
 from mlx_flashnorm.server import Server
-from mlx_flashnorm.worker import Generation, SerialWorker, Token
+from mlx_flashnorm.serve.requests import Generation, Token
+from mlx_flashnorm.serve.serial import SerialWorker
 
 from conftest import count_traces, openai_client, serving
 
@@ -36,9 +37,9 @@ class CountingWorker(SerialWorker):
         self.made = []
         super().__init__(*args, **kwargs)
 
-    def tokens(self, generation):
+    def stream(self, generation):
         self.made.append(0)
-        for token in super().tokens(generation):
+        for token in super().stream(generation):
             self.made[-1] += 1
             yield token
 

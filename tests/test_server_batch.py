@@ -10,8 +10,8 @@ import time
 import pytest
 
 from mlx_flashnorm import load
-from mlx_flashnorm.batch_worker import BatchWorker
-from mlx_flashnorm.generate import generate
+from mlx_flashnorm.serve.batch_worker import BatchWorker
+from mlx_flashnorm.decoding import generate
 from mlx_flashnorm.server import Server
 
 from conftest import cli, openai_client, serving
@@ -98,7 +98,7 @@ def test_a_stream_behind_the_worker_catches_up_in_one_event(server, client, monk
     """A stream that fell behind the batch (the streamer held up 1 s before its first tokens) sends
     the tokens waiting as one event: fewer events than tokens, the same text and log-probabilities
     as the answer in one piece."""
-    from mlx_flashnorm import streaming
+    from mlx_flashnorm.serve import streaming
 
     advance, held = streaming.Stream.advance, []
 

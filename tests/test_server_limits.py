@@ -10,9 +10,9 @@ import time
 import openai
 import pytest
 
-from mlx_flashnorm.batch_worker import BatchWorker
+from mlx_flashnorm.serve.batch_worker import BatchWorker
 from mlx_flashnorm.server import Server
-from mlx_flashnorm.worker import SerialWorker
+from mlx_flashnorm.serve.serial import SerialWorker
 
 from conftest import serving
 
@@ -267,7 +267,7 @@ def test_cross_origin_requests_need_cors_origin(server):
 
 
 class FailingWorker(SerialWorker):
-    def tokens(self, generation):
+    def stream(self, generation):
         raise RuntimeError("the device fell over")
         yield
 

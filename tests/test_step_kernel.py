@@ -8,9 +8,10 @@ import mlx.core as mx
 import pytest
 
 from mlx_flashnorm import forms, kernels, load
-from mlx_flashnorm.batch import BatchEngine, Request
+from mlx_flashnorm.serve.engine import BatchEngine
+from mlx_flashnorm.serve.sequence import Request
 from mlx_flashnorm.flashnorm import stack
-from mlx_flashnorm.generate import generate_step
+from mlx_flashnorm.decoding import generate_step
 from mlx_flashnorm.kernels import build, step, step_source
 from mlx_flashnorm.loader import build_model, model_args, prepare
 

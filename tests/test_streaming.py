@@ -6,9 +6,9 @@ import socket
 import threading
 import time
 
-from mlx_flashnorm.openai_api import Answer, Call, Transcript
-from mlx_flashnorm.streaming import POLL, Stream, Streamer
-from mlx_flashnorm.worker import Generation, Ticket, Token
+from mlx_flashnorm.serve.openai_api import Answer, Call, Transcript
+from mlx_flashnorm.serve.streaming import POLL, Stream, Streamer
+from mlx_flashnorm.serve.requests import Generation, Ticket, Token
 
 
 def stream_on(pair_end, tokenizer, ticket_tokens=8):

@@ -26,7 +26,7 @@ import mlx.core as mx
 from .. import forms
 from ..cache import make_cache
 from ..errors import HelpFormatter, run_cli
-from ..generate import cache_capacity, compiled_decode, decode_offset
+from ..decoding import cache_capacity, compiled_decode, decode_offset
 from .decode import PEER, device_name, load_mlx_lm, load_ours, random_checkpoint, random_shape
 
 KERNELS = ("add_rss", "normalize", "rope_qkv", "qkv_rope", "gate_up", "decode_attention")

@@ -1,4 +1,4 @@
-"""Host cost of the continuous batch's decode step (batch.BatchEngine) at 1, 8 and 32 rows.
+"""Host cost of the continuous batch's decode step (engine.BatchEngine) at 1, 8 and 32 rows.
 
 On a fast GPU decoding a small model is bound by the host work per step (Python building the
 graph, MLX submitting each operation), so a batched step should cost about what a one-row step
@@ -16,10 +16,9 @@ costs. For each row count, after the rows joined and the step was traced:
 Requests: prompts of 20 + i tokens, 64 new tokens (bench.serve's shape). --narrow: a random model
 of SmolLM2-135M's depth (30 layers) and 64 wide, where the device work is small beside the
 host's: its engine step is close to the host cost per step. --capacity-step: the static caches'
-capacity bucket (generate.CAPACITY_STEP, 1024): on the CPU the attention over the whole capacity
+capacity bucket (decoding.CAPACITY_STEP, 1024): on the CPU the attention over the whole capacity
 is real work, which a GPU does in a fraction of a millisecond."""
 import argparse
-import importlib
 import statistics
 import tempfile
 import time
@@ -27,15 +26,15 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .. import forms
-from ..batch import BatchEngine, Request
+from .. import decoding, forms
+from ..serve.engine import BatchEngine
+from ..serve.sequence import Request
 from ..errors import HelpFormatter, run_cli
 from ..kernels import use_decode_layers
 from ..loader import load
 from .decode import SMOLLM2_135M, load_ours, random_checkpoint
 from .step_graph import VIEWS, graph_ops
 
-generate = importlib.import_module("..generate", __package__)  # the module (the package exports a function of its name)
 NARROW = dict(SMOLLM2_135M, hidden_size=64, intermediate_size=128, num_attention_heads=2,
               num_key_value_heads=1, head_dim=32, vocab_size=512)
 
@@ -112,10 +111,10 @@ def main(argv=None):
     p.add_argument("--narrow", action="store_true", help="a random 30-layer model 64 wide instead")
     p.add_argument("--rows", default="1,8,32", help="row counts, comma-separated")
     p.add_argument("--reps", type=int, default=10, help="steps timed per row count (at most 20)")
-    p.add_argument("--capacity-step", type=int, default=generate.CAPACITY_STEP,
+    p.add_argument("--capacity-step", type=int, default=decoding.CAPACITY_STEP,
                    help="static cache capacity bucket, in positions")
     args = p.parse_args(argv)
-    generate.CAPACITY_STEP = args.capacity_step
+    decoding.CAPACITY_STEP = args.capacity_step
     rows = [int(x) for x in args.rows.split(",")]
     print(f"device {mx.default_device()}, capacity step {args.capacity_step}")
     print("| model | step | rows | build ms | submit ms | wait ms | ops | non-view | engine step ms |")

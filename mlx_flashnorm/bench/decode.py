@@ -19,7 +19,7 @@ from mlx.utils import tree_flatten
 from .. import forms, progress
 from ..convert import export
 from ..errors import UserError
-from ..generate import generate_step
+from ..decoding import generate_step
 from ..loader import DTYPES, build_model, load, model_args, prepare, read_config, read_safetensors
 
 NORM_MODES = ("rms", "flash", "none")

@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from .. import flashnorm
 from ..errors import HelpFormatter, run_cli
-from ..generate import generate_step
+from ..decoding import generate_step
 from ..loader import dequantize, load, model_args
 from .decode import OPENELM_270M
 from .flash_head import random_openelm

@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 
 from .. import flashnorm
 from ..errors import HelpFormatter, UserError, run_cli
-from ..generate import generate_step
+from ..decoding import generate_step
 from ..loader import dequantize, load, model_args
 from .decode import OPENELM_270M, device_name, measure, summary
 

@@ -21,7 +21,7 @@ TEXT = ("Once upon a time, in a small village by the sea, there lived an old lig
 
 
 class Paced:
-    """The stand-in worker (worker.py's interface): a token for every live ticket each period."""
+    """The stand-in worker (requests.py's interface): a token for every live ticket each period."""
 
     def __init__(self, tokens, period, vocab_size, slots=32):
         self.tokens, self.period, self.slots = tokens, period, slots
@@ -30,7 +30,7 @@ class Paced:
         threading.Thread(target=self._run, daemon=True).start()
 
     def submit(self, generation):
-        from ..worker import Ticket
+        from ..serve.requests import Ticket
 
         ticket = Ticket(generation)
         with self.lock:
@@ -38,7 +38,7 @@ class Paced:
         return ticket
 
     def _run(self):
-        from ..worker import Token
+        from ..serve.requests import Token
 
         due = time.perf_counter()
         while True:

@@ -26,7 +26,7 @@ from ..kernels import build, nvrtc
 from ..kernels import check as checks
 from .. import nn as fnn
 from ..errors import HelpFormatter
-from ..generate import decode_offset, position
+from ..decoding import decode_offset, position
 
 
 def per_call(f, x, n=60, compiled=True):

@@ -35,7 +35,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..errors import HelpFormatter, UserError, run_cli
-from ..generate import KV_BITS, eager_cache, stream_generate
+from ..decoding import KV_BITS, eager_cache, stream_generate
 from ..loader import DTYPE_CHOICES, NORMS, load
 from ..perplexity import token_nll
 from .decode import write_atomic

@@ -5,7 +5,7 @@ first request pays its own cold start (MLX's kernel compilation, our kernels, th
 trace). The series is a conversation resent in full each turn, as an OpenAI-style client does:
 each prompt is the previous one plus the reply plus a new user message (cut from the front to fit
 the context), and max_tokens varies from request to request. Our modes warm up after loading as
-the generate, chat and server commands do by default on this device (generate.wants_warmup), or
+the generate, chat and server commands do by default on this device (decoding.wants_warmup), or
 as --warmup/--no-warmup say; mlx-lm has no warm-up. Reported per mode: load time, warm-up time,
 time to first token (TTFT) of the first request, the cold start (their sum: what the first user
 of a fresh process waits), median and max TTFT over the other requests, and end-to-end tokens/s
@@ -28,7 +28,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..errors import HelpFormatter, UserError, run_cli
-from ..generate import wants_warmup, warmup
+from ..decoding import wants_warmup, warmup
 from ..loader import DTYPE_CHOICES, resolve_dtype
 from .decode import (EAGER, PEER, context_length, device_name, gguf_checkpoint, load_mlx_lm, load_ours, log,
                      mlx_lm_runner, our_runner, parse_modes, random_checkpoint, random_shape, timed, write_atomic)

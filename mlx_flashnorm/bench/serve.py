@@ -16,7 +16,7 @@ as loaded, mlx-lm's layout, convert.export) under --work, which both servers the
 cannot read a GGUF's Q4_1 blocks itself.
 
 --engine adds a row for our engine alone: the same requests, as our server would tokenize them,
-fed to a batch.BatchEngine configured as the server's in this process, each client's next request
+fed to a engine.BatchEngine configured as the server's in this process, each client's next request
 added when its last one ends (no HTTP, no threads; after an untimed request, as each server gets
 one): what the server's front costs is the difference. Below the table, each engine row's steps:
 the steady step (the median of those holding the most rows), the seconds spent in such steps
@@ -190,11 +190,12 @@ def engine_round(model, tokenizer, clients, rounds, max_tokens, tag, temperature
     """load_round's requests fed to a BatchEngine as the server's (server.MAX_CONCURRENT rows,
     its prompt cache and prefill step), warmed up; timed from the first request added. A token's
     time is that of the engine step that read it."""
-    from ..batch import FEED_WAIT, BatchEngine, Request
-    from ..batch_worker import warmup
-    from ..generate import context_length
-    from ..openai_api import parse_call
-    from ..prompt_cache import PromptCache
+    from ..decoding import context_length
+    from ..serve.batch_worker import warmup
+    from ..serve.engine import FEED_WAIT, BatchEngine
+    from ..serve.openai_api import parse_call
+    from ..serve.prompt_cache import PromptCache
+    from ..serve.sequence import Request
     from ..server import MAX_CONCURRENT, PREFILL_STEP, PROMPT_CACHE_MB
 
     engine = BatchEngine(model, MAX_CONCURRENT, PREFILL_STEP, PromptCache(PROMPT_CACHE_MB * 2**20),

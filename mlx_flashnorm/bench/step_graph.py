@@ -21,7 +21,7 @@ import mlx.core as mx
 from .. import forms
 from ..cache import StaticKVCache
 from ..errors import HelpFormatter
-from ..generate import decode_offset, position
+from ..decoding import decode_offset, position
 from .decode import NORM_MODES, SHAPES, SUBLAYER, load_ours, random_checkpoint
 
 VIEWS = {"Reshape", "Transpose", "Slice", "Split", "ExpandDims", "Squeeze", "Broadcast", "AsStrided",

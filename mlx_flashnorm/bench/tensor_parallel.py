@@ -17,7 +17,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ..errors import HelpFormatter, run_cli
-from ..generate import generate_step
+from ..decoding import generate_step
 from ..loader import NORMS, load
 from ..shard import world
 

@@ -117,7 +117,7 @@ def _stacked(layers, mats):
 def decode_stack(layers, h, cache):
     """The input of the final norm, (x, residual), after every block for the decode rows h
     (embeddings, (B, 1, K)) through one kernel, with the caches' new k and v written: B = 1 over
-    StaticKVCaches, kernels.decode_layers; B rows over a batch's caches (batch_cache.RowsKVCache),
+    StaticKVCaches, kernels.decode_layers; B rows over a batch's caches (serve.slots.RowsKVCache),
     kernels.decode_rows. Both kinds of cache say so with `static_rows` (buffers of every position,
     an array offset per row). None where the kernel does not take these blocks (then the model runs
     its loop): a prefill, an eager step, the CPU, the portable path, another architecture."""

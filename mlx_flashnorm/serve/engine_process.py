@@ -10,7 +10,7 @@ fork) loads the model from the server's own flags and runs a batch_worker.BatchW
 process keeps only the tokenizer, which the child sends over once it has loaded. Requests and
 cancellations go to the child over a socket pair, and each engine step's tokens come back as one message.
 
-EngineProcess has the worker interface (worker.py: slots, submit(generation) -> Ticket, close()),
+EngineProcess has the worker interface (requests.py: slots, submit(generation) -> Ticket, close()),
 plus the model's context_length and vocab_size, which the server checks requests against. If the
 child dies, every request in flight and every later one fails with an error the server answers
 as a 500, and the server goes on answering."""
@@ -22,10 +22,10 @@ import sys
 import threading
 from multiprocessing.connection import Connection
 
+from ..decoding import context_length, load_from_args
+from ..errors import UserError
 from .batch_worker import BatchWorker
-from .errors import UserError
-from .generate import context_length, load_from_args
-from .worker import Ticket, Token, token_of
+from .requests import Ticket, Token, token_of
 
 CLOSE_TIMEOUT = 30  # seconds the child may take to stop once asked
 
@@ -33,7 +33,7 @@ CLOSE_TIMEOUT = 30  # seconds the child may take to stop once asked
 class EngineProcess:
     def __init__(self, args, warm=False, max_batch=32, prompt_cache_bytes=0, prefill_step=2048):
         """args: the server's parsed flags (the model flags of cli.add_model_args: the child loads
-        with generate.load_from_args); the rest as BatchWorker's. Returns once the child has loaded
+        with decoding.load_from_args); the rest as BatchWorker's. Returns once the child has loaded
         (and warmed up); a load error (UserError) is raised here."""
         self.slots = max_batch
         here, there = socket.socketpair()

@@ -1,19 +1,22 @@
-"""The server's batching worker: a batch.BatchEngine stepped on a thread of its own, fed the
-server's tickets (worker.py's interface), a burst that finds it idle gathered so that it prefills
+"""The server's batching worker: an engine.BatchEngine stepped on a thread of its own, fed the
+server's tickets (requests.py's interface), a burst that finds it idle gathered so that it prefills
 together."""
 import queue
 import time
 
 import mlx.core as mx
 
-from .batch import FEED_WAIT, BatchEngine, Request
-from .batch_cache import Slots, bucket, needed_capacity
+from ..decoding import context_length
+from .engine import FEED_WAIT, BatchEngine
 from .prompt_cache import PromptCache
-from .worker import Ticket, serve_on_thread, token_of
+from .requests import Ticket, token_of
+from .sequence import Request
+from .serial import serve_on_thread
+from .slots import Slots, bucket, needed_capacity
 
 
 class BatchWorker:
-    """The server's generation worker (worker.py's interface: slots, submit(Generation) -> Ticket)
+    """The server's generation worker (requests.py's interface: slots, submit(Generation) -> Ticket)
     over a BatchEngine on its own thread: MLX streams belong to the thread that made them, so the
     model runs on this one's. A cancelled ticket's request leaves the batch at the next step.
 
@@ -26,6 +29,7 @@ class BatchWorker:
     def __init__(self, model, tokenizer, warm=False, max_batch=32, prompt_cache_bytes=0, prefill_step=2048,
                  gather=(0.002, 0.02)):
         self.slots, self.gather = max_batch, gather
+        self.context_length, self.vocab_size = context_length(model), model.args.vocab_size
         cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
         self.engine = BatchEngine(model, max_batch, prefill_step, cache, feed_wait=FEED_WAIT)
         self.stop_tokens = frozenset(tokenizer.eos_token_ids)
@@ -107,7 +111,7 @@ def warmup(engine, prompt=16, steps=3):
     first use, seconds on a fresh machine: bench/RESULTS.md, "Serving"), then a lone request whose
     batch grows into the slots set aside (Slots.moved), outside the prompt cache
     and the prefill counts, so that a first real request finds MLX's kernels compiled
-    (generate.warmup's reason) and the prompt cache's copies too (a first store of 32 rows
+    (decoding.warmup's reason) and the prompt cache's copies too (a first store of 32 rows
     took 0.33 s on an H200: bench/RESULTS.md, "Serving"), with no bound on feeding (its steps
     compile) and no step period kept; then trace the batched step of every
     bucket up to max_batch, at the first capacity. Call it on the thread that will step the

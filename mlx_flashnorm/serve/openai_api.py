@@ -1,5 +1,5 @@
 """The OpenAI forms of the server's requests and answers: a request body checked and turned into a
-Call (a worker.Generation and what the answer needs), every field range-checked before the request
+Call (a requests.Generation and what the answer needs), every field range-checked before the request
 is queued; and the tokens that come back turned into the client's text, cut at stop strings, with
 their log-probabilities in the chat or the completions shape (Transcript)."""
 import json
@@ -10,8 +10,8 @@ from dataclasses import dataclass, field as dataclass_field
 
 from jinja2 import TemplateError
 
-from .cli import MAX_SEED
-from .worker import Generation
+from ..decoding import MAX_SEED
+from .requests import Generation
 
 MAX_LOGPROBS = 20  # top_logprobs (chat) and logprobs (completions) at most
 MAX_STOPS = 16
@@ -204,7 +204,7 @@ def held_back(text, stops):
 
 @dataclass
 class Entry:
-    token: object  # worker.Token
+    token: object  # requests.Token
     start: int  # where its text begins in the completion
 
 
@@ -249,7 +249,7 @@ class Transcript:
         return after[len(before):]
 
     def add(self, token):
-        """(piece, finish_reason, entries) for the client on one worker.Token: finish_reason is None
+        """(piece, finish_reason, entries) for the client on one requests.Token: finish_reason is None
         until the end, "stop" (an end-of-sequence token or a stop string) or "length"."""
         finish = token.finish_reason
         if finish == "stop":  # an end-of-sequence token: neither text nor counted

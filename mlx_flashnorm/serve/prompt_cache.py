@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-from .errors import UserError
+from ..errors import UserError
 
 def common_prefix(a, b):
     """The number of leading elements two int arrays share."""

@@ -10,15 +10,15 @@ it is (the step adds `inc`, 0 for it), its token and result are thrown away, and
 covers one position, so its softmax has something to normalize (no NaN; rows never mix anyway).
 
 The shapes are fixed per (slots, capacity) bucket: slots in BUCKETS, capacity in multiples of
-generate.CAPACITY_STEP (generate.cache_capacity). mx.compile traces the step once per bucket; a row
+decoding.CAPACITY_STEP (decoding.cache_capacity). mx.compile traces the step once per bucket; a row
 joining or leaving inside the bucket only changes arrays (positions, inc, tokens), never the graph.
-A bucket of one slot decodes with the one-request compiled step (generate.compiled_decode: our
+A bucket of one slot decodes with the one-request compiled step (decoding.compiled_decode: our
 fused one-row kernels where they run), where generate_step would use it."""
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from . import forms
-from .generate import CompiledStep, cache_capacity, compiled_decode, decode_offset
+from .. import forms
+from ..decoding import CompiledStep, cache_capacity, compiled_decode, decode_offset
 from .prompt_cache import shared_prefixes, token_rows
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # slots a batch is padded to; beyond, multiples of the last
@@ -77,7 +77,7 @@ def batched_decode(model, logits=False):
             return out, mx.argmax(out, axis=-1), offset + inc, [c.state for c in cache]
 
         setattr(model, name, CompiledStep(model, mx.compile(step)))
-    return getattr(model, name).step
+    return getattr(model, name).fn
 
 
 def kv_layout(model):
@@ -237,11 +237,11 @@ class Slots:
         if self.dirty:
             self.offset = decode_offset(self.pos[0]) if self.solo else mx.array(self.pos, mx.int32)
             self.inc = mx.array([int(r is not None) for r in self.rows], mx.int32)
-            self.steps = {}  # logits -> the compiled step (step)
+            self.steps = {}  # logits -> the compiled step (decode)
             self.dirty = False
         return self.tokens, self.offset, self.inc
 
-    def step(self, logits=False):
+    def decode(self, logits=False):
         """Queue one decode step over every slot: (out (size, vocab), argmax (size,)); the
         positions and buffers advance (lazily). The caller sets self.tokens to the tokens it
         samples."""

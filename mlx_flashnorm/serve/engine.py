@@ -13,7 +13,7 @@ chunks of at most `prefill_step` tokens per engine step, between the others' dec
 long prompt delays the running streams by one chunk a step rather than by its whole length;
 newcomers that arrive together and fit the step whole share one call (rows padded at their ends,
 each from the shortest of their cached prefixes). Once only its last token is left it takes a slot
-of the batch's static cache (batch_cache.Slots: one buffer per layer, a slot per row, each row at
+of the batch's static cache (slots.Slots: one buffer per layer, a slot per row, each row at
 its own position) and the compiled batched step decodes it with the others: one compiled call and
 one argmax for the greedy rows (sampled rows and logits processors add operations), the host's
 other work a few microseconds a row (bench/RESULTS.md, "Serving").
@@ -39,76 +39,17 @@ bucket of one slot runs the one-request compiled step.
 The engine is synchronous (BatchEngine.step); batch_worker.BatchWorker runs one on its own thread for the server."""
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import List, NamedTuple, Optional
+from typing import List, NamedTuple
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from . import forms
-from .batch_cache import Slots, bucket, kv_layout, needed_capacity, one_row_cache, rows_of
-from .generate import context_length, make_sampler_for
+from .. import forms
+from ..decoding import context_length
 from .prompt_cache import common_prefix
-from .worker import Ticket
-
-
-@dataclass(eq=False)
-class Request:
-    """One generation: prompt token ids and how to continue them. The engine fills in the rest."""
-    tokens: List[int]
-    max_tokens: int = 256
-    temp: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: Optional[int] = None
-    stop_tokens: frozenset = frozenset()  # ids that end it with finish "stop" (EOS)
-    logits_processors: list = field(default_factory=list)  # mlx-lm's: f(tokens, logits) -> logits
-    generated: List[int] = field(default_factory=list)
-    cached: int = 0  # prompt tokens taken from the prompt cache
-    cancelled: bool = False  # set by the caller (a stop string, a client gone): it leaves at the next step
-    next: Optional[int] = None  # the last token read
-    ticket: Optional[Ticket] = None  # BatchWorker: where its tokens go
-    slot: Optional[int] = None  # its slot of the batch's cache while it decodes
-    queued: int = 0  # decode steps queued for it
-    seen: Optional[mx.array] = None  # its tokens so far, on the device (for its logits processors)
-
-    def __post_init__(self):
-        self.sampler = make_sampler_for(self.temp, self.top_p, self.top_k, self.min_p)
-        self.key = None if self.seed is None else mx.random.key(self.seed)
-
-    greedy = property(lambda self: self.temp == 0)
-
-    def sample(self, logprobs):
-        """The sampler on this row's (1, vocab) log-probabilities. A seeded request draws from its
-        own key, split once per token as MLX splits its global key: what a lone request seeded
-        with mx.random.seed draws (the filters in make_sampler's order: top-p, min-p, top-k)."""
-        if self.key is None or self.temp == 0:
-            return self.sampler(logprobs)
-        if 0 < self.top_p < 1:
-            logprobs = apply_top_p(logprobs, self.top_p)
-        if self.min_p != 0:
-            logprobs = apply_min_p(logprobs, self.min_p)
-        if self.top_k > 0:
-            logprobs = apply_top_k(logprobs, self.top_k)
-        self.key, key = mx.random.split(self.key)
-        return mx.random.categorical(logprobs * (1 / self.temp), key=key)
-
-
-class Event(NamedTuple):
-    """A token generated for a request; finish_reason is "stop" (a stop token), "length" or None."""
-    request: Request
-    token: int
-    step: mx.array  # (slots, vocab): the step's log-probabilities (after the processors)
-    row: int  # the request's row of them
-    finish_reason: Optional[str]
-
-    @property
-    def logprobs(self):
-        """(vocab,) the log-probabilities the token was drawn from: sliced when asked (a slice for
-        every row of every step cost 0.1 ms of host time a 32-row step on this project's CPU)."""
-        return self.step[self.row]
+from .runner import queue_step
+from .sequence import Event, Request
+from .slots import Slots, bucket, kv_layout, needed_capacity, one_row_cache, rows_of
 
 
 SHRINK_AFTER = 32  # steps the rows fit a smaller bucket before it is taken: a wave that ended shrank the batch to one
@@ -132,14 +73,6 @@ class Joining(NamedTuple):
     feed: list
 
 
-class Step(NamedTuple):
-    """A queued decode step: the rows it decodes [(slot, request)], its tokens (slots,) and the
-    log-probabilities (slots, vocab) they were drawn from."""
-    rows: list
-    tokens: mx.array
-    logprobs: mx.array
-
-
 FEED_WAIT = 0.1  # seconds: the server's bound on a fed newcomer's wait (BatchEngine's feed_wait)
 
 
@@ -154,7 +87,7 @@ class BatchEngine:
     in it) take at most feed_wait. prompt_cache: a PromptCache, or None. prefilled counts the
     prompt tokens the model computed (cache hits excluded; fed ones included), prefill_calls the
     model calls that prefilled (newcomers arriving together share one: _prefill_together). The
-    batch is a batch_cache.Slots (self.slots, None while empty) of bucket(rows) slots: more rows
+    batch is a slots.Slots (self.slots, None while empty) of bucket(rows) slots: more rows
     grow it, few rows for more than SHRINK_AFTER steps shrink it (to a quarter, or one row: the
     one-request compiled step, `solo`), its larger slots set aside (spare) for the next wave."""
 
@@ -168,8 +101,8 @@ class BatchEngine:
         self.slots = None
         self.spare = None  # the slots a lone newcomer or a shrink left, kept for the next wave
         self.idle = True  # no row decoded when this step began
-        self.pending = None  # the Step queued and not read yet
-        self.layout = None  # batch_cache.kv_layout, read once
+        self.pending = None  # the runner.Queued step not read yet
+        self.layout = None  # slots.kv_layout, read once
         self.prefilled = 0
         self.prefill_calls = 0
         self.small = 0  # steps in a row that a smaller bucket would have held the rows
@@ -216,11 +149,11 @@ class BatchEngine:
         self._place()
         live = self.slots.live() if self.slots is not None else []  # (the rows' host work is per row: once a step)
         if self.pending is None and live:
-            self.pending = self._queue(live)
+            self.pending = queue_step(self.slots, live)
         if self.pending is None:
             return []
         more = any(r.queued < r.max_tokens for _, r in live)
-        ahead = self._queue(live) if more else None
+        ahead = queue_step(self.slots, live) if more else None
         events = self._read(self.pending)
         self.pending = ahead if (left := self.rows) else None
         now = time.perf_counter()
@@ -430,32 +363,6 @@ class BatchEngine:
                     j.request.seen = mx.array(j.request.tokens)
         self.joining = []
 
-    def _queue(self, live):
-        """Queue one decode step of the live rows (Slots.live()); its tokens feed the step after."""
-        s = self.slots
-        rows = [(i, r) for i, r in live if not s.feeding(i)] if s.feed else live  # a row fed its prompt samples nothing
-        raw = sampled = False
-        for i, r in rows:
-            r.queued += 1
-            raw = raw or bool(r.logits_processors)
-            sampled = sampled or not r.greedy
-        out, tokens = s.step(logits=raw)
-        logprobs = out
-        if raw:
-            logprobs = log_softmax(self._process(out, rows))
-            tokens = mx.argmax(logprobs, axis=-1)
-        if sampled:
-            sampled = [(i, r) for i, r in rows if not r.greedy]
-            drawn = [r.sample(logprobs[i:i + 1]).reshape(1) for i, r in sampled]
-            tokens[mx.array([i for i, _ in sampled])] = mx.concatenate(drawn).astype(tokens.dtype)
-        if raw:
-            for i, r in rows:
-                if r.logits_processors:
-                    r.seen = mx.concatenate([r.seen, tokens[i:i + 1].astype(r.seen.dtype)])
-        s.tokens = tokens
-        mx.async_eval(tokens, logprobs)
-        return Step(rows, tokens, logprobs)
-
     def _read(self, step):
         """Events of a queued step's rows still in the batch (waiting for its tokens)."""
         events, leaving = [], []
@@ -472,18 +379,6 @@ class BatchEngine:
         self._release(leaving)
         return events
 
-    def _process(self, logits, rows):
-        """Each row's logits processors (penalties), given its tokens so far."""
-        ruled = [(i, r) for i, r in rows if r.logits_processors]
-        out = []
-        for i, r in ruled:
-            row = logits[i:i + 1]
-            for p in r.logits_processors:
-                row = p(r.seen, row)
-            out.append(row)
-        logits[mx.array([i for i, _ in ruled])] = mx.concatenate(out).astype(logits.dtype)
-        return logits
-
     def _release(self, rows):
         """Take rows out of the batch. Each one's slot keeps what it read, for a newcomer to reuse;
         the prompt cache stores it later (Slots.store), when the slot is taken or dropped or the engine
@@ -495,6 +390,3 @@ class BatchEngine:
             if read:
                 self.slots.unstored[r.slot] = read
             r.slot = None
-
-def log_softmax(logits):
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)

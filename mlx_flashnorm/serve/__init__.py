@@ -1,0 +1,10 @@
+"""The serving engine behind the `server` command, one job a module.
+
+HTTP side (never imports the engine side): `http` (the transport and its limits), `openai_api`
+(the request and answer forms), `streaming` (every answer's tokens read on one thread).
+Between them: `requests` (Generation, Token, Ticket: what crosses the engine's edges).
+Engine side: `serial` (one request at a time; the lockstep followers under mlx.launch),
+`batch_worker` (the batch engine on a thread of its own), `engine_process` (that worker in a child
+process), `engine` (BatchEngine: admission, prefill, slots taken and released), `sequence` (one
+request in the batch, its sampling), `runner` (one batched decode step on the device), `slots`
+(the batch's static KV cache and compiled step), `prompt_cache` (earlier prompts' KV states)."""

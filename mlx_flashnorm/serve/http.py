@@ -1,0 +1,334 @@
+"""The OpenAI-compatible HTTP transport: GET /v1/models, GET /health, POST /v1/chat/completions
+and POST /v1/completions, plain or streamed as server-sent events; OPTIONS answers browsers'
+preflights. Built on the standard library's ThreadingHTTPServer: each connection has a thread that
+reads and checks its request (openai_api: every field range-checked, a JSON error for anything
+wrong), submits it to the worker it was given (requests.py's interface) and writes the answer from
+the tokens that come back, which one thread reads for every answer (streaming.Streamer), writing a
+streamed one's events itself.
+
+Under load: at most the worker's slots plus max_queue requests are taken at once, the rest get 503
+with Retry-After; a request (headers and body) must arrive within `timeout` seconds and be at most
+max_body bytes; a client that hangs up, streaming or not, is noticed within streaming.POLL seconds
+(a streamed one also at its next write) and its request dropped by the worker at its next step."""
+import hmac
+import json
+import select
+import socket
+import threading
+import time
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from .openai_api import Answer, HTTPError, Transcript, bad, parse_call, parse_json
+from .streaming import Stream, Streamer, event
+
+RETRY_AFTER = 1  # seconds, in a 503's Retry-After
+MAX_BODY = 2**20  # bytes: a prompt filling a 128k-token context is about 0.5 MB of JSON
+DRAIN_PAUSE = 0.2  # seconds: a body of unknown length has ended when none of it comes for this long
+
+
+class ClientGone(Exception):
+    """The client closed its connection (or a write to it failed or timed out)."""
+
+
+class BodyRefused(HTTPError):
+    """An error answered before the body was read: `unread` bytes of it follow (None: unknown)."""
+
+    def __init__(self, status, message, unread=None):
+        super().__init__(status, message)
+        self.unread = unread
+
+
+class Reaper:
+    """Shuts the reading side of a connection whose request (headers and body) has not arrived
+    within `seconds`, so that a client sending slowly, or less than its Content-Length, cannot hold
+    a thread: the handler's read then ends, and it answers 408 (handler.late is set)."""
+
+    def __init__(self, seconds):
+        self.seconds, self.lock, self.deadlines, self.stopped = seconds, threading.Lock(), {}, threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def watch(self, handler):
+        handler.late = False
+        with self.lock:
+            self.deadlines[handler] = time.monotonic() + self.seconds
+
+    def release(self, handler):
+        """Stop watching handler; False if its deadline had passed."""
+        with self.lock:
+            self.deadlines.pop(handler, None)
+        return not handler.late
+
+    def _run(self):
+        while not self.stopped.wait(min(0.25, self.seconds / 4)):
+            now = time.monotonic()
+            with self.lock:
+                for handler in [h for h, t in self.deadlines.items() if t < now]:
+                    del self.deadlines[handler]
+                    handler.late = True
+                    try:
+                        handler.connection.shutdown(socket.SHUT_RD)
+                    except OSError:
+                        pass
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 1024  # the listen backlog (socketserver's is 5): a burst of connections waits
+
+    def __init__(self, worker, tokenizer, model_id, host="127.0.0.1", port=8080, max_tokens=256,
+                 temp=0.0, top_p=1.0, top_k=0, *, api_key=None, cors_origins=(), max_queue=64,
+                 max_body=MAX_BODY, timeout=30.0):
+        """worker: what generates (requests.py's interface, with the model's context_length and
+        vocab_size, which the requests are checked against); it is closed with the server.
+        max_tokens, temp, top_p, top_k: the defaults of requests that leave them out.
+        api_key: requests must send it as a Bearer token; cors_origins: the web origins whose pages
+        may call the server ("*": any); max_queue: requests waiting beyond the worker's slots;
+        max_body: bytes; timeout: seconds for a request to arrive, and for any one socket operation."""
+        self.worker = worker
+        super().__init__((host, port), Handler)
+        self.tokenizer, self.model_id = tokenizer, model_id
+        self.defaults = dict(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k)
+        self.api_key, self.cors_origins = api_key, set(cors_origins)
+        self.max_queue, self.max_body, self.io_timeout = max_queue, max_body, timeout
+        self.created = int(time.time())
+        self.lock, self.active = threading.Lock(), 0
+        self.reaper = Reaper(timeout)
+        self.streamer = Streamer(timeout)
+        self.limits = (worker.context_length, worker.vocab_size)
+
+    def call(self, body, chat):
+        return parse_call(body, chat, self.tokenizer, *self.limits, self.defaults)
+
+    def admit(self, generation):
+        """The worker's Ticket for generation, or a 503 when the worker's slots and the queue are full."""
+        with self.lock:
+            if self.active >= self.worker.slots + self.max_queue:
+                raise HTTPError(503, f"the server is busy ({self.active} requests taken, --max-queue "
+                                     f"{self.max_queue}): retry later", headers={"Retry-After": str(RETRY_AFTER)})
+            self.active += 1
+        return self.worker.submit(generation)
+
+    def done(self):
+        with self.lock:
+            self.active -= 1
+
+    def health(self):
+        return {"status": "ok", "requests": self.active, "slots": self.worker.slots, "max_queue": self.max_queue}
+
+    def server_close(self):
+        super().server_close()
+        if hasattr(self, "reaper"):
+            self.reaper.stopped.set()
+            self.streamer.stopped = True
+        if hasattr(getattr(self, "worker", None), "close"):  # (none yet if its start failed)
+            self.worker.close()
+
+
+class Handler(BaseHTTPRequestHandler):
+    server: Server
+    default_request_version = "HTTP/1.0"  # a malformed request line still gets a status line
+    allowed_origin = None  # the request's Origin, once --cors-origin allowed it
+
+    def setup(self):
+        self.timeout = self.server.io_timeout  # on every socket operation
+        super().setup()
+        self.poller = select.poll()
+        self.poller.register(self.connection, select.POLLIN)
+
+    def handle_one_request(self):
+        self.server.reaper.watch(self)
+        try:
+            super().handle_one_request()
+        except ConnectionError:  # the client left before its request was read or answered
+            self.close_connection = True
+        finally:
+            self.server.reaper.release(self)
+
+    def parse_request(self):
+        if not super().parse_request():
+            return False
+        if self.late:  # the headers did not all arrive in time
+            self.fail(self.timed_out())
+            return False
+        return True
+
+    def timed_out(self):
+        return HTTPError(408, f"the request did not arrive within {self.server.io_timeout:g} s")
+
+    def end_headers(self):
+        if self.allowed_origin:
+            self.send_header("Access-Control-Allow-Origin", self.allowed_origin)
+            self.send_header("Vary", "Origin")
+        super().end_headers()
+
+    def send_json(self, status, obj, headers=()):
+        body = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        for name, value in dict(headers).items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def fail(self, error):
+        try:
+            self.send_json(error.status, error.body(), error.headers)
+        except OSError:
+            pass  # the client is gone
+
+    def send_error(self, code, message=None, explain=None):
+        """http.server's own errors (a malformed request line or header, an unknown method) in JSON."""
+        self.close_connection = True
+        self.fail(HTTPError(code, message or HTTPStatus(code).phrase))
+
+    def check_origin(self):
+        """A page in a browser sends its Origin: refused unless --cors-origin allows it."""
+        origin = self.headers.get("Origin")
+        if origin is None:
+            return
+        if "*" not in self.server.cors_origins and origin not in self.server.cors_origins:
+            raise HTTPError(403, f"requests from web pages of {origin} are refused: start the server with "
+                                 f"--cors-origin {origin} to allow them")
+        self.allowed_origin = origin
+
+    def check_key(self):
+        key = self.server.api_key
+        if key is not None and not hmac.compare_digest(self.headers.get("Authorization", "").encode(),
+                                                       f"Bearer {key}".encode()):
+            raise HTTPError(401, "this server needs its API key (--api-key) in the header "
+                                 "'Authorization: Bearer <key>'", headers={"WWW-Authenticate": "Bearer"})
+
+    def do_OPTIONS(self):
+        try:
+            self.check_origin()
+        except HTTPError as e:
+            return self.fail(e)
+        self.send_response(204)
+        self.send_header("Allow", "GET, POST, OPTIONS")
+        if self.allowed_origin:
+            self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
+            self.send_header("Access-Control-Allow-Headers", "Authorization, Content-Type")
+            self.send_header("Access-Control-Max-Age", "600")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_GET(self):
+        path = self.path.rstrip("/")
+        try:
+            self.check_origin()
+            if path == "/health":
+                return self.send_json(200, self.server.health())
+            if path != "/v1/models":
+                raise HTTPError(404, f"no such endpoint: GET {self.path}")
+            self.check_key()
+        except HTTPError as e:
+            return self.fail(e)
+        model = {"id": self.server.model_id, "object": "model", "created": self.server.created,
+                 "owned_by": "mlx-flashnorm"}
+        self.send_json(200, {"object": "list", "data": [model]})
+
+    def read_body(self):
+        """The body's bytes: Content-Length of them, at most --max-body, arrived in time."""
+        if "Transfer-Encoding" in self.headers:
+            raise BodyRefused(411, "send the body with a Content-Length (chunked transfer encoding is not supported)")
+        lengths = [v.strip() for v in self.headers.get_all("Content-Length", [])]
+        if not lengths:
+            raise BodyRefused(411, "a POST needs a Content-Length header")
+        if len(set(lengths)) != 1 or not (lengths[0].isascii() and lengths[0].isdigit()):
+            raise BodyRefused(400, f"Content-Length must be one whole number of bytes, not {', '.join(lengths)!r}")
+        n = int(lengths[0])
+        if n > self.server.max_body:
+            raise BodyRefused(413, f"the body has {n} bytes, this server takes at most {self.server.max_body} "
+                                   "(--max-body)", unread=n)
+        try:
+            body = self.rfile.read(n)
+        except TimeoutError:
+            body = None
+        if not self.server.reaper.release(self) or body is None:
+            raise self.timed_out()
+        if len(body) < n:
+            raise bad(f"the body ended after {len(body)} of its Content-Length's {n} bytes")
+        return body
+
+    def drain(self, n=None):
+        """Read and drop the n bytes of body the client sends (None: as long as it goes on sending,
+        with pauses under DRAIN_PAUSE s), or until the request's time is up (the reaper): closing a
+        connection with unread bytes resets it, and the client could lose our answer."""
+        if n is None:
+            self.connection.settimeout(DRAIN_PAUSE)
+        try:
+            while n is None or n > 0:
+                got = self.rfile.read1(65536 if n is None else min(n, 65536))
+                if not got:
+                    break
+                n = None if n is None else n - len(got)
+        except OSError:
+            pass
+
+    def do_POST(self):
+        chat = self.path.rstrip("/") == "/v1/chat/completions"
+        try:
+            body = self.read_body()  # first: an answer with bytes left unread could be lost (drain)
+            if not chat and self.path.rstrip("/") != "/v1/completions":
+                raise HTTPError(404, f"no such endpoint: POST {self.path}")
+            self.check_origin()
+            self.check_key()
+            if self.headers.get("Content-Type", "").split(";")[0].strip().lower() != "application/json":
+                raise HTTPError(415, "send the body as JSON, with the header 'Content-Type: application/json'")
+            call = self.server.call(parse_json(body), chat)
+            ticket = self.server.admit(call.generation)
+        except HTTPError as e:
+            self.fail(e)
+            return self.drain(e.unread) if isinstance(e, BodyRefused) else None
+        try:
+            transcript = Transcript(self.server.tokenizer, call)
+            answer = Answer(call, self.server.tokenizer, self.server.model_id)
+            (self.stream if call.stream else self.whole)(Stream(self.connection, self.client_gone, ticket,
+                                                                 transcript, answer, whole=not call.stream))
+        except ClientGone:
+            pass
+        finally:
+            ticket.cancel()
+            self.server.done()
+
+    def client_gone(self):
+        """The client closed its connection: its socket reads as at the end of the stream."""
+        try:
+            return bool(self.poller.poll(0)) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
+
+    def whole(self, stream):
+        """The answer in one piece, once the server's Streamer has read all its tokens."""
+        if not self.server.streamer.run(stream):
+            raise ClientGone()
+        if stream.failed is not None:  # nothing checked before should get here
+            return self.fail(HTTPError(500, f"generation failed: {stream.failed}"))
+        try:
+            self.send_json(200, stream.answer.whole(stream.text, stream.finish, stream.entries,
+                                                    stream.transcript.count))
+        except OSError as e:
+            raise ClientGone() from e
+
+    def write(self, data):
+        try:
+            self.wfile.write(data)
+            self.wfile.flush()
+        except OSError as e:
+            raise ClientGone() from e
+
+    def stream(self, stream):
+        """The answer's events, written by the server's Streamer once the headers are out."""
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.end_headers()
+        except OSError as e:
+            raise ClientGone() from e
+        if stream.answer.call.chat:
+            self.write(event(stream.answer.chunk("", None, [], role="assistant")))
+        if not self.server.streamer.run(stream):
+            raise ClientGone()

@@ -1,0 +1,120 @@
+"""What crosses the engine's edges: a checked request (Generation), the tokens that come back
+(Token) and the Ticket that carries them, the same for every worker (serial.SerialWorker,
+batch_worker.BatchWorker, engine_process.EngineProcess).
+
+A worker has three parts: `slots` (how many requests it generates at once), `submit(generation) ->
+Ticket`, and tokens put on the ticket as they come. The HTTP side counts requests against slots for
+its queue limit, cancels the ticket of a client that hangs up, and turns tokens into text, stop
+strings and log-probabilities itself."""
+import queue
+import random
+import threading
+from dataclasses import asdict, dataclass, field, replace
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.sample_utils import make_logits_processors
+
+from ..lockstep import broadcast
+from ..shard import world
+
+
+@dataclass
+class Generation:
+    """A request as the worker needs it, every field already checked (the server answers 400 first)."""
+    tokens: list  # the prompt's token ids
+    max_tokens: int  # the prompt and these fit in the model's context
+    seed: Optional[int] = None
+    temp: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict] = None  # token id -> added to its logit
+    top_logprobs: Optional[int] = None  # None: no log-probabilities; k: the chosen token's and k likeliest
+
+    @classmethod
+    def shared(cls, generation=None):
+        """Rank 0's generation on every rank (lockstep.broadcast; None once rank 0's worker closes);
+        the followers pass nothing. Rank 0 draws a seed for a request without one (each process,
+        and each thread, has its own random state); alone, the generation as it is."""
+        if world() is None:
+            return generation
+        if generation is not None and generation.seed is None:
+            generation = replace(generation, seed=random.SystemRandom().randrange(2**63))
+        d = broadcast(None if generation is None else asdict(generation))
+        if d is None:
+            return None
+        if d["logit_bias"] is not None:  # JSON made its token ids strings
+            d["logit_bias"] = {int(k): v for k, v in d["logit_bias"].items()}
+        return cls(**d)
+
+    def logits_processors(self):
+        """mlx-lm's processors for the penalties and logit bias (each penalty over the last 20 tokens,
+        its default)."""
+        return make_logits_processors(self.logit_bias, self.repetition_penalty,
+                                      presence_penalty=self.presence_penalty,
+                                      frequency_penalty=self.frequency_penalty)
+
+
+@dataclass
+class Token:
+    id: int
+    finish_reason: Optional[str] = None  # "stop" (an end-of-sequence token), "length", or None
+    logprob: Optional[float] = None  # when the Generation asked for log-probabilities
+    top_logprobs: list = field(default_factory=list)  # [(id, logprob)], likeliest first
+
+
+class Ticket:
+    """A submitted Generation: the worker puts each Token, then None (done) or the exception that
+    stopped it; cancel() makes the worker drop the request at its next step."""
+
+    def __init__(self, generation):
+        self.generation = generation
+        self._out = queue.Queue()
+        self._cancelled = threading.Event()
+        self.listener = None  # called with the ticket after each put (streaming.Streamer's notify)
+        self.on_cancel = None  # called after cancel() (a batch worker's note to look for cancelled requests)
+
+    def cancel(self):
+        self._cancelled.set()
+        if self.on_cancel is not None:
+            self.on_cancel()
+
+    @property
+    def cancelled(self):
+        return self._cancelled.is_set()
+
+    def put(self, item):
+        self._out.put(item)
+        if self.listener is not None:
+            self.listener(self)
+
+    def next(self, timeout=None):
+        """The next Token, None once finished; queue.Empty after timeout seconds without one."""
+        item = self._out.get(timeout=timeout)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def take(self):
+        """Every item waiting, without waiting ([] for none)."""
+        items = []
+        while not self._out.empty():
+            items.append(self._out.get())
+        return items
+
+
+def token_of(r, top_logprobs):
+    """The Token of a decoding.Response: with top_logprobs (not None) the chosen token's log-probability
+    and the top_logprobs likeliest, read on the host (numpy: no MLX op queued behind the next step)."""
+    if top_logprobs is None:
+        return Token(r.token, r.finish_reason)
+    lp = r.logprobs if r.logprobs.dtype in (mx.float32, mx.float16) else r.logprobs.astype(mx.float32)
+    lp = np.asarray(lp)
+    top = np.argpartition(-lp, top_logprobs)[:top_logprobs] if top_logprobs else np.array([], int)
+    top = top[np.argsort(-lp[top], kind="stable")]
+    return Token(r.token, r.finish_reason, float(lp[r.token]), [(int(i), float(lp[i])) for i in top])
