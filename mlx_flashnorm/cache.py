@@ -12,7 +12,8 @@ from . import forms
 from .kernels import decode_attention
 
 
-COMPOSED_MAX = 2**24  # attention scores (rows x heads x queries x keys) up to which CUDA composes a prefill's
+# attention scores (rows x heads x queries x keys) up to which CUDA composes a prefill's
+COMPOSED_MAX = 2**24
 
 
 def scaled_dot_product_attention(q, k, v, cache, scale, mask):
@@ -21,7 +22,8 @@ def scaled_dot_product_attention(q, k, v, cache, scale, mask):
     if isinstance(cache, StaticKVCache):
         return cache.attention(q, k, v, scale, mask)
     if (q.shape[2] > 1 and not hasattr(cache, "bits") and mx.default_device() == mx.gpu
-            and forms.gpu_backend() == "cuda" and q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] <= COMPOSED_MAX):
+            and forms.gpu_backend() == "cuda"
+            and q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] <= COMPOSED_MAX):
         return composed_attention(q, k, v, scale, mask)
     return mlx_lm_attention(q, k, v, cache=cache, scale=scale, mask=mask)
 
@@ -30,16 +32,17 @@ def composed_attention(q, k, v, scale, mask):
     """softmax(q k^T scale + mask) v from two matmuls, the softmax in float32; q (B, heads, L, D)
     the last L of the S positions of k and v (B, kv heads, S, D); mask None, "causal", a boolean
     (True: seen) or an additive array. On CUDA, MLX's fused attention builds a cuDNN graph for each
-    new shape (rows, queries, keys): 40-90 ms each time, where this form costs about 1 ms the first
-    time and 0.2-0.4 ms after for 32 rows of 40-64 tokens (H100; bench/RESULTS.md, "Prefill
-    attention on CUDA"), and a server's prompts come in ever new lengths."""
+    new shape (rows, queries, keys), which costs far more each time than this form does
+    (bench/RESULTS.md, "Prefill attention on CUDA"), and a server's prompts come in ever new
+    lengths."""
     B, H, L, D = q.shape
     Hk, S = k.shape[1], k.shape[2]
     s = (q * scale).reshape(B, Hk, H // Hk, L, D) @ mx.expand_dims(k, 2).swapaxes(-1, -2)
     if isinstance(mask, str):
         mask = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]
     elif mask is not None and mask.ndim == 4:  # per row, and one for all heads or one per head
-        mask = mx.expand_dims(mask, 2) if mask.shape[1] == 1 else mask.reshape(B, Hk, H // Hk, L, S)
+        mask = (mx.expand_dims(mask, 2) if mask.shape[1] == 1
+                else mask.reshape(B, Hk, H // Hk, L, S))
     if mask is not None:
         s = mx.where(mask, s, mx.finfo(s.dtype).min) if mask.dtype == mx.bool_ else s + mask
     return (mx.softmax(s, axis=-1, precise=True) @ mx.expand_dims(v, 2)).reshape(B, H, L, D)
@@ -67,18 +70,21 @@ class StaticKVCache:
         if isinstance(self.offset, int):
             end = self.offset + N
             if end > self.capacity:
-                raise ValueError(f"StaticKVCache holds {self.capacity} positions, {end} were asked for")
+                raise ValueError(f"StaticKVCache holds {self.capacity} positions, "
+                                 f"{end} were asked for")
             self.keys[..., self.offset:end, :] = keys
             self.values[..., self.offset:end, :] = values
             self.offset = end
             return self.keys[..., :end, :], self.values[..., :end, :]
         # one scatter along the positions (put_along_axis), not mx.slice_update: MLX 0.32's CUDA
         # backend runs a dynamic slice update over the whole buffer (its copy kernel is sized by
-        # the destination), 37% of a decode step's GPU time (bench/RESULTS.md, "GPU time per kernel")
+        # the destination), a large share of a decode step's GPU time
+        # (bench/RESULTS.md, "GPU time per kernel")
         self.start = self.offset  # the attention's: a view of the step's offset (decode_attention)
         at = (self.offset + mx.arange(N) if N > 1 else self.offset).reshape(1, 1, N, 1)
         self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(at, keys.shape), keys, axis=2)
-        self.values = mx.put_along_axis(self.values, mx.broadcast_to(at, values.shape), values, axis=2)
+        self.values = mx.put_along_axis(self.values, mx.broadcast_to(at, values.shape), values,
+                                        axis=2)
         self.offset = self.offset + N
         return self.keys, self.values
 

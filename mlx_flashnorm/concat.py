@@ -48,7 +48,8 @@ def heads(module, x, *args):
     qkv_proj) reshaped and transposed once and split at the head counts n_heads, n_kv_heads."""
     B, L, _ = x.shape
     if "qkv_proj" not in module:
-        return [module[p](x, *args).reshape(B, L, -1, module.head_dim).transpose(0, 2, 1, 3) for p in QKV]
+        return [module[p](x, *args).reshape(B, L, -1, module.head_dim).transpose(0, 2, 1, 3)
+                for p in QKV]
     qkv = module.qkv_proj(x, *args).reshape(B, L, -1, module.head_dim).transpose(0, 2, 1, 3)
     return mx.split(qkv, [module.n_heads, module.n_heads + module.n_kv_heads], axis=1)
 

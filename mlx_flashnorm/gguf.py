@@ -1,12 +1,12 @@
-"""GGUF files: tensors of every type (read_tensors), and llama GGUF metadata -> HF config, tensors ->
-HF names, tokenizer from metadata (read_gguf).
+"""GGUF files: tensors of every type (read_tensors), and llama GGUF metadata -> HF config,
+tensors -> HF names, tokenizer from metadata (read_gguf).
 
 Files whose tensors are all F32, F16, Q4_0, Q4_1 or Q8_0 load through MLX's own GGUF reader; the
-quantized tensors arrive in MLX's quantized layout (weight, scales, biases, groups of 32) and are kept
-as they are. Any other file (k-quants such as Q4_K_M, Q5_0, BF16, i-quants, ...) is read here and
-each tensor dequantized by the `gguf` package, then kept in float32 or quantized to MLX's format.
-llama.cpp stores q/k projections with their rows permuted for the interleaved RoPE layout; we permute
-them back so the model is an ordinary HF Llama.
+quantized tensors arrive in MLX's quantized layout (weight, scales, biases, groups of 32) and are
+kept as they are. Any other file (k-quants such as Q4_K_M, Q5_0, BF16, i-quants, ...) is read here
+and each tensor dequantized by the `gguf` package, then kept in float32 or quantized to MLX's
+format. llama.cpp stores q/k projections with their rows permuted for the interleaved RoPE layout;
+we permute them back so the model is an ordinary HF Llama.
 """
 import mmap
 import struct
@@ -26,7 +26,8 @@ _FLOAT_TYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": n
                 "I16": np.int16, "I32": np.int32, "I64": np.int64}  # stored unquantized
 # GGUF metadata value types: struct format of each scalar; 8 is a string, 9 an array.
 _U64 = struct.Struct("<Q")
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
+            12: "d"}
 
 
 class _Header:
@@ -53,7 +54,8 @@ class _Header:
             name = self._name("a tensor name", validate_gguf.MAX_TENSOR_NAME)
             n_dims = self._read("<I")[0]
             if n_dims > validate_gguf.MAX_DIMS:
-                raise ValueError(f"tensor '{name}' has {n_dims} dimensions, more than GGUF's {validate_gguf.MAX_DIMS}")
+                raise ValueError(f"tensor '{name}' has {n_dims} dimensions, "
+                                 f"more than GGUF's {validate_gguf.MAX_DIMS}")
             dims = self._read(f"<{n_dims}Q")
             kind, offset = self._read("<IQ")
             self.tensors.append((name, tuple(reversed(dims)), kind, offset))
@@ -73,7 +75,8 @@ class _Header:
         neither reads megabytes nor puts them into a message)."""
         n = struct.unpack_from("<Q", self.buf, self.pos)[0]
         if n > limit:
-            raise ValueError(f"{what} at byte {self.pos} is {n} bytes long, more than GGUF allows ({limit})")
+            raise ValueError(f"{what} at byte {self.pos} is {n} bytes long, "
+                             f"more than GGUF allows ({limit})")
         try:
             name = bytes(self.buf[self.pos + 8:self.pos + 8 + n]).decode("utf-8")
         except UnicodeDecodeError:
@@ -109,10 +112,12 @@ class _Header:
         if kind == 9:
             item, n = self._read("<IQ")
             if depth >= validate_gguf.MAX_NESTING:
-                raise ValueError(f"metadata '{key}' nests arrays more than {validate_gguf.MAX_NESTING} deep")
+                raise ValueError(f"metadata '{key}' nests arrays more than "
+                                 f"{validate_gguf.MAX_NESTING} deep")
             if item in _SCALARS:
                 dtype = np.dtype("<" + _SCALARS[item])
-                validate_gguf.check_count(f"the length of metadata array '{key}'", n, dtype.itemsize, self._left())
+                validate_gguf.check_count(f"the length of metadata array '{key}'", n,
+                                          dtype.itemsize, self._left())
                 values = np.frombuffer(self.buf, dtype, n, self.pos).copy()
                 self.pos += n * dtype.itemsize
                 return values
@@ -147,7 +152,8 @@ def read_tensors(path, bits=None, group_size=64):
         except Exception as e:  # MLX raises plain exceptions for unreadable files
             raise UserError(f"{path}: cannot read GGUF file ({e}); it may be truncated or corrupt")
         return tensors, header.meta, []  # the metadata validate_gguf checked
-    for kind, name in {kind: name for name, kind in types.items()}.items():  # before decoding anything
+    # before decoding anything
+    for kind, name in {kind: name for name, kind in types.items()}.items():
         _check_readable(path, name, gguf.GGMLQuantizationType[kind])
     bits = 4 if bits is None else bits
     tensors = {}
@@ -157,7 +163,8 @@ def read_tensors(path, bits=None, group_size=64):
         if bits and quantized and w.ndim == 2 and w.shape[1] % group_size == 0:
             stem = name[: -len(".weight")] if name.endswith(".weight") else name
             w, scales, biases = mx.quantize(mx.array(w), group_size=group_size, bits=bits)
-            tensors.update({f"{stem}.weight": w, f"{stem}.scales": scales, f"{stem}.biases": biases})
+            tensors.update({f"{stem}.weight": w, f"{stem}.scales": scales,
+                            f"{stem}.biases": biases})
         else:
             tensors[name] = mx.array(w)
     dequantized = sorted({t for t in types.values() if t not in ("F32", "F16")})
@@ -169,7 +176,8 @@ def _dequantize(header, shape, kind, offset):
     byte range was checked by validate_gguf.check."""
     qtype = gguf.GGMLQuantizationType(kind)
     rows = int(np.prod(shape[:-1]))
-    raw = np.frombuffer(header.buf, np.uint8, validate_gguf.nbytes(shape, kind), header.data_start + offset)
+    raw = np.frombuffer(header.buf, np.uint8, validate_gguf.nbytes(shape, kind),
+                        header.data_start + offset)
     if qtype.name in _FLOAT_TYPES:
         return raw.view(_FLOAT_TYPES[qtype.name]).reshape(shape).astype(np.float32)
     return gguf.quants.dequantize(raw.reshape(rows, -1), qtype).reshape(shape)
@@ -213,10 +221,12 @@ def read_gguf(path, bits=None, group_size=64):
             raise UserError(f"{path}: GGUF architecture '{arch}' is not supported; GGUF files of "
                             f"{', '.join(['llama', *GGUF_ARCHITECTURES])} load")
         try:
-            config, weights = GGUF_ARCHITECTURES[arch].from_gguf(tensors, lambda *a: _scalar(meta, *a))
+            config, weights = GGUF_ARCHITECTURES[arch].from_gguf(tensors,
+                                                                 lambda *a: _scalar(meta, *a))
         except UserError as e:
             raise UserError(f"{path}: {e}") from None
-        return _with_quantization(config, weights, group_size if dequantized else 32), weights, meta, dequantized
+        return (_with_quantization(config, weights, group_size if dequantized else 32), weights,
+                meta, dequantized)
     p = "llama."
     n_heads = int(_scalar(meta, p + "attention.head_count"))
     n_kv = int(_scalar(meta, p + "attention.head_count_kv", n_heads))
@@ -239,7 +249,8 @@ def read_gguf(path, bits=None, group_size=64):
         "eos_token_id": _scalar(meta, "tokenizer.ggml.eos_token_id", -1),
     }
     try:
-        if scaling := llama.gguf_rope_scaling(lambda *a: _scalar(meta, *a), "llama", "rope_freqs.weight" in tensors):
+        if scaling := llama.gguf_rope_scaling(lambda *a: _scalar(meta, *a), "llama",
+                                              "rope_freqs.weight" in tensors):
             config["rope_scaling"] = scaling
     except UserError as e:
         raise UserError(f"{path}: {e}") from None
@@ -251,7 +262,8 @@ def read_gguf(path, bits=None, group_size=64):
         elif ".k_proj." in hf:
             w = _unpermute_rows(w, n_kv)
         weights[hf] = w
-    return _with_quantization(config, weights, group_size if dequantized else 32), weights, meta, dequantized
+    return (_with_quantization(config, weights, group_size if dequantized else 32), weights, meta,
+            dequantized)
 
 
 def _with_quantization(config, weights, group_size):
@@ -289,15 +301,18 @@ def gguf_tokenizer(meta):
         SentencePieceTokenizer.apply_chat_template = PreTrainedTokenizerFast.apply_chat_template
         return SentencePieceTokenizer(meta)
     if kind != "gpt2":
-        raise UserError(f"GGUF tokenizer type '{kind}' is not supported; pass --tokenizer PATH_OR_REPO")
+        raise UserError(f"GGUF tokenizer type '{kind}' is not supported; "
+                        "pass --tokenizer PATH_OR_REPO")
     tokens = list(meta["tokenizer.ggml.tokens"])
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
-    normalizer, tok.pre_tokenizer = pre_tokenizer(meta.get("tokenizer.ggml.pre"))  # the model family's rule
+    # the model family's rule
+    normalizer, tok.pre_tokenizer = pre_tokenizer(meta.get("tokenizer.ggml.pre"))
     if normalizer is not None:
         tok.normalizer = normalizer
     tok.decoder = decoders.ByteLevel()
-    types = meta["tokenizer.ggml.token_type"].tolist() if "tokenizer.ggml.token_type" in meta else []
+    types = (meta["tokenizer.ggml.token_type"].tolist() if "tokenizer.ggml.token_type" in meta
+             else [])
     special = [tokens[i] for i, t in enumerate(types) if t == 3]  # 3 = control token
 
     def token(key):
@@ -307,7 +322,8 @@ def gguf_tokenizer(meta):
     bos = token("tokenizer.ggml.bos_token_id")
     if bos is not None and _scalar(meta, "tokenizer.ggml.add_bos_token", False):
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokens.index(bos))])
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+            special_tokens=[(bos, tokens.index(bos))])
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=bos,
@@ -341,25 +357,30 @@ class SentencePieceTokenizer:
         ids = {key: int(_scalar(meta, f"tokenizer.ggml.{key}_token_id", -1))
                for key in ("unknown", "bos", "eos", "padding")}
         if not 0 <= ids["unknown"] < len(tokens):
-            raise UserError("GGUF tokenizer metadata names no unknown token; pass --tokenizer PATH_OR_REPO")
+            raise UserError("GGUF tokenizer metadata names no unknown token; "
+                            "pass --tokenizer PATH_OR_REPO")
         proto = pb.ModelProto()
         spec = proto.trainer_spec
         spec.model_type, spec.vocab_size, spec.byte_fallback = pb.TrainerSpec.BPE, len(tokens), True
-        spec.unk_id, spec.bos_id, spec.eos_id, spec.pad_id = (ids[k] for k in ("unknown", "bos", "eos", "padding"))
+        spec.unk_id, spec.bos_id, spec.eos_id, spec.pad_id = (
+            ids[k] for k in ("unknown", "bos", "eos", "padding"))
         norm = proto.normalizer_spec
         norm.name, norm.escape_whitespaces, norm.remove_extra_whitespaces = "identity", True, False
         self.add_dummy_prefix = bool(_scalar(meta, "tokenizer.ggml.add_space_prefix", True))
         norm.add_dummy_prefix = self.add_dummy_prefix
         for i, (piece, score, kind) in enumerate(zip(tokens, scores, types)):
             # GGUF token types number as sentencepiece's (1 normal .. 6 byte); one unknown piece
-            proto.pieces.add(piece=piece, score=score, type=2 if i == ids["unknown"] else (kind if kind != 2 else 1))
+            proto.pieces.add(piece=piece, score=score,
+                             type=2 if i == ids["unknown"] else (kind if kind != 2 else 1))
         self.sp = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
         self._tokens = tokens
         self._vocab = {t: i for i, t in enumerate(tokens)}
         self.add_bos = bool(_scalar(meta, "tokenizer.ggml.add_bos_token", True))
         self.add_eos = bool(_scalar(meta, "tokenizer.ggml.add_eos_token", False))
-        self.bos_token_id, self.eos_token_id = (ids[k] if ids[k] >= 0 else None for k in ("bos", "eos"))
-        self.bos_token, self.eos_token = (None if i is None else tokens[i] for i in (self.bos_token_id, self.eos_token_id))
+        self.bos_token_id, self.eos_token_id = (ids[k] if ids[k] >= 0 else None
+                                                for k in ("bos", "eos"))
+        self.bos_token, self.eos_token = (None if i is None else tokens[i]
+                                          for i in (self.bos_token_id, self.eos_token_id))
         self.pad_token_id = ids["padding"] if ids["padding"] >= 0 else None
         self.unk_token_id = ids["unknown"]
         self.all_special_ids = sorted(i for i, t in enumerate(types) if t == 3)
@@ -370,7 +391,8 @@ class SentencePieceTokenizer:
     def encode(self, text, add_special_tokens=True):
         ids = self.sp.encode(text)
         if add_special_tokens:
-            ids = ([self.bos_token_id] if self.add_bos and self.bos_token_id is not None else []) + ids
+            ids = ([self.bos_token_id] if self.add_bos and self.bos_token_id is not None
+                   else []) + ids
             ids += [self.eos_token_id] if self.add_eos and self.eos_token_id is not None else []
         return ids
 
@@ -389,7 +411,8 @@ class SentencePieceTokenizer:
         return self._vocab
 
     def convert_ids_to_tokens(self, ids):
-        return [self._tokens[i] for i in ids] if isinstance(ids, (list, tuple)) else self._tokens[ids]
+        return ([self._tokens[i] for i in ids] if isinstance(ids, (list, tuple))
+                else self._tokens[ids])
 
     def convert_tokens_to_ids(self, tokens):
         if isinstance(tokens, str):

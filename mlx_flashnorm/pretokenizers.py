@@ -33,10 +33,13 @@ def pre_tokenizer(name):
     if name is None or name in GPT2_NAMES:
         return None, _byte_level(True)
     if name == "smollm":  # GPT-2's rule after every digit is cut off on its own
-        return None, pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _byte_level(True)])
+        return None, pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                              _byte_level(True)])
     if name == "llama-bpe":  # Llama 3
         return None, pre_tokenizers.Sequence([_split(LLAMA3_PATTERN), _byte_level(False)])
     if name == "qwen2":  # Qwen 2, 2.5 and 3 (Unicode NFC first)
-        return normalizers.NFC(), pre_tokenizers.Sequence([_split(QWEN2_PATTERN), _byte_level(False)])
-    raise UserError(f"GGUF tokenizer.ggml.pre '{name}' is not a pre-tokenizer we know ({', '.join(KNOWN)}); "
+        return normalizers.NFC(), pre_tokenizers.Sequence([_split(QWEN2_PATTERN),
+                                                           _byte_level(False)])
+    raise UserError(f"GGUF tokenizer.ggml.pre '{name}' is not a pre-tokenizer we know "
+                    f"({', '.join(KNOWN)}); "
                     "pass the model's Hugging Face tokenizer with --tokenizer PATH_OR_REPO")

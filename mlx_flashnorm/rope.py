@@ -18,8 +18,8 @@ def rope_frequencies(rope):
         return rope.scale, mx.exp(-i * (2 * math.log(rope.base) / rope.dims))
     if type(rope).__name__ == "Llama3RoPE":
         return 1.0, 1.0 / rope._freqs.astype(mx.float32)
-    raise UserError(f"FlashNorm supports plain, linear-scaled and llama3 RoPE, not {type(rope).__name__}; "
-                    "use norm='rms' for this model")
+    raise UserError("FlashNorm supports plain, linear-scaled and llama3 RoPE, "
+                    f"not {type(rope).__name__}; use norm='rms' for this model")
 
 
 def rope_tables(frequencies, offset, length, traditional):

@@ -64,7 +64,8 @@ def _rows(linear, blocks):
     output array of linear (mx.contiguous: a copy, so the full array can be freed)."""
     for name in PER_OUTPUT & set(linear):
         a = linear[name]
-        linear[name] = mx.contiguous(mx.concatenate([a[s:s + n] for s, n in blocks]) if len(blocks) > 1
+        linear[name] = mx.contiguous(mx.concatenate([a[s:s + n] for s, n in blocks])
+                                     if len(blocks) > 1
                                      else a[blocks[0][0]:blocks[0][0] + blocks[0][1]])
 
 
@@ -77,8 +78,9 @@ def _whole_groups(n, g, where):
 
 def _columns(linear, start, n, where, group_size=None):
     """Keep the input columns [start, start + n) of linear (its bias, added after the sum, stays
-    whole). A quantized linear is cut at whole quantization groups; group_size: the linear is to be
-    quantized so (load's bits), which needs whole groups too, or its shard would stay unquantized."""
+    whole). A quantized linear is cut at whole quantization groups; group_size: the linear is to
+    be quantized so (load's bits), which needs whole groups too, or its shard would stay
+    unquantized."""
     if group_size and "scales" not in linear and in_width(linear) % group_size == 0:
         _whole_groups(n, group_size, where)
     if "scales" in linear:
@@ -95,8 +97,9 @@ def _columns(linear, start, n, where, group_size=None):
 
 def _share(total, rank, size, what, where):
     if total % size:
-        raise UserError(f"{where}: its {total} {what} do not divide over {size} processes; run on a "
-                        "number of processes that divides every layer's head counts and FFN width")
+        raise UserError(f"{where}: its {total} {what} do not divide over {size} processes; "
+                        "run on a number of processes that divides every layer's head counts "
+                        "and FFN width")
     n = total // size
     return rank * n, n
 
@@ -145,7 +148,8 @@ def split(model, rank, size, group_size=None):
     linear's columns must be whole groups of it, as they are in one process."""
     if size == 1:
         return model
-    unstack(model)  # a loaded model's stacked matrices (flashnorm.stack_weights) would keep every rank's whole
+    # a loaded model's stacked matrices (flashnorm.stack_weights) would keep every rank's whole
+    unstack(model)
     for path, m in model.named_modules():
         if isinstance(getattr(m, "n_heads", None), int) and ("o_proj" in m or "out_proj" in m):
             split_attention(m, rank, size, path, group_size)
@@ -183,7 +187,8 @@ def all_sum_linear(linear, group):
     QuantizedAllSumLinear (a plain linear computes as the deferred one without scale)."""
     if not isinstance(linear, (DeferredLinear, QuantizedDeferredLinear)):
         linear = deferred(linear)
-    linear.__class__ = QuantizedAllSumLinear if isinstance(linear, QuantizedDeferredLinear) else AllSumLinear
+    linear.__class__ = (QuantizedAllSumLinear if isinstance(linear, QuantizedDeferredLinear)
+                        else AllSumLinear)
     linear.group = group
     return linear
 
@@ -218,7 +223,8 @@ def _vocab_rows_class(cls):
 
 
 class GatheredHead(nn.Module):
-    """An untied LM head holding the vocabulary rows of its rank: its logits gathered from every rank."""
+    """An untied LM head holding the vocabulary rows of its rank: its logits gathered from every
+    rank."""
 
     def __init__(self, head, group):
         super().__init__()

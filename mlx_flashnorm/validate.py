@@ -20,11 +20,13 @@ from .errors import UserError
 
 MAX_CONTEXT = 1 << 24  # 16M positions: far beyond any published model, far below an overflow
 CONTEXT_KEYS = ("max_position_embeddings", "max_context_length", "rope_max_length")
-MAX_LAYERS = 1024  # blocks: published models have at most ~130; a damaged count would build for hours
+# blocks: published models have at most ~130; a damaged count would build for hours
+MAX_LAYERS = 1024
 LAYER_KEYS = ("num_hidden_layers", "num_transformer_layers")
 MAX_HEADER = 100 << 20  # bytes: a safetensors header larger than this is damage, not a model
 SAFETENSORS_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2,
-                      "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+                      "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8,
+                      "F64": 8}
 FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 
@@ -52,8 +54,10 @@ def safetensors_files(folder):
     try:
         weight_map = json.loads(index.read_text()).get("weight_map")
     except (ValueError, UnicodeDecodeError, AttributeError) as e:
-        detail = str(e).splitlines()[0] if not isinstance(e, AttributeError) else "not a JSON object"
-        raise UserError(f"{index}: not a valid index ({detail}); the file is damaged, download it again")
+        detail = (str(e).splitlines()[0] if not isinstance(e, AttributeError)
+                  else "not a JSON object")
+        raise UserError(f"{index}: not a valid index ({detail}); the file is damaged, "
+                        "download it again")
     if not isinstance(weight_map, dict) or not weight_map or \
             not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
         raise UserError(f"{index}: 'weight_map' is missing or not an object of tensor name -> file "
@@ -63,10 +67,12 @@ def safetensors_files(folder):
     for s in shards:
         target = (folder / s).resolve()
         if Path(s).is_absolute() or target.parent != root or not s.endswith(".safetensors"):
-            raise UserError(f"{index}: 'weight_map' names '{s}', which is not a .safetensors file in "
-                            "the model folder; the index is damaged or hostile, download it again")
+            raise UserError(f"{index}: 'weight_map' names '{s}', which is not a .safetensors file "
+                            "in the model folder; the index is damaged or hostile, download it "
+                            "again")
         if not target.exists():
-            raise UserError(f"{folder}: shard {s} listed in {index.name} is missing; download it again")
+            raise UserError(f"{folder}: shard {s} listed in {index.name} is missing; "
+                            "download it again")
     return [folder / s for s in shards]
 
 
@@ -91,7 +97,8 @@ def safetensors_header(file):
     data, spans = size - 8 - n, []
     for name, info in header.items():
         if name == "__metadata__":
-            if info is not None and not (isinstance(info, dict) and all(isinstance(v, str) for v in info.values())):
+            if info is not None and not (isinstance(info, dict)
+                                         and all(isinstance(v, str) for v in info.values())):
                 raise bad(f"'__metadata__' is {_show(info)}, not an object of strings")
             continue
         spans.append(_tensor_span(name, info, data, bad))
@@ -126,7 +133,8 @@ def _tensor_span(name, info, data, bad):
 def config_object(config, file):
     """config.json holds an object with a model_type string."""
     if not isinstance(config, dict):
-        raise UserError(f"{file}: must hold a JSON object of settings, not {_show(config)}; the file is damaged")
+        raise UserError(f"{file}: must hold a JSON object of settings, not {_show(config)}; "
+                        "the file is damaged")
     if "model_type" not in config:
         raise UserError(f"{file}: missing required key 'model_type'")
     if not isinstance(config["model_type"], str):
@@ -149,18 +157,19 @@ def config_values(config, model_args_class, source):
             if not math.isfinite(x) or x <= 0:
                 raise UserError(f"{source}: '{f.name}' must be positive, not {_show(value)}")
             if _is_int(x) and x > MAX_CONTEXT:
-                raise UserError(f"{source}: '{f.name}' is {x}, beyond any model's (at most {MAX_CONTEXT}); "
-                                "the file is damaged")
+                raise UserError(f"{source}: '{f.name}' is {x}, beyond any model's "
+                                f"(at most {MAX_CONTEXT}); the file is damaged")
     for key in CONTEXT_KEYS:
         if _is_number(config.get(key)) and config[key] > MAX_CONTEXT:
-            raise UserError(f"{source}: '{key}' is {config[key]}, beyond any model's context (at most "
-                            f"{MAX_CONTEXT}); the file is damaged")
+            raise UserError(f"{source}: '{key}' is {config[key]}, beyond any model's context "
+                            f"(at most {MAX_CONTEXT}); the file is damaged")
     for key in LAYER_KEYS:
         if _is_number(config.get(key)) and config[key] > MAX_LAYERS:
             raise UserError(f"{source}: '{key}' is {config[key]}, beyond any model's (at most "
                             f"{MAX_LAYERS}); the file is damaged")
     if not isinstance(config.get("rope_parameters", {}), (dict, type(None))):
-        raise UserError(f"{source}: 'rope_parameters' must be an object or null, not {_show(config['rope_parameters'])}")
+        raise UserError(f"{source}: 'rope_parameters' must be an object or null, "
+                        f"not {_show(config['rope_parameters'])}")
     _rope_scaling(config.get("rope_scaling"), source)
     _token_ids(config, source)
 
@@ -169,13 +178,15 @@ def _rope_scaling(scaling, source):
     if scaling is None:
         return
     if not isinstance(scaling, dict):
-        raise UserError(f"{source}: 'rope_scaling' must be an object such as {{\"rope_type\": \"linear\", "
-                        f"\"factor\": 2.0}} or null, not {_show(scaling)}")
+        raise UserError(f"{source}: 'rope_scaling' must be an object such as "
+                        f"{{\"rope_type\": \"linear\", \"factor\": 2.0}} or null, "
+                        f"not {_show(scaling)}")
     for key, v in scaling.items():
         if _is_number(v) and (not math.isfinite(v) or v <= 0):
             raise UserError(f"{source}: 'rope_scaling' '{key}' must be positive, not {_show(v)}")
         if v is not None and not _is_number(v) and not isinstance(v, str):
-            raise UserError(f"{source}: 'rope_scaling' '{key}' must be a number or a name, not {_show(v)}")
+            raise UserError(f"{source}: 'rope_scaling' '{key}' must be a number or a name, "
+                            f"not {_show(v)}")
 
 
 def _token_ids(config, source):
@@ -186,9 +197,11 @@ def _token_ids(config, source):
         if v is None:
             continue
         if not all(_is_int(i) for i in ids):
-            raise UserError(f"{source}: '{key}' must be a token id or a list of them, not {_show(v)}")
+            raise UserError(f"{source}: '{key}' must be a token id or a list of them, "
+                            f"not {_show(v)}")
         if _is_int(vocab) and any(i >= vocab for i in ids):
-            raise UserError(f"{source}: '{key}' {_show(v)} lies outside the vocabulary of {vocab} tokens")
+            raise UserError(f"{source}: '{key}' {_show(v)} lies outside the vocabulary of "
+                            f"{vocab} tokens")
 
 
 def _matches(value, kind):
@@ -210,7 +223,8 @@ def _matches(value, kind):
     if kind is dict or origin is dict:
         return isinstance(value, dict)
     if kind is list or origin is list:
-        return isinstance(value, list) and all(_matches(v, args[0]) for v in value) if args else isinstance(value, list)
+        return (isinstance(value, list) and all(_matches(v, args[0]) for v in value) if args
+                else isinstance(value, list))
     return True  # a type this check does not know: the model's own code decides
 
 
@@ -252,8 +266,9 @@ def weights(weights, source):
         else:
             ok, want = w.dtype in FLOAT_DTYPES, "float16, bfloat16 or float32"
         if not ok:
-            raise UserError(f"{source}: tensor '{name}' has dtype {str(w.dtype).split('.')[-1]}, but "
-                            f"its role needs {want}; the checkpoint is damaged")
+            raise UserError(f"{source}: tensor '{name}' has dtype "
+                            f"{str(w.dtype).split('.')[-1]}, but its role needs {want}; "
+                            "the checkpoint is damaged")
 
 
 def quantization(config, weights, source):
@@ -267,35 +282,39 @@ def quantization(config, weights, source):
             or q["group_size"] <= 0 or q["bits"] <= 0:
         raise UserError(f"{where} needs whole numbers 'group_size' and 'bits', not {_show(q)}")
     if not quantized:
-        raise UserError(f"{where} says the weights are quantized, but no weight is (no .scales tensors)")
+        raise UserError(f"{where} says the weights are quantized, but no weight is "
+                        "(no .scales tensors)")
     for mod in sorted(quantized):
         spec = q.get(mod) if isinstance(q.get(mod), dict) else q
         gs, bits = spec.get("group_size"), spec.get("bits")
         w, s, b = (weights.get(f"{mod}.{k}") for k in ("weight", "scales", "biases"))
-        if w is None or (b is not None and b.shape != s.shape) or not _is_int(gs) or not _is_int(bits) \
-                or w.shape[:-1] != s.shape[:-1] or w.shape[-1] * 32 != s.shape[-1] * gs * bits \
-                or q.get(mod) is False:
+        if w is None or (b is not None and b.shape != s.shape) or not _is_int(gs) \
+                or not _is_int(bits) or w.shape[:-1] != s.shape[:-1] \
+                or w.shape[-1] * 32 != s.shape[-1] * gs * bits or q.get(mod) is False:
             raise UserError(f"{where} ({bits}-bit, group size {gs}) does not match the weights of "
                             f"'{mod}'; the config or the weights are damaged")
 
 
+# the bits whose all being set make NaN or infinity
 EXPONENT = {mx.float16: (mx.uint16, 0x7C00), mx.bfloat16: (mx.uint16, 0x7F80),
-            mx.float32: (mx.uint32, 0x7F800000)}  # the bits whose all being set make NaN or infinity
+            mx.float32: (mx.uint32, 0x7F800000)}
 
 
 def finite(model, source):
     """Refuse non-finite weights (NaN or infinity), naming the first such tensor: one integer max
-    a tensor over its exponent bits (on the CPU 3-5x faster than isfinite().all(), which computes
-    float16 in emulation), over parameters already in memory after loading."""
+    a tensor over its exponent bits (on the CPU faster than isfinite().all(), which computes
+    float16 in emulation; its cost: bench/RESULTS.md, "Loading checks"), over parameters already
+    in memory after loading."""
     params = [(k, v) for k, v in tree_flatten(model.parameters()) if v.dtype in EXPONENT]
     if not params:
         return
-    bad = mx.stack([(v.view(EXPONENT[v.dtype][0]) & EXPONENT[v.dtype][1]).max() == EXPONENT[v.dtype][1]
-                    for _, v in params])
+    bad = mx.stack([(v.view(EXPONENT[v.dtype][0]) & EXPONENT[v.dtype][1]).max()
+                    == EXPONENT[v.dtype][1] for _, v in params])
     if not bad.any().item():
         return
     name = params[bad.tolist().index(True)][0]
-    raise UserError(f"{source}: tensor '{name}' holds NaN or infinite values; the weights are damaged")
+    raise UserError(f"{source}: tensor '{name}' holds NaN or infinite values; "
+                    "the weights are damaged")
 
 
 # chat template -----------------------------------------------------------------------------------
@@ -306,8 +325,8 @@ def chat_template(tokenizer, source):
     if not getattr(tokenizer, "has_chat_template", False):
         return
     try:
-        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
-                                      tokenize=False)
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
+                                      add_generation_prompt=True, tokenize=False)
     except Exception as e:  # jinja2's TemplateError subclasses, and whatever the template raises
         line = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
         detail = str(e).splitlines()[0] if str(e) else type(e).__name__

@@ -1,9 +1,10 @@
-"""Validation of a GGUF file at the boundary, before any tensor is read: the header's structure (what
-gguf._Header parses: version, alignment, counts), the tensor directory (every tensor's byte range
-inside the data section, aligned, of the size its type and shape imply, overlapping none) and the
-metadata values the loader reads (positive sizes, heads that divide the weights, a plausible
-context length, token ids inside the vocabulary). Every failure is a UserError naming the file and
-the field, so that a damaged file is refused instead of loading into a model that computes garbage.
+"""Validation of a GGUF file at the boundary, before any tensor is read: the header's structure
+(what gguf._Header parses: version, alignment, counts), the tensor directory (every tensor's byte
+range inside the data section, aligned, of the size its type and shape imply, overlapping none)
+and the metadata values the loader reads (positive sizes, heads that divide the weights, a
+plausible context length, token ids inside the vocabulary). Every failure is a UserError naming
+the file and the field, so that a damaged file is refused instead of loading into a model that
+computes garbage.
 """
 import math
 
@@ -40,7 +41,8 @@ def alignment(meta):
 def check_version(version):
     if version not in VERSIONS:
         endian = " (a big-endian file?)" if version > 0xFFFF else ""
-        raise ValueError(f"GGUF version {version} is not one of {', '.join(map(str, VERSIONS))}{endian}")
+        raise ValueError(f"GGUF version {version} is not one of "
+                         f"{', '.join(map(str, VERSIONS))}{endian}")
 
 
 def check_count(what, n, min_bytes, remaining):
@@ -75,21 +77,24 @@ def _check_tensors(header, path):
             raise UserError(f"{where} appears twice in the tensor directory; {CORRUPT}")
         names.add(name)
         if kind not in known:
-            raise UserError(f"{where}: unknown GGUF tensor type {kind} (newer than the gguf package "
-                            "knows, or damaged); upgrade gguf or use a file of another type (e.g. Q8_0)")
+            raise UserError(f"{where}: unknown GGUF tensor type {kind} (newer than the gguf "
+                            "package knows, or damaged); upgrade gguf or use a file of another "
+                            "type (e.g. Q8_0)")
         if not 1 <= len(shape) <= MAX_DIMS or min(shape) < 1:
             raise UserError(f"{where} has shape {list(shape)}: every tensor has 1 to {MAX_DIMS} "
                             f"dimensions of at least 1; {CORRUPT}")
         size = nbytes(shape, kind)
         qtype = GGMLQuantizationType(kind).name
         if size is None:
-            raise UserError(f"{where} ({qtype}) has rows of {shape[-1]} values, not a whole number of "
-                            f"{qtype} blocks; {CORRUPT}")
+            raise UserError(f"{where} ({qtype}) has rows of {shape[-1]} values, not a whole "
+                            f"number of {qtype} blocks; {CORRUPT}")
         if offset % align:
-            raise UserError(f"{where}: data offset {offset} is not a multiple of the alignment {align}; {CORRUPT}")
+            raise UserError(f"{where}: data offset {offset} is not a multiple of the alignment "
+                            f"{align}; {CORRUPT}")
         if offset + size > data_bytes:
-            raise UserError(f"{where} ({qtype}, shape {list(shape)}) ends {offset + size - data_bytes} "
-                            f"bytes beyond the end of the file; {CORRUPT}")
+            raise UserError(f"{where} ({qtype}, shape {list(shape)}) ends "
+                            f"{offset + size - data_bytes} bytes beyond the end of the file; "
+                            f"{CORRUPT}")
         spans.append((offset, size, name, qtype))
     spans.sort()
     _check_ends(spans, data_bytes, align, path)
@@ -97,9 +102,9 @@ def _check_tensors(header, path):
         padded = -(-(start + size) // align) * align
         if padded != nxt:  # writers pack tensors back to back, each padded to the alignment
             how = "overlaps" if start + size > nxt else "leaves a gap before"
-            raise UserError(f"{path}: tensor '{name}' ({qtype}, {size} bytes at offset {start}) {how} "
-                            f"tensor '{other}' at offset {nxt}: its type or shape does not match the "
-                            f"data; {CORRUPT}")
+            raise UserError(f"{path}: tensor '{name}' ({qtype}, {size} bytes at offset {start}) "
+                            f"{how} tensor '{other}' at offset {nxt}: its type or shape does not "
+                            f"match the data; {CORRUPT}")
 
 
 def _check_ends(spans, data_bytes, align, path):
@@ -112,8 +117,8 @@ def _check_ends(spans, data_bytes, align, path):
         raise UserError(f"{path}: the data section starts {first} bytes before its first tensor "
                         f"'{name}'; the header's counts or lengths are wrong; {CORRUPT}")
     if data_bytes - (last + size) >= align:
-        raise UserError(f"{path}: {data_bytes - (last + size)} bytes follow the last tensor '{other}'; "
-                        f"the header's counts or lengths are wrong; {CORRUPT}")
+        raise UserError(f"{path}: {data_bytes - (last + size)} bytes follow the last tensor "
+                        f"'{other}'; the header's counts or lengths are wrong; {CORRUPT}")
 
 
 def _is_int(v):
@@ -124,26 +129,27 @@ def _check_metadata(meta, shapes, path):
     arch = meta.get("general.architecture")
     if not isinstance(arch, str):
         if arch is not None:
-            raise UserError(f"{path}: GGUF metadata 'general.architecture' is {arch!r}, not a name; {CORRUPT}")
+            raise UserError(f"{path}: GGUF metadata 'general.architecture' is {arch!r}, "
+                            f"not a name; {CORRUPT}")
         return
     p = arch + "."
     for suffix in POSITIVE_INTS:
         v = meta.get(p + suffix)
         if v is not None and (not _is_int(v) or v <= 0):
-            raise UserError(f"{path}: GGUF metadata '{p + suffix}' must be a positive whole number, "
-                            f"not {_show(v)}; {CORRUPT}")
+            raise UserError(f"{path}: GGUF metadata '{p + suffix}' must be a positive whole "
+                            f"number, not {_show(v)}; {CORRUPT}")
     for suffix in POSITIVE_FLOATS:
         v = meta.get(p + suffix)
         if v is not None and (not isinstance(v, float) or not math.isfinite(v) or v <= 0):
             raise UserError(f"{path}: GGUF metadata '{p + suffix}' must be a positive float, "
                             f"not {_show(v)}; {CORRUPT}")
     if meta.get(p + "block_count", 0) > MAX_LAYERS:
-        raise UserError(f"{path}: GGUF metadata '{p}block_count' is {meta[p + 'block_count']}, beyond any "
-                        f"model's (at most {MAX_LAYERS}); {CORRUPT}")
+        raise UserError(f"{path}: GGUF metadata '{p}block_count' is {meta[p + 'block_count']}, "
+                        f"beyond any model's (at most {MAX_LAYERS}); {CORRUPT}")
     context = meta.get(p + "context_length")
     if context is not None and context > MAX_CONTEXT:
-        raise UserError(f"{path}: GGUF metadata '{p}context_length' is {context}, beyond any model's "
-                        f"context (at most {MAX_CONTEXT}); {CORRUPT}")
+        raise UserError(f"{path}: GGUF metadata '{p}context_length' is {context}, beyond any "
+                        f"model's context (at most {MAX_CONTEXT}); {CORRUPT}")
     _check_shapes(meta, p, shapes, path)
     _check_tokenizer(meta, shapes, path)
 
@@ -153,15 +159,15 @@ def _check_shapes(meta, p, shapes, path):
     embd = shapes.get("token_embd.weight")
     hidden = meta.get(p + "embedding_length")
     if embd is not None and hidden is not None and embd[-1] != hidden:
-        raise UserError(f"{path}: GGUF metadata '{p}embedding_length' is {hidden}, but token_embd.weight "
-                        f"has rows of {embd[-1]}; {CORRUPT}")
+        raise UserError(f"{path}: GGUF metadata '{p}embedding_length' is {hidden}, but "
+                        f"token_embd.weight has rows of {embd[-1]}; {CORRUPT}")
     heads = meta.get(p + "attention.head_count")
     kv = meta.get(p + "attention.head_count_kv", heads)
     if heads is None:
         return
     if heads % kv:
-        raise UserError(f"{path}: GGUF metadata '{p}attention.head_count' ({heads}) is not a multiple of "
-                        f"'{p}attention.head_count_kv' ({kv}); {CORRUPT}")
+        raise UserError(f"{path}: GGUF metadata '{p}attention.head_count' ({heads}) is not a "
+                        f"multiple of '{p}attention.head_count_kv' ({kv}); {CORRUPT}")
     # llama.cpp interleaves RoPE pairs within each head: every head has an even number of rows
     for tensor, n, key in (("attn_q", heads, "head_count"), ("attn_k", kv, "head_count_kv")):
         shape = shapes.get(f"blk.0.{tensor}.weight")
@@ -173,7 +179,8 @@ def _check_shapes(meta, p, shapes, path):
         if q is not None and meta.get(p + key) is not None:
             if meta[p + key] * heads != q[0]:
                 raise UserError(f"{path}: GGUF metadata '{p}{key}' ({meta[p + key]}) times the "
-                                f"{heads} heads is not the {q[0]} rows of blk.0.attn_q.weight; {CORRUPT}")
+                                f"{heads} heads is not the {q[0]} rows of blk.0.attn_q.weight; "
+                                f"{CORRUPT}")
             break
 
 
@@ -190,7 +197,8 @@ def _check_tokenizer(meta, shapes, path):
                         f"{embd[0]} rows; {CORRUPT}")
     for key in ("token_type", "scores"):
         values = meta.get(f"tokenizer.ggml.{key}")
-        if values is not None and (not isinstance(values, np.ndarray) or values.shape != (len(tokens),)):
+        if values is not None and (not isinstance(values, np.ndarray)
+                                   or values.shape != (len(tokens),)):
             raise UserError(f"{field}{key}' does not hold one number for each of the "
                             f"{len(tokens)} tokens; {CORRUPT}")
     merges = meta.get("tokenizer.ggml.merges")
@@ -206,7 +214,8 @@ def _check_tokenizer(meta, shapes, path):
         v = meta.get(("tokenizer." if key == "chat_template" else "tokenizer.ggml.") + key)
         if v is not None and not isinstance(v, str):
             name = "tokenizer.chat_template" if key == "chat_template" else f"tokenizer.ggml.{key}"
-            raise UserError(f"{path}: GGUF metadata '{name}' is {_show(v)}, not a string; {CORRUPT}")
+            raise UserError(f"{path}: GGUF metadata '{name}' is {_show(v)}, not a string; "
+                            f"{CORRUPT}")
 
 
 def _show(v):

@@ -2,10 +2,11 @@
 
 The model files stay plain reference code. Each transformation here takes a (norm, consumer) pair
 of a loaded model and replaces it: the norm becomes a DeferredNorm (the residual add and 1/RSS,
-handed on as a Deferred value, not applied) and the consumer a flash module that computes the same function with the 1/RMS scale deferred past the matmul and the norm gain
-sqrt(n) g either folded into its linear weights (fold=True: weightless, for full precision) or
-multiplied onto its input, the weights untouched (fold=False: for quantized weights, which then
-equal those of the reference exactly). One class or function per paper section:
+handed on as a Deferred value, not applied) and the consumer a flash module that computes the
+same function with the 1/RMS scale deferred past the matmul and the norm gain sqrt(n) g either
+folded into its linear weights (fold=True: weightless, for full precision) or multiplied onto its
+input, the weights untouched (fold=False: for quantized weights, which then equal those of the
+reference exactly). One class or function per paper section:
 
     fold_weight, weightless            Sec. 1, Fig. 1(b): weightless normalization
     DeferredLinear, rss_scale          Sec. 1, Fig. 1(c) + Appendix A/B: deferred 1/RMSe
@@ -23,16 +24,17 @@ equal those of the reference exactly). One class or function per paper section:
     merge_mean_centering               Sec. 1.2: mean centering merged into a preceding linear
 
 Files: norm.py (the deferred scale and what carries it), ffn.py, attention.py, head.py (the forms
-the models use), stack.py (the whole decode step's kernel), paper.py (the forms no model uses). This file: the whole-model passes.
+the models use), stack.py (the whole decode step's kernel), paper.py (the forms no model uses).
+This file: the whole-model passes.
 
 apply(model, fold=...) rewrites a whole model following the Mapping its model file states
 (models/*.py: FLASHNORM, a Pair per pre-norm); remove_norms(model) drops every norm
-(a speed ceiling, not the same function). Weights are folded in float32 and cast back to the model
-dtype. Why not always fold: quantizing W*g loses far more than quantizing W where g varies inside a
-quantization group (SmolLM2 4-bit perplexity +46%, bench/RESULTS.md, "Perplexity"), so a
-quantized model keeps g on the activations. Every linear keeps its path (model.layers.0.self_attn.q_proj stays that), so
-per-module quantization settings carry over, and DeferredLinear quantizes to QuantizedDeferredLinear
-(a QuantizedLinear becomes one as it is, with apply(fold=False)).
+(a speed ceiling, not the same function). Weights are folded in float32 and cast back to the
+model dtype. Why not always fold: quantizing W*g loses far more than quantizing W where g varies
+inside a quantization group (bench/RESULTS.md, "Perplexity"), so a quantized model keeps g on the
+activations. Every linear keeps its path (model.layers.0.self_attn.q_proj stays that), so
+per-module quantization settings carry over, and DeferredLinear quantizes to
+QuantizedDeferredLinear (a QuantizedLinear becomes one as it is, with apply(fold=False)).
 """
 from typing import NamedTuple
 
@@ -48,18 +50,20 @@ from ..rope import apply_rope, permute_gain, rope_frequencies, rope_tables, rota
 from .attention import FlashAttention, FlashQKNormAttention
 from .ffn import FlashFusedSwiGLU, FlashGeGLU, FlashSwiGLU
 from .head import FlashHead, TiedFlashHead
-from .norm import (Deferred, DeferredLinear, DeferredNorm, Pending, QuantizedDeferredLinear, deferred, fold_weight,
-                   norm_gain, norm_weight, rss_scale, weightless)
+from .norm import (Deferred, DeferredLinear, DeferredNorm, Pending, QuantizedDeferredLinear,
+                   deferred, fold_weight, norm_gain, norm_weight, rss_scale, weightless)
 from .stack import decode_stack, stack_weights, unstack
-from .paper import DyTLinear, FlashDyT, FlashGLU, FlashLayerNormLinear, FlashReLUFFN, merge_mean_centering
+from .paper import (DyTLinear, FlashDyT, FlashGLU, FlashLayerNormLinear, FlashReLUFFN,
+                    merge_mean_centering)
 
-__all__ = ["apply", "remove_norms", "decode_stack", "stack_weights", "unstack", "make_weightless", "mapping",
-           "Mapping", "Pair", "NoNorm", "HEADS", "DEFAULT_HEAD", "FlashAttention", "FlashQKNormAttention",
-           "FlashSwiGLU", "FlashGeGLU", "FlashFusedSwiGLU", "FlashHead", "TiedFlashHead", "Deferred",
-           "DeferredLinear", "DeferredNorm", "Pending", "QuantizedDeferredLinear", "deferred", "fold_weight",
-           "norm_gain", "norm_weight", "rss_scale", "weightless", "DyTLinear", "FlashDyT", "FlashGLU",
-           "FlashLayerNormLinear", "FlashReLUFFN", "merge_mean_centering", "apply_rope", "permute_gain",
-           "rope_frequencies", "rope_tables", "rotate"]
+__all__ = ["apply", "remove_norms", "decode_stack", "stack_weights", "unstack", "make_weightless",
+           "mapping", "Mapping", "Pair", "NoNorm", "HEADS", "DEFAULT_HEAD", "FlashAttention",
+           "FlashQKNormAttention", "FlashSwiGLU", "FlashGeGLU", "FlashFusedSwiGLU", "FlashHead",
+           "TiedFlashHead", "Deferred", "DeferredLinear", "DeferredNorm", "Pending",
+           "QuantizedDeferredLinear", "deferred", "fold_weight", "norm_gain", "norm_weight",
+           "rss_scale", "weightless", "DyTLinear", "FlashDyT", "FlashGLU", "FlashLayerNormLinear",
+           "FlashReLUFFN", "merge_mean_centering", "apply_rope", "permute_gain", "rope_frequencies",
+           "rope_tables", "rotate"]
 
 HEADS = ("scale", "untie")
 DEFAULT_HEAD = "scale"
@@ -112,17 +116,19 @@ def mapping(model):
 
 
 def _check_full_precision(model):
-    if any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules()):
+    if any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+           for _, m in model.named_modules()):
         raise UserError("folding norm weights needs full-precision weights: dequantize the model "
                         "first (loader.dequantize), or keep the norm gain on the activations "
                         "(flashnorm.apply(model, fold=False))")
 
 
 def apply(model, head=DEFAULT_HEAD, fold=True, deferred=None):
-    """Rewrite a loaded model (in place), as its model file's FLASHNORM Mapping says, to compute the same function with FlashNorm;
-    returns it. Every pre-norm becomes a DeferredNorm (residual add, 1/RSSe and any kept gain in one
-    pass) and its consumer a flash module reading that Deferred value; the final norm's weights go
-    into the LM head (or stay as its DeferredNorm's gain).
+    """Rewrite a loaded model (in place), as its model file's FLASHNORM Mapping says, to compute
+    the same function with FlashNorm; returns it. Every pre-norm becomes a DeferredNorm (residual
+    add, 1/RSSe and any kept gain in one pass) and its consumer a flash module reading that
+    Deferred value; the final norm's weights go into the LM head (or stay as its DeferredNorm's
+    gain).
 
     fold=True (full precision only): each norm's sqrt(n) g is folded into the weights of the
     linears it feeds. fold=False: no linear weight is touched (a QuantizedLinear becomes a
@@ -132,10 +138,10 @@ def apply(model, head=DEFAULT_HEAD, fold=True, deferred=None):
 
     head: how a tied embedding takes the final norm. "scale" (default) keeps the embedding shared
     and the norm weights as one scale vector (TiedFlashHead): no extra memory. "untie" folds them
-    into an untied vocab x dim copy (FlashHead): +156 MiB in float32 for OpenELM-270M (+15%), and
-    no faster: CPU decode 3.26 vs 3.33 tokens/s for "scale" (bench/flash_head.py, interleaved, in
-    bench/RESULTS.md, "Final norm and tied head"), since decode is bound by reading weights. An
-    untied model always folds into its own lm_head. "untie" exists to fold, so it needs fold=True.
+    into an untied vocab x dim copy (FlashHead): more memory, and no faster than "scale"
+    (bench/flash_head.py, interleaved, in bench/RESULTS.md, "Final norm and tied head"), since
+    decode is bound by reading weights. An untied model always folds into its own lm_head.
+    "untie" exists to fold, so it needs fold=True.
 
     deferred: False gives Sec. 1's weightless form alone (Fig. 1(b)): with fold, every norm's
     weights folded into the linears it feeds (the final norm's into an untied lm_head), the norms
@@ -161,7 +167,8 @@ def apply(model, head=DEFAULT_HEAD, fold=True, deferred=None):
     for layer in model.layers:
         for pair in spec.pairs:
             module = pair.flash(getattr(layer, pair.norm), getattr(layer, pair.consumer), fold)
-            module.defer_output = pair.defer_output  # an FFN's last scale into the next residual add
+            # an FFN's last scale into the next residual add
+            module.defer_output = pair.defer_output
             setattr(layer, pair.consumer, module)
             norm = DeferredNorm(module.eps, module.pop("gain", None))
             norm.fuse = not spec.kept  # a kept norm (Gemma's post-norms) reads the residual itself
@@ -189,7 +196,8 @@ def remove_norms(model):
     same function: the speed ceiling of any norm optimization, as in the paper's table. No linear
     weight is touched, so a quantized model stays as it is."""
     mapping(model)
-    norms = [(path, NoNorm()) for path, m in model.named_modules() if isinstance(m, (RMSNorm, nn.RMSNorm))]
+    norms = [(path, NoNorm()) for path, m in model.named_modules()
+             if isinstance(m, (RMSNorm, nn.RMSNorm))]
     model.update_modules(tree_unflatten(norms))
     return model
 
@@ -199,7 +207,8 @@ def _fold_blocks(model, spec):
     for layer in model.layers:
         for pair in spec.pairs:
             consumer = getattr(layer, pair.consumer)
-            weightless(getattr(layer, pair.norm), [consumer[name] for name in held(consumer, pair.linears)])
+            weightless(getattr(layer, pair.norm),
+                       [consumer[name] for name in held(consumer, pair.linears)])
 
 
 def make_weightless(model):

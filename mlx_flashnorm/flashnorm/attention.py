@@ -71,10 +71,11 @@ class FlashAttention(nn.Module):
             return attend(*qkv, mask, cache, self.o_proj)
         a, s = deferred_input(self, x)
         if not self.qkv_bias and kernels.rope_qkv_supported(self.head_dim, self.traditional):
-            q, k, v = kernels.rope_qkv(*rope_qkv_inputs(self, a), s, offset, self._theta, self.n_heads,
-                                       self.n_kv_heads, factor=self.factor)
+            q, k, v = kernels.rope_qkv(*rope_qkv_inputs(self, a), s, offset, self._theta,
+                                       self.n_heads, self.n_kv_heads, factor=self.factor)
             return attend(q, k, v, mask, cache, self.o_proj)
-        q, k, v = heads(self, a, s if self.qkv_bias else None)  # with biases all three get s before them
+        # with biases all three get s before them
+        q, k, v = heads(self, a, s if self.qkv_bias else None)
         c = self.factor
         if not self.qkv_bias:  # s into cos/sin: (B, 1, L, 1), one factor per token, all heads
             v, c = times(v, s[:, None]), (c * s)[:, None].astype(mx.float32)
@@ -97,8 +98,9 @@ class FlashQKNormAttention(nn.Module):
     (measured in tests and bench/RESULTS.md, "FlashNorm exactness").
     4.2: the q_norm/k_norm weights g (times sqrt(h), Appendix B, and the square root of the
     softmax scale: h^-1/4, or Gemma's query_pre_attn_scalar^-1/4) are fused into cos/sin:
-    RoPE(q*g) = q*(g*cos) + rotate(q)*(permute(g)*sin). The paper writes the interleaved layout; for OpenELM's rotate-half layout permute swaps the halves of g
-    (permute_gain). Only the per-head 1/RSSe(q) is computed, and applied after RoPE.
+    RoPE(q*g) = q*(g*cos) + rotate(q)*(permute(g)*sin). The paper writes the interleaved layout;
+    for OpenELM's rotate-half layout permute swaps the halves of g (permute_gain). Only the
+    per-head 1/RSSe(q) is computed, and applied after RoPE.
     Without QK-norm (normalize_qk_projections false), s goes into cos/sin as in Sec. 3."""
 
     def __init__(self, norm, attn, fold=True):
@@ -138,8 +140,9 @@ class FlashQKNormAttention(nn.Module):
             return attend(*qkv, mask, cache, out_proj)
         a, s = deferred_input(self, x)
         if kernels.rope_qkv_supported(self.head_dim, self.traditional):
-            q, k, v = kernels.rope_qkv(*rope_qkv_inputs(self, a), s, offset, self._theta, self.n_heads,
-                                       self.n_kv_heads, gains, qk_eps, factor=self.factor)
+            q, k, v = kernels.rope_qkv(*rope_qkv_inputs(self, a), s, offset, self._theta,
+                                       self.n_heads, self.n_kv_heads, gains, qk_eps,
+                                       factor=self.factor)
             return attend(q, k, v, mask, cache, out_proj)
         q, k, v = heads(self, a)
         v = times(v, s[:, None])
@@ -150,5 +153,6 @@ class FlashQKNormAttention(nn.Module):
         else:
             cs = (self.factor * s)[:, None]
             cos, sin = cos * cs, sin * cs  # the same tables for q and k
-            q, k = apply_rope(q, cos, sin, self.traditional), apply_rope(k, cos, sin, self.traditional)
+            q, k = (apply_rope(q, cos, sin, self.traditional),
+                    apply_rope(k, cos, sin, self.traditional))
         return attend(q, k, v, mask, cache, out_proj)

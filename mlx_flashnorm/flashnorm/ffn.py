@@ -38,15 +38,18 @@ class FlashSwiGLU(nn.Module):
         for p in held(mlp, GATE_UP):
             setattr(self, p, deferred(mlp[p], folded))
         self.down_proj = deferred(mlp.down_proj)
-        self.late = not any("bias" in mlp[p] for p in held(mlp, GATE_UP))  # else s before the biases
+        # else s before the biases
+        self.late = not any("bias" in mlp[p] for p in held(mlp, GATE_UP))
 
     def __call__(self, x):
-        if self.activation is nn.silu and (y := fused_gate_up(self, x, "gate_up_proj", "down_proj")) is not None:
+        if (self.activation is nn.silu
+                and (y := fused_gate_up(self, x, "gate_up_proj", "down_proj")) is not None):
             return y
         a, s = deferred_input(self, x)
         late = self.late
         gate, up = project(self, a, GATE_UP, None if late else s)
-        h = kernels.gated(self.activation)(gate, s, up) if late else (self.activation(gate) * up).astype(up.dtype)
+        h = (kernels.gated(self.activation)(gate, s, up) if late
+             else (self.activation(gate) * up).astype(up.dtype))
         if late and "bias" not in self.down_proj:
             return deferred_output(self, self.down_proj(h), s)
         return self.down_proj(h, s if late else None)

@@ -93,7 +93,8 @@ class Pending:
 
     def settle(self):
         if self._settled is None:
-            p, pg, s = kernels.add_rss(self.x, self.norm.eps, xs=self.xs, r=self.r, g=self.norm.get("gain"))
+            p, pg, s = kernels.add_rss(self.x, self.norm.eps, xs=self.xs, r=self.r,
+                                       g=self.norm.get("gain"))
             self._settled, self.p = Deferred(p, p if pg is None else pg, s), p
         return self._settled
 
@@ -135,7 +136,8 @@ class DeferredNorm(nn.Module):
 def fused(x, kernel, module, name):
     """The Pending x when the consumer can hand it to the fused kernel `kernel` with its linear
     `name`, else None."""
-    if isinstance(x, Pending) and name in module and kernels.fused_supported(kernel, x.x, module[name]):
+    if (isinstance(x, Pending) and name in module
+            and kernels.fused_supported(kernel, x.x, module[name])):
         return x
     return None
 
@@ -159,8 +161,9 @@ def deferred_output(module, y, s):
 
 def weightless(norm, linears):
     """Sec. 1, Fig. 1(b) in place: fold the norm weights g into each following linear and set g to
-    1 (a weight of 0 for a norm with offset 1). The model keeps its structure (an RMSNorm without effective weights), so the result is an
-    ordinary checkpoint that any loader runs unchanged. Biases are unaffected: y = (a*g) W^T + c."""
+    1 (a weight of 0 for a norm with offset 1). The model keeps its structure (an RMSNorm without
+    effective weights), so the result is an ordinary checkpoint that any loader runs unchanged.
+    Biases are unaffected: y = (a*g) W^T + c."""
     g = norm_weight(norm)
     for linear in linears:
         linear.weight = fold_weight(linear.weight, g)
@@ -212,7 +215,8 @@ def deferred(linear, gain=None, eps=None):
     into the weight (full precision only)."""
     if isinstance(linear, nn.QuantizedLinear):
         if gain is not None:
-            raise ValueError("cannot fold a norm gain into quantized weights: keep it on the input (fold=False)")
+            raise ValueError("cannot fold a norm gain into quantized weights: "
+                             "keep it on the input (fold=False)")
         out_dims, packed = linear.weight.shape
         new = QuantizedDeferredLinear(packed * 32 // linear.bits, out_dims, "bias" in linear,
                                       linear.group_size, linear.bits, linear.mode)

@@ -16,7 +16,8 @@ class FlashReLUFFN(nn.Module):
     def __init__(self, norm, up, down, fold=True):
         super().__init__()
         if "bias" in up:
-            raise ValueError("Sec. 2.1 needs a bias-free up projection (ReLU(s*a + c) != s*ReLU(a + c))")
+            raise ValueError("Sec. 2.1 needs a bias-free up projection "
+                             "(ReLU(s*a + c) != s*ReLU(a + c))")
         folded, self.gain = split_gain(norm, fold)
         self.eps = norm.eps
         self.up = deferred(up, folded)
@@ -36,7 +37,8 @@ class FlashGLU(nn.Module):
     def __init__(self, norm, gate, up, down, activation, fold=True):
         super().__init__()
         if activation not in self.ACTIVATIONS:
-            raise ValueError(f"activation must be one of {', '.join(self.ACTIVATIONS)} (s*act(a) = act(s*a))")
+            raise ValueError(f"activation must be one of {', '.join(self.ACTIVATIONS)} "
+                             "(s*act(a) = act(s*a))")
         if "bias" in gate or "bias" in up:
             raise ValueError("Sec. 2.2 (ReGLU/bilinear) needs bias-free gate and up projections")
         folded, self.gain = split_gain(norm, fold)
@@ -68,7 +70,8 @@ class FlashLayerNormLinear(nn.Module):
     def __init__(self, norm, linear, center=True):
         super().__init__()
         n = linear.weight.shape[1]
-        gain = math.sqrt(n) * (norm.weight.astype(mx.float32) if "weight" in norm else mx.ones((n,)))
+        gain = math.sqrt(n) * (norm.weight.astype(mx.float32) if "weight" in norm
+                               else mx.ones((n,)))
         out_dims, in_dims = linear.weight.shape
         self.linear = DeferredLinear(in_dims, out_dims, bias=True)
         self.linear.weight, self.linear.bias = _move_bias(norm, linear, gain)

@@ -13,7 +13,8 @@ from .norm import DeferredNorm, QuantizedDeferredLinear, deferred_output
 def _quantized(linear, *classes):
     """A bias-free affine quantized linear of exactly one of classes (a sharded one, summing over
     ranks, is another class)."""
-    return (type(linear) in classes and linear.mode == "affine" and "bias" not in linear and "biases" in linear)
+    return (type(linear) in classes and linear.mode == "affine" and "bias" not in linear
+            and "biases" in linear)
 
 
 def _arrays(linear):
@@ -22,7 +23,8 @@ def _arrays(linear):
 
 def _linears(layer):
     """A block's four matrices, in the kernels' order."""
-    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+            layer.mlp.down_proj)
 
 
 class _Stacks:
@@ -43,7 +45,8 @@ def stack_weights(model):
     if spec is None:
         return model
     arrays, rows = kernels.stacked(spec["layers"]), []
-    for k, stack in enumerate(arrays):  # one kind at a time: its old arrays go before the next is stacked
+    # one kind at a time: its old arrays go before the next is stacked
+    for k, stack in enumerate(arrays):
         views = [stack[l] for l in range(len(layers))]
         mx.eval(stack, views)
         for layer, view in zip(layers, views):
@@ -76,16 +79,19 @@ def _spec(layers):
     for layer in layers:
         a, f = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if (type(a) is not type(attn) or type(f) is not FlashSwiGLU or not f.late or "gate_up_proj" not in f
+        if (type(a) is not type(attn) or type(f) is not FlashSwiGLU or not f.late
+                or "gate_up_proj" not in f
                 or any(type(m) is not DeferredNorm or not m.fuse or m.eps != eps for m in norms)
                 or (not qk_norm and a.qkv_bias) or a.traditional or a.factor != attn.factor
                 or a.n_heads != attn.n_heads or a.n_kv_heads != attn.n_kv_heads
-                or not _quantized(a.qkv_proj, QuantizedDeferredLinear) or not _quantized(a.o_proj, nn.QuantizedLinear, kernels.QuantizedLinear)
+                or not _quantized(a.qkv_proj, QuantizedDeferredLinear)
+                or not _quantized(a.o_proj, nn.QuantizedLinear, kernels.QuantizedLinear)
                 or not _quantized(f.gate_up_proj, QuantizedDeferredLinear)
                 or not _quantized(f.down_proj, QuantizedDeferredLinear)):
             return None
         linears = _linears(layer)
-        if any((m.bits, m.group_size) != (attn.qkv_proj.bits, attn.qkv_proj.group_size) for m in linears):
+        if any((m.bits, m.group_size) != (attn.qkv_proj.bits, attn.qkv_proj.group_size)
+               for m in linears):
             return None
         if any(("gain" in m) != ("gain" in norms[0]) for m in norms):
             return None
@@ -98,14 +104,16 @@ def _spec(layers):
     gains = mx.stack(gains) if gains else None
     qk_gains = mx.stack(qk_gains) if qk_gains else None
     mx.eval([a for a in (gains, qk_gains) if a is not None])
-    return dict(layers=mats, gains=gains, qk_gains=qk_gains, theta=attn._theta, eps=eps, factor=attn.factor,
-                qk_eps=attn.qk_eps if qk_norm else 0.0, n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads,
-                group_size=attn.qkv_proj.group_size, bits=attn.qkv_proj.bits)
+    return dict(layers=mats, gains=gains, qk_gains=qk_gains, theta=attn._theta, eps=eps,
+                factor=attn.factor, qk_eps=attn.qk_eps if qk_norm else 0.0, n_heads=attn.n_heads,
+                n_kv_heads=attn.n_kv_heads, group_size=attn.qkv_proj.group_size,
+                bits=attn.qkv_proj.bits)
 
 
 def _stacked(layers, mats):
-    """mats (_spec's layers) with their stacks: stack_weights' where it stacked these blocks (and no
-    array was replaced since), else stacked copies (evaluated here: constants of a compiled step)."""
+    """mats (_spec's layers) with their stacks: stack_weights' where it stacked these blocks (and
+    no array was replaced since), else stacked copies (evaluated here: constants of a compiled
+    step)."""
     kept = getattr(layers[0], "_stacks", None)
     if kept is None or any(mats[l][k // 3][k % 3] is not a for k, rows in enumerate(kept.rows)
                            for l, a in enumerate(rows)):
@@ -121,8 +129,8 @@ def decode_stack(layers, h, cache):
     kernels.decode_rows. Both kinds of cache say so with `static_rows` (buffers of every position,
     an array offset per row). None where the kernel does not take these blocks (then the model runs
     its loop): a prefill, an eager step, the CPU, the portable path, another architecture."""
-    if (not layers or not cache or h.ndim != 3 or h.shape[1] != 1 or not getattr(cache[0], "static_rows", False)
-            or isinstance(cache[0].offset, int)):
+    if (not layers or not cache or h.ndim != 3 or h.shape[1] != 1
+            or not getattr(cache[0], "static_rows", False) or isinstance(cache[0].offset, int)):
         return None
     name = "decode_layers" if h.shape[0] == 1 else "decode_rows"
     if name == "decode_rows" and kernels.use_decode_layers(name):
@@ -131,8 +139,10 @@ def decode_stack(layers, h, cache):
         return None
     spec = _spec(layers)
     kv = [(c.keys, c.values) for c in cache]
-    if spec is None or spec["theta"].shape[0] * 2 != kv[0][0].shape[-1] or not kernels.decode_layers_supported(
-            h, spec["layers"], kv, spec["n_heads"], spec["n_kv_heads"], spec["group_size"], spec["bits"], name=name):
+    if (spec is None or spec["theta"].shape[0] * 2 != kv[0][0].shape[-1]
+            or not kernels.decode_layers_supported(h, spec["layers"], kv, spec["n_heads"],
+                                                   spec["n_kv_heads"], spec["group_size"],
+                                                   spec["bits"], name=name)):
         return None
     run = kernels.decode_layers if name == "decode_layers" else kernels.decode_rows
     spec["layers"] = _stacked(layers, spec["layers"])

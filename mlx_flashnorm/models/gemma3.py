@@ -30,7 +30,8 @@ GGUF_ARCHITECTURE = "gemma3"  # llama.cpp's name (from_gguf below)
 # the residual add, not a linear, so there is nothing to fold them into; and the MLP applies its
 # deferred scale itself (defer_output False), since post_feedforward_layernorm reads its output.
 FLASHNORM = fn.Mapping(
-    pairs=(fn.Pair("input_layernorm", "self_attn", fn.FlashQKNormAttention, ("q_proj", "k_proj", "v_proj")),
+    pairs=(fn.Pair("input_layernorm", "self_attn", fn.FlashQKNormAttention,
+                   ("q_proj", "k_proj", "v_proj")),
            fn.Pair("pre_feedforward_layernorm", "mlp", fn.FlashGeGLU, ("gate_proj", "up_proj"),
                    defer_output=False)),
     trunk="model", tie_key="tie_word_embeddings",
@@ -76,8 +77,8 @@ class ModelArgs(llama.BaseArgs):
 
 class RMSNorm(fnn.RMSNorm):
     """x / sqrt(mean(x^2) + eps) * (1 + weight), in float32 whatever the input dtype (weight is
-    stored as an offset from 1: zeros at initialization). m(x, residual) -> (o, p), p = x + residual,
-    as every norm of the models here (mlx_flashnorm.nn)."""
+    stored as an offset from 1: zeros at initialization). m(x, residual) -> (o, p),
+    p = x + residual, as every norm of the models here (mlx_flashnorm.nn)."""
 
     offset = 1.0  # the gain is offset + weight (flashnorm.norm_weight reads this)
 
@@ -88,7 +89,8 @@ class RMSNorm(fnn.RMSNorm):
     def __call__(self, x, *residual):
         r = residual[0] if residual else None
         o, p = fnn.normalize(x.astype(mx.float32), None if r is None else r.astype(mx.float32),
-                             self.weight.astype(mx.float32) + self.offset, eps=self.eps, vjp=self.training)
+                             self.weight.astype(mx.float32) + self.offset, eps=self.eps,
+                             vjp=self.training)
         return (o.astype(x.dtype), p.astype(x.dtype)) if residual else o.astype(x.dtype)
 
 
@@ -96,7 +98,8 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
         dim, h = args.hidden_size, args.head_dim
-        self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, h
+        self.n_heads, self.n_kv_heads, self.head_dim = (args.num_attention_heads,
+                                                        args.num_key_value_heads, h)
         self.scale = args.query_pre_attn_scalar**-0.5
         self.q_proj = nn.Linear(dim, self.n_heads * h, bias=False)
         self.k_proj = nn.Linear(dim, self.n_kv_heads * h, bias=False)
@@ -107,7 +110,8 @@ class Attention(nn.Module):
         if args.is_sliding(layer):  # local layers: their own base, no scaling
             self.rope = initialize_rope(h, args.rope_local_base_freq, False)
         else:
-            self.rope = initialize_rope(h, args.rope_theta, False, args.rope_scaling, args.max_position_embeddings)
+            self.rope = initialize_rope(h, args.rope_theta, False, args.rope_scaling,
+                                        args.max_position_embeddings)
 
     def __call__(self, x, mask=None, cache=None):
         B, L, _ = x.shape
@@ -147,7 +151,8 @@ class TransformerBlock(nn.Module):
 
     def __call__(self, x, residual, mask=None, cache=None):
         """(x, residual) -> (block output still to be added, new residual), as the Llama blocks:
-        h = residual + x; h + post_attn(attn(in(h))) = h'; the output is post_ff(mlp(pre_ff(h')))."""
+        h = residual + x; h + post_attn(attn(in(h))) = h'; the output is
+        post_ff(mlp(pre_ff(h')))."""
         h, residual = self.input_layernorm(x, residual)
         r = self.post_attention_layernorm(self.self_attn(h, mask, cache))
         h, residual = self.pre_feedforward_layernorm(r, residual)
@@ -203,8 +208,9 @@ class Model(llama.Model):
 # GGUF (llama.cpp) tensor names -> HF names.
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm", "post_attention_norm": "post_attention_layernorm",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "post_ffw_norm": "post_feedforward_layernorm",
 }

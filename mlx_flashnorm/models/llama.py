@@ -20,7 +20,8 @@ MODEL_TYPES = ("llama", "mistral")  # config.json model_type values this file se
 # q/k/v and gate/up, or kept as their input gain; 1/RMS deferred, Sec. 3 and 2.2); the final norm
 # goes into the LM head. No norm is left.
 FLASHNORM = fn.Mapping(
-    pairs=(fn.Pair("input_layernorm", "self_attn", fn.FlashAttention, ("q_proj", "k_proj", "v_proj")),
+    pairs=(fn.Pair("input_layernorm", "self_attn", fn.FlashAttention,
+                   ("q_proj", "k_proj", "v_proj")),
            fn.Pair("post_attention_layernorm", "mlp", fn.FlashSwiGLU, ("gate_proj", "up_proj"))),
     trunk="model", tie_key="tie_word_embeddings")
 
@@ -44,7 +45,8 @@ class BaseArgs:
     def __post_init__(self):
         self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("config.json: num_attention_heads must be a multiple of num_key_value_heads")
+            raise ValueError("config.json: num_attention_heads must be a multiple of "
+                             "num_key_value_heads")
 
 
 @dataclass
@@ -71,7 +73,8 @@ class Attention(nn.Module):
         config.json does not state them)."""
         super().__init__()
         dim, h = args.hidden_size, args.head_dim
-        self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, h
+        self.n_heads, self.n_kv_heads, self.head_dim = (args.num_attention_heads,
+                                                        args.num_key_value_heads, h)
         self.scale = h**-0.5
         bias = args.attention_bias if qkv_bias is None else qkv_bias
         self.q_proj = nn.Linear(dim, self.n_heads * h, bias=bias)
@@ -131,7 +134,8 @@ class LlamaModel(nn.Module):
     def __call__(self, tokens, cache=None):
         h = self.embed_tokens(tokens)
         cache = cache or [None] * len(self.layers)
-        if (fused := fn.decode_stack(self.layers, h, cache)) is not None:  # one kernel for every block
+        # one kernel for every block
+        if (fused := fn.decode_stack(self.layers, h, cache)) is not None:
             return self.norm(*fused)[0]
         mask = create_attention_mask(h, cache[0])
         residual = None
@@ -188,7 +192,8 @@ def gguf_rope_scaling(scalar, arch, llama3_table=False):
         return {"rope_type": "linear", "factor": float(scalar(f"{arch}.rope.scaling.factor"))}
     if scaling == "none" and not llama3_table:
         return None
-    raise UserError(f"GGUF RoPE scaling '{'llama3 (rope_freqs)' if scaling == 'none' else scaling}' is not "
+    raise UserError("GGUF RoPE scaling "
+                    f"'{'llama3 (rope_freqs)' if scaling == 'none' else scaling}' is not "
                     f"supported for {arch}; use the model's Hugging Face checkpoint")
 
 
@@ -196,17 +201,21 @@ def gguf_rope_scaling(scalar, arch, llama3_table=False):
 # k_norm are Qwen 3's); gemma3.py passes its own layer table.
 GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
-GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                  "output": "lm_head"}
 
 
 def gguf_name(name, layer_names=GGUF_LAYER_NAMES):
-    """A GGUF tensor's Hugging Face name (blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight;
-    the quantized parts .scales/.biases follow their weight)."""
+    """A GGUF tensor's Hugging Face name
+    (blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; the quantized parts
+    .scales/.biases follow their weight)."""
     parts = name.split(".")
     if parts[0] == "blk":
-        return ".".join([f"model.layers.{parts[1]}.{layer_names.get(parts[2], parts[2])}"] + parts[3:])
+        return ".".join([f"model.layers.{parts[1]}.{layer_names.get(parts[2], parts[2])}"]
+                        + parts[3:])
     return ".".join([GGUF_TOP_NAMES.get(parts[0], parts[0])] + parts[1:])

@@ -68,7 +68,8 @@ class Attention(nn.Module):
         self.n_heads = args.num_query_heads[layer]
         self.n_kv_heads = args.num_kv_heads[layer]
         self.scale = h**-0.5
-        self.qkv_proj = nn.Linear(args.model_dim, (self.n_heads + 2 * self.n_kv_heads) * h, bias=False)
+        self.qkv_proj = nn.Linear(args.model_dim, (self.n_heads + 2 * self.n_kv_heads) * h,
+                                  bias=False)
         self.out_proj = nn.Linear(self.n_heads * h, args.model_dim, bias=False)
         if args.normalize_qk_projections:
             self.q_norm = RMSNorm(h, eps=args.rms_norm_eps)

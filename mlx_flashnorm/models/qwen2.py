@@ -29,7 +29,8 @@ class ModelArgs(llama.BaseArgs):
 
     def __post_init__(self):
         if self.use_sliding_window:
-            raise ValueError("config.json: use_sliding_window=true Qwen 2 variants are not supported")
+            raise ValueError("config.json: use_sliding_window=true Qwen 2 variants are not "
+                             "supported")
         super().__post_init__()
         self.rope_theta = self.rope_theta or 1000000.0
 

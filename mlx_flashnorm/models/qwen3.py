@@ -16,7 +16,8 @@ GGUF_ARCHITECTURE = "qwen3"  # llama.cpp's name (from_gguf below)
 # into gate/up_proj with Sec. 2.2); q_norm/k_norm are fused into RoPE's cos/sin (their per-head
 # 1/RMS stays; in an export their weights stay); the final norm goes into the LM head.
 FLASHNORM = fn.Mapping(
-    pairs=(fn.Pair("input_layernorm", "self_attn", fn.FlashQKNormAttention, ("q_proj", "k_proj", "v_proj")),
+    pairs=(fn.Pair("input_layernorm", "self_attn", fn.FlashQKNormAttention,
+                   ("q_proj", "k_proj", "v_proj")),
            fn.Pair("post_attention_layernorm", "mlp", fn.FlashSwiGLU, ("gate_proj", "up_proj"))),
     trunk="model", tie_key="tie_word_embeddings")
 
@@ -32,7 +33,8 @@ class ModelArgs(llama.BaseArgs):
     rope_scaling: Optional[Dict[str, Union[float, str]]] = None
     tie_word_embeddings: bool = True
     mlp_bias: bool = False  # llama.MLP's; Qwen's MLP has no biases
-    rope_traditional = False  # llama.Attention's; not a field (no annotation): not read from config.json
+    # llama.Attention's; not a field (no annotation): not read from config.json
+    rope_traditional = False
 
     def __post_init__(self):
         super().__post_init__()
