@@ -1,9 +1,9 @@
 """decode_layers: every decoder layer of a Llama-family stack for one decode row in one CUDA launch.
 
-A decode step of a small model is bound by launches, not by memory: SmolLM2-135M's 92 MiB of
-weights take about 30 us to read on an H100, while the per-sublayer kernels (qkv_rope,
-decode_attention, o_proj, gate_up, down_proj) cost about 8 launches a layer at ~13 us of host work
-each (bench/RESULTS.md, "Against llama.cpp"). Here one persistent kernel runs all layers: its
+A decode step of a small model is bound by launches, not by memory: reading SmolLM2-135M's
+weights on an H100 takes a fraction of the host work of the per-sublayer kernels' launches
+(norm_qkv_rope, decode_attention, o_proj, gate_up, down_proj, several a layer: bench/RESULTS.md,
+"Against llama.cpp"). Here one persistent kernel runs all layers: its
 blocks (one per SM, all resident) meet at a grid-wide barrier between the phases of a layer, and
 FlashNorm makes each norm free inside the matvec after it (Sec. 5): every block recomputes the
 residual add and 1/RSSe of the row it reads (a few KB) instead of waiting for another launch.
