@@ -8,6 +8,7 @@
     matvec.py      norm_qkv_rope, gate_up: Sec. 5, the pre-norm inside its consumer's 4/8-bit matvec
     step.py        decode_layers: every layer of a decode step in one persistent CUDA kernel
     rows.py        decode_rows: the same for a batch of rows, each at its own position
+    cuda/          the CUDA of step.py's and rows.py's kernels (step.cu, rows.cu, whole_step.cuh)
     normalize.py   the norm modules' fused residual add + RMSNorm/LayerNorm
     cpu.py         the CPU's row-parallel quantized matmul (bit-identical, two threads)
 
