@@ -1,5 +1,5 @@
 """RoPE's pieces as plain MLX ops, shared by FlashNorm's attention (Sec. 3/4: scales and gains
-fused into the cos/sin tables) and the rope_qkv kernel's fallback."""
+fused into the cos/sin tables) and the rope_after_qkv kernel's fallback."""
 import math
 
 import mlx.core as mx

@@ -21,6 +21,11 @@ def test_a_copy_of_the_kernel_source_loads_beside_the_current_one(tmp_path):
     assert variant.rows_per_pass(64, 576, 1536) == (32, 16, 1536) != rows.rows_per_pass(64, 576, 1536)
     with pytest.raises(UserError, match="no layer loop or grid barrier"):
         rows_phases.stamped_source("__global__ void k() {}")
+    (tmp_path / "cuda").mkdir()  # a copy's CUDA: the cuda/ folder beside it
+    for f in rows.CUDA.iterdir():
+        (tmp_path / "cuda" / f.name).write_text(f.read_text().replace("// 4. per row: o_proj",
+                                                                      "// 4. changed: o_proj"))
+    assert "4. changed" in variant.source(2)[0] and "4. changed" not in rows.source(2)[0]
 
 
 def test_the_timed_launch_is_decode_rows_launch_with_room_for_the_stamps(monkeypatch):

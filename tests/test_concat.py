@@ -68,16 +68,16 @@ def test_concatenated_equals_separate(arch, norm, bits):
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_flash_kernel_branch_takes_the_concatenated_output_whole(name, monkeypatch):
-    """The branch that runs kernels.rope_qkv (here its MLX form, forced on the CPU) gets qkv_proj's
-    one output as q, k and v, as OpenELM's."""
-    whole, rope_qkv = [], kernels.rope_qkv
+    """The branch that runs kernels.rope_after_qkv (here its MLX form, forced on the CPU) gets
+    qkv_proj's one output as q, k and v, as OpenELM's."""
+    whole, rope_after_qkv = [], kernels.rope_after_qkv
 
     def spy(q, k, v, *args, **kwargs):
         whole.append(q is k is v)
-        return rope_qkv(q, k, v, *args, **kwargs)
+        return rope_after_qkv(q, k, v, *args, **kwargs)
 
-    monkeypatch.setattr(kernels, "rope_qkv_supported", lambda head_dim, traditional: True)
-    monkeypatch.setattr(kernels, "rope_qkv", spy)
+    monkeypatch.setattr(kernels, "rope_after_qkv_supported", lambda head_dim, traditional: True)
+    monkeypatch.setattr(kernels, "rope_after_qkv", spy)
     ref, flash = build(checkpoint(name), "rms", None, False), build(checkpoint(name), "flash", None, True)
     assert rel(flash(TOKENS), ref(TOKENS)) < f32_tol(1e-4)  # Sec. 4 (qwen3) is exact up to epsilon
     assert whole and all(whole)

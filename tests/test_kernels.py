@@ -91,7 +91,7 @@ def test_add_rss(dtype, with_xs, with_r, with_g, scale):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
 @pytest.mark.parametrize("qk_norm", [True, False])
 @pytest.mark.parametrize("D,Hq,Hkv,L,offset", [(64, 12, 3, 1, 700), (64, 4, 2, 7, 0), (128, 8, 4, 1, 3)])
-def test_rope_qkv_cuda(dtype, qk_norm, D, Hq, Hkv, L, offset):
+def test_rope_after_qkv_cuda(dtype, qk_norm, D, Hq, Hkv, L, offset):
     """Sec. 4 on a fused qkv array (OpenELM) and Sec. 3 on separate q, k, v (Llama) against
     mx.fast.rms_norm / mx.fast.rope."""
     B, eps, base = 2, 1e-6, 10000.0
@@ -107,11 +107,11 @@ def test_rope_qkv_cuda(dtype, qk_norm, D, Hq, Hkv, L, offset):
     rope = lambda a: mx.fast.rope(a, D, traditional=False, base=base, scale=1.0, offset=offset)
     sf = s.astype(mx.float32)[:, None]
     if qk_norm:
-        q, k, v = kernels.rope_qkv(qkv, qkv, qkv, s, offset, theta, Hq, Hkv, gains, eps)
+        q, k, v = kernels.rope_after_qkv(qkv, qkv, qkv, s, offset, theta, Hq, Hkv, gains, eps)
         ref_q, ref_k = (c * rope(mx.fast.rms_norm(a, g, eps)) for a, g in ((xq, gq), (xk, gk)))
     else:
         parts = mx.split(qkv, [Hq * D, (Hq + Hkv) * D], axis=-1)
-        q, k, v = kernels.rope_qkv(*parts, s, offset, theta, Hq, Hkv, factor=c)
+        q, k, v = kernels.rope_after_qkv(*parts, s, offset, theta, Hq, Hkv, factor=c)
         ref_q, ref_k = c * sf * rope(xq), c * sf * rope(xk)
     assert rel(q, ref_q) < 10 * RTOL[dtype]
     assert rel(k, ref_k) < 10 * RTOL[dtype]
@@ -276,8 +276,9 @@ def test_metal_spelling_leaves_no_cuda():
 
 
 @pytest.mark.parametrize("qk_norm", [True, False])
-def test_rope_qkv_mlx_form(qk_norm):
-    """rope_qkv's plain-MLX form (the self-check's reference) against mx.fast.rms_norm/rope."""
+def test_rope_after_qkv_mlx_form(qk_norm):
+    """rope_after_qkv's plain-MLX form (the self-check's reference) against mx.fast.rms_norm and
+    mx.fast.rope."""
     D, Hq, Hkv, B, L, off, eps = 64, 4, 2, 2, 3, 5, 1e-6
     qkv = rand((B, L, (Hq + 2 * Hkv) * D), 1, 3.0)
     s = mx.abs(rand((B, L, 1), 2))
@@ -286,7 +287,7 @@ def test_rope_qkv_mlx_form(qk_norm):
     c = D**-0.25
     table = lambda g: mx.stack([c * math.sqrt(D) * g, mx.concatenate([c * math.sqrt(D) * g[D // 2:],
                                                                        c * math.sqrt(D) * g[:D // 2]])])
-    q, k, v = rope_kernel.rope_qkv_mlx(qkv, qkv, qkv, s, off, theta, Hq, Hkv,
+    q, k, v = rope_kernel.rope_after_qkv_mlx(qkv, qkv, qkv, s, off, theta, Hq, Hkv,
                                        (table(gq), table(gk)) if qk_norm else None, eps, c)
     x = qkv.reshape(B, L, -1, D).transpose(0, 2, 1, 3)
     rope = lambda a: mx.fast.rope(a, D, traditional=False, base=10000.0, scale=1.0, offset=off)
@@ -326,9 +327,9 @@ FUSED_TOL = {mx.float32: f32_tol(1e-4), mx.float16: 3e-3, mx.bfloat16: 2e-2}
 @pytest.mark.parametrize("bits,group_size,K", [(4, 64, 320), (8, 32, 576)])
 @pytest.mark.parametrize("qk_norm,D,Hq,Hkv", [(True, 64, 4, 2), (False, 128, 3, 1)])
 @pytest.mark.parametrize("scale", [1.0, 5e3])  # 5e3: |p| up to 3e4, a trained model's residual stream
-def test_qkv_rope(dtype, bits, group_size, K, qk_norm, D, Hq, Hkv, scale):
-    """kernels.qkv_rope (one CUDA kernel; its composition elsewhere): residual add, RMSNorm, the
-    q/k/v product, RoPE (Sec. 3: the softmax scale's root; Sec. 4: QK-norm with its gains)."""
+def test_norm_qkv_rope(dtype, bits, group_size, K, qk_norm, D, Hq, Hkv, scale):
+    """kernels.norm_qkv_rope (one CUDA kernel; its composition elsewhere): residual add, RMSNorm,
+    the q/k/v product, RoPE (Sec. 3: the softmax scale's root; Sec. 4: QK-norm with its gains)."""
     eps, qk_eps, off, c = 1e-5, 1e-6, 37, D**-0.25
     linear = quantized((Hq + 2 * Hkv) * D, K, 1, bits, group_size, dtype)
     x, r = rand((1, 1, K), 2, scale, dtype), rand((1, 1, K), 3, scale, dtype)
@@ -337,8 +338,8 @@ def test_qkv_rope(dtype, bits, group_size, K, qk_norm, D, Hq, Hkv, scale):
     gq, gk = 1 + 0.3 * rand((D,), 5), 1 + 0.3 * rand((D,), 6)
     table = lambda g: mx.stack([c * math.sqrt(D) * g, mx.concatenate([c * math.sqrt(D) * g[D // 2:],
                                                                        c * math.sqrt(D) * g[:D // 2]])])
-    p, q, k, v = kernels.qkv_rope(x, eps, xs, r, math.sqrt(K) * gw, linear, off, theta, Hq, Hkv,
-                                  (table(gq), table(gk)) if qk_norm else None, qk_eps, c)
+    p, q, k, v = kernels.norm_qkv_rope(x, eps, xs, r, math.sqrt(K) * gw, linear, off, theta, Hq,
+                                       Hkv, (table(gq), table(gk)) if qk_norm else None, qk_eps, c)
     want_p, y = normalized_product(linear, x, xs, r, gw, eps, dtype)
     y = y.reshape(1, 1, -1, D).transpose(0, 2, 1, 3)
     yq, yk, yv = y[:, :Hq], y[:, Hq:Hq + Hkv], y[:, Hq + Hkv:]
@@ -401,14 +402,15 @@ SIGNATURES = {
     "_COMBINE": ([("part", F32, 3)], [("o", F16)], [("T", F16), ("D", 64)]),
     "_ADD_RSS": ([("x", F16, 3), ("xs", F32, 3), ("r", F16, 3), ("g", F32, 1), ("flags", I32, 1)],
                  [("p", F16), ("pg", F16), ("s", F32)], [("T", F16)]),
-    "_ROPE_QKV": ([("q", F16, 3), ("k", F16, 3), ("v", F16, 3), ("s", F32, 3), ("off", I32, 1), ("theta", F32, 1),
-                   ("qg", F32, 2), ("kg", F32, 2), ("dims", I32, 1)],
-                  [("qo", F16), ("ko", F16), ("vo", F16)], [("T", F16), ("D", 64)]),
-    "_QKV_ROPE": ([("x", F16, 3), ("xs", F32, 3), ("r", F16, 3), ("g", F32, 1), ("wq", U32, 2), ("scales", F16, 2),
-                   ("biases", F16, 2), ("theta", F32, 1), ("qg", F32, 2), ("kg", F32, 2), ("off", I32, 1),
-                   ("dims", I32, 1)],
-                  [("h", F16), ("qkv", F16)],
-                  [("T", F16), ("BITS", 4), ("KMAX", kernels.KMAX["cuda"])]),
+    "_ROPE_AFTER_QKV": ([("q", F16, 3), ("k", F16, 3), ("v", F16, 3), ("s", F32, 3),
+                         ("off", I32, 1), ("theta", F32, 1), ("qg", F32, 2), ("kg", F32, 2),
+                         ("dims", I32, 1)],
+                        [("qo", F16), ("ko", F16), ("vo", F16)], [("T", F16), ("D", 64)]),
+    "_NORM_QKV_ROPE": ([("x", F16, 3), ("xs", F32, 3), ("r", F16, 3), ("g", F32, 1), ("wq", U32, 2),
+                        ("scales", F16, 2), ("biases", F16, 2), ("theta", F32, 1), ("qg", F32, 2),
+                        ("kg", F32, 2), ("off", I32, 1), ("dims", I32, 1)],
+                       [("h", F16), ("qkv", F16)],
+                       [("T", F16), ("BITS", 4), ("KMAX", kernels.KMAX["cuda"])]),
     "_GATE_UP": ([("x", mx.bfloat16, 3), ("xs", F32, 3), ("r", mx.bfloat16, 3), ("g", F32, 1), ("wq", U32, 2),
                   ("scales", mx.bfloat16, 2), ("biases", mx.bfloat16, 2), ("dims", I32, 1)],
                  [("h", mx.bfloat16), ("a", mx.bfloat16), ("so", F32)],
@@ -416,8 +418,9 @@ SIGNATURES = {
 }
 
 
-MODULE_OF = {"_ATTENTION": attention, "_COMBINE": attention, "_ADD_RSS": scale, "_ROPE_QKV": rope_kernel,
-             "_QKV_ROPE": matvec, "_GATE_UP": matvec}  # the file holding each body
+MODULE_OF = {"_ATTENTION": attention, "_COMBINE": attention, "_ADD_RSS": scale,
+             "_ROPE_AFTER_QKV": rope_kernel, "_NORM_QKV_ROPE": matvec,
+             "_GATE_UP": matvec}  # the file holding each body
 
 
 def signature_source(body, name):

@@ -80,8 +80,8 @@ class MetalRecorder:
 
 
 def _clear_kernel_caches():
-    for made in (scale.add_rss_kernel, attention._attention_kernels, rope.rope_qkv_kernel, matvec.fused_kernels,
-                 normalize.kernel):
+    for made in (scale.add_rss_kernel, attention._attention_kernels, rope.rope_after_qkv_kernel,
+                 matvec.fused_kernels, normalize.kernel):
         made.cache_clear()
 
 
@@ -207,15 +207,17 @@ def launch_every_kernel():
             for rows, offset in (((1, 1), position), ((2, 5), 3)):
                 qkv = r((*rows, 8 * d), 9)
                 s = mx.abs(rand((*rows, 1), 10, mx.float32))
-                rope.rope_qkv(qkv, qkv, qkv, s, offset, theta, 4, 2, gains, 1e-6, 0.5)
-                rope.rope_qkv(qkv, qkv, qkv, s, offset, theta, 4, 2, None, 0.0, 0.5)
+                rope.rope_after_qkv(qkv, qkv, qkv, s, offset, theta, 4, 2, gains, 1e-6, 0.5)
+                rope.rope_after_qkv(qkv, qkv, qkv, s, offset, theta, 4, 2, None, 0.0, 0.5)
         for bits in (4, 8):
             x, res = r((1, 1, 320), 11, 30.0), r((1, 1, 320), 12, 30.0)
             xs = mx.full((1, 1, 1), 0.5)
             qkv_linear, theta = _linear(8 * 64, 320, bits, dtype, 13), _theta(64)
             gains = (1 + 0.3 * rand((2, 64), 14, mx.float32),) * 2
-            matvec.qkv_rope(x, 1e-6, None, res, g, qkv_linear, position, theta, 4, 2, gains, 1e-6, 0.5)
-            matvec.qkv_rope(x, 1e-6, xs, None, None, qkv_linear, position, theta, 4, 2, factor=0.5)
+            matvec.norm_qkv_rope(x, 1e-6, None, res, g, qkv_linear, position, theta, 4, 2, gains,
+                                 1e-6, 0.5)
+            matvec.norm_qkv_rope(x, 1e-6, xs, None, None, qkv_linear, position, theta, 4, 2,
+                                 factor=0.5)
             up_linear = _linear(2 * 200, 320, bits, dtype, 15)
             matvec.gate_up(x, 1e-6, xs, res, g, up_linear)
             matvec.gate_up(x, 1e-6, None, None, None, up_linear)

@@ -12,7 +12,7 @@ from mlx_flashnorm.serve.engine import BatchEngine
 from mlx_flashnorm.serve.sequence import Request
 from mlx_flashnorm.flashnorm import stack
 from mlx_flashnorm.decoding import generate_step
-from mlx_flashnorm.kernels import build, step, step_source
+from mlx_flashnorm.kernels import build, step
 from mlx_flashnorm.loader import build_model, model_args, prepare
 
 from conftest import random_weights
@@ -114,15 +114,13 @@ def test_cuda_source_compiles(tmp_path):
     for i, (T, bits, D, G) in enumerate(variants):
         types = [(T, 3), (mx.int32, 1), (mx.int32, 1), (mx.float32, 1), (mx.float32, 3), (mx.float32, 4),
                  (mx.uint32, 1)] + [(mx.uint32, 3), (T, 3), (T, 3)] * 4 + [(T, 4)] * 2 * L  # stacked matrices
-        body, header = ((step_source.STEP, step_source.HEADER) if G is None else
-                        (rows._ROWS, step_source.HEADER + rows._HEADER))
-        body = body.replace("TABLE", step_source.table(L))
+        body, header = (step if G is None else rows).source(L)
         template = [("T", T), ("BITS", bits), ("D", D), ("GQ", 4), ("NL", L), ("SMAX", step.SMAX)]
         if G == 16:  # with bench.rows_phases' clock stamps (the same kernel, timed)
             body, template = rows_phases.stamped_source(body), template + [("WORK_", 4096)]
             assert body.count("globaltimer") == 2 + 5 + 1  # before the layers, at each barrier's site, at the end
-        code = build.cuda_source("fn_decode_layers", step_source.input_names(L),
-                                 ["y", "p", "ys", "work"], body, build.HEADERS["cuda"] + header, types,
+        code = build.cuda_source("fn_decode_layers", step.input_names(L),
+                                 ["y", "p", "ys", "work"], body, header, types,
                                  [T, T, mx.float32, mx.float32],
                                  template + ([("G", G), ("GD", max(8, G // 2)), ("GU", 16),
                                               ("IC", 128 if G == 16 else 384), ("NW", 12 if G == 16 else 8)]
@@ -131,6 +129,66 @@ def test_cuda_source_compiles(tmp_path):
         done = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-o", str(tmp_path / f"s{i}.cubin"),
                                str(tmp_path / f"s{i}.cu")], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_cuda_pieces_fill_loudly(tmp_path):
+    """build.fill puts each piece on its marker's line and raises where a marker is missing,
+    repeated, not alone on its line, has no piece, or is left inside a piece; build.pieces raises
+    where a file's pieces are not those expected or code precedes them."""
+    assert build.fill("a\n  {{X}}\nb\n", X="x\n") == "a\nx\nb\n"
+    for source, pieces in [("{{X}}\n{{Y}}\n", dict(X="x\n")), ("{{X}}\n", dict(X="x\n", Y="y\n")),
+                           ("{{X}}\n{{X}}\n", dict(X="x\n")), ("a {{X}}\n", dict(X="x\n")),
+                           ("{{X}}\n", dict(X="{{Y}}\n")), ("{{X}}\n", dict(X="x"))]:
+        with pytest.raises(ValueError):
+            build.fill(source, **pieces)
+    file = tmp_path / "k.cu"
+    file.write_text("// what the file holds\n// @piece a\nint a;\n// @piece b\nint b;\n")
+    assert build.pieces(file, "b", "a") == {"a": "int a;\n", "b": "int b;\n"}
+    with pytest.raises(ValueError, match="expected"):
+        build.pieces(file, "a")
+    file.write_text("int c;\n// @piece a\nint a;\n")
+    with pytest.raises(ValueError, match="code before"):
+        build.pieces(file, "a")
+
+
+def test_a_renamed_marker_or_piece_fails(tmp_path):
+    """Both kernels' CUDA compose from the files (no marker left), and a marker or a piece renamed
+    in a copy of the files raises instead of leaving a hole in the kernel."""
+    from mlx_flashnorm.kernels import rows
+
+    for body, header in (step.source(2), rows.source(2)):
+        assert "{{" not in body + header and "fn_grid_sync" in header
+    for file, old, new in [("step.cu", "{{ATTEND}}", "{{ATTENDS}}"),
+                           ("rows.cu", "{{TABLE}}", "TABLE"),
+                           ("whole_step.cuh", "// @piece layer", "// @piece layers")]:
+        folder = tmp_path / file
+        folder.mkdir()
+        for f in step.CUDA.iterdir():
+            (folder / f.name).write_text(f.read_text())
+        (folder / file).write_text((folder / file).read_text().replace(old, new))
+        with pytest.raises(ValueError):  # whole_step.cuh: in either kernel
+            if file == "rows.cu":
+                step.compose(folder, "rows.cu", rows.SIZES, 2, own=("device", "body"))
+            else:
+                step.compose(folder, "step.cu", step.SIZES, 2)
+
+
+def test_sizes_pack_as_the_body_reads_them():
+    """The dims array's values (build.pack) and the body's constants (build.declare) come from one
+    table: field i at dims[i], a bool as 0 or 1, a float by its bits; a field without a value
+    raises. decode_rows' table is decode_layers' with the row count after it."""
+    from mlx_flashnorm.kernels import rows
+
+    assert rows.SIZES[:-1] == step.SIZES and rows.SIZES[-1] == ("B", "int")
+    fields = (("K", "int"), ("on", "bool"), ("eps", "float"))
+    assert build.pack(fields, dict(K=256, on=True, eps=1e-5, unused=3)) == (256, 1,
+                                                                            build.float_bits(1e-5))
+    assert build.declare(fields) == ("  const int K = dims[0];\n  const bool on = dims[1] != 0;\n"
+                                     "  const float eps = __int_as_float(dims[2]);\n")
+    with pytest.raises(KeyError):
+        build.pack(fields, dict(K=256, on=True))
+    body = rows.source(1)[0]
+    assert all(body.count(f" {name} = ") == 1 for name, _ in rows.SIZES)
 
 
 @pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")

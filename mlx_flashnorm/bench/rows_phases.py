@@ -8,8 +8,9 @@ after every barrier and writes the reading past the end of the work buffer; a ph
 gap between two readings (its own work and the barrier that ends it). It runs the embedded
 SmolLM2-135M in float16 on random caches, every row at the same position, and prints the median
 over --reps launches of each phase's mean over the layers, in microseconds. --source times the
-kernel of another copy of kernels/rows.py (another GMAX, a changed phase; one with launch_plan)
-beside the current one."""
+kernel of another copy of kernels/rows.py (another GMAX, a changed phase; one with launch_plan,
+source and SIZES) beside the current one; the copy reads its CUDA from the cuda/ folder beside it
+(copy the kernels folder to change a phase)."""
 import argparse
 import importlib.util
 
@@ -19,8 +20,7 @@ import numpy as np
 from ..errors import HelpFormatter, UserError, run_cli
 from ..flashnorm.stack import _spec, _stacked
 from ..kernels import rows as current, step
-from ..kernels.build import HEADERS, make_kernel
-from ..kernels.step_source import HEADER, input_names, table
+from ..kernels.build import make_kernel
 from ..loader import load
 from .decode import device_name
 
@@ -54,9 +54,9 @@ def stamped_source(source):
 
 
 def stamped_kernel(module, layers, tag):
-    return make_kernel(f"fn_decode_rows_stamped{tag}", input_names(layers), ["y", "p", "ys", "work"],
-                       stamped_source(module._ROWS.replace("TABLE", table(layers))),
-                       HEADERS["cuda"] + HEADER + module._HEADER)
+    body, header = module.source(layers)
+    return make_kernel(f"fn_decode_rows_stamped{tag}", step.input_names(layers),
+                       ["y", "p", "ys", "work"], stamped_source(body), header)
 
 
 def phase_times(module, kernel, spec, B, position, reps, capacity=1024):
@@ -73,8 +73,9 @@ def phase_times(module, kernel, spec, B, position, reps, capacity=1024):
     stamps = 2 + 6 * L  # before the layers, 6 a layer, at the end: pairs of floats after the work
 
     def once():
-        *_, scratch = step.launch(kernel, x, positions, caches=caches, work=work + 2 * stamps, shared_memory=shared,
-                                  rows=(B,), template=template + [("WORK_", work)], keep_work=True, **spec)
+        *_, scratch = step.launch(kernel, x, positions, caches=caches, work=work + 2 * stamps,
+                                  shared_memory=shared, fields=module.SIZES,
+                                  template=template + [("WORK_", work)], keep_work=True, **spec)
         return np.frombuffer(np.array(scratch[work:]).tobytes(), dtype=np.uint64).astype(np.int64)
 
     once()  # untimed: the first launch loads the binary

@@ -1,6 +1,6 @@
 """Sec. 3 and 4: attention after a FlashNorm'd pre-norm. The deferred 1/RMS (Sec. 3) or QK-norm's
 own per-head 1/RMS and its weights (Sec. 4) go into RoPE's cos/sin tables; V keeps the deferred
-scale. One fused kernel per decode row where it runs (Sec. 5: kernels.qkv_rope)."""
+scale. One fused kernel per decode row where it runs (Sec. 5: kernels.norm_qkv_rope)."""
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -12,13 +12,14 @@ from .norm import deferred, deferred_input, fused, norm_gain, split_gain, times
 
 
 def fused_qkv(module, x, offset, gains=None, qk_eps=0.0, factor=1.0):
-    """Sec. 5 for an attention: (q, k, v) from kernels.qkv_rope on the Pending x (arguments as
-    kernels.rope_qkv takes them), or None where the fused kernel does not take x."""
-    pending = fused(x, "qkv_rope", module, "qkv_proj")
-    if pending is None or not kernels.rope_qkv_supported(module.head_dim, module.traditional):
+    """Sec. 5 for an attention: (q, k, v) from kernels.norm_qkv_rope on the Pending x (arguments as
+    kernels.rope_after_qkv takes them), or None where the fused kernel does not take x."""
+    pending = fused(x, "qkv_rope", module, "qkv_proj")  # norm_qkv_rope's switch name
+    if pending is None or not kernels.rope_after_qkv_supported(module.head_dim, module.traditional):
         return None
-    pending.p, q, k, v = kernels.qkv_rope(*pending.args, module.qkv_proj, offset, module._theta,
-                                          module.n_heads, module.n_kv_heads, gains, qk_eps, factor)
+    pending.p, q, k, v = kernels.norm_qkv_rope(*pending.args, module.qkv_proj, offset,
+                                               module._theta, module.n_heads, module.n_kv_heads,
+                                               gains, qk_eps, factor)
     return q, k, v
 
 
@@ -32,9 +33,9 @@ def attend(q, k, v, mask, cache, out_proj):
     return out_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
-def rope_qkv_inputs(module, x):
-    """The q, k, v projections of x as kernels.rope_qkv takes them: the output of one qkv_proj
-    (OpenELM's, or concat.py's) passed as all three, or three outputs."""
+def rope_after_qkv_inputs(module, x):
+    """The q, k, v projections of x as kernels.rope_after_qkv takes them: the output of one
+    qkv_proj (OpenELM's, or concat.py's) passed as all three, or three outputs."""
     return (module.qkv_proj(x),) * 3 if "qkv_proj" in module else project(module, x, QKV)
 
 
@@ -61,7 +62,7 @@ class FlashAttention(nn.Module):
         self.o_proj = attn.o_proj
         self.traditional = attn.rope.traditional
         self._rope = rope_frequencies(attn.rope)
-        self._theta = self._rope[0] * self._rope[1]  # angle per position (kernels.rope_qkv)
+        self._theta = self._rope[0] * self._rope[1]  # angle per position (kernels.rope_after_qkv)
         self.factor = self.head_dim**-0.25  # sqrt of the softmax scale, into q and k each
         self.qkv_bias = any("bias" in attn[p] for p in held(attn, QKV))
 
@@ -70,9 +71,10 @@ class FlashAttention(nn.Module):
         if (qkv := fused_qkv(self, x, offset, factor=self.factor)) is not None:
             return attend(*qkv, mask, cache, self.o_proj)
         a, s = deferred_input(self, x)
-        if not self.qkv_bias and kernels.rope_qkv_supported(self.head_dim, self.traditional):
-            q, k, v = kernels.rope_qkv(*rope_qkv_inputs(self, a), s, offset, self._theta,
-                                       self.n_heads, self.n_kv_heads, factor=self.factor)
+        if not self.qkv_bias and kernels.rope_after_qkv_supported(self.head_dim, self.traditional):
+            q, k, v = kernels.rope_after_qkv(*rope_after_qkv_inputs(self, a), s, offset,
+                                             self._theta, self.n_heads, self.n_kv_heads,
+                                             factor=self.factor)
             return attend(q, k, v, mask, cache, self.o_proj)
         # with biases all three get s before them
         q, k, v = heads(self, a, s if self.qkv_bias else None)
@@ -117,7 +119,7 @@ class FlashQKNormAttention(nn.Module):
         setattr(self, self.out_name, attn[self.out_name])
         self.traditional = attn.rope.traditional
         self._rope = rope_frequencies(attn.rope)
-        self._theta = self._rope[0] * self._rope[1]  # angle per position (kernels.rope_qkv)
+        self._theta = self._rope[0] * self._rope[1]  # angle per position (kernels.rope_after_qkv)
         self.factor = c = attn.scale**0.5  # sqrt of the softmax scale, into q and k each
         if "q_norm" in attn:
             self.qk_eps = attn.q_norm.eps
@@ -139,10 +141,10 @@ class FlashQKNormAttention(nn.Module):
         if (qkv := fused_qkv(self, x, offset, gains, qk_eps, self.factor)) is not None:
             return attend(*qkv, mask, cache, out_proj)
         a, s = deferred_input(self, x)
-        if kernels.rope_qkv_supported(self.head_dim, self.traditional):
-            q, k, v = kernels.rope_qkv(*rope_qkv_inputs(self, a), s, offset, self._theta,
-                                       self.n_heads, self.n_kv_heads, gains, qk_eps,
-                                       factor=self.factor)
+        if kernels.rope_after_qkv_supported(self.head_dim, self.traditional):
+            q, k, v = kernels.rope_after_qkv(*rope_after_qkv_inputs(self, a), s, offset,
+                                             self._theta, self.n_heads, self.n_kv_heads, gains,
+                                             qk_eps, factor=self.factor)
             return attend(q, k, v, mask, cache, out_proj)
         q, k, v = heads(self, a)
         v = times(v, s[:, None])

@@ -77,7 +77,7 @@ class Deferred(NamedTuple):
 class Pending:
     """A DeferredNorm's work left to its consumer (Sec. 5, decode): the inputs of the residual add
     and 1/RSSe. The consumer's first projection computes them beside its matmul in one kernel
-    (kernels.qkv_rope, kernels.gate_up), which also returns p and records it here; any other
+    (kernels.norm_qkv_rope, kernels.gate_up), which also returns p and records it here; any other
     reader settles it through kernels.add_rss, the same operations as without it. A DeferredNorm
     hands it out twice, for its consumer and as the residual stream (residual())."""
 
@@ -88,7 +88,7 @@ class Pending:
 
     @property
     def args(self):
-        """kernels.qkv_rope / gate_up's first arguments: x, eps, xs, r, g."""
+        """kernels.norm_qkv_rope / gate_up's first arguments: x, eps, xs, r, g."""
         return self.x, self.norm.eps, self.xs, self.r, self.norm.get("gain")
 
     def settle(self):

@@ -1,9 +1,13 @@
 """The kernels' build system: one body per kernel in CUDA spelling, respelled for Metal
 (METAL_SPELLING) with each backend's shared header (HEADERS); make_kernel turns a body into a
 launcher, on CUDA through a CUDA file per variant (cuda_source) compiled once per machine
-(nvrtc.cuda_binary), on Metal through mx.fast.metal_kernel (never run here: no Apple hardware)."""
+(nvrtc.cuda_binary), on Metal through mx.fast.metal_kernel (never run here: no Apple hardware).
+A kernel kept in CUDA files (cuda/) is composed from their pieces (pieces, fill), its run-time
+sizes from one table (pack, declare)."""
+import re
 import struct
 from functools import lru_cache
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -179,6 +183,62 @@ def cuda_source(name, input_names, output_names, body, header, input_types, outp
     bounds = "".join(f"__launch_bounds__({32 * v}) " for k, v in template if k == "NW")
     return (f"{CUDA_PRELUDE}{header}\nextern \"C\" __global__ void {bounds}{name}({', '.join(params)}) {{\n"
             + "\n".join(lines) + f"\n{body}\n}}\n")
+
+
+# A kernel kept in a CUDA file (cuda/*.cu, *.cuh) is made of named pieces: a line `// @piece NAME`
+# starts piece NAME, which runs to the next such line or the file's end; the lines before the first
+# describe the file. A piece may hold marker lines, `{{NAME}}` alone on a line, that fill replaces.
+PIECE = re.compile(r"^// @piece (\w+)\n", re.M)
+MARKER = re.compile(r"\{\{(\w+)\}\}")
+MARKER_LINE = re.compile(r"^[ \t]*\{\{(\w+)\}\}[ \t]*\n", re.M)
+
+
+def pieces(path, *names):
+    """The pieces of the CUDA file at path, {name: text}; ValueError unless they are exactly
+    `names`, each once, and the lines before the first are comments."""
+    parts = PIECE.split(Path(path).read_text())
+    head, found = parts[0], parts[1::2]
+    if any(line.strip() and not line.lstrip().startswith("//") for line in head.splitlines()):
+        raise ValueError(f"{path}: code before its first `// @piece` line")
+    if sorted(found) != sorted(names):
+        raise ValueError(f"{path}: pieces {found}, expected {list(names)}")
+    return dict(zip(found, parts[2::2]))
+
+
+def fill(source, **pieces):
+    """source with each marker line (`{{NAME}}` alone on its line) replaced by pieces[NAME], a text
+    ending in a newline. ValueError where a marker is not alone on its line, a name's marker is
+    missing or repeated, a marker has no piece, or one is left after filling (inside a piece)."""
+    markers = MARKER.findall(source)
+    if sorted(markers) != sorted(MARKER_LINE.findall(source)):
+        raise ValueError(f"a marker not alone on its line among {markers}")
+    if sorted(markers) != sorted(pieces):
+        raise ValueError(f"markers {sorted(markers)} where the pieces are {sorted(pieces)}: each "
+                         "piece fills exactly one marker")
+    if not all(text.endswith("\n") for text in pieces.values()):
+        raise ValueError("a piece must end with a newline")
+    out = MARKER_LINE.sub(lambda m: pieces[m.group(1)], source)
+    if left := MARKER.findall(out):
+        raise ValueError(f"markers {left} left after filling")
+    return out
+
+
+# A kernel's run-time sizes and flags travel in one int32 array, described by a table of
+# (name, kind) fields in the array's order, kind "int", "bool" or "float" (its bits): pack makes
+# the array's values, declare the body's constants, both from the same table.
+def pack(fields, values):
+    """The array's values for table `fields` from values ({name: value}: one for each field, any
+    other unused): a bool as 0 or 1, a float as its bits (float_bits). KeyError for a field without
+    a value."""
+    convert = {"int": int, "bool": int, "float": float_bits}
+    return tuple(convert[kind](values[name]) for name, kind in fields)
+
+
+def declare(fields, array="dims"):
+    """A body's constants for table `fields` read from the int array named `array`, one a line."""
+    read = {"int": "{}[{}]", "bool": "{}[{}] != 0", "float": "__int_as_float({}[{}])"}
+    return "".join(f"  const {kind} {name} = {read[kind].format(array, i)};\n"
+                   for i, (name, kind) in enumerate(fields))
 
 
 # Each kernel's self-check (kernels.check) is a call on small float16 inputs, written beside it.

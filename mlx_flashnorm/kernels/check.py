@@ -29,7 +29,9 @@ CHECKS = {"add_rss": ADD_RSS, "decode_attention": ATTENTION, "rope_qkv": ROPE_QK
 
 
 def _passed_file():
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(Path(__file__).parent.glob("*.py"))))
+    folder = Path(__file__).parent  # the kernels' Python and CUDA files
+    files = sorted([*folder.glob("*.py"), *folder.glob("cuda/*")])
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in files))
     key.update(f"{mx.__version__} {forms.gpu_backend()} {mx.default_device()} "
                f"{mx.device_info().get('device_name', '')}".encode())
     return nvrtc.CACHE_DIR / f"self-check-{key.hexdigest()[:20]}.json"

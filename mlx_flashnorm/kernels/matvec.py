@@ -1,8 +1,10 @@
 """Sec. 5: the norm beside the matmul. The decode step's two projections that read a pre-norm's
-output, each one kernel with its norm: qkv_rope (the residual add, 1/RSSe and gain, the q/k/v
-matrix-vector product and rope_qkv's work) and gate_up (the same prologue, the gate/up product and
-SwiGLU with the up scale deferred). Their sources, launchers, plain-MLX fallbacks (add_rss, the
-linear, rope_qkv / gated) and self-checks (CHECKS)."""
+output, each one kernel with its norm: norm_qkv_rope (the residual add, 1/RSSe and gain, the
+q/k/v matrix-vector product and rope_after_qkv's work) and gate_up (the same prologue, the gate/up
+product and SwiGLU with the up scale deferred). Their sources, launchers, plain-MLX fallbacks
+(add_rss, the linear, rope_after_qkv / gated) and self-checks (CHECKS). norm_qkv_rope's switch and
+self-check keep the name "qkv_rope" (fused_supported, MLX_FLASHNORM_DISABLE, CHECKS), its CUDA
+function fn_qkv_rope."""
 from functools import lru_cache
 
 import mlx.core as mx
@@ -12,7 +14,7 @@ from .. import forms
 from ..forms import gpu_backend
 from .scale import add_rss, residual_inputs, scale_shape
 from .build import constant, float_bits, kernel, position_array, rand
-from .rope import rope_qkv
+from .rope import rope_after_qkv
 
 # The decode step's two projections that read a pre-norm's output, each one kernel with its
 # norm: the residual add, 1/RSSe and the norm gain computed beside a 4- or 8-bit matrix-vector
@@ -75,11 +77,11 @@ _DOT = """
     a1 = fn_warp_sum(a1);
 """
 
-_QKV_ROPE = _PROLOGUE + """
+_NORM_QKV_ROPE = _PROLOGUE + """
   // One block per head of the qkv rows (HQ query, HKV key, HKV value heads, D rows each); a warp
-  // computes rows i and i + D/2, a rotation pair. Then as rope_qkv: v * s; q and k rotated with
-  // factor * s (Sec. 3) or their own 1/RSSe and the gain tables on cos/sin (QK_NORM, Sec. 4; the
-  // values carry P as in the composition, so epsilon weighs the same). Output: the heads in the
+  // computes rows i and i + D/2, a rotation pair. Then as rope_after_qkv: v * s; q and k rotated
+  // with factor * s (Sec. 3) or their own 1/RSSe and the gain tables on cos/sin (QK_NORM, Sec. 4;
+  // the values carry P as in the composition, so epsilon weighs the same). Output: the heads in the
   // same order, one array (q, k and v are views of it: fewer arrays, less host work per launch).
   const int HQ = dims[7], HKV = dims[8], D = dims[9];
   const bool qk_norm = dims[10] != 0;
@@ -134,7 +136,7 @@ _GATE_UP = _PROLOGUE + """
 
 KMAX = {"cuda": 8192, "metal": 4096}  # longest input row the shared memory holds (32 / 16 KiB)
 FUSED_BLOCKS = 256  # the most blocks of _GATE_UP (each recomputes the input row)
-# warps a block of _QKV_ROPE runs, at most: its grid is one block per head (15 for SmolLM2), so
+# warps a block of _NORM_QKV_ROPE runs, at most: its grid is one block per head (15 for SmolLM2), so
 # each warp computes one rotation pair where it can, not four in turn
 QKV_WARPS = {"cuda": 32, "metal": 8}
 
@@ -142,13 +144,15 @@ QKV_WARPS = {"cuda": 32, "metal": 8}
 @lru_cache(maxsize=None)
 def fused_kernels():
     inputs = ["x", "xs", "r", "g", "wq", "scales", "biases"]
-    return (kernel("fn_qkv_rope", inputs + ["theta", "qg", "kg", "off", "dims"], ["h", "qkv"], _QKV_ROPE),
+    return (kernel("fn_qkv_rope", inputs + ["theta", "qg", "kg", "off", "dims"], ["h", "qkv"],
+                   _NORM_QKV_ROPE),
             kernel("fn_gate_up", inputs + ["dims"], ["h", "a", "so"], _GATE_UP))
 
 
 def fused_supported(name, x, linear):
-    """Whether the fused kernel `name` ("qkv_rope" or "gate_up") runs for one row x through
-    linear: a bias-free, affine 4- or 8-bit QuantizedLinear whose input fits the shared memory."""
+    """Whether the fused kernel `name` ("qkv_rope": norm_qkv_rope, or "gate_up") runs for one row
+    x through linear: a bias-free, affine 4- or 8-bit QuantizedLinear whose input fits the shared
+    memory."""
     return (forms.use_gpu(name) and x.size == x.shape[-1] and x.dtype in (mx.float32, mx.float16, mx.bfloat16)
             and isinstance(linear, nn.QuantizedLinear) and linear.bits in (4, 8) and linear.mode == "affine"
             and "bias" not in linear and "biases" in linear and linear["scales"].dtype == x.dtype
@@ -172,15 +176,17 @@ def gated(activation):
     return mx.compile(lambda gate, s, up: (activation(gate * s) * up).astype(up.dtype), shapeless=True)
 
 
-def qkv_rope(x, eps, xs, r, g, linear, offset, theta, n_heads, n_kv_heads, gains=None, qk_eps=0.0, factor=1.0):
+def norm_qkv_rope(x, eps, xs, r, g, linear, offset, theta, n_heads, n_kv_heads, gains=None,
+                  qk_eps=0.0, factor=1.0):
     """(p, q, k, v) of one decode row: p, pg, s = add_rss(x, eps, xs, r, g), then linear (the
-    concatenated q/k/v projection) on pg, and rope_qkv's RoPE (Sec. 3 with factor, or Sec. 4 with
-    gains and qk_eps) on its output; q, k, v as (B, H, 1, D). One kernel where fused_supported,
+    concatenated q/k/v projection) on pg, and rope_after_qkv's RoPE (Sec. 3 with factor, or Sec. 4
+    with gains and qk_eps) on its output; q, k, v as (B, H, 1, D). One kernel where fused_supported,
     else that composition."""
     if not fused_supported("qkv_rope", x, linear):
         p, pg, s = add_rss(x, eps, xs=xs, r=r, g=g)
         y = linear(p if pg is None else pg)
-        return (p, *rope_qkv(y, y, y, s, offset, theta, n_heads, n_kv_heads, gains, qk_eps, factor))
+        return (p, *rope_after_qkv(y, y, y, s, offset, theta, n_heads, n_kv_heads, gains, qk_eps,
+                                   factor))
     inputs, flags, template = _fused_inputs(x, eps, xs, r, g, linear)
     D = theta.shape[0] * 2
     off = position_array(offset)
@@ -220,13 +226,14 @@ def _quantized(out_dims, in_dims, seed):
     return nn.QuantizedLinear.from_linear(linear, 64, 4)
 
 
-def check_qkv_rope():  # Sec. 4 (a residual add, gain and QK-norm) and Sec. 3 (a deferred input)
+def check_norm_qkv_rope():  # Sec. 4 (a residual add, gain and QK-norm), Sec. 3 (a deferred input)
     linear, theta = _quantized(8 * 64, 320, 16), mx.exp(-mx.arange(32, dtype=mx.float32) * 0.3)
     x, r = rand((1, 1, 320), 17, scale=300.0), rand((1, 1, 320), 18, scale=300.0)
     g = 1 + 0.3 * rand((320,), 19, mx.float32)
     gains = (1 + 0.3 * rand((2, 64), 20, mx.float32), 1 + 0.3 * rand((2, 64), 21, mx.float32))
-    return (*qkv_rope(x, 1e-6, None, r, g, linear, 5, theta, 4, 2, gains, 1e-6, 0.35),
-            *qkv_rope(x, 1e-6, mx.full((1, 1, 1), 0.01), r, None, linear, 9, theta, 4, 2, factor=0.35))
+    return (*norm_qkv_rope(x, 1e-6, None, r, g, linear, 5, theta, 4, 2, gains, 1e-6, 0.35),
+            *norm_qkv_rope(x, 1e-6, mx.full((1, 1, 1), 0.01), r, None, linear, 9, theta, 4, 2,
+                           factor=0.35))
 
 
 def check_gate_up():
@@ -235,4 +242,4 @@ def check_gate_up():
     return gate_up(x, 1e-6, mx.full((1, 1, 1), 0.01), r, 1 + 0.3 * rand((320,), 25, mx.float32), linear)
 
 
-CHECKS = {"qkv_rope": (check_qkv_rope, 1e-2), "gate_up": (check_gate_up, 1e-2)}
+CHECKS = {"qkv_rope": (check_norm_qkv_rope, 1e-2), "gate_up": (check_gate_up, 1e-2)}

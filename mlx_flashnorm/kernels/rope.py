@@ -1,7 +1,8 @@
-"""rope_qkv: FlashNorm Sec. 3/4 after the q, k, v projections: RoPE with the deferred 1/RSS
+"""rope_after_qkv: FlashNorm Sec. 3/4 after the q, k, v projections: RoPE with the deferred 1/RSS
 (Sec. 3) or, with QK-norm (Sec. 4), each head's own 1/RSSe and the q/k norm weights fused into
 cos/sin (rotate-half layout); v * s. Its source, launcher, plain-MLX fallback (rope.py's pieces)
-and self-check (CHECK)."""
+and self-check (CHECK). Its switch and self-check keep the name "rope_qkv" (forms.use_gpu,
+MLX_FLASHNORM_DISABLE, kernels.check.CHECKS), its CUDA function fn_rope_qkv."""
 import math
 from functools import lru_cache
 
@@ -11,7 +12,7 @@ from .. import forms
 from ..rope import apply_rope, rope_tables
 from .build import constant, float_bits, kernel, position_array, rand
 
-_ROPE_QKV = """
+_ROPE_AFTER_QKV = """
   // one warp per (token, head); heads: HQ queries, HKV keys, HKV values, read from q, k, v at
   // row strides QS, KS, VS and column offsets QO, KO, VO (one fused qkv array may be all three).
   // rotate-half RoPE: lane holds elements lane + 32 t, whose partners i +- D/2 are in the same lane.
@@ -70,25 +71,26 @@ _ROPE_QKV = """
 
 
 @lru_cache(maxsize=None)
-def rope_qkv_kernel():
+def rope_after_qkv_kernel():
     return kernel("fn_rope_qkv", ["q", "k", "v", "s", "off", "theta", "qg", "kg", "dims"],
-                   ["qo", "ko", "vo"], _ROPE_QKV)
+                   ["qo", "ko", "vo"], _ROPE_AFTER_QKV)
 
 
-def rope_qkv_supported(head_dim, traditional):
+def rope_after_qkv_supported(head_dim, traditional):
     return forms.use_gpu("rope_qkv") and not traditional and head_dim % 64 == 0 and head_dim <= 256
 
 
-def rope_qkv(q, k, v, s, offset, theta, n_heads, n_kv_heads, gains=None, eps=0.0, factor=1.0):
+def rope_after_qkv(q, k, v, s, offset, theta, n_heads, n_kv_heads, gains=None, eps=0.0, factor=1.0):
     """CUDA kernel preparing q, k, v for attention after a FlashNorm'd pre-norm (rotate-half layout
-    only; see rope_qkv_supported). q, k, v (B, L, H * D) token-major projection outputs, or one
-    fused (B, L, (Hq + 2 Hkv) * D) array passed as all three; s (B, L, 1) the deferred 1/RSSe of
-    the block input; theta (D/2,) angles per position. v is returned times s. q and k get RoPE and:
-    with gains ((2, D) tables for q and k, Sec. 4) their own per-head 1/RSSe and the gain tables on
-    cos/sin; without (Sec. 3) s * factor. Returns q, k, v as (B, H, L, D). The kernel reads one
-    position: per-row offsets (a batch, mlx_flashnorm.batch) take the MLX composition."""
+    only; see rope_after_qkv_supported). q, k, v (B, L, H * D) token-major projection outputs, or
+    one fused (B, L, (Hq + 2 Hkv) * D) array passed as all three; s (B, L, 1) the deferred 1/RSSe
+    of the block input; theta (D/2,) angles per position. v is returned times s. q and k get RoPE
+    and: with gains ((2, D) tables for q and k, Sec. 4) their own per-head 1/RSSe and the gain
+    tables on cos/sin; without (Sec. 3) s * factor. Returns q, k, v as (B, H, L, D). The kernel
+    reads one position: per-row offsets (a batch, mlx_flashnorm.batch) take the MLX composition."""
     if not forms.use_gpu("rope_qkv") or getattr(offset, "size", 1) > 1:
-        return rope_qkv_mlx(q, k, v, s, offset, theta, n_heads, n_kv_heads, gains, eps, factor)
+        return rope_after_qkv_mlx(q, k, v, s, offset, theta, n_heads, n_kv_heads, gains, eps,
+                                  factor)
     B, L, _ = q.shape
     D = theta.shape[0] * 2
     fused = q is k
@@ -101,7 +103,7 @@ def rope_qkv(q, k, v, s, offset, theta, n_heads, n_kv_heads, gains=None, eps=0.0
     qg, kg = gains if gains is not None else (theta, theta)  # unused without QK-norm
     dims = constant(mx.int32, n_heads, n_kv_heads, *strides, *offsets, gains is not None, float_bits(eps),
                     float_bits(factor))
-    return rope_qkv_kernel()(
+    return rope_after_qkv_kernel()(
         inputs=[q, k, v, s.astype(mx.float32), off, theta, qg, kg, dims],
         template=[("T", q.dtype), ("D", D)],
         grid=(math.ceil(warps * 32 / threads) * threads, 1, 1), threadgroup=(threads, 1, 1),
@@ -109,8 +111,8 @@ def rope_qkv(q, k, v, s, offset, theta, n_heads, n_kv_heads, gains=None, eps=0.0
         output_dtypes=[q.dtype] * 3)
 
 
-def rope_qkv_mlx(q, k, v, s, offset, theta, n_heads, n_kv_heads, gains, eps, factor):
-    """rope_qkv in plain MLX ops (its fallback and self-check reference), through rope.py."""
+def rope_after_qkv_mlx(q, k, v, s, offset, theta, n_heads, n_kv_heads, gains, eps, factor):
+    """rope_after_qkv in plain MLX ops (its fallback and self-check reference), through rope.py."""
     B, L, _ = q.shape
     D = theta.shape[0] * 2
     heads = lambda a, start, n: a[..., start:start + n * D].reshape(B, L, n, D).transpose(0, 2, 1, 3)
@@ -137,7 +139,7 @@ def check():
     s = mx.abs(rand((2, 3, 1), 8, mx.float32))
     theta = mx.exp(-mx.arange(32, dtype=mx.float32) * (2 * math.log(10000.0) / 64))
     gains = (1 + 0.3 * rand((2, 64), 9, mx.float32), 1 + 0.3 * rand((2, 64), 10, mx.float32))
-    return rope_qkv(qkv, qkv, qkv, s, 5, theta, 4, 2, gains, 1e-6, 0.35)
+    return rope_after_qkv(qkv, qkv, qkv, s, 5, theta, 4, 2, gains, 1e-6, 0.35)
 
 
 CHECK = (check, 1e-2)

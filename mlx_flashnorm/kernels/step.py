@@ -1,9 +1,9 @@
 """decode_layers: every decoder layer of a Llama-family stack for one decode row in one CUDA launch.
 
-A decode step of a small model is bound by launches, not by memory: SmolLM2-135M's 92 MiB of
-weights take about 30 us to read on an H100, while the per-sublayer kernels (qkv_rope,
-decode_attention, o_proj, gate_up, down_proj) cost about 8 launches a layer at ~13 us of host work
-each (bench/RESULTS.md, "Against llama.cpp"). Here one persistent kernel runs all layers: its
+A decode step of a small model is bound by launches, not by memory: reading SmolLM2-135M's
+weights on an H100 takes a fraction of the host work of the per-sublayer kernels' launches
+(norm_qkv_rope, decode_attention, o_proj, gate_up, down_proj, several a layer: bench/RESULTS.md,
+"Against llama.cpp"). Here one persistent kernel runs all layers: its
 blocks (one per SM, all resident) meet at a grid-wide barrier between the phases of a layer, and
 FlashNorm makes each norm free inside the matvec after it (Sec. 5): every block recomputes the
 residual add and 1/RSSe of the row it reads (a few KB) instead of waiting for another launch.
@@ -20,24 +20,74 @@ CUDA only: the per-sublayer kernels stay the form Metal runs (no grid-wide barri
 Its plain-MLX reference (_reference) is the fallback and the self-check's yardstick (CHECK)."""
 import ctypes
 from functools import lru_cache
+from pathlib import Path
 
 import mlx.core as mx
 
 from .. import forms
 from ..forms import gpu_backend
-from .build import HEADERS, constant, float_bits, make_kernel, position_array, rand
-from .step_source import HEADER, STEP, input_names, table
+from .build import HEADERS, constant, declare, fill, make_kernel, pack, pieces, position_array, rand
 
 THREADS = 256  # 8 warps a block
 SMAX = 16  # attention splits per kv head, at most
 MAX_LAYERS = 36  # the pointer table's 14 a layer in static shared memory
 MAX_ROWS = 64  # rows of the batched form (rows.py), at most
+CUDA = Path(__file__).parent / "cuda"  # the kernels' CUDA: step.cu, rows.cu, whole_step.cuh
+
+# The sizes and flags a launch passes in its int array `dims`, in order (build.pack, build.declare):
+# the model width, group size, query and kv heads, FFN width, cache capacity, blocks, the widest
+# matvec input, whether the norms' gains are kept, whether the rows are half precision (1/RSSe's
+# power of two taken out), QK-norm, and the norm's, RoPE's and QK-norm's float settings.
+SIZES = (("K", "int"), ("GS", "int"), ("HQ", "int"), ("HKV", "int"), ("I", "int"), ("C", "int"),
+         ("NB", "int"), ("XMAX", "int"), ("has_g", "bool"), ("prescale", "bool"),
+         ("qk_norm", "bool"), ("eps", "float"), ("factor", "float"), ("qk_eps", "float"))
+# a layer's arrays, in the pointer table's order: its four matrices (weight, scales, biases each)
+# and its caches; the matrices come stacked, inputs (L, rows, columns): layer l's is row l
+ARRAYS = ("wqkv", "sqkv", "bqkv", "wo", "so", "bo", "wgu", "sgu", "bgu", "wd", "sd", "bd", "kc",
+          "vc")
+STACKED = ARRAYS[:12]
+
+
+def input_names(layers):
+    """Both kernels' inputs: the shared ones, the 12 stacked matrices (STACKED), each layer's
+    caches. A launch's host work grows with its inputs (bench/RESULTS.md, "Host work of the batched
+    step"), so the layers' matrices come as 12 arrays."""
+    return (["x", "off", "dims", "theta", "gains", "qkg", "sync", *STACKED]
+            + [f"{a}{l}" for l in range(layers) for a in ARRAYS[12:]])
+
+
+def table(layers):
+    """The body's pointer table in shared memory: thread l of each block points at layer l's rows
+    of the stacked matrices and at its caches."""
+    rows = "\n    ".join(f"tab[14 * l + {k}] = {a} + long(l) * {a}_shape[1] * {a}_shape[2];"
+                         for k, a in enumerate(STACKED))
+    stacked = f"  if (threadIdx.x < NL) {{\n    const int l = threadIdx.x;\n    {rows}\n  }}\n"
+    return stacked + "".join(f"  if (threadIdx.x == {l}) {{ tab[{14 * l + 12}] = kc{l}; "
+                             f"tab[{14 * l + 13}] = vc{l}; }}\n" for l in range(layers))
+
+
+def compose(folder, file, fields, layers, own=("body",)):
+    """A whole-step kernel's CUDA for `layers` layers, (body, header) as make_kernel takes them,
+    from folder's `file` (its pieces `own`: its body, and where named a device piece of its own
+    functions) and whole_step.cuh: the body with its sizes declared (fields: its SIZES), its
+    pointer table (table) and whole_step.cuh's layer and attend pieces filled in; the header of
+    the backend's shared functions (HEADERS), whole_step.cuh's device piece and the file's."""
+    shared = pieces(folder / "whole_step.cuh", "device", "layer", "attend")
+    mine = pieces(folder / file, *own)
+    body = fill(mine["body"], SIZES=declare(fields), TABLE=table(layers), LAYER=shared["layer"],
+                ATTEND=shared["attend"])
+    return body, HEADERS["cuda"] + shared["device"] + mine.get("device", "")
+
+
+def source(layers):
+    """decode_layers' CUDA for `layers` layers: (body, header) as make_kernel takes them."""
+    return compose(CUDA, "step.cu", SIZES, layers)
+
 
 @lru_cache(maxsize=None)
 def step_kernel(layers):
     return make_kernel("fn_decode_layers", input_names(layers), ["y", "p", "ys", "work"],
-                       STEP.replace("TABLE", table(layers)),
-                       HEADERS["cuda"] + HEADER)
+                       *source(layers))
 
 
 def shared_bytes(K, xmax, bits, D, GQ, L, total=False):
@@ -178,20 +228,23 @@ def stacked(layers):
     return [mx.stack([mats[i][j] for mats in layers]) for i in range(4) for j in range(3)]
 
 
-def launch(kernel, x, positions, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads, n_kv_heads,
-           group_size, bits, work, shared_memory, rows=(), template=(), keep_work=False):
-    """One launch of a whole-step kernel (this file's; rows.py's adds its row count to the sizes
-    (rows) and its rows per matvec pass and warps (NW) to the template): one block per SM of 8
-    warps (or NW), the shared inputs, the 12 stacked matrices (stacked) and every layer's caches.
-    Returns (y, ys, p, caches); the caches were written in place, so they are handed out as
-    depending on the launch (reading them runs it first). keep_work: the work buffer (work floats)
-    too, last (bench.rows_phases reads its clock stamps there)."""
+def launch(kernel, x, positions, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps,
+           n_heads, n_kv_heads, group_size, bits, work, shared_memory, fields=SIZES, template=(),
+           keep_work=False):
+    """One launch of a whole-step kernel (this file's; rows.py's with its sizes table, which adds
+    the row count B (fields), and its rows per matvec pass and warps (NW) in the template): one
+    block per SM of 8 warps (or NW), the shared inputs, the 12 stacked matrices (stacked) and every
+    layer's caches. Returns (y, ys, p, caches); the caches were written in place, so they are
+    handed out as depending on the launch (reading them runs it first). keep_work: the work buffer
+    (work floats) too, last (bench.rows_phases reads its clock stamps there)."""
     K, D, I, xmax = sizes(x, layers, theta, n_heads)
     threads = 32 * dict(template).get("NW", THREADS // 32)
     none = constant(mx.float32, 0.0)
-    dims = (K, group_size, n_heads, n_kv_heads, I, caches[0][0].shape[2], sm_count(), xmax, gains is not None,
-            x.dtype != mx.float32, qk_gains is not None, float_bits(eps), float_bits(factor), float_bits(qk_eps),
-            *rows)
+    dims = pack(fields, dict(K=K, GS=group_size, HQ=n_heads, HKV=n_kv_heads, I=I,
+                             C=caches[0][0].shape[2], NB=sm_count(), XMAX=xmax,
+                             has_g=gains is not None, prescale=x.dtype != mx.float32,
+                             qk_norm=qk_gains is not None, eps=eps, factor=factor, qk_eps=qk_eps,
+                             B=x.shape[0]))
     y, p, ys, scratch = kernel(
         inputs=[x, positions, constant(mx.int32, *dims), theta, none if gains is None else gains,
                 none if qk_gains is None else qk_gains, sync_state(), *stacked(layers)]

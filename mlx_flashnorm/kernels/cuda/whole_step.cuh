@@ -1,12 +1,17 @@
-"""The whole-step kernels' CUDA (step.py's decode_layers, rows.py's decode_rows): the device
-functions both use (the grid barrier, the shared input row of a matvec, a row of a packed matrix),
-the attention phase both run (ATTEND) and the one-row kernel's body (STEP), its layers' arrays
-read through a pointer table (table)."""
-
-ARRAYS = ("wqkv", "sqkv", "bqkv", "wo", "so", "bo", "wgu", "sgu", "bgu", "wd", "sd", "bd", "kc", "vc")
-STACKED = ARRAYS[:12]  # inputs (L, rows, columns): every layer's matrix of the kind, layer l its row l
-
-HEADER = """
+// The whole-step kernels' shared CUDA: what step.cu (decode_layers, one row) and rows.cu
+// (decode_rows, a batch) both take, in three pieces (build.pieces; step.compose composes them):
+//   device  the device functions both kernels' headers hold: the grid barrier (fn_grid_sync,
+//           fn_grid_exit), an attention head's splits merged (fn_merged), and the one-row
+//           matvec's input row (fn_put, fn_chunk_sums), block sum (fn_block_sum) and packed row
+//           (fn_qrow)
+//   layer   layer l's arrays read from the block's pointer table (the bodies' {{LAYER}} line)
+//   attend  phase 2 of one (row, kv head, split of the positions), the bodies' {{ATTEND}} line:
+//           RoPE on the row's q and k, the new k and v written into the cache by the split that
+//           holds the position, attention over the split's positions, its partial state (max,
+//           sum, values) into `part`. The body around it names the row: rbase (its raw q/k/v),
+//           cbase (its kv head's first cache row), head0 (its first query head among all rows'
+//           heads), pos, lo, hi, mine (this block writes the new k and v), s and P.
+// @piece device
 __device__ inline void fn_grid_sync(unsigned int* bar, unsigned int target) {
   // every block of the grid arrives before any leaves (all blocks are resident: one per SM);
   // the count only grows within a launch, and the last block out resets it (fn_grid_exit)
@@ -21,7 +26,8 @@ __device__ inline void fn_grid_sync(unsigned int* bar, unsigned int target) {
       asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(bar) : "memory");
       if (seen >= target) break;
       asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-      if (now - t0 > 2000000000ull) __trap();  // a block that never came within 2 s: fail, never hang
+      // a block that never came within the time limit (in ns): fail, never hang
+      if (now - t0 > 2000000000ull) __trap();
     }
     __threadfence();
   }
@@ -71,8 +77,8 @@ __device__ inline float fn_block_sum(float v, float* red) {
   return t;
 }
 template <typename T, int BITS>
-__device__ inline float fn_qrow(const unsigned int* w, const T* sc, const T* bi, long row, int nc, int gpr,
-                                int gs, const float* xin, const float* xsum, int lane) {
+__device__ inline float fn_qrow(const unsigned int* w, const T* sc, const T* bi, long row, int nc,
+                                int gpr, int gs, const float* xin, const float* xsum, int lane) {
   // one row of an affine BITS-bit matrix (nc 16-byte chunks, gpr groups of gs values) times the
   // shared input row: a group adds scale * (q . x) + bias * sum(x); lanes take the chunks in turn
   constexpr int PER = 32 / BITS, MASK = (1 << BITS) - 1;
@@ -85,17 +91,16 @@ __device__ inline float fn_qrow(const unsigned int* w, const T* sc, const T* bi,
     #pragma unroll
     for (int u = 0; u < 4; ++u) {
       #pragma unroll
-      for (int j = 0; j < PER; ++j) d += float((qs[u] >> (BITS * j)) & MASK) * xin[(u * PER + j) * nc + c];
+      for (int j = 0; j < PER; ++j)
+        d += float((qs[u] >> (BITS * j)) & MASK) * xin[(u * PER + j) * nc + c];
     }
     const long g = row * gpr + c * 4 * PER / gs;
     a += fn_f(sc[g]) * d + fn_f(bi[g]) * xsum[c];
   }
   return fn_warp_sum(a);
 }
-"""
-
-# Layer l's arrays from the pointer table (the body's TABLE, see table), in both kernels.
-LAYER = """    const unsigned int* wqkv = (const unsigned int*)tab[14 * l];
+// @piece layer
+    const unsigned int* wqkv = (const unsigned int*)tab[14 * l];
     const T* sqkv = (const T*)tab[14 * l + 1]; const T* bqkv = (const T*)tab[14 * l + 2];
     const unsigned int* wo = (const unsigned int*)tab[14 * l + 3];
     const T* so = (const T*)tab[14 * l + 4]; const T* bo = (const T*)tab[14 * l + 5];
@@ -107,15 +112,9 @@ LAYER = """    const unsigned int* wqkv = (const unsigned int*)tab[14 * l];
     T* vc = (T*)tab[14 * l + 13];
     const float* g1 = gains + long(l) * 2 * K;
     const float* g2 = g1 + K;
-"""
-
-# Phase 2 of a (row, kv head, split of the positions) in both whole-step kernels (this one and
-# rows.py's): RoPE, the cache write by the split that holds the new position, attention over the
-# split, its partial state in `part`. The body around it names the row: rbase (its raw q/k/v),
-# cbase (its kv head's first cache row), head0 (its first query head among all rows' heads), pos,
-# lo, hi, mine, s and P.
-ATTEND = """      // rounds of a warp's positions loaded and scored at once, as many as the registers allow (fewer
-      // where a block of more than 8 warps leaves each thread fewer)
+// @piece attend
+      // rounds of a warp's positions loaded and scored at once, as many as the registers allow
+      // (fewer where a block of more warps leaves each thread fewer)
       constexpr int UA = GQ <= 4 && NW <= 8 ? 4 : (GQ * D < 512 ? 2 : 1);
       for (int vi = warp; vi < GQ + 2; vi += NW) {
         const bool is_q = vi < GQ, is_k = vi == GQ;
@@ -141,7 +140,8 @@ ATTEND = """      // rounds of a warp's positions loaded and scored at once, as 
           const float sn = sinf(fpos * theta[i]), cs = cosf(fpos * theta[i]);
           const float gi = qk_norm ? gq[i] : 1.0f, gj = qk_norm ? gq[j] : 1.0f;
           const float pi = qk_norm ? gq[D + i] : 1.0f, pj = qk_norm ? gq[D + j] : 1.0f;
-          const T yi = fn_cast<T>(inv * (ri * gi * cs - rj * pi * sn)), yj = fn_cast<T>(inv * (rj * gj * cs + ri * pj * sn));
+          const T yi = fn_cast<T>(inv * (ri * gi * cs - rj * pi * sn)),
+                  yj = fn_cast<T>(inv * (rj * gj * cs + ri * pj * sn));
           if (is_q) { qsh[vi][i] = fn_f(yi); qsh[vi][j] = fn_f(yj); }
           else { kc[at + i] = yi; kc[at + j] = yj; }
         }
@@ -153,14 +153,17 @@ ATTEND = """      // rounds of a warp's positions loaded and scored at once, as 
       #pragma unroll
       for (int h = 0; h < GQ; ++h) {
         #pragma unroll
-        for (int e = 0; e < EPL; ++e) { qv[h][e] = qsh[h][sub * EPL + e] * 1.4426950408889634f; acc[h][e] = 0.0f; }
+        for (int e = 0; e < EPL; ++e) {
+          qv[h][e] = qsh[h][sub * EPL + e] * 1.4426950408889634f;
+          acc[h][e] = 0.0f;
+        }
         m[h] = -1e30f;
         lz[h] = 0.0f;
       }
       // a warp's positions UA rounds at a time, their loads issued before any is used (a
       // conversion next to its load would wait for it), their scores before one max and one
-      // rescale a head (a rescale after each position made a serial chain that 8 warps could not
-      // hide: bench/RESULTS.md, "The batched step"); the same trip count for a warp
+      // rescale a head (a rescale after each position made a serial chain that the warps could
+      // not hide: bench/RESULTS.md, "The batched step"); the same trip count for a warp
       for (int j00 = lo + warp * RPW; j00 < hi; j00 += UA * NW * RPW) {
         uint4 kw[UA], vw[UA];
         #pragma unroll
@@ -172,7 +175,8 @@ ATTEND = """      // rounds of a warp's positions loaded and scored at once, as 
             vw[u] = *reinterpret_cast<const uint4*>(vc + row);
           }
         }
-        float t[UA][GQ], vf[UA][EPL];  // the trip's scores first, then one max and one rescale a head
+        // the trip's scores first, then one max and one rescale a head
+        float t[UA][GQ], vf[UA][EPL];
         bool ok[UA];
         #pragma unroll
         for (int u = 0; u < UA; ++u) {
@@ -181,7 +185,8 @@ ATTEND = """      // rounds of a warp's positions loaded and scored at once, as 
           #pragma unroll
           for (int h = 0; h < GQ; ++h) t[u][h] = 0.0f;
           #pragma unroll
-          for (int e = 0; e < EPL; ++e) vf[u][e] = 0.0f;  // a round past the end: times a zero weight
+          // a round past the end: times a zero weight
+          for (int e = 0; e < EPL; ++e) vf[u][e] = 0.0f;
           if (j0 < hi) {  // the same for the whole warp (its shuffles); kw[u], vw[u] loaded
             float kf[EPL];
             fn_unpack<T, EPL>(kw[u], kf);
@@ -225,7 +230,8 @@ ATTEND = """      // rounds of a warp's positions loaded and scored at once, as 
           const float c1 = exp2f(m[h] - mn), c2 = exp2f(m2 - mn);
           lz[h] = lz[h] * c1 + fn_shfl_xor(lz[h], x2) * c2;
           #pragma unroll
-          for (int e = 0; e < EPL; ++e) acc[h][e] = acc[h][e] * c1 + fn_shfl_xor(acc[h][e], x2) * c2;
+          for (int e = 0; e < EPL; ++e)
+            acc[h][e] = acc[h][e] * c1 + fn_shfl_xor(acc[h][e], x2) * c2;
           m[h] = mn;
         }
       }
@@ -249,133 +255,3 @@ ATTEND = """      // rounds of a warp's positions loaded and scored at once, as 
         }
         part[((head0 + h) * SMAX + split) * (D + 2) + e] = e == 0 ? M : v;
       }
-"""
-
-_STEP_BODY = """
-  // T, BITS, D (head size), GQ (query heads per kv head), NL (layers), SMAX: template constants
-  constexpr int NW = 8, PER = 32 / BITS, CW = 4 * PER;  // warps; values per word, per 16-byte chunk
-  constexpr int EPL = 16 / sizeof(T), LPR = D / EPL, RPW = 32 / LPR;  // attention: a row's lanes
-  const int K = dims[0], GS = dims[1], HQ = dims[2], HKV = dims[3], I = dims[4], C = dims[5], NB = dims[6];
-  const int XMAX = dims[7];
-  const bool has_g = dims[8] != 0, prescale = dims[9] != 0, qk_norm = dims[10] != 0;
-  const float eps = __int_as_float(dims[11]), factor = __int_as_float(dims[12]), qk_eps = __int_as_float(dims[13]);
-  const int KO = HQ * D, NQKV = (HQ + 2 * HKV) * D;
-  const int NCK = K / CW, NCO = KO / CW, NCI = I / CW;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gwarp = blockIdx.x * NW + warp, TW = NB * NW;
-  const int pos = off[0], n = pos + 1;
-  int S = (n + 31) / 32;  // attention splits per kv head: about 32 positions or more each
-  if (S > SMAX) S = SMAX;
-  if (S > NB / HKV) S = NB / HKV;
-  if (S < 1) S = 1;
-  const int chunk = (n + S - 1) / S;
-  unsigned int* bar = const_cast<unsigned int*>(sync);
-  unsigned int target = 0;
-  float* raw = work;                        // NQKV: the q/k/v rows before RoPE
-  float* part = raw + NQKV;                 // HQ * SMAX * (D + 2): per split max, sum, values
-  float* obuf = part + HQ * SMAX * (D + 2); // K: o_proj's output
-  float* abuf = obuf + K;                   // I: SwiGLU's output
-  extern __shared__ float smem[];
-  float* pres = smem;        // K: this block's copy of the residual stream (T-rounded)
-  float* xin = pres + K;     // XMAX: the running matvec's input row
-  float* xsum = xin + XMAX;  // XMAX / CW: its chunk sums
-  __shared__ float red[NW];
-  __shared__ const void* tab[14 * NL];
-  __shared__ float qsh[GQ][D], sm[NW][GQ], sl[NW][GQ], sacc[NW][GQ][D];
-  // the layers' arrays: one pointer table per block
-  TABLE
-  __syncthreads();
-  float xs = 1.0f;  // the deferred scale of the layer's input (the previous down_proj's)
-  for (int l = 0; l < NL; ++l) {
-LAYER
-    // 1. p = x * xs + r, s = 1/RSSe(p), the q/k/v rows of p * g
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < K; i += blockDim.x) {
-      const float t = l == 0 ? fn_f(x[i]) : fn_f(__ldcg(y + i)) * xs + pres[i];
-      const float tp = fn_f(fn_cast<T>(t));
-      pres[i] = tp;
-      ss += tp * tp;
-      fn_put(xin, i, has_g ? tp * g1[i] : tp, NCK, PER);
-    }
-    const float s = rsqrtf(fn_block_sum(ss, red) + K * eps);
-    const float P = prescale ? __int_as_float(__float_as_int(s) & 0x7f800000) : 1.0f;
-    fn_chunk_sums(xin, xsum, NCK, CW);
-    for (int row = gwarp; row < NQKV; row += TW) {
-      const float a = fn_qrow<T, BITS>(wqkv, sqkv, bqkv, row, NCK, K / GS, GS, xin, xsum, lane);
-      if (lane == 0) raw[row] = a;
-    }
-    fn_grid_sync(bar, target += NB);
-    // 2. RoPE, the cache write and attention: block (kv head, split of the positions)
-    const int kvh = blockIdx.x / S, split = blockIdx.x % S;
-    if (kvh < HKV) {
-      const int lo = split * chunk, hi = min(n, lo + chunk);
-      const bool mine = lo <= pos && pos < hi;  // this block writes the new k and v
-      const float* rbase = raw;
-      const long cbase = long(kvh) * C, head0 = long(kvh) * GQ;
-ATTEND    }
-    fn_grid_sync(bar, target += NB);
-    // 3. the splits merged (every block, into its input row), o_proj
-    for (int e = threadIdx.x; e < KO; e += blockDim.x) {
-      const float o = fn_merged(part + long(e / D) * SMAX * (D + 2), S, D, e % D);
-      fn_put(xin, e, fn_f(fn_cast<T>(o)), NCO, PER);
-    }
-    fn_chunk_sums(xin, xsum, NCO, CW);
-    for (int row = gwarp; row < K; row += TW) {
-      const float a = fn_qrow<T, BITS>(wo, so, bo, row, NCO, KO / GS, GS, xin, xsum, lane);
-      if (lane == 0) obuf[row] = fn_f(fn_cast<T>(a));
-    }
-    fn_grid_sync(bar, target += NB);
-    // 4. p2 = o + p, s2 = 1/RSSe(p2), gate/up rows of p2 * g2, a = silu(gate * s2) * up * P2
-    ss = 0.0f;
-    for (int i = threadIdx.x; i < K; i += blockDim.x) {
-      const float tp = fn_f(fn_cast<T>(__ldcg(obuf + i) + pres[i]));
-      pres[i] = tp;
-      ss += tp * tp;
-      fn_put(xin, i, has_g ? tp * g2[i] : tp, NCK, PER);
-    }
-    const float s2 = rsqrtf(fn_block_sum(ss, red) + K * eps);
-    const float P2 = prescale ? __int_as_float(__float_as_int(s2) & 0x7f800000) : 1.0f;
-    fn_chunk_sums(xin, xsum, NCK, CW);
-    for (int i = gwarp; i < I; i += TW) {
-      const float a0 = fn_qrow<T, BITS>(wgu, sgu, bgu, i, NCK, K / GS, GS, xin, xsum, lane);
-      const float a1 = fn_qrow<T, BITS>(wgu, sgu, bgu, I + i, NCK, K / GS, GS, xin, xsum, lane);
-      if (lane == 0) {
-        const float gt = a0 * s2;
-        abuf[i] = fn_f(fn_cast<T>(gt / (1.0f + expf(-gt)) * a1 * P2));
-      }
-    }
-    xs = s2 / P2;
-    fn_grid_sync(bar, target += NB);
-    // 5. down_proj (its scale xs deferred to the next layer's add)
-    for (int e = threadIdx.x; e < I; e += blockDim.x) fn_put(xin, e, __ldcg(abuf + e), NCI, PER);
-    fn_chunk_sums(xin, xsum, NCI, CW);
-    for (int row = gwarp; row < K; row += TW) {
-      const float a = fn_qrow<T, BITS>(wd, sd, bd, row, NCI, I / GS, GS, xin, xsum, lane);
-      if (lane == 0) y[row] = fn_cast<T>(a);
-    }
-    if (l + 1 < NL) fn_grid_sync(bar, target += NB);
-  }
-  if (blockIdx.x == 0) {
-    for (int i = threadIdx.x; i < K; i += blockDim.x) p[i] = fn_cast<T>(pres[i]);
-    if (threadIdx.x == 0) ys[0] = xs;
-  }
-  fn_grid_exit(bar, NB);
-"""
-STEP = _STEP_BODY.replace("ATTEND", ATTEND).replace("LAYER\n", LAYER)
-
-
-def input_names(layers):
-    """Both kernels' inputs: the shared ones, the 12 stacked matrices (STACKED), each layer's caches.
-    A launch's host work grows with its inputs (about 0.4 ms for 430 on an H100, against 0.03 for 8:
-    bench/RESULTS.md, "Host work of the batched step"), so the layers' matrices come as 12 arrays."""
-    return (["x", "off", "dims", "theta", "gains", "qkg", "sync", *STACKED]
-            + [f"{a}{l}" for l in range(layers) for a in ARRAYS[12:]])
-
-
-def table(layers):
-    """The body's pointer table in shared memory: thread l of each block points at layer l's rows
-    of the stacked matrices and at its caches."""
-    rows = "\n    ".join(f"tab[14 * l + {k}] = {a} + long(l) * {a}_shape[1] * {a}_shape[2];"
-                         for k, a in enumerate(STACKED))
-    return "\n".join([f"  if (threadIdx.x < NL) {{\n    const int l = threadIdx.x;\n    {rows}\n  }}"]
-                     + [f"  if (threadIdx.x == {l}) {{ tab[{14 * l + 12}] = kc{l}; tab[{14 * l + 13}] = vc{l}; }}"
-                        for l in range(layers)])

@@ -1,0 +1,114 @@
+// decode_layers (kernels/step.py): every layer of a Llama-family stack for one decode row in one
+// persistent launch, one block per SM, a grid barrier between the phases of a layer. One piece,
+// the kernel's body (build.cuda_source wraps it in the function of the inputs); its header is
+// whole_step.cuh's device piece. Its marker lines are filled by step.compose: SIZES (the sizes
+// and flags in `dims`, step.SIZES), TABLE (the pointer table, step.table) and whole_step.cuh's
+// LAYER and ATTEND pieces.
+// @piece body
+  // T, BITS, D (head size), GQ (query heads per kv head), NL (layers), SMAX: template constants
+  constexpr int NW = 8, PER = 32 / BITS, CW = 4 * PER;  // warps; values per word, per 16-byte chunk
+  constexpr int EPL = 16 / sizeof(T), LPR = D / EPL, RPW = 32 / LPR;  // attention: a row's lanes
+  // the run-time sizes and flags (dims: step.SIZES)
+  {{SIZES}}
+  const int KO = HQ * D, NQKV = (HQ + 2 * HKV) * D;
+  const int NCK = K / CW, NCO = KO / CW, NCI = I / CW;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int gwarp = blockIdx.x * NW + warp, TW = NB * NW;
+  const int pos = off[0], n = pos + 1;
+  int S = (n + 31) / 32;  // attention splits per kv head: about 32 positions or more each
+  if (S > SMAX) S = SMAX;
+  if (S > NB / HKV) S = NB / HKV;
+  if (S < 1) S = 1;
+  const int chunk = (n + S - 1) / S;
+  unsigned int* bar = const_cast<unsigned int*>(sync);
+  unsigned int target = 0;
+  float* raw = work;                        // NQKV: the q/k/v rows before RoPE
+  float* part = raw + NQKV;                 // HQ * SMAX * (D + 2): per split max, sum, values
+  float* obuf = part + HQ * SMAX * (D + 2); // K: o_proj's output
+  float* abuf = obuf + K;                   // I: SwiGLU's output
+  extern __shared__ float smem[];
+  float* pres = smem;        // K: this block's copy of the residual stream (T-rounded)
+  float* xin = pres + K;     // XMAX: the running matvec's input row
+  float* xsum = xin + XMAX;  // XMAX / CW: its chunk sums
+  __shared__ float red[NW];
+  __shared__ const void* tab[14 * NL];
+  __shared__ float qsh[GQ][D], sm[NW][GQ], sl[NW][GQ], sacc[NW][GQ][D];
+  // the layers' arrays: one pointer table per block
+  {{TABLE}}
+  __syncthreads();
+  float xs = 1.0f;  // the deferred scale of the layer's input (the previous down_proj's)
+  for (int l = 0; l < NL; ++l) {
+    {{LAYER}}
+    // 1. p = x * xs + r, s = 1/RSSe(p), the q/k/v rows of p * g
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < K; i += blockDim.x) {
+      const float t = l == 0 ? fn_f(x[i]) : fn_f(__ldcg(y + i)) * xs + pres[i];
+      const float tp = fn_f(fn_cast<T>(t));
+      pres[i] = tp;
+      ss += tp * tp;
+      fn_put(xin, i, has_g ? tp * g1[i] : tp, NCK, PER);
+    }
+    const float s = rsqrtf(fn_block_sum(ss, red) + K * eps);
+    const float P = prescale ? __int_as_float(__float_as_int(s) & 0x7f800000) : 1.0f;
+    fn_chunk_sums(xin, xsum, NCK, CW);
+    for (int row = gwarp; row < NQKV; row += TW) {
+      const float a = fn_qrow<T, BITS>(wqkv, sqkv, bqkv, row, NCK, K / GS, GS, xin, xsum, lane);
+      if (lane == 0) raw[row] = a;
+    }
+    fn_grid_sync(bar, target += NB);
+    // 2. RoPE, the cache write and attention: block (kv head, split of the positions)
+    const int kvh = blockIdx.x / S, split = blockIdx.x % S;
+    if (kvh < HKV) {
+      const int lo = split * chunk, hi = min(n, lo + chunk);
+      const bool mine = lo <= pos && pos < hi;  // this block writes the new k and v
+      const float* rbase = raw;
+      const long cbase = long(kvh) * C, head0 = long(kvh) * GQ;
+      {{ATTEND}}
+    }
+    fn_grid_sync(bar, target += NB);
+    // 3. the splits merged (every block, into its input row), o_proj
+    for (int e = threadIdx.x; e < KO; e += blockDim.x) {
+      const float o = fn_merged(part + long(e / D) * SMAX * (D + 2), S, D, e % D);
+      fn_put(xin, e, fn_f(fn_cast<T>(o)), NCO, PER);
+    }
+    fn_chunk_sums(xin, xsum, NCO, CW);
+    for (int row = gwarp; row < K; row += TW) {
+      const float a = fn_qrow<T, BITS>(wo, so, bo, row, NCO, KO / GS, GS, xin, xsum, lane);
+      if (lane == 0) obuf[row] = fn_f(fn_cast<T>(a));
+    }
+    fn_grid_sync(bar, target += NB);
+    // 4. p2 = o + p, s2 = 1/RSSe(p2), gate/up rows of p2 * g2, a = silu(gate * s2) * up * P2
+    ss = 0.0f;
+    for (int i = threadIdx.x; i < K; i += blockDim.x) {
+      const float tp = fn_f(fn_cast<T>(__ldcg(obuf + i) + pres[i]));
+      pres[i] = tp;
+      ss += tp * tp;
+      fn_put(xin, i, has_g ? tp * g2[i] : tp, NCK, PER);
+    }
+    const float s2 = rsqrtf(fn_block_sum(ss, red) + K * eps);
+    const float P2 = prescale ? __int_as_float(__float_as_int(s2) & 0x7f800000) : 1.0f;
+    fn_chunk_sums(xin, xsum, NCK, CW);
+    for (int i = gwarp; i < I; i += TW) {
+      const float a0 = fn_qrow<T, BITS>(wgu, sgu, bgu, i, NCK, K / GS, GS, xin, xsum, lane);
+      const float a1 = fn_qrow<T, BITS>(wgu, sgu, bgu, I + i, NCK, K / GS, GS, xin, xsum, lane);
+      if (lane == 0) {
+        const float gt = a0 * s2;
+        abuf[i] = fn_f(fn_cast<T>(gt / (1.0f + expf(-gt)) * a1 * P2));
+      }
+    }
+    xs = s2 / P2;
+    fn_grid_sync(bar, target += NB);
+    // 5. down_proj (its scale xs deferred to the next layer's add)
+    for (int e = threadIdx.x; e < I; e += blockDim.x) fn_put(xin, e, __ldcg(abuf + e), NCI, PER);
+    fn_chunk_sums(xin, xsum, NCI, CW);
+    for (int row = gwarp; row < K; row += TW) {
+      const float a = fn_qrow<T, BITS>(wd, sd, bd, row, NCI, I / GS, GS, xin, xsum, lane);
+      if (lane == 0) y[row] = fn_cast<T>(a);
+    }
+    if (l + 1 < NL) fn_grid_sync(bar, target += NB);
+  }
+  if (blockIdx.x == 0) {
+    for (int i = threadIdx.x; i < K; i += blockDim.x) p[i] = fn_cast<T>(pres[i]);
+    if (threadIdx.x == 0) ys[0] = xs;
+  }
+  fn_grid_exit(bar, NB);
