@@ -3,8 +3,8 @@ import argparse
 import sys
 
 from .cli import HelpFormatter, add_generation_args, add_model_args, add_sampling_args
-from .decoding import (eager_cache, encode_prompt, load_from_args, make_processors, make_sampler_for,
-                       stream_generate)
+from .decoding import (eager_cache, encode_prompt, load_from_args, make_processors,
+                       make_sampler_for, stream_generate)
 from .errors import UserError
 from .lockstep import lockstep
 from .serve import prompt_cache
