@@ -4,8 +4,8 @@ import warnings
 from importlib.metadata import PackageNotFoundError, version
 
 # MLX's CUDA backend sends GPU work as CUDA graphs of at most this many operations (its default
-# is 100 on Hopper). One decode step of these models is 250-450 operations; larger graphs cut the
-# per-token host work: decode +20% on an H200 (bench/RESULTS.md, "Launches per step"). Read at
+# is 100 on Hopper). One decode step of these models is some hundreds of operations; larger graphs
+# cut the per-token host work and speed decode up (bench/RESULTS.md, "Launches per step"). Read at
 # MLX's first GPU use.
 os.environ.setdefault("MLX_MAX_OPS_PER_BUFFER", "1000")
 

@@ -1,4 +1,5 @@
-"""`mlx-flashnorm COMMAND ...` and `python -m mlx_flashnorm COMMAND ...`: one entry to every command."""
+"""`mlx-flashnorm COMMAND ...` and `python -m mlx_flashnorm COMMAND ...`: one entry to every
+command."""
 import importlib
 import sys
 

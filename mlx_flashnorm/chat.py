@@ -1,7 +1,8 @@
 """A multi-turn chat in the terminal: `python -m mlx_flashnorm.chat`.
 
 The KV cache is kept across turns: each turn prefills only the tokens that the chat template adds
-after those the cache already holds (the reply just generated, the closing tags, the new message)."""
+after those the cache already holds (the reply just generated, the closing tags, the new
+message)."""
 import argparse
 import sys
 from contextlib import closing
@@ -22,8 +23,8 @@ class Chat:
         """sampling: stream_generate's sampling arguments. max_kv_size, kv_bits: keep the
         conversation in mlx-lm's rotating or quantized cache (eager_cache), decoded eagerly."""
         if not tokenizer.has_chat_template:
-            raise UserError("this model's tokenizer has no chat template: pass one with --chat-template "
-                            "FILE_OR_TEXT, or use the generate command")
+            raise UserError("this model's tokenizer has no chat template: pass one with "
+                            "--chat-template FILE_OR_TEXT, or use the generate command")
         self.model, self.tokenizer, self.system_prompt = model, tokenizer, system_prompt
         self.max_tokens, self.sampling = max_tokens, sampling
         self.eager = (max_kv_size, kv_bits, kv_group_size) if max_kv_size or kv_bits else None
@@ -32,25 +33,27 @@ class Chat:
         self.reset()
 
     def reset(self):
-        self.messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        self.messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt
+                         else [])
         self.cache, self.cached = None, []  # cached: the token ids the cache holds, in order
 
     def reply(self, text):
-        """Yield the answer to the user's message `text` piece by piece; it then joins the conversation."""
+        """Yield the answer to the user's message `text` piece by piece; it then joins the
+        conversation."""
         messages = self.messages + [{"role": "user", "content": text}]
         tokens = list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
         ctx = context_length(self.model)
         if len(tokens) >= ctx:
-            raise UserError(f"the conversation would have {len(tokens)} tokens, the model's context is "
-                            f"{ctx}: /reset starts a new one")
+            raise UserError(f"the conversation would have {len(tokens)} tokens, the model's "
+                            f"context is {ctx}: /reset starts a new one")
         keep = 0  # the cached tokens that the conversation still begins with stay in the cache
         while keep < min(len(self.cached), len(tokens) - 1) and self.cached[keep] == tokens[keep]:
             keep += 1
         keep = self._make_room(keep, min(ctx, len(tokens) + self.max_tokens))
         self.cached = tokens[:keep]
         answer, generated = "", []
-        for r in lockstep(stream_generate(self.model, self.tokenizer, tokens[keep:], self.max_tokens,
-                                          cache=self.cache, **self.sampling)):
+        for r in lockstep(stream_generate(self.model, self.tokenizer, tokens[keep:],
+                                          self.max_tokens, cache=self.cache, **self.sampling)):
             answer += r.text
             generated.append(r.token)
             yield r.text
@@ -114,7 +117,8 @@ def main(argv=None):
         mx.random.seed(args.seed)
     interactive = sys.stdin.isatty()
     if interactive:
-        print("Chat: /reset starts a new conversation, /exit or Ctrl-D quits, Ctrl-C stops an answer.")
+        print("Chat: /reset starts a new conversation, /exit or Ctrl-D quits, Ctrl-C stops an "
+              "answer.")
     try:
         while True:
             try:

@@ -41,7 +41,8 @@ def set_chat_template(tokenizer, value):
     value gives (read_template); the wrapper then encodes the text without adding special tokens,
     as it does for a template of its own."""
     template = compile_template(read_template(value))
-    specials = {k: getattr(tokenizer, k, None) or "" for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+    specials = {k: getattr(tokenizer, k, None) or ""
+                for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
 
     def render(messages, add_generation_prompt=False, **kwargs):
         try:

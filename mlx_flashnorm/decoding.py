@@ -32,8 +32,9 @@ class Response:
     generation_tps: float
     peak_memory: float  # GB
     finish_reason: Optional[str] = None  # "stop" (EOS), "length", or None while generating
-    logprobs: Optional[mx.array] = None  # the step's log-probabilities over the vocabulary (after
-    # logits_processors, before the sampler's temperature and filters): what the token was drawn from
+    # the step's log-probabilities over the vocabulary (after logits_processors, before the
+    # sampler's temperature and filters): what the token was drawn from
+    logprobs: Optional[mx.array] = None
 
 
 def context_length(model):
@@ -69,9 +70,8 @@ def structure(model):
     """Every link of the model's tree (container, key, child: a submodule, list or array) and
     every container's size, flat. A compiled step holds the arrays it was traced with, so it is
     valid while each link still holds the same object and no container gained or lost one (a
-    weight replaced, a module swapped or added). Checking that costs 45 us per request for SmolLM2
-    on a 2-core CPU, where walking model.parameters() cost 0.67 ms (6 ms under a profiler on the
-    H100's host; bench/RESULTS.md, "Time to first token")."""
+    weight replaced, a module swapped or added). Checking that costs a request far less than
+    walking model.parameters() (bench/RESULTS.md, "Time to first token")."""
     links, sizes, todo = [], [], [model]
     while todo:
         c = todo.pop()
@@ -113,7 +113,8 @@ def compiled_decode(model, logits=False):
                 out = out - mx.logsumexp(out, axis=-1, keepdims=True)
             return out, offset + 1, [c.state for c in cache]
 
-        setattr(model, name, CompiledStep(model, mx.compile(step)))  # a plain attribute, not a child
+        # a plain attribute, not a child
+        setattr(model, name, CompiledStep(model, mx.compile(step)))
     return getattr(model, name).fn
 
 
@@ -130,7 +131,8 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
     compiled: decode with a StaticKVCache of cache_capacity(prompt + max_tokens) positions and the
     model's compiled 1-token step (fast where our kernels run); False: the plain forward pass over
     mlx-lm's growing KVCache (the reference), or over `cache` as given; None (default): False on
-    the portable path (forms.compiled_decode) or for a cache of mlx-lm's kinds (eager_cache), else True.
+    the portable path (forms.compiled_decode) or for a cache of mlx-lm's kinds (eager_cache), else
+    True.
     prefill_step: prompt tokens per prefill chunk (mlx-lm's default), bounding attention scratch.
     cache: a cache from make_cache that already holds earlier tokens (a chat's previous turns):
     only `prompt` is prefilled after them. Compiled, it must be a StaticKVCache with room for
@@ -138,9 +140,11 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
     every token fed to the model (its offset counts them: the last token yielded may be missing)."""
     sampler = sampler or make_sampler(0.0)
     if compiled is None:
-        compiled = forms.compiled_decode() and (cache is None or isinstance(cache[0], StaticKVCache))
+        compiled = forms.compiled_decode() and (cache is None
+                                                or isinstance(cache[0], StaticKVCache))
     if cache is None:
-        cache = make_cache(model, cache_capacity(model, prompt.size + max_tokens) if compiled else None)
+        cache = make_cache(model, cache_capacity(model, prompt.size + max_tokens) if compiled
+                           else None)
     elif compiled and cache[0].offset + prompt.size + max_tokens > cache[0].capacity:
         raise ValueError(f"the cache holds {cache[0].capacity} positions, "
                          f"{cache[0].offset + prompt.size + max_tokens} are needed")
@@ -214,14 +218,15 @@ def warmup(model, compiled=None):
     decode step traced and MLX's kernels and ours compiled. Greedy sampling draws no random
     numbers, so later results are those of a fresh model. MLX keeps compiled functions per thread:
     call it on the thread that will generate. compiled: as generate_step takes it."""
-    prompt = mx.arange(min(WARMUP_PROMPT, context_length(model) - WARMUP_STEPS)) % model.args.vocab_size
+    prompt = (mx.arange(min(WARMUP_PROMPT, context_length(model) - WARMUP_STEPS))
+              % model.args.vocab_size)
     for _ in generate_step(prompt, model, max_tokens=WARMUP_STEPS, compiled=compiled):
         pass
 
 
 def make_sampler_for(temp=0.0, top_p=1.0, top_k=0, min_p=0.0):
-    """Greedy when temp == 0; else temperature sampling restricted by top-p (1.0: off), top-k (0: off)
-    and min-p (0.0: off; keeps the tokens at least min_p times as likely as the likeliest)."""
+    """Greedy when temp == 0; else temperature sampling restricted by top-p (1.0: off), top-k (0:
+    off) and min-p (0.0: off; keeps the tokens at least min_p times as likely as the likeliest)."""
     if not 0 <= temp < math.inf:  # NaN fails both
         raise UserError(f"temp must be at least 0 (0 is greedy) and finite, not {temp}")
     if not 0 < top_p <= 1:
@@ -238,9 +243,11 @@ def make_processors(repetition_penalty=None, repetition_context_size=20):
     token among the last repetition_context_size ones (prompt included) is divided by the penalty
     where positive and multiplied by it where negative."""
     if repetition_penalty is not None and not 0 < repetition_penalty < math.inf:
-        raise UserError(f"repetition-penalty must be above 0 (1 is off) and finite, not {repetition_penalty}")
+        raise UserError("repetition-penalty must be above 0 (1 is off) and finite, "
+                        f"not {repetition_penalty}")
     if repetition_context_size < 1:
-        raise UserError(f"repetition-context-size must be at least 1, not {repetition_context_size}")
+        raise UserError("repetition-context-size must be at least 1, "
+                        f"not {repetition_context_size}")
     if repetition_penalty in (None, 1.0):
         return []
     return make_logits_processors(repetition_penalty=repetition_penalty,
@@ -255,8 +262,8 @@ def eager_cache(model, max_kv_size=None, kv_bits=None, kv_group_size=64):
     first 4 kept, the rest a sliding window: generation goes on past it), or a QuantizedKVCache
     (keys and values in kv_bits, groups of kv_group_size along the head dimension), or a KVCache."""
     if max_kv_size is not None and kv_bits is not None:
-        raise UserError("--max-kv-size and --kv-bits do not combine (mlx-lm's rotating cache is not "
-                        "quantized): pass one of them")
+        raise UserError("--max-kv-size and --kv-bits do not combine (mlx-lm's rotating cache is "
+                        "not quantized): pass one of them")
     if max_kv_size is not None:
         if max_kv_size < 8:
             raise UserError(f"max-kv-size must be at least 8 positions, not {max_kv_size}")
@@ -315,8 +322,8 @@ def stream_generate(model, tokenizer, prompt, max_tokens=256, temp=0.0, top_p=1.
     ctx = context_length(model)
     start = cache[0].offset if cache else 0
     if start + len(tokens) >= ctx:
-        raise UserError(f"the prompt has {start + len(tokens)} tokens, the model's context is {ctx}: "
-                        "shorten the prompt")
+        raise UserError(f"the prompt has {start + len(tokens)} tokens, the model's context is "
+                        f"{ctx}: shorten the prompt")
     max_tokens = min(max_tokens, ctx - start - len(tokens))
     if seed is not None:
         mx.random.seed(seed)
@@ -359,10 +366,10 @@ def generate(model, tokenizer, prompt, max_tokens=256, verbose=False, **kwargs) 
 
 def wants_warmup(args):
     """--warmup or --no-warmup as given, else on a GPU (where a first request compiles kernels for
-    seconds and the warm-up runs in milliseconds) and not on the CPU: there MLX keeps the kernels it
-    compiles on disk, so that after a machine's first run a first request pays ~0.2 s more than
-    later ones (the step's trace, loading the kernels), while the warm-up's CPU prefill and steps
-    take 1.4-1.9 s (bench/RESULTS.md, "Warm-up on the CPU")."""
+    far longer than the warm-up runs) and not on the CPU: there MLX keeps the kernels it compiles
+    on disk, so that after a machine's first run a first request pays little more than later ones
+    (the step's trace, loading the kernels), while the warm-up's CPU prefill and steps take longer
+    than that (bench/RESULTS.md, "Warm-up on the CPU")."""
     return mx.default_device() == mx.gpu if args.warmup is None else args.warmup
 
 

@@ -21,7 +21,8 @@ def run_cli(main):
     except KeyboardInterrupt:
         sys.exit(130)
     except BrokenPipeError:  # the reader of our output left (`... | head -1`): stop quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        # nothing left to flush at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(1)
 
 

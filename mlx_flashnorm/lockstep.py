@@ -5,9 +5,9 @@ step's row-parallel sums pair the ranks' operations one to one.
 The logits are the same on every rank (each sum is), and shard.connect seeded every rank's random
 generator alike, so the ranks sample the same tokens; lockstep() checks that after each token.
 What only rank 0 knows is handed on with broadcast(): a chat's input lines (shared), a server's
-requests (serve.requests.Generation.shared; the server then takes one request at a time, its batching
-worker keeps no lockstep). Outside `mlx.launch -n N` (N > 1) every function here is the plain
-single-process behaviour."""
+requests (serve.requests.Generation.shared; the server then takes one request at a time, its
+batching worker keeps no lockstep). Outside `mlx.launch -n N` (N > 1) every function here is the
+plain single-process behaviour."""
 import json
 import os
 import sys
@@ -43,7 +43,8 @@ def broadcast(obj=None):
         return obj
     data = json.dumps(obj).encode() if leads() else b""
     n = _from_leader(mx.array([len(data)], mx.int32)).item()
-    values = mx.array(np.frombuffer(data, np.uint8).astype(np.int32)) if leads() else mx.zeros((n,), mx.int32)
+    values = (mx.array(np.frombuffer(data, np.uint8).astype(np.int32)) if leads()
+              else mx.zeros((n,), mx.int32))
     return json.loads(np.array(_from_leader(values)).astype(np.uint8).tobytes())
 
 

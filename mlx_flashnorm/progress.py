@@ -24,7 +24,8 @@ def write(text):
 @contextmanager
 def hub_bars():
     """huggingface_hub's download bars as ours: drawn on a terminal, off otherwise."""
-    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    from huggingface_hub.utils import (are_progress_bars_disabled, disable_progress_bars,
+                                       enable_progress_bars)
 
     if on_terminal() or are_progress_bars_disabled():
         yield

@@ -54,17 +54,20 @@ def arg_parser():
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/models, "
                     "/v1/chat/completions, /v1/completions, /health). The sampling flags set the "
                     "defaults of requests that leave them out.", formatter_class=HelpFormatter)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (0: any free one)")
-    p.add_argument("--api-key", help=f"require the header 'Authorization: Bearer API_KEY' (default: the "
-                                     f"{API_KEY_VARIABLE} environment variable, which ps does not show; "
-                                     "unset: no key)")
+    p.add_argument("--api-key", help="require the header 'Authorization: Bearer API_KEY' "
+                                     f"(default: the {API_KEY_VARIABLE} environment variable, "
+                                     "which ps does not show; unset: no key)")
     p.add_argument("--cors-origin", action="append", metavar="ORIGIN",
-                   help="let web pages of ORIGIN (e.g. http://localhost:3000; * for any) call the server; "
-                        "repeatable (unset: requests from web pages are refused)")
+                   help="let web pages of ORIGIN (e.g. http://localhost:3000; * for any) call the "
+                        "server; repeatable (unset: requests from web pages are refused)")
     p.add_argument("--max-queue", type=int, default=64,
-                   help="requests that may wait while the worker is busy; beyond, 503 with Retry-After")
-    p.add_argument("--max-body", type=int, default=http.MAX_BODY, help="request body bytes at most (beyond: 413)")
+                   help="requests that may wait while the worker is busy; beyond, 503 with "
+                        "Retry-After")
+    p.add_argument("--max-body", type=int, default=http.MAX_BODY,
+                   help="request body bytes at most (beyond: 413)")
     p.add_argument("--max-concurrent", type=int, default=MAX_CONCURRENT,
                    help="requests decoded together, in one batch; 1: one at a time on the compiled "
                         "one-request path (no prompt cache)")
@@ -73,11 +76,12 @@ def arg_parser():
                         "prefix (a system prompt, a conversation's earlier turns) is not computed "
                         "again; least recently used go first (0: off)")
     p.add_argument("--prefill-step-size", type=int, default=PREFILL_STEP,
-                   help="prompt tokens prefilled per step of the batch, at most: a longer prompt goes in "
-                        "chunks, between the running requests' tokens (smaller: shorter stalls for them, "
-                        "later first tokens for newcomers)")
+                   help="prompt tokens prefilled per step of the batch, at most: a longer prompt "
+                        "goes in chunks, between the running requests' tokens (smaller: shorter "
+                        "stalls for them, later first tokens for newcomers)")
     p.add_argument("--timeout", type=float, default=30.0,
-                   help="seconds a request (headers and body) may take to arrive, and a write to a client")
+                   help="seconds a request (headers and body) may take to arrive, and a write to "
+                        "a client")
     add_model_args(p)
     add_sampling_args(p)
     return p
@@ -87,18 +91,19 @@ def main(argv=None):
     args = arg_parser().parse_args(argv)
     make_sampler_for(args.temp, args.top_p, args.top_k)  # checks the sampling flags
     if args.max_queue < 0 or args.max_body < 1 or not args.timeout > 0:
-        raise UserError("--max-queue must be at least 0, --max-body at least 1 and --timeout above 0")
+        raise UserError("--max-queue must be at least 0, --max-body at least 1 and --timeout "
+                        "above 0")
     if args.max_concurrent < 1 or not args.prompt_cache_size >= 0 or args.prefill_step_size < 1:
-        raise UserError("--max-concurrent and --prefill-step-size must be at least 1 and --prompt-cache-size (MB) "
-                        "at least 0")
+        raise UserError("--max-concurrent and --prefill-step-size must be at least 1 and "
+                        "--prompt-cache-size (MB) at least 0")
     if world() is not None and args.max_concurrent != 1:  # the batched worker keeps no lockstep
         if leads():
-            print("note: under mlx.launch the server generates one request at a time (--max-concurrent 1)",
-                  file=sys.stderr)
+            print("note: under mlx.launch the server generates one request at a time "
+                  "(--max-concurrent 1)", file=sys.stderr)
         args.max_concurrent = 1
     if world() is None and args.max_concurrent > 1:  # the batch engine in a process of its own
-        worker = EngineProcess(args, wants_warmup(args), args.max_concurrent, int(args.prompt_cache_size * 2**20),
-                               args.prefill_step_size)
+        worker = EngineProcess(args, wants_warmup(args), args.max_concurrent,
+                               int(args.prompt_cache_size * 2**20), args.prefill_step_size)
         model, tokenizer = None, worker.tokenizer
     else:
         worker = None
@@ -110,11 +115,12 @@ def main(argv=None):
         return follow(model, tokenizer, warm=wants_warmup(args))
     model_id = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
     try:
-        server = Server(model, tokenizer, model_id, args.host, args.port, args.max_tokens, args.temp,
-                        args.top_p, args.top_k, warm=wants_warmup(args),
+        server = Server(model, tokenizer, model_id, args.host, args.port, args.max_tokens,
+                        args.temp, args.top_p, args.top_k, warm=wants_warmup(args),
                         api_key=args.api_key or os.environ.get(API_KEY_VARIABLE) or None,
-                        cors_origins=args.cors_origin or (), max_queue=args.max_queue, max_body=args.max_body,
-                        timeout=args.timeout, max_concurrent=args.max_concurrent, worker=worker)
+                        cors_origins=args.cors_origin or (), max_queue=args.max_queue,
+                        max_body=args.max_body, timeout=args.timeout,
+                        max_concurrent=args.max_concurrent, worker=worker)
     except OSError as e:  # (the server closed the worker)
         raise UserError(f"cannot listen on {args.host}:{args.port}: {e.strerror}")
     host, port = server.server_address[:2]
@@ -127,8 +133,9 @@ def main(argv=None):
     except KeyboardInterrupt:
         pass
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the close short:
-        server.server_close()  # under mlx.launch it ends the other ranks
+        # a second Ctrl-C must not cut the close short: under mlx.launch it ends the other ranks
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        server.server_close()
 
 
 if __name__ == "__main__":

@@ -26,8 +26,8 @@ class BatchWorker:
     for `gap`, at most `most` in all, so that a burst's requests prefill in one call rather than the
     first alone and the rest behind it (bench/RESULTS.md, "Serving")."""
 
-    def __init__(self, model, tokenizer, warm=False, max_batch=32, prompt_cache_bytes=0, prefill_step=2048,
-                 gather=(0.002, 0.02)):
+    def __init__(self, model, tokenizer, warm=False, max_batch=32, prompt_cache_bytes=0,
+                 prefill_step=2048, gather=(0.002, 0.02)):
         self.slots, self.gather = max_batch, gather
         self.context_length, self.vocab_size = context_length(model), model.args.vocab_size
         cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
@@ -62,16 +62,17 @@ class BatchWorker:
 
     def request(self, ticket):
         g = ticket.generation
-        return Request(g.tokens, g.max_tokens, g.temp, g.top_p, g.top_k, g.min_p, g.seed, self.stop_tokens,
-                       g.logits_processors(), ticket=ticket)
+        return Request(g.tokens, g.max_tokens, g.temp, g.top_p, g.top_k, g.min_p, g.seed,
+                       self.stop_tokens, g.logits_processors(), ticket=ticket)
 
     def flush(self):
-        """After each round of put(): nothing here (a worker that sends its tokens on sends them)."""
+        """After each round of put(): nothing here (a worker that sends its tokens on sends
+        them)."""
 
     def _serve(self):
         while True:
             self._admit(block=not self.engine.busy)
-            if self.cancels:  # (a look at every request costs each step's host work a few us a row)
+            if self.cancels:  # (a look at every request adds to each step's host work, per row)
                 self.cancels = False
                 for r in self.engine.requests():
                     r.cancelled = r.cancelled or r.ticket.cancelled
@@ -86,7 +87,8 @@ class BatchWorker:
             self.flush()
 
     def _admit(self, block):
-        """Move submitted tickets into the engine (if block, waiting for one, then its burst: gather)."""
+        """Move submitted tickets into the engine (if block, waiting for one, then its burst:
+        gather)."""
         try:
             ticket = self.inbox.get(block=block)
             gap, most = self.gather if block else (0, 0)
@@ -107,16 +109,17 @@ def warmup(engine, prompt=16, steps=3):
     """On a BatchEngine, play one throwaway greedy request (a prompt of `prompt` tokens, `steps`
     tokens), then two and four together (their shared prefill calls, from the first one's half of
     their prompts where the engine has a prompt cache: then a throwaway one), then two newcomers
-    fed beside running rows into slots apart (their gathers and scatter: MLX compiles a kernel at its
-    first use, seconds on a fresh machine: bench/RESULTS.md, "Serving"), then a lone request whose
+    fed beside running rows into slots apart (their gathers and scatter: MLX compiles a kernel at
+    its first use: bench/RESULTS.md, "Serving"), then a lone request whose
     batch grows into the slots set aside (Slots.moved), outside the prompt cache
     and the prefill counts, so that a first real request finds MLX's kernels compiled
-    (decoding.warmup's reason) and the prompt cache's copies too (a first store of 32 rows
-    took 0.33 s on an H200: bench/RESULTS.md, "Serving"), with no bound on feeding (its steps
+    (decoding.warmup's reason) and the prompt cache's copies too (a first store is slow:
+    bench/RESULTS.md, "Serving"), with no bound on feeding (its steps
     compile) and no step period kept; then trace the batched step of every
     bucket up to max_batch, at the first capacity. Call it on the thread that will step the
     engine."""
-    kept, counted, wait = engine.prompt_cache, (engine.prefilled, engine.prefill_calls), engine.feed_wait
+    kept, counted, wait = (engine.prompt_cache, (engine.prefilled, engine.prefill_calls),
+                           engine.feed_wait)
     engine.feed_wait = None
     engine.prompt_cache = None if kept is None else PromptCache(1 << 26)
     vocab = engine.model.args.vocab_size
@@ -125,29 +128,37 @@ def warmup(engine, prompt=16, steps=3):
         engine.add(Request(first, max_tokens=steps))
         while engine.busy:
             engine.step()
-        for n in (2, 4):  # shared prefill calls (MLX compiles its quantized matmul for up to 16,
-            engine.slots = None  # 32 and more rows: 15, 30 and 60 here), not reuses of the last slots
+        # shared prefill calls (MLX compiles its quantized matmul for up to 16, 32 and more rows:
+        # 15, 30 and 60 here), not reuses of the last slots
+        for n in (2, 4):
+            engine.slots = None
             for k in range(n):
                 tail = [(i + k + n) % vocab for i in range(prompt - prompt // 2)]
                 engine.add(Request(first[:prompt // 2] + tail, max_tokens=steps))
             while engine.busy:
                 engine.step()
         engine.slots = None
-        group = [Request(first[:prompt // 2] + [(i + 9 + k) % vocab for i in range(prompt - prompt // 2)],
+        group = [Request(first[:prompt // 2]
+                         + [(i + 9 + k) % vocab for i in range(prompt - prompt // 2)],
                          max_tokens=m) for k, m in enumerate((6 * steps, 1, 6 * steps, 1))]
         for r in group:
             engine.add(r)
         engine.step()
-        engine.step()  # rows 1 and 3 have left: newcomers fed beside 0 and 2 take slots 1 and 3 (a scatter)
-        engine.slots.left, engine.slots.table = [()] * engine.slots.size, None  # (not reused from slots 1 and 3:)
-        engine.add(Request(first + [1], max_tokens=steps))  # prefixes from two blocks of the prompt cache
-        engine.add(Request(first[:prompt // 2] + [(i + 4) % vocab for i in range(prompt - prompt // 2)] + [1],
-                         max_tokens=steps))
+        # rows 1 and 3 have left: newcomers fed beside 0 and 2 take slots 1 and 3 (a scatter)
+        engine.step()
+        # (not reused from slots 1 and 3:) prefixes from two blocks of the prompt cache
+        engine.slots.left, engine.slots.table = [()] * engine.slots.size, None
+        engine.add(Request(first + [1], max_tokens=steps))
+        engine.add(Request(first[:prompt // 2]
+                           + [(i + 4) % vocab for i in range(prompt - prompt // 2)] + [1],
+                           max_tokens=steps))
         while engine.busy:
             engine.step()
-        engine.add(Request(first + [2], max_tokens=steps))  # alone at the idle engine: solo, its slots aside;
+        # alone at the idle engine: solo, its slots aside; newcomers then grow the batch into them
+        # (the solo row's copy, a scatter)
+        engine.add(Request(first + [2], max_tokens=steps))
         engine.step()
-        for k in range(2):  # newcomers then grow the batch into them (the solo row's copy, a scatter)
+        for k in range(2):
             engine.add(Request(first + [3 + k], max_tokens=steps))
         while engine.busy:
             engine.step()
@@ -155,9 +166,11 @@ def warmup(engine, prompt=16, steps=3):
         size = 2
         while size <= bucket(engine.max_batch):
             engine._layout()
-            slots = Slots(engine.model, engine.layout, size, needed_capacity(engine.model, [Request([0], 1)]))
+            slots = Slots(engine.model, engine.layout, size,
+                          needed_capacity(engine.model, [Request([0], 1)]))
             mx.eval(slots.step())
             size *= 2
     finally:
-        engine.prompt_cache, (engine.prefilled, engine.prefill_calls), engine.feed_wait = kept, counted, wait
+        engine.prompt_cache, (engine.prefilled, engine.prefill_calls), engine.feed_wait = (
+            kept, counted, wait)
         engine.periods.clear()

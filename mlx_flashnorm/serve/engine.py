@@ -5,8 +5,8 @@ sampling (temperature, top-p, min-p, top-k, seed, logits processors), stop token
 newcomer that arrives while rows decode, with at most `feed` prompt tokens past its cached prefix,
 takes a slot at once and is fed those tokens through the batch's decode steps, one a step,
 sampling nothing until its last: a prefill call would hold every running row for its length
-(13-50 ms, the time of 10-35 steps: bench/RESULTS.md, "Serving"), a fed token costs the step
-nothing it does not already pay. But a fed newcomer waits a step a token: where steps are slow
+(the time of many steps: bench/RESULTS.md, "Serving"), a fed token costs the step nothing it
+does not already pay. But a fed newcomer waits a step a token: where steps are slow
 (the CPU, where a step's time grows with its rows) `feed_wait` bounds that wait by the fastest
 recent step (bench/RESULTS.md, "Serving"). Other prompts are prefilled (mlx-lm's KVCache) in
 chunks of at most `prefill_step` tokens per engine step, between the others' decode steps, so a
@@ -16,7 +16,7 @@ each from the shortest of their cached prefixes). Once only its last token is le
 of the batch's static cache (slots.Slots: one buffer per layer, a slot per row, each row at
 its own position) and the compiled batched step decodes it with the others: one compiled call and
 one argmax for the greedy rows (sampled rows and logits processors add operations), the host's
-other work a few microseconds a row (bench/RESULTS.md, "Serving").
+other work small for each row (bench/RESULTS.md, "Serving").
 A prompt cache (prompt_cache.py) spares a newcomer the prefix an earlier request already read. So
 does a free slot: it keeps what its last row read, and a newcomer sharing a prefix with it takes it
 with no copy (fed the rest); the slots outlive an idle moment, and where a lone request at an idle
@@ -36,7 +36,8 @@ matvecs on the tensor cores: another summation order, so a greedy token may diff
 one-request token only where two tokens tie); elsewhere the plain composition of MLX operations; a
 bucket of one slot runs the one-request compiled step.
 
-The engine is synchronous (BatchEngine.step); batch_worker.BatchWorker runs one on its own thread for the server."""
+The engine is synchronous (BatchEngine.step); batch_worker.BatchWorker runs one on its own thread
+for the server."""
 import time
 from collections import deque
 from typing import List, NamedTuple
@@ -52,8 +53,10 @@ from .sequence import Event, Request
 from .slots import Slots, bucket, kv_layout, needed_capacity, one_row_cache, rows_of
 
 
-SHRINK_AFTER = 32  # steps the rows fit a smaller bucket before it is taken: a wave that ended shrank the batch to one
-# row and grew it to 32 again within 4 steps, copying every row's cache each time (bench/RESULTS.md, "Serving")
+# steps the rows fit a smaller bucket before it is taken: a wave that ended shrank the batch to one
+# row and grew it again within a few steps, copying every row's cache each time
+# (bench/RESULTS.md, "Serving")
+SHRINK_AFTER = 32
 
 
 class Filling(NamedTuple):
@@ -64,9 +67,10 @@ class Filling(NamedTuple):
 
 
 class Joining(NamedTuple):
-    """A request waiting for its slot: its row of kv ([(keys, values)] per layer, one row for each request
-    prefilled with it, in order; none: nothing cached) holds its first `length` positions, and its slot
-    feeds the tokens `feed` next (its last prompt token; every one past its cached prefix where fed)."""
+    """A request waiting for its slot: its row of kv ([(keys, values)] per layer, one row for each
+    request prefilled with it, in order; none: nothing cached) holds its first `length` positions,
+    and its slot feeds the tokens `feed` next (its last prompt token; every one past its cached
+    prefix where fed)."""
     request: Request
     kv: list
     length: int
@@ -91,8 +95,10 @@ class BatchEngine:
     grow it, few rows for more than SHRINK_AFTER steps shrink it (to a quarter, or one row: the
     one-request compiled step, `solo`), its larger slots set aside (spare) for the next wave."""
 
-    def __init__(self, model, max_batch=32, prefill_step=2048, prompt_cache=None, feed=32, feed_wait=None):
-        self.model, self.max_batch, self.prefill_step, self.feed = model, max_batch, prefill_step, feed
+    def __init__(self, model, max_batch=32, prefill_step=2048, prompt_cache=None, feed=32,
+                 feed_wait=None):
+        self.model, self.max_batch, self.prefill_step, self.feed = (
+            model, max_batch, prefill_step, feed)
         self.feed_wait, self.periods, self.read_at = feed_wait, deque(maxlen=64), None
         self.prompt_cache = prompt_cache
         self.waiting = deque()
@@ -132,11 +138,13 @@ class BatchEngine:
 
     def requests(self):
         """Every request added and not finished: waiting, under prefill or in the batch."""
-        return list(self.waiting) + [f.request for f in self.filling] + [j.request for j in self.joining] + self.rows
+        return (list(self.waiting) + [f.request for f in self.filling]
+                + [j.request for j in self.joining] + self.rows)
 
     def clear(self):
         """Drop every request (after a failed step)."""
-        self.waiting, self.filling, self.joining, self.slots, self.pending = deque(), [], [], None, None
+        self.waiting, self.filling, self.joining, self.slots, self.pending = (
+            deque(), [], [], None, None)
         self.spare = self.read_at = None
 
     def step(self):
@@ -147,7 +155,8 @@ class BatchEngine:
         calls = self.prefill_calls
         self._prefill()
         self._place()
-        live = self.slots.live() if self.slots is not None else []  # (the rows' host work is per row: once a step)
+        # (the rows' host work is per row: once a step)
+        live = self.slots.live() if self.slots is not None else []
         if self.pending is None and live:
             self.pending = queue_step(self.slots, live)
         if self.pending is None:
@@ -160,7 +169,8 @@ class BatchEngine:
         if self.read_at is not None and calls == self.prefill_calls:
             self.periods.append(now - self.read_at)
         self.read_at = now if self.pending is not None else None
-        if not left and not self.busy and self.slots is not None:  # idle: what the slots kept goes to the prompt cache
+        # idle: what the slots kept goes to the prompt cache
+        if not left and not self.busy and self.slots is not None:
             self.slots.store(self.prompt_cache)
         return events
 
@@ -179,26 +189,31 @@ class BatchEngine:
         decoding, fed = bool(self.rows), []
         self.idle = not decoding
         s = self.spare
-        if s is not None and self.waiting and len(self.rows) + len(self.waiting) > self.slots.size:  # growing:
+        # growing: into the slots set aside, with what they kept
+        if s is not None and self.waiting and len(self.rows) + len(self.waiting) > self.slots.size:
             s.store(self.prompt_cache)  # (rows cancelled as the lone one came left theirs in it)
-            if not self.rows or needed_capacity(self.model, self.rows) <= s.capacity:  # into the slots set aside,
+            if not self.rows or needed_capacity(self.model, self.rows) <= s.capacity:
                 self.slots.store(self.prompt_cache)
                 self._renumber(self.slots.moved(s))  # with what they kept
             self.spare = None
-        while self.waiting and len(self.rows) + len(self.filling) + len(self.joining) + len(fed) < self.max_batch:
+        while self.waiting and (len(self.rows) + len(self.filling) + len(self.joining) + len(fed)
+                                < self.max_batch):
             r = self.waiting.popleft()
             n, block, row = self.prompt_cache.find(r.tokens) if self.prompt_cache else (0, None, 0)
             reusable = self.slots is not None and self.prompt_cache is not None
             slot, kept = self.slots.reuse(r.tokens) if reusable else (None, 0)
             if slot is not None and self.feedable(len(r.tokens) - kept) and (kept >= n or decoding):
-                self._take(r, slot, kept)  # its prefix is in a free slot (or nearly, while rows decode:
-                continue  # feeding a few more tokens costs less than a copy)
-            if slot is not None and slot in self.slots.unstored and kept > n:  # its prefix, for the find
+                # its prefix is in a free slot (or nearly, while rows decode: feeding a few more
+                # tokens costs less than a copy)
+                self._take(r, slot, kept)
+                continue
+            # its prefix, for the find
+            if slot is not None and slot in self.slots.unstored and kept > n:
                 self.slots.store(self.prompt_cache)
                 n, block, row = self.prompt_cache.find(r.tokens)
             r.cached = n
-            if decoding and self.feedable(len(r.tokens) - n):  # fed through the decode steps: nobody waits for it
-                fed.append((r, block, row))
+            if decoding and self.feedable(len(r.tokens) - n):
+                fed.append((r, block, row))  # fed through the decode steps: nobody waits for it
             else:
                 cache = ([one_row_cache(k, v) for k, v in block.prefix(row, n)] if n
                          else [KVCache() for _ in self.model.layers])
@@ -221,11 +236,12 @@ class BatchEngine:
                 self._join(f)
 
     def _prefill_together(self):
-        """Newcomers not begun (nothing run past their cached prefix) whose prompts fit the step's budget,
-        prefilled in one model call: on a GPU a call costs its launches more than its tokens. Each starts
-        from the shortest cached prefix among them (the longer prefixes' extra tokens are computed again:
-        a few), its other tokens padded at their end to the longest, so causal attention keeps the
-        padding out of every real position. Returns the tokens the call took (padded)."""
+        """Newcomers not begun (nothing run past their cached prefix) whose prompts fit the step's
+        budget, prefilled in one model call: on a GPU a call costs its launches more than its
+        tokens. Each starts from the shortest cached prefix among them (the longer prefixes' extra
+        tokens are computed again: a few), its other tokens padded at their end to the longest, so
+        causal attention keeps the padding out of every real position. Returns the tokens the call
+        took (padded)."""
         group, longest, start = [], 0, None
         for f in self.filling:
             if self._begun(f) or not f.todo:
@@ -238,14 +254,16 @@ class BatchEngine:
             return 0
         cache = [KVCache() for _ in self.model.layers]
         if start:
-            # each distinct prefix copied once, then gathered into its members' rows (a copy a member
-            # and layer made a call of 31 take 115 ms, the model's 11-15: bench/RESULTS.md, "Serving")
+            # each distinct prefix copied once, then gathered into its members' rows (a copy a
+            # member and layer made the call take many times the model's own time:
+            # bench/RESULTS.md, "Serving")
             prefixes = [tuple(f.request.tokens[:start]) for f in group]
             distinct = list(dict.fromkeys(prefixes))
             held = [group[prefixes.index(p)] for p in distinct]
             row = mx.array([distinct.index(p) for p in prefixes])
             for layer, c in enumerate(cache):
-                c.keys, c.values = (mx.concatenate([getattr(f.cache[layer], a)[..., :start, :] for f in held])[row]
+                c.keys, c.values = (mx.concatenate([getattr(f.cache[layer], a)[..., :start, :]
+                                                    for f in held])[row]
                                     for a in ("keys", "values"))
                 c.offset = start
         todo = [f.request.tokens[start:-1] for f in group]
@@ -262,7 +280,8 @@ class BatchEngine:
             common = min(common_prefix(first, f.request.tokens[:-1]) for f in group[1:])
             if common > start:
                 self.prompt_cache.store(first[:common],
-                                        [(k[:1, :, :common, :], v[:1, :, :common, :]) for k, v in kv])
+                                        [(k[:1, :, :common, :], v[:1, :, :common, :])
+                                         for k, v in kv])
         self.prefill_calls += 1
         return longest * len(group)
 
@@ -272,10 +291,10 @@ class BatchEngine:
         return f.cache[0].keys is not None and f.cache[0].offset > f.request.cached
 
     def _feed(self, fed):
-        """Newcomers [(request, prompt_cache.Block or None, its row)] to be fed their prompts past their
-        cached prefixes: those with a prefix join as one group, their rows of each block gathered at once
-        (a copy a row and layer, 120 operations for SmolLM2, cost a step of 17 newcomers 26 ms of host
-        time on an H100: bench/RESULTS.md, "Serving")."""
+        """Newcomers [(request, prompt_cache.Block or None, its row)] to be fed their prompts past
+        their cached prefixes: those with a prefix join as one group, their rows of each block
+        gathered at once (a copy a row and layer cost a step of many newcomers much host time:
+        bench/RESULTS.md, "Serving")."""
         groups = {}  # Block -> [(request, its row there)]
         for r, block, row in fed:
             self.prefilled += len(r.tokens) - r.cached
@@ -287,15 +306,17 @@ class BatchEngine:
             return
         width = max(r.cached for g in groups.values() for r, _ in g)
         index = [(block, mx.array([row for _, row in g])) for block, g in groups.items()]
-        kv = [tuple(mx.concatenate([rows_of(block.kv[layer][i], rows, width) for block, rows in index]) for i in (0, 1))
+        kv = [tuple(mx.concatenate([rows_of(block.kv[layer][i], rows, width)
+                                    for block, rows in index]) for i in (0, 1))
               for layer in range(len(self.model.layers))]
         for g in groups.values():  # in the order of kv's rows
             for r, _ in g:
                 self.joining.append(Joining(r, kv, r.cached, r.tokens[r.cached:]))
 
     def _take(self, r, slot, n):
-        """A newcomer joins at once in a free slot still holding its first n prompt tokens, fed the rest
-        (a step of 17 newcomers' copies cost 26 ms of host time on an H100: bench/RESULTS.md, "Serving")."""
+        """A newcomer joins at once in a free slot still holding its first n prompt tokens, fed the
+        rest (a step's copies for many newcomers cost much host time: bench/RESULTS.md,
+        "Serving")."""
         if slot in self.slots.unstored:  # what it kept past n is written over from the next step
             self.slots.store(self.prompt_cache)
         r.cached, r.slot = n, slot
@@ -308,7 +329,8 @@ class BatchEngine:
         """A prefilled request waits for a slot; its last prompt token runs in its first step."""
         self.filling.remove(f)
         r = f.request
-        kv = [(c.keys[..., :c.offset, :], c.values[..., :c.offset, :]) for c in f.cache if c.keys is not None]
+        kv = [(c.keys[..., :c.offset, :], c.values[..., :c.offset, :]) for c in f.cache
+              if c.keys is not None]
         if self.prompt_cache is not None and r.cached < len(r.tokens) - 1:
             self.prompt_cache.store(r.tokens[:-1], kv)
         self.joining.append(Joining(r, kv, len(r.tokens) - 1, r.tokens[-1:]))
@@ -333,30 +355,37 @@ class BatchEngine:
             return
         size, capacity = bucket(len(rows)), needed_capacity(self.model, rows)
         s = self.slots
-        small = s is not None and size < s.size and (size == 1 and forms.compiled_decode() or 4 * size <= s.size)
+        small = s is not None and size < s.size and (size == 1 and forms.compiled_decode()
+                                                     or 4 * size <= s.size)
         self.small = self.small + 1 if small else 0
         if s is None or not running and (size > s.size or capacity > s.capacity):
             if s is not None:
                 s.store(self.prompt_cache)
             self.slots = Slots(self.model, self._layout(), size, capacity)
-        elif self.idle and small and size == 1:  # a lone newcomer to an idle engine runs solo at once;
-            self.spare = s  # the slots wait aside for the next wave, with what they kept
+        elif self.idle and small and size == 1:
+            # a lone newcomer to an idle engine runs solo at once; the slots wait aside for the
+            # next wave, with what they kept
+            self.spare = s
             self._renumber(s.resized(size, capacity))
             s.vacate()
         elif size > s.size or capacity > s.capacity or self.small > SHRINK_AFTER:
             s.store(self.prompt_cache)  # (free slots' contents are not carried)
             self._renumber(s.resized(size, capacity))
-            if size < s.size and self.spare is None:  # (a wave of 24 prefilled into 8 slots grown to 32: 40 ms
-                self.spare = s  # a first step against 5 where they waited aside: bench/RESULTS.md, "Serving")
+            if size < s.size and self.spare is None:
+                # (a wave prefilled into few slots grown again took a far longer first step than one
+                # whose slots waited aside: bench/RESULTS.md, "Serving")
+                self.spare = s
                 s.vacate(ran=True)
-        if set(self.slots.free()[:len(self.joining)]) & set(self.slots.unstored):  # the slots insert takes
+        # the slots insert takes
+        if set(self.slots.free()[:len(self.joining)]) & set(self.slots.unstored):
             self.slots.store(self.prompt_cache)
-        groups = {}  # those prefilled together (one kv, whole: they joined in this step), inserted together
+        # those prefilled together (one kv, whole: they joined in this step), inserted together
+        groups = {}
         for j in self.joining:
             groups.setdefault(id(j.kv), []).append(j)
         for group in groups.values():
-            slots = self.slots.insert([j.request for j in group], group[0].kv, [j.feed for j in group],
-                                      [j.length for j in group])
+            slots = self.slots.insert([j.request for j in group], group[0].kv,
+                                      [j.feed for j in group], [j.length for j in group])
             for j, slot in zip(group, slots):
                 j.request.slot = slot
                 if j.request.logits_processors:
@@ -372,7 +401,8 @@ class BatchEngine:
                 continue
             r.next = t = tokens[i]
             r.generated.append(t)
-            finish = "stop" if t in r.stop_tokens else ("length" if len(r.generated) >= r.max_tokens else None)
+            finish = "stop" if t in r.stop_tokens else ("length" if len(r.generated) >= r.max_tokens
+                                                        else None)
             events.append(Event(r, t, logprobs, i, finish))
             if finish:
                 leaving.append(r)
@@ -381,11 +411,13 @@ class BatchEngine:
 
     def _release(self, rows):
         """Take rows out of the batch. Each one's slot keeps what it read, for a newcomer to reuse;
-        the prompt cache stores it later (Slots.store), when the slot is taken or dropped or the engine
-        idles: a store is a gather a layer, about 2.5 ms of host work a step on an H200, which the
-        rows finishing one or two a step at a batch's end each paid (bench/RESULTS.md, "Serving")."""
-        for r in rows:  # the last token sampled was never fed; a row that left while fed: what it read
-            read = (r.tokens + r.generated)[:-1][:self.slots.pos[r.slot]] if self.prompt_cache is not None else ()
+        the prompt cache stores it later (Slots.store), when the slot is taken or dropped or the
+        engine idles: a store is a gather a layer, host work a step which the rows finishing one or
+        two a step at a batch's end each paid (bench/RESULTS.md, "Serving")."""
+        # the last token sampled was never fed; a row that left while fed: what it read
+        for r in rows:
+            read = ((r.tokens + r.generated)[:-1][:self.slots.pos[r.slot]]
+                    if self.prompt_cache is not None else ())
             self.slots.release(r.slot, read)
             if read:
                 self.slots.unstored[r.slot] = read

@@ -2,13 +2,14 @@
 
 The server answers each client on a thread of its own (its streamed events on streaming's). With
 the engine on a thread of the same process, those threads and the engine's shared one interpreter
-lock: at 32 streaming clients on an H100 a token took 4.3 ms through the server, against 2.7 ms
-for the same requests fed to the engine alone; with this process, 2.8-3.5 ms (bench/RESULTS.md,
+lock: with many streaming clients a token took far longer through the server than for the same
+requests fed to the engine alone, and with this process close to that (bench/RESULTS.md,
 "Serving"). Here a child process
-(a new interpreter, `python -m mlx_flashnorm.engine_process`: MLX's device state does not survive a
-fork) loads the model from the server's own flags and runs a batch_worker.BatchWorker; the server
+(a new interpreter, `python -m mlx_flashnorm.engine_process`: MLX's device state does not survive
+a fork) loads the model from the server's own flags and runs a batch_worker.BatchWorker; the server
 process keeps only the tokenizer, which the child sends over once it has loaded. Requests and
-cancellations go to the child over a socket pair, and each engine step's tokens come back as one message.
+cancellations go to the child over a socket pair, and each engine step's tokens come back as one
+message.
 
 EngineProcess has the worker interface (requests.py: slots, submit(generation) -> Ticket, close()),
 plus the model's context_length and vocab_size, which the server checks requests against. If the
@@ -46,12 +47,14 @@ class EngineProcess:
             self.conn.send((args, warm, max_batch, prompt_cache_bytes, prefill_step))
             reply = self.conn.recv()
         except (EOFError, OSError):
-            raise UserError(f"the engine process exited while loading the model (status {self.process.wait()})")
+            raise UserError("the engine process exited while loading the model "
+                            f"(status {self.process.wait()})")
         if reply[0] == "failed":
             self.process.wait()
             raise reply[1]
         _, self.tokenizer, self.context_length, self.vocab_size = reply
-        self.tickets, self.keys, self.lock, self.gone = {}, itertools.count(), threading.Lock(), None
+        self.tickets, self.keys, self.lock, self.gone = (
+            {}, itertools.count(), threading.Lock(), None)
         threading.Thread(target=self._receive, daemon=True).start()
 
     def submit(self, generation):
@@ -145,13 +148,14 @@ class PipedWorker(BatchWorker):
 
     def deliver(self, events):
         """As BatchWorker's, a token without log-probabilities as the tuple (id, finish_reason):
-        pickled in a tenth of a Token's time, both ways, and made without one (a Token a row
-        and step cost the step's host work)."""
+        pickled in a fraction of a Token's time, both ways, and made without one (a Token a row
+        and step cost the step's host work: bench/RESULTS.md, "Host work of the batched step")."""
         out = self.outbox
         for e in events:
             ticket = e.request.ticket
             top = ticket.generation.top_logprobs
-            out.append((ticket.key, (e.token, e.finish_reason) if top is None else token_of(e, top)))
+            out.append((ticket.key, (e.token, e.finish_reason) if top is None
+                        else token_of(e, top)))
             if e.finish_reason:
                 out.append((ticket.key, None))
                 self.tickets.pop(ticket.key, None)
@@ -164,14 +168,15 @@ class PipedWorker(BatchWorker):
 
 def serve_engine(conn):
     """The child: take (flags, warm, max_batch, prompt_cache_bytes, prefill_step), load, reply
-    ("ready", tokenizer, context length, vocab size) or ("failed", exception), then take ("add", key,
-    generation), ("cancel", key) and ("close",) until the server closes or goes. Ctrl-C is the
+    ("ready", tokenizer, context length, vocab size) or ("failed", exception), then take ("add",
+    key, generation), ("cancel", key) and ("close",) until the server closes or goes. Ctrl-C is the
     server's to take: it closes the child."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         args, warm, max_batch, prompt_cache_bytes, prefill_step = conn.recv()
         model, tokenizer = load_from_args(args, warm=False)
-        worker = PipedWorker(conn, model, tokenizer, warm, max_batch, prompt_cache_bytes, prefill_step)
+        worker = PipedWorker(conn, model, tokenizer, warm, max_batch, prompt_cache_bytes,
+                             prefill_step)
     except BaseException as e:
         return conn.send(("failed", e))
     try:

@@ -24,7 +24,8 @@ from .streaming import Stream, Streamer, event
 
 RETRY_AFTER = 1  # seconds, in a 503's Retry-After
 MAX_BODY = 2**20  # bytes: a prompt filling a 128k-token context is about 0.5 MB of JSON
-DRAIN_PAUSE = 0.2  # seconds: a body of unknown length has ended when none of it comes for this long
+# seconds: a body of unknown length has ended when none of it comes for this long
+DRAIN_PAUSE = 0.2
 
 
 class ClientGone(Exception):
@@ -45,7 +46,8 @@ class Reaper:
     a thread: the handler's read then ends, and it answers 408 (handler.late is set)."""
 
     def __init__(self, seconds):
-        self.seconds, self.lock, self.deadlines, self.stopped = seconds, threading.Lock(), {}, threading.Event()
+        self.seconds, self.lock, self.deadlines, self.stopped = (seconds, threading.Lock(), {},
+                                                                 threading.Event())
         threading.Thread(target=self._run, daemon=True).start()
 
     def watch(self, handler):
@@ -74,7 +76,8 @@ class Reaper:
 
 class Server(ThreadingHTTPServer):
     daemon_threads = True
-    request_queue_size = 1024  # the listen backlog (socketserver's is 5): a burst of connections waits
+    # the listen backlog (socketserver's is 5): a burst of connections waits
+    request_queue_size = 1024
 
     def __init__(self, worker, tokenizer, model_id, host="127.0.0.1", port=8080, max_tokens=256,
                  temp=0.0, top_p=1.0, top_k=0, *, api_key=None, cors_origins=(), max_queue=64,
@@ -84,7 +87,8 @@ class Server(ThreadingHTTPServer):
         max_tokens, temp, top_p, top_k: the defaults of requests that leave them out.
         api_key: requests must send it as a Bearer token; cors_origins: the web origins whose pages
         may call the server ("*": any); max_queue: requests waiting beyond the worker's slots;
-        max_body: bytes; timeout: seconds for a request to arrive, and for any one socket operation."""
+        max_body: bytes; timeout: seconds for a request to arrive, and for any one socket
+        operation."""
         self.worker = worker
         super().__init__((host, port), Handler)
         self.tokenizer, self.model_id = tokenizer, model_id
@@ -101,11 +105,13 @@ class Server(ThreadingHTTPServer):
         return parse_call(body, chat, self.tokenizer, *self.limits, self.defaults)
 
     def admit(self, generation):
-        """The worker's Ticket for generation, or a 503 when the worker's slots and the queue are full."""
+        """The worker's Ticket for generation, or a 503 when the worker's slots and the queue are
+        full."""
         with self.lock:
             if self.active >= self.worker.slots + self.max_queue:
-                raise HTTPError(503, f"the server is busy ({self.active} requests taken, --max-queue "
-                                     f"{self.max_queue}): retry later", headers={"Retry-After": str(RETRY_AFTER)})
+                raise HTTPError(503, f"the server is busy ({self.active} requests taken, "
+                                     f"--max-queue {self.max_queue}): retry later",
+                                headers={"Retry-After": str(RETRY_AFTER)})
             self.active += 1
         return self.worker.submit(generation)
 
@@ -114,7 +120,8 @@ class Server(ThreadingHTTPServer):
             self.active -= 1
 
     def health(self):
-        return {"status": "ok", "requests": self.active, "slots": self.worker.slots, "max_queue": self.max_queue}
+        return {"status": "ok", "requests": self.active, "slots": self.worker.slots,
+                "max_queue": self.max_queue}
 
     def server_close(self):
         super().server_close()
@@ -179,7 +186,8 @@ class Handler(BaseHTTPRequestHandler):
             pass  # the client is gone
 
     def send_error(self, code, message=None, explain=None):
-        """http.server's own errors (a malformed request line or header, an unknown method) in JSON."""
+        """http.server's own errors (a malformed request line or header, an unknown method) in
+        JSON."""
         self.close_connection = True
         self.fail(HTTPError(code, message or HTTPStatus(code).phrase))
 
@@ -189,16 +197,17 @@ class Handler(BaseHTTPRequestHandler):
         if origin is None:
             return
         if "*" not in self.server.cors_origins and origin not in self.server.cors_origins:
-            raise HTTPError(403, f"requests from web pages of {origin} are refused: start the server with "
-                                 f"--cors-origin {origin} to allow them")
+            raise HTTPError(403, f"requests from web pages of {origin} are refused: start the "
+                                 f"server with --cors-origin {origin} to allow them")
         self.allowed_origin = origin
 
     def check_key(self):
         key = self.server.api_key
-        if key is not None and not hmac.compare_digest(self.headers.get("Authorization", "").encode(),
-                                                       f"Bearer {key}".encode()):
+        if key is not None and not hmac.compare_digest(
+                self.headers.get("Authorization", "").encode(), f"Bearer {key}".encode()):
             raise HTTPError(401, "this server needs its API key (--api-key) in the header "
-                                 "'Authorization: Bearer <key>'", headers={"WWW-Authenticate": "Bearer"})
+                                 "'Authorization: Bearer <key>'",
+                            headers={"WWW-Authenticate": "Bearer"})
 
     def do_OPTIONS(self):
         try:
@@ -232,16 +241,18 @@ class Handler(BaseHTTPRequestHandler):
     def read_body(self):
         """The body's bytes: Content-Length of them, at most --max-body, arrived in time."""
         if "Transfer-Encoding" in self.headers:
-            raise BodyRefused(411, "send the body with a Content-Length (chunked transfer encoding is not supported)")
+            raise BodyRefused(411, "send the body with a Content-Length (chunked transfer encoding "
+                                   "is not supported)")
         lengths = [v.strip() for v in self.headers.get_all("Content-Length", [])]
         if not lengths:
             raise BodyRefused(411, "a POST needs a Content-Length header")
         if len(set(lengths)) != 1 or not (lengths[0].isascii() and lengths[0].isdigit()):
-            raise BodyRefused(400, f"Content-Length must be one whole number of bytes, not {', '.join(lengths)!r}")
+            raise BodyRefused(400, "Content-Length must be one whole number of bytes, "
+                                   f"not {', '.join(lengths)!r}")
         n = int(lengths[0])
         if n > self.server.max_body:
-            raise BodyRefused(413, f"the body has {n} bytes, this server takes at most {self.server.max_body} "
-                                   "(--max-body)", unread=n)
+            raise BodyRefused(413, f"the body has {n} bytes, this server takes at most "
+                                   f"{self.server.max_body} (--max-body)", unread=n)
         try:
             body = self.rfile.read(n)
         except TimeoutError:
@@ -275,8 +286,10 @@ class Handler(BaseHTTPRequestHandler):
                 raise HTTPError(404, f"no such endpoint: POST {self.path}")
             self.check_origin()
             self.check_key()
-            if self.headers.get("Content-Type", "").split(";")[0].strip().lower() != "application/json":
-                raise HTTPError(415, "send the body as JSON, with the header 'Content-Type: application/json'")
+            if (self.headers.get("Content-Type", "").split(";")[0].strip().lower()
+                    != "application/json"):
+                raise HTTPError(415, "send the body as JSON, with the header "
+                                     "'Content-Type: application/json'")
             call = self.server.call(parse_json(body), chat)
             ticket = self.server.admit(call.generation)
         except HTTPError as e:
@@ -285,8 +298,9 @@ class Handler(BaseHTTPRequestHandler):
         try:
             transcript = Transcript(self.server.tokenizer, call)
             answer = Answer(call, self.server.tokenizer, self.server.model_id)
-            (self.stream if call.stream else self.whole)(Stream(self.connection, self.client_gone, ticket,
-                                                                 transcript, answer, whole=not call.stream))
+            (self.stream if call.stream else self.whole)(Stream(self.connection, self.client_gone,
+                                                                 ticket, transcript, answer,
+                                                                 whole=not call.stream))
         except ClientGone:
             pass
         finally:

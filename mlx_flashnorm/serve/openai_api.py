@@ -1,7 +1,7 @@
 """The OpenAI forms of the server's requests and answers: a request body checked and turned into a
-Call (a requests.Generation and what the answer needs), every field range-checked before the request
-is queued; and the tokens that come back turned into the client's text, cut at stop strings, with
-their log-probabilities in the chat or the completions shape (Transcript)."""
+Call (a requests.Generation and what the answer needs), every field range-checked before the
+request is queued; and the tokens that come back turned into the client's text, cut at stop
+strings, with their log-probabilities in the chat or the completions shape (Transcript)."""
 import json
 import math
 import time
@@ -15,7 +15,8 @@ from .requests import Generation
 
 MAX_LOGPROBS = 20  # top_logprobs (chat) and logprobs (completions) at most
 MAX_STOPS = 16
-UNSURE = -9999.0  # the log-probability written for -inf (JSON has no infinities; OpenAI writes this)
+# the log-probability written for -inf (JSON has no infinities; OpenAI writes this)
+UNSURE = -9999.0
 DECODE_CONTEXT = 4  # prompt tokens decoded before the first generated one (its leading space)
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
@@ -48,15 +49,16 @@ def field(body, name, types, default=None, ok=lambda v: True, need=""):
     value, types = body.get(name), types if isinstance(types, tuple) else (types,)
     if value is None:
         return default
-    if not isinstance(value, types) or isinstance(value, bool) and bool not in types or not ok(value):
+    if (not isinstance(value, types) or isinstance(value, bool) and bool not in types
+            or not ok(value)):
         raise bad(f"'{name}' must be {need}", name)
     return value
 
 
 def number(body, name, default, ok, need):
     """A finite number (an integer of any size is one) that passes ok."""
-    return field(body, name, (int, float), default, lambda v: (isinstance(v, int) or math.isfinite(v)) and ok(v),
-                 need)
+    return field(body, name, (int, float), default,
+                 lambda v: (isinstance(v, int) or math.isfinite(v)) and ok(v), need)
 
 
 def parse_json(raw):
@@ -93,9 +95,12 @@ def chat_tokens(body, tokenizer):
         raise bad("'messages' must be a non-empty list of messages", "messages")
     if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
         raise bad("each message must be an object with a 'role' string", "messages")
-    if extra := sorted(k for m in messages for k in m if k not in ("role", "content") and m[k] is not None):
-        raise bad(f"a message's '{extra[0]}' is not supported (only 'role' and 'content')", "messages")
-    messages = [{"role": m["role"], "content": message_text(m.get("content", ""))} for m in messages]
+    if extra := sorted(k for m in messages for k in m
+                       if k not in ("role", "content") and m[k] is not None):
+        raise bad(f"a message's '{extra[0]}' is not supported (only 'role' and 'content')",
+                  "messages")
+    messages = [{"role": m["role"], "content": message_text(m.get("content", ""))}
+                for m in messages]
     if not tokenizer.has_chat_template:
         raise bad("this model has no chat template: use /v1/completions")
     try:
@@ -120,8 +125,9 @@ def logit_bias(body, vocab):
     bias = field(body, "logit_bias", dict, None, need="an object of token ids and numbers")
     if not bias:
         return None
-    if not all(k.isascii() and k.isdigit() and len(k) < 12 and int(k) < vocab and isinstance(v, (int, float))
-               and not isinstance(v, bool) and -100 <= v <= 100 for k, v in bias.items()):
+    if not all(k.isascii() and k.isdigit() and len(k) < 12 and int(k) < vocab
+               and isinstance(v, (int, float)) and not isinstance(v, bool) and -100 <= v <= 100
+               for k, v in bias.items()):
         raise bad(f"'logit_bias' must map token ids (below {vocab}) to numbers from -100 to 100",
                   "logit_bias")
     return {int(k): float(v) for k, v in bias.items()}
@@ -135,7 +141,8 @@ class Call:
     stream: bool = False
     include_usage: bool = False
     stop: list = dataclass_field(default_factory=list)
-    text_offset: int = 0  # completions' log-probabilities: where the completion starts in prompt + it
+    # completions' log-probabilities: where the completion starts in prompt + it
+    text_offset: int = 0
 
 
 def parse_call(body, chat, tokenizer, context, vocab, defaults):
@@ -145,7 +152,8 @@ def parse_call(body, chat, tokenizer, context, vocab, defaults):
         raise bad(f"'{unknown[0]}' is not supported by this server", unknown[0])
     field(body, "model", str, need="a string")
     field(body, "user", str, need="a string")
-    field(body, "n", int, 1, lambda v: v == 1, "1: one choice per request (send n requests instead)")
+    field(body, "n", int, 1, lambda v: v == 1,
+          "1: one choice per request (send n requests instead)")
     field(body, "echo", bool, False, lambda v: not v, "false: echoing the prompt is not supported")
     if chat:
         tokens, offset = chat_tokens(body, tokenizer), 0
@@ -156,7 +164,8 @@ def parse_call(body, chat, tokenizer, context, vocab, defaults):
     if len(tokens) >= context:
         raise bad(f"the prompt has {len(tokens)} tokens, the model's context is {context}", where)
     room = context - len(tokens)
-    name = "max_tokens" if body.get("max_tokens") is not None or not chat else "max_completion_tokens"
+    name = ("max_tokens" if body.get("max_tokens") is not None or not chat
+            else "max_completion_tokens")
     max_tokens = field(body, name, int, None, lambda v: v >= 1, "a positive integer")
     if max_tokens is None:
         max_tokens = min(defaults["max_tokens"], room)
@@ -173,19 +182,28 @@ def parse_call(body, chat, tokenizer, context, vocab, defaults):
     else:
         top = field(body, "logprobs", int, None, lambda v: 0 <= v <= MAX_LOGPROBS,
                     f"an integer from 0 to {MAX_LOGPROBS}")
-    stop = field(body, "stop", (str, list), [], lambda v: v if isinstance(v, str) else len(v) <= MAX_STOPS and all(
-        isinstance(s, str) and s for s in v), f"a non-empty string or a list of at most {MAX_STOPS} of them")
+    stop = field(body, "stop", (str, list), [],
+                 lambda v: v if isinstance(v, str)
+                 else len(v) <= MAX_STOPS and all(isinstance(s, str) and s for s in v),
+                 f"a non-empty string or a list of at most {MAX_STOPS} of them")
     options = field(body, "stream_options", dict, {}, need="an object")
     generation = Generation(
         tokens, max_tokens,
-        seed=field(body, "seed", int, None, lambda v: 0 <= v <= MAX_SEED, f"an integer from 0 to {MAX_SEED}"),
-        temp=number(body, "temperature", defaults["temp"], lambda v: 0 <= v <= 2, "a number from 0 to 2"),
-        top_p=number(body, "top_p", defaults["top_p"], lambda v: 0 < v <= 1, "a number above 0 and at most 1"),
-        top_k=field(body, "top_k", int, defaults["top_k"], lambda v: v >= 0, "an integer >= 0 (0 is off)"),
+        seed=field(body, "seed", int, None, lambda v: 0 <= v <= MAX_SEED,
+                   f"an integer from 0 to {MAX_SEED}"),
+        temp=number(body, "temperature", defaults["temp"], lambda v: 0 <= v <= 2,
+                    "a number from 0 to 2"),
+        top_p=number(body, "top_p", defaults["top_p"], lambda v: 0 < v <= 1,
+                     "a number above 0 and at most 1"),
+        top_k=field(body, "top_k", int, defaults["top_k"], lambda v: v >= 0,
+                    "an integer >= 0 (0 is off)"),
         min_p=number(body, "min_p", 0.0, lambda v: 0 <= v <= 1, "a number from 0 to 1 (0 is off)"),
-        repetition_penalty=number(body, "repetition_penalty", None, lambda v: v > 0, "a number above 0"),
-        presence_penalty=number(body, "presence_penalty", None, lambda v: -2 <= v <= 2, "a number from -2 to 2"),
-        frequency_penalty=number(body, "frequency_penalty", None, lambda v: -2 <= v <= 2, "a number from -2 to 2"),
+        repetition_penalty=number(body, "repetition_penalty", None, lambda v: v > 0,
+                                  "a number above 0"),
+        presence_penalty=number(body, "presence_penalty", None, lambda v: -2 <= v <= 2,
+                                "a number from -2 to 2"),
+        frequency_penalty=number(body, "frequency_penalty", None, lambda v: -2 <= v <= 2,
+                                 "a number from -2 to 2"),
         logit_bias=logit_bias(body, vocab), top_logprobs=top)
     return Call(chat, generation, stream=field(body, "stream", bool, False, need="true or false"),
                 include_usage=field(options, "include_usage", bool, False, need="true or false"),
@@ -198,8 +216,8 @@ def decode(tokenizer, ids):
 
 def held_back(text, stops):
     """How many characters at the end of text might begin a stop string (not to be sent yet)."""
-    return max((k for s in stops for k in range(1, min(len(s), len(text) + 1)) if text.endswith(s[:k])),
-               default=0)
+    return max((k for s in stops for k in range(1, min(len(s), len(text) + 1))
+                if text.endswith(s[:k])), default=0)
 
 
 @dataclass
@@ -244,13 +262,14 @@ class Transcript:
 
     def flush(self, after=None):
         """The text of the tokens held so far; they count as decoded from now on."""
-        before, after = self.decoded(), decode(self.tokenizer, self.window[self.begin:]) if after is None else after
+        before, after = self.decoded(), (decode(self.tokenizer, self.window[self.begin:])
+                                         if after is None else after)
         self.begin, self.seen, self.counted = self.seen, len(self.window), None
         return after[len(before):]
 
     def add(self, token):
-        """(piece, finish_reason, entries) for the client on one requests.Token: finish_reason is None
-        until the end, "stop" (an end-of-sequence token or a stop string) or "length"."""
+        """(piece, finish_reason, entries) for the client on one requests.Token: finish_reason is
+        None until the end, "stop" (an end-of-sequence token or a stop string) or "length"."""
         finish = token.finish_reason
         if finish == "stop":  # an end-of-sequence token: neither text nor counted
             self.text += self.flush()
@@ -259,7 +278,8 @@ class Transcript:
             start = len(self.text)
             self.text += self.decode_next(token.id, last=finish is not None)
             self.pending.append(Entry(token, start))
-        cuts = [i for i in (self.text.find(s, max(0, self.sent - self.longest)) for s in self.stops) if i >= 0]
+        cuts = [i for i in (self.text.find(s, max(0, self.sent - self.longest)) for s in self.stops)
+                if i >= 0]
         if cuts:
             self.text, finish = self.text[:min(cuts)], "stop"
             self.pending = [e for e in self.pending if e.start < len(self.text)]
@@ -284,14 +304,16 @@ def chat_logprobs(tokenizer, entries):
         return {"token": text, "logprob": finite(lp), "bytes": list(text.encode())}
 
     return {"content": [dict(item(e.token.id, e.token.logprob),
-                             top_logprobs=[item(i, lp) for i, lp in e.token.top_logprobs]) for e in entries],
+                             top_logprobs=[item(i, lp) for i, lp in e.token.top_logprobs])
+                        for e in entries],
             "refusal": None}
 
 
 def completion_logprobs(tokenizer, entries, offset):
     return {"tokens": [token_text(tokenizer, e.token.id) for e in entries],
             "token_logprobs": [finite(e.token.logprob) for e in entries],
-            "top_logprobs": [{token_text(tokenizer, i): finite(lp) for i, lp in e.token.top_logprobs}
+            "top_logprobs": [{token_text(tokenizer, i): finite(lp)
+                              for i, lp in e.token.top_logprobs}
                              for e in entries],
             "text_offset": [offset + e.start for e in entries]}
 
@@ -315,16 +337,19 @@ class Answer:
 
     def usage(self, tokens):
         prompt = len(self.call.generation.tokens)
-        return {"prompt_tokens": prompt, "completion_tokens": tokens, "total_tokens": prompt + tokens}
+        return {"prompt_tokens": prompt, "completion_tokens": tokens,
+                "total_tokens": prompt + tokens}
 
     def whole(self, text, finish, entries, tokens):
         choice = {"index": 0, "finish_reason": finish, "logprobs": self.logprobs(entries)}
-        choice.update({"message": {"role": "assistant", "content": text}} if self.call.chat else {"text": text})
+        choice.update({"message": {"role": "assistant", "content": text}} if self.call.chat
+                      else {"text": text})
         return dict(self.head, choices=[choice], usage=self.usage(tokens))
 
     def chunk(self, text, finish, entries, role=None):
         if not self.call.chat:
-            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": self.logprobs(entries)}
+            choice = {"index": 0, "text": text, "finish_reason": finish,
+                      "logprobs": self.logprobs(entries)}
             return dict(self.head, choices=[choice])
         delta = {"role": role, "content": text} if role else ({"content": text} if text else {})
         choice = {"index": 0, "delta": delta, "finish_reason": finish,
@@ -332,5 +357,6 @@ class Answer:
         return dict(self.head, object="chat.completion.chunk", choices=[choice])
 
     def usage_chunk(self, tokens):
-        return dict(self.head, object="chat.completion.chunk" if self.call.chat else "text_completion",
+        return dict(self.head,
+                    object="chat.completion.chunk" if self.call.chat else "text_completion",
                     choices=[], usage=self.usage(tokens))

@@ -56,7 +56,8 @@ class PromptCache:
         self.max_bytes = max_bytes
         self.entries = OrderedDict()  # token ids -> (its Block, its row there), least recent first
         self.table = None  # (keys, their token ids as rows, their lengths): _shared
-        self.ids = {}  # token ids -> the same as an int array (the table's rows, made once an entry)
+        # token ids -> the same as an int array (the table's rows, made once an entry)
+        self.ids = {}
         self.nbytes = 0
 
     def __len__(self):
@@ -88,7 +89,8 @@ class PromptCache:
         that a lookup among hundreds of entries is a few array operations, not a loop over them."""
         if self.table is None:
             keys = list(self.ids)  # (not hashed again: a key of hundreds of ids costs as many)
-            self.table = keys, token_rows(list(self.ids.values())), np.array([len(key) for key in keys])
+            self.table = (keys, token_rows(list(self.ids.values())),
+                          np.array([len(key) for key in keys]))
         return shared_prefixes(self.table[1], tokens)
 
     def store(self, tokens, kv):
@@ -96,7 +98,8 @@ class PromptCache:
         entry whose tokens begin this one is superseded and dropped; if a kept entry already begins
         with these tokens, nothing changes but its recency."""
         if kv and kv[0][0].shape[2] != len(tokens):
-            raise ValueError(f"a KV state of {kv[0][0].shape[2]} positions stored for {len(tokens)} tokens")
+            raise ValueError(f"a KV state of {kv[0][0].shape[2]} positions stored for "
+                             f"{len(tokens)} tokens")
         self.store_rows([tokens], kv, [0])
 
     def store_rows(self, seqs, kv, rows):
@@ -114,14 +117,17 @@ class PromptCache:
                 continue
             if self.entries:
                 shared, (keys, _, lengths) = self._shared(key), self.table
-                if (longer := np.flatnonzero(shared == len(key))).size:  # an entry begins with these tokens
+                # an entry begins with these tokens
+                if (longer := np.flatnonzero(shared == len(key))).size:
                     self.entries.move_to_end(keys[longer[0]])
                     continue
                 for i in np.flatnonzero(shared == lengths):  # these tokens begin with it
                     self._drop(keys[i])
             kept[key] = row
-        per = sum(k.shape[1] * k.shape[3] * k.dtype.size + v.shape[1] * v.shape[3] * v.dtype.size for k, v in kv)
-        while kept and len(kept) * max(map(len, kept)) * per > self.max_bytes:  # the latest that fit
+        per = sum(k.shape[1] * k.shape[3] * k.dtype.size + v.shape[1] * v.shape[3] * v.dtype.size
+                  for k, v in kv)
+        # the latest that fit
+        while kept and len(kept) * max(map(len, kept)) * per > self.max_bytes:
             del kept[next(iter(kept))]
         if not kept:
             return
@@ -130,8 +136,10 @@ class PromptCache:
         size = len(kept) * n * per  # the block's bytes
         mx.async_eval(block)  # the copies queued, not waited for: the batch's queued step runs on
         shares = Block(block, size, len(kept))
-        for j, key in enumerate(kept):  # an entry is its block's row j, cut to length by fetch, not a view
-            self.entries[key] = (shares, j)  # a layer made here: 1,920 arrays for 32 rows of 30 layers
+        # an entry is its block's row j, cut to length by fetch, not a view a layer made here:
+        # 1,920 arrays for 32 rows of 30 layers
+        for j, key in enumerate(kept):
+            self.entries[key] = (shares, j)
             self.ids[key] = np.array(key, np.int64)
         self.table = None
         self.nbytes += size
@@ -187,7 +195,8 @@ def reuse(path, model, model_id, tokens, kv_bits=None):
         saved_for, saved_bits = meta["model"], meta["kv_bits"]
     except Exception as e:
         raise UserError(f"{path}: not a prompt cache file of ours ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0] if str(e) else 'no detail'}); delete it or pass another")
+                        f"{str(e).splitlines()[0] if str(e) else 'no detail'}); "
+                        "delete it or pass another")
     if saved_for != model_id or len(cache) != len(model.layers):
         raise UserError(f"{path} holds the prompt cache of model {saved_for}, not of {model_id}: "
                         "pass another --prompt-cache-file or delete this one")
@@ -197,8 +206,8 @@ def reuse(path, model, model_id, tokens, kv_bits=None):
     kept = common_prefix(cached, tokens[:-1])
     if not all(c.is_trimmable() for c in cache):
         if kept < len(cached):
-            raise UserError(f"{path}: its rotating cache cannot be cut back to the {kept} prompt tokens "
-                            "this prompt shares with it; delete it or pass another file")
+            raise UserError(f"{path}: its rotating cache cannot be cut back to the {kept} prompt "
+                            "tokens this prompt shares with it; delete it or pass another file")
     for c in cache:
         c.trim(c.offset - kept)
     return cache, kept

@@ -22,7 +22,8 @@ from ..shard import world
 
 @dataclass
 class Generation:
-    """A request as the worker needs it, every field already checked (the server answers 400 first)."""
+    """A request as the worker needs it, every field already checked (the server answers 400
+    first)."""
     tokens: list  # the prompt's token ids
     max_tokens: int  # the prompt and these fit in the model's context
     seed: Optional[int] = None
@@ -34,7 +35,8 @@ class Generation:
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[dict] = None  # token id -> added to its logit
-    top_logprobs: Optional[int] = None  # None: no log-probabilities; k: the chosen token's and k likeliest
+    # None: no log-probabilities; k: the chosen token's and k likeliest
+    top_logprobs: Optional[int] = None
 
     @classmethod
     def shared(cls, generation=None):
@@ -53,8 +55,8 @@ class Generation:
         return cls(**d)
 
     def logits_processors(self):
-        """mlx-lm's processors for the penalties and logit bias (each penalty over the last 20 tokens,
-        its default)."""
+        """mlx-lm's processors for the penalties and logit bias (each penalty over the last 20
+        tokens, its default)."""
         return make_logits_processors(self.logit_bias, self.repetition_penalty,
                                       presence_penalty=self.presence_penalty,
                                       frequency_penalty=self.frequency_penalty)
@@ -77,7 +79,8 @@ class Ticket:
         self._out = queue.Queue()
         self._cancelled = threading.Event()
         self.listener = None  # called with the ticket after each put (streaming.Streamer's notify)
-        self.on_cancel = None  # called after cancel() (a batch worker's note to look for cancelled requests)
+        # called after cancel() (a batch worker's note to look for cancelled requests)
+        self.on_cancel = None
 
     def cancel(self):
         self._cancelled.set()
@@ -109,12 +112,15 @@ class Ticket:
 
 
 def token_of(r, top_logprobs):
-    """The Token of a decoding.Response: with top_logprobs (not None) the chosen token's log-probability
-    and the top_logprobs likeliest, read on the host (numpy: no MLX op queued behind the next step)."""
+    """The Token of a decoding.Response: with top_logprobs (not None) the chosen token's
+    log-probability and the top_logprobs likeliest, read on the host (numpy: no MLX op queued
+    behind the next step)."""
     if top_logprobs is None:
         return Token(r.token, r.finish_reason)
-    lp = r.logprobs if r.logprobs.dtype in (mx.float32, mx.float16) else r.logprobs.astype(mx.float32)
+    lp = (r.logprobs if r.logprobs.dtype in (mx.float32, mx.float16)
+          else r.logprobs.astype(mx.float32))
     lp = np.asarray(lp)
     top = np.argpartition(-lp, top_logprobs)[:top_logprobs] if top_logprobs else np.array([], int)
     top = top[np.argsort(-lp[top], kind="stable")]
-    return Token(r.token, r.finish_reason, float(lp[r.token]), [(int(i), float(lp[i])) for i in top])
+    return Token(r.token, r.finish_reason, float(lp[r.token]),
+                 [(int(i), float(lp[i])) for i in top])

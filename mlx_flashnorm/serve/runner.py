@@ -17,7 +17,8 @@ class Queued(NamedTuple):
 def queue_step(s, live):
     """Queue one decode step of the live rows (Slots.live()) of slots s; its tokens feed the
     step after."""
-    rows = [(i, r) for i, r in live if not s.feeding(i)] if s.feed else live  # a row fed its prompt samples nothing
+    # a row fed its prompt samples nothing
+    rows = [(i, r) for i, r in live if not s.feeding(i)] if s.feed else live
     raw = sampled = False
     for i, r in rows:
         r.queued += 1

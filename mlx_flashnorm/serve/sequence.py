@@ -24,7 +24,8 @@ class Request:
     logits_processors: list = field(default_factory=list)  # mlx-lm's: f(tokens, logits) -> logits
     generated: List[int] = field(default_factory=list)
     cached: int = 0  # prompt tokens taken from the prompt cache
-    cancelled: bool = False  # set by the caller (a stop string, a client gone): it leaves at the next step
+    # set by the caller (a stop string, a client gone): it leaves at the next step
+    cancelled: bool = False
     next: Optional[int] = None  # the last token read
     ticket: Optional[Ticket] = None  # BatchWorker: where its tokens go
     slot: Optional[int] = None  # its slot of the batch's cache while it decodes
@@ -64,5 +65,6 @@ class Event(NamedTuple):
     @property
     def logprobs(self):
         """(vocab,) the log-probabilities the token was drawn from: sliced when asked (a slice for
-        every row of every step cost 0.1 ms of host time a 32-row step on this project's CPU)."""
+        every row of every step cost host time: bench/RESULTS.md, "Host work of the batched
+        step")."""
         return self.table[self.row]

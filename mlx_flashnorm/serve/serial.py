@@ -60,8 +60,8 @@ class SerialWorker:
         return ticket
 
     def close(self, timeout=30):
-        """Stop the worker after the request it generates; under mlx.launch the other ranks' follow()
-        ends too (waited for up to timeout seconds)."""
+        """Stop the worker after the request it generates; under mlx.launch the other ranks'
+        follow() ends too (waited for up to timeout seconds)."""
         self.queue.put(None)
         if world() is not None:
             self.closed.wait(timeout)
@@ -87,14 +87,15 @@ class SerialWorker:
                 ticket.put(None)
             except Exception as e:  # handed to the request's thread, which answers with an error
                 ticket.put(e)
-            mx.synchronize()  # the step queued ahead: work left pending on a thread's streams aborts at exit
+            # the step queued ahead: work left pending on a thread's streams aborts at exit
+            mx.synchronize()
 
 
 def stream_tokens(model, tokenizer, g):
     """Yield Generation g's Tokens (under mlx.launch in lockstep with the other ranks: a consumer
     that stops stops them all)."""
-    with closing(lockstep(stream_generate(model, tokenizer, g.tokens, g.max_tokens, temp=g.temp, top_p=g.top_p,
-                                          top_k=g.top_k, min_p=g.min_p, seed=g.seed,
+    with closing(lockstep(stream_generate(model, tokenizer, g.tokens, g.max_tokens, temp=g.temp,
+                                          top_p=g.top_p, top_k=g.top_k, min_p=g.min_p, seed=g.seed,
                                           logits_processors=g.logits_processors()))) as responses:
         for r in responses:
             yield token_of(r, g.top_logprobs)

@@ -10,8 +10,9 @@ it is (the step adds `inc`, 0 for it), its token and result are thrown away, and
 covers one position, so its softmax has something to normalize (no NaN; rows never mix anyway).
 
 The shapes are fixed per (slots, capacity) bucket: slots in BUCKETS, capacity in multiples of
-decoding.CAPACITY_STEP (decoding.cache_capacity). mx.compile traces the step once per bucket; a row
-joining or leaving inside the bucket only changes arrays (positions, inc, tokens), never the graph.
+decoding.CAPACITY_STEP (decoding.cache_capacity). mx.compile traces the step once per bucket; a
+row joining or leaving inside the bucket only changes arrays (positions, inc, tokens), never the
+graph.
 A bucket of one slot decodes with the one-request compiled step (decoding.compiled_decode: our
 fused one-row kernels where they run), where generate_step would use it."""
 import mlx.core as mx
@@ -44,7 +45,8 @@ class RowsKVCache:
     def update_and_fetch(self, keys, values):
         at = mx.broadcast_to(self.offset.reshape(-1, 1, 1, 1), keys.shape)  # one token per row
         self.keys = mx.put_along_axis(self.keys, at, keys, axis=2)
-        self.values = mx.put_along_axis(self.values, mx.broadcast_to(at, values.shape), values, axis=2)
+        self.values = mx.put_along_axis(self.values, mx.broadcast_to(at, values.shape), values,
+                                        axis=2)
         return self.keys, self.values
 
     def make_mask(self, N, return_array=False, window_size=None):
@@ -102,12 +104,14 @@ class Slots:
 
     def __init__(self, model, layout, size, capacity):
         self.model, self.layout, self.size, self.capacity = model, layout, size, capacity
-        self.kv = [(mx.zeros((size, h, capacity, d), t), mx.zeros((size, h, capacity, d), t)) for h, d, t in layout]
+        self.kv = [(mx.zeros((size, h, capacity, d), t), mx.zeros((size, h, capacity, d), t))
+                   for h, d, t in layout]
         self.rows = [None] * size
         self.pos = [0] * size
         self.feed = {}  # slot -> host tokens it feeds next, in order (a newcomer's prompt)
         self.left = [()] * size  # free slot -> the token ids its positions 0.. still hold
-        self.unstored = {}  # free slot -> its left, where the prompt cache does not hold it yet (store)
+        # free slot -> its left, where the prompt cache does not hold it yet (store)
+        self.unstored = {}
         self.table = None  # left as prompt_cache.token_rows: reuse
         self.tokens = None  # (size,) uint32 device array: the last step's tokens
         self.dirty = True
@@ -152,14 +156,16 @@ class Slots:
         return [i for i, r in enumerate(self.rows) if r is None]
 
     def store(self, prompt_cache):
-        """Keep in prompt_cache what free slots read and it does not hold yet (unstored), in one store."""
+        """Keep in prompt_cache what free slots read and it does not hold yet (unstored), in one
+        store."""
         if self.unstored:
             held, self.unstored = self.unstored, {}
             prompt_cache.store_rows(list(held.values()), self.kv, list(held))
 
     def reuse(self, tokens):
         """(slot, n): the free slot whose kept tokens share the longest prefix with tokens, n of
-        them, at most len(tokens) - 1 (the last prompt token always runs); (None, 0) if none does."""
+        them, at most len(tokens) - 1 (the last prompt token always runs); (None, 0) if none
+        does."""
         if self.table is None:
             self.table = token_rows(self.left)
         shared = shared_prefixes(self.table, tokens[:-1])
@@ -190,8 +196,10 @@ class Slots:
         new.rows = [self.rows[i] for i in live] + [None] * (size - len(live))
         new.pos = [self.pos[i] for i in live] + [0] * (size - len(live))
         new.feed = {j: self.feed[i] for j, i in enumerate(live) if i in self.feed}
-        new.left, new.table, new.unstored = [()] * size, None, {}  # free slots' contents are not carried
-        new.tokens = None if self.tokens is None else mx.pad(self.tokens[idx], [(0, size - len(live))])
+        # free slots' contents are not carried
+        new.left, new.table, new.unstored = [()] * size, None, {}
+        new.tokens = (None if self.tokens is None
+                      else mx.pad(self.tokens[idx], [(0, size - len(live))]))
         new.dirty, new.offset, new.inc = True, None, None
         return new
 
@@ -202,7 +210,8 @@ class Slots:
         into.dirty = True
         if not live:
             return into
-        free = sorted((i for i, r in enumerate(into.rows) if r is None), key=lambda i: len(into.left[i]))[:len(live)]
+        free = sorted((i for i, r in enumerate(into.rows) if r is None),
+                      key=lambda i: len(into.left[i]))[:len(live)]
         src, dst = mx.array(live, mx.int32), mx.array(free, mx.int32)
         for layer, (k, v) in enumerate(self.kv):
             bk, bv = into.kv[layer]
@@ -224,13 +233,15 @@ class Slots:
         """Free every slot of a Slots set aside, each keeping what it kept before its row took it;
         ran: its rows ran in it, so their slots keep nothing."""
         if ran:
-            self.left, self.table = [() if r is not None else kept for r, kept in zip(self.rows, self.left)], None
+            self.left, self.table = [() if r is not None else kept
+                                     for r, kept in zip(self.rows, self.left)], None
         self.rows, self.feed, self.dirty = [None] * self.size, {}, True
 
     def inputs(self):
         """(tokens, offset, inc) of the next step, rebuilt on the device where rows changed."""
         if self.tokens is None or self.feed:
-            host = mx.array([self.feed[i].pop(0) if i in self.feed else 0 for i in range(self.size)], mx.uint32)
+            host = mx.array([self.feed[i].pop(0) if i in self.feed else 0
+                             for i in range(self.size)], mx.uint32)
             is_new = mx.array([i in self.feed or self.tokens is None for i in range(self.size)])
             self.tokens = host if self.tokens is None else mx.where(is_new, host, self.tokens)
             self.feed = {i: f for i, f in self.feed.items() if f}
@@ -247,8 +258,10 @@ class Slots:
         samples."""
         tokens, offset, inc = self.inputs()
         run = self.steps.get(logits)
-        if run is None:  # the model's compiled step, checked against the model when rows change, not every step
-            run = self.steps[logits] = (compiled_decode if self.solo else batched_decode)(self.model, logits)
+        # the model's compiled step, checked against the model when rows change, not every step
+        if run is None:
+            run = self.steps[logits] = (compiled_decode if self.solo
+                                        else batched_decode)(self.model, logits)
         if self.solo:
             out, self.offset, self.kv = run(tokens, offset, self.kv)
             greedy = mx.argmax(out, axis=-1)
@@ -268,14 +281,15 @@ def one_row_cache(keys, values):
 
 
 def rows_of(x, rows, width):
-    """Rows `rows` (an index array) of x (rows, heads, positions, dim) at their first `width` positions
-    (zeros past its own)."""
+    """Rows `rows` (an index array) of x (rows, heads, positions, dim) at their first `width`
+    positions (zeros past its own)."""
     x = x[rows, :, :width, :]
     return mx.pad(x, [(0, 0), (0, 0), (0, width - x.shape[2]), (0, 0)]) if x.shape[2] < width else x
 
 
 def fit(x, size, capacity):
-    """x (rows, heads, positions, dim) padded with zeros (or cut) to (size, heads, capacity, dim)."""
+    """x (rows, heads, positions, dim) padded with zeros (or cut) to (size, heads, capacity,
+    dim)."""
     if x.shape[2] > capacity:
         x = x[:, :, :capacity, :]
     return mx.pad(x, [(0, size - x.shape[0]), (0, 0), (0, capacity - x.shape[2]), (0, 0)])

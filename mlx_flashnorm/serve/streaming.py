@@ -2,9 +2,8 @@
 a streamed answer's events are written there, a whole answer's text kept for its handler.
 
 With a thread per stream, every token woke its stream's thread, which then took the interpreter
-lock again after each system call (the wait, a poll for the client, the write): at 32 streams
-those handoffs cost more than the text and JSON (the server's threads queued on the lock; on this
-project's 2-core CPU a stand-in worker stepping every 1.4 ms got 11.7k tok/s through it:
+lock again after each system call (the wait, a poll for the client, the write): with many
+streams those handoffs cost more than the text and JSON (the server's threads queued on the lock:
 bench/RESULTS.md, "Serving"). Here the worker's puts wake the one thread, which takes each
 ticket's waiting tokens at once (a stream that fell behind sends them as one event), writes
 without blocking (what a full socket does not take waits for the next round), and every POLL
@@ -29,7 +28,8 @@ class Stream:
     whole: an answer in one piece, which its handler writes once the stream is finished."""
 
     def __init__(self, connection, left, ticket, transcript, answer, whole=False):
-        self.connection, self.left = connection, left  # left(): whether the client closed its connection
+        # left(): whether the client closed its connection
+        self.connection, self.left = connection, left
         self.ticket, self.transcript, self.answer = ticket, transcript, answer
         self.whole = whole  # no events: the text, finish and entries kept for one answer at the end
         self.text, self.finish, self.entries, self.failed = "", None, [], None
@@ -102,7 +102,8 @@ class Streamer:
         threading.Thread(target=self._run, daemon=True).start()
 
     def run(self, stream):
-        stream.connection.settimeout(0)  # writes that never wait (a socket with a timeout waits to write)
+        # writes that never wait (a socket with a timeout waits to write)
+        stream.connection.settimeout(0)
         with self.lock:
             self.streams[stream.ticket] = stream
             self.ready.add(stream.ticket)  # (tokens may have come before the listener)
