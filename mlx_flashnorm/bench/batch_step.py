@@ -56,7 +56,7 @@ def step_parts(engine, reps):
     b, s, w, ops = [], [], [], None
     for _ in range(reps):
         t0 = time.perf_counter()
-        out, tokens = engine.slots.step()
+        out, tokens = engine.slots.decode()
         t1 = time.perf_counter()
         if ops is None:
             ops = graph_ops(out, tokens, *[a for kv in engine.slots.kv for a in kv])

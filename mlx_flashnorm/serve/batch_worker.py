@@ -168,7 +168,7 @@ def warmup(engine, prompt=16, steps=3):
             engine._layout()
             slots = Slots(engine.model, engine.layout, size,
                           needed_capacity(engine.model, [Request([0], 1)]))
-            mx.eval(slots.step())
+            mx.eval(slots.decode())
             size *= 2
     finally:
         engine.prompt_cache, (engine.prefilled, engine.prefill_calls), engine.feed_wait = (

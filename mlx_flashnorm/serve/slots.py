@@ -1,4 +1,4 @@
-"""The batch's static KV cache and its compiled decode step (batch.py's engine decodes with them).
+"""The batch's static KV cache and its compiled decode step (engine.py decodes with them).
 
 Every row of the batch owns a slot: row `i` of one preallocated buffer per layer, of shape
 (slots, kv_heads, capacity, head_dim), holding its keys and values from position 0 on, so rows of
