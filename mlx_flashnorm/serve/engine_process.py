@@ -5,7 +5,8 @@ the engine on a thread of the same process, those threads and the engine's share
 lock: with many streaming clients a token took far longer through the server than for the same
 requests fed to the engine alone, and with this process close to that (bench/RESULTS.md,
 "Serving"). Here a child process (a new interpreter, `python -m
-mlx_flashnorm.serve.engine_process`: MLX's device state does not survive a fork) loads the model from the server's own flags and runs a batch_worker.BatchWorker; the server
+mlx_flashnorm.serve.engine_process`: MLX's device state does not survive a fork) loads the
+model from the server's own flags and runs a batch_worker.BatchWorker; the server
 process keeps only the tokenizer, which the child sends over once it has loaded. Requests and
 cancellations go to the child over a socket pair, and each engine step's tokens come back as one
 message.
