@@ -1,4 +1,5 @@
 """Shared fixtures: checkpoints written to disk in the Hugging Face format, with random weights."""
+import importlib.util
 import io
 import json
 import math
@@ -147,6 +148,18 @@ def cli(*args, env=None, stdin=None):
     full_env = dict(os.environ, **(env or {}))
     return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=600,
                           env=full_env, input=stdin)
+
+
+PROBES = Path(__file__).resolve().parents[1] / "bench" / "probes"
+
+
+def probe(name):
+    """bench/probes/NAME.py, a script outside the package, imported as a module (each call a fresh
+    one)."""
+    spec = importlib.util.spec_from_file_location(f"probes.{name}", PROBES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def in_process(main, *args):

@@ -132,10 +132,9 @@ def apply(model, head=DEFAULT_HEAD, fold=True, deferred=None):
 
     head: how a tied embedding takes the final norm. "scale" (default) keeps the embedding shared
     and the norm weights as one scale vector (TiedFlashHead): no extra memory. "untie" folds them
-    into an untied vocab x dim copy (FlashHead): +156 MiB in float32 for OpenELM-270M (+15%), and
-    no faster: CPU decode 3.26 vs 3.33 tokens/s for "scale" (bench/flash_head.py, interleaved, in
-    bench/RESULTS.md, "Final norm and tied head"), since decode is bound by reading weights. An
-    untied model always folds into its own lm_head. "untie" exists to fold, so it needs fold=True.
+    into an untied vocab x dim copy (FlashHead): more memory and no faster (bench/RESULTS.md,
+    "Final norm and tied head"), since decode is bound by reading weights. An untied model always
+    folds into its own lm_head. "untie" exists to fold, so it needs fold=True.
 
     deferred: False gives Sec. 1's weightless form alone (Fig. 1(b)): with fold, every norm's
     weights folded into the linears it feeds (the final norm's into an untied lm_head), the norms
