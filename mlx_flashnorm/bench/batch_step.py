@@ -29,6 +29,7 @@ import mlx.core as mx
 
 from .. import forms
 from ..batch import BatchEngine, Request
+from ..cli import add_model_args
 from ..errors import HelpFormatter, run_cli
 from ..kernels import use_decode_layers
 from ..loader import load
@@ -108,7 +109,8 @@ def kernels_run():
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.bench.batch_step", description=__doc__,
                                 formatter_class=HelpFormatter)
-    p.add_argument("--model", help="checkpoint, repo or .gguf (default: the embedded SmolLM2-135M)")
+    add_model_args(p, "--model",
+                   model=dict(help="checkpoint, repo or .gguf (default: the embedded SmolLM2-135M)"))
     p.add_argument("--narrow", action="store_true", help="a random 30-layer model 64 wide instead")
     p.add_argument("--rows", default="1,8,32", help="row counts, comma-separated")
     p.add_argument("--reps", type=int, default=10, help="steps timed per row count (at most 20)")

@@ -8,8 +8,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..cli import add_model_args
 from ..errors import HelpFormatter, UserError, run_cli
-from ..loader import DTYPE_CHOICES, default_model_path, read_config, resolve, resolve_dtype
+from ..loader import default_model_path, read_config, resolve, resolve_dtype
 from . import llama_bench
 from .decode import (SHAPES, bench, check_context, gguf_checkpoint, log, parse_modes, plot, positive, random_checkpoint,
                      random_shape, table, write_atomic)
@@ -28,14 +29,13 @@ def arg_parser():
                "at every prompt length (--pp) and writes matrix.md, matrix.json and matrix.png; "
                "time to first token over a series of requests: python -m mlx_flashnorm.bench.latency.",
         formatter_class=HelpFormatter)
-    p.add_argument("--model", help="HF model folder, repo id or .gguf file (default: the embedded "
-                                   "SmolLM2-135M-Instruct)")
+    add_model_args(p, "--model", model=dict(help="HF model folder, repo id or .gguf file (default: "
+                                                 "the embedded SmolLM2-135M-Instruct)"))
     p.add_argument("--modes", default="rms,flash,none,mlx-lm", help="comma-separated")
-    p.add_argument("--bits", type=int, default=None,
-                   help="weight bits, 0 for full precision (default: 4; a quantized checkpoint as it is)")
-    p.add_argument("--group-size", type=int, default=64, help="weights per scale/bias")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                   help="activation dtype; auto: float32 on the CPU, the checkpoint's half precision on a GPU")
+    add_model_args(p, "--bits", "--group-size", "--dtype",
+                   bits=dict(help="weight bits, 0 for full precision (default: 4; a quantized "
+                                  "checkpoint as it is)"),
+                   group_size=dict(help="weights per scale/bias"))
     p.add_argument("--pp", help="prompt tokens (default 512); with --matrix a comma-separated list, where "
                                 "'long' is 4096, or 1792 when the model's context is too short "
                                 "(default 128,long)")

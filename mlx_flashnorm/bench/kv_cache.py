@@ -34,9 +34,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..cli import add_model_args
 from ..errors import HelpFormatter, UserError, run_cli
 from ..generate import KV_BITS, eager_cache, stream_generate
-from ..loader import DTYPE_CHOICES, NORMS, load
+from ..loader import load
 from ..perplexity import token_nll
 from .decode import write_atomic
 
@@ -150,12 +151,12 @@ def positive(name, value):
 def arg_parser():
     p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.bench.kv_cache", description=__doc__,
                                 formatter_class=HelpFormatter)
-    p.add_argument("--model", help="HF model folder, repo id or .gguf file (default: the embedded "
-                                   "SmolLM2-135M-Instruct)")
-    p.add_argument("--norm", choices=NORMS, default="flash")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                   help="activation dtype (the float cache's too); auto: float32 on the CPU, the "
-                        "checkpoint's half precision on a GPU")
+    add_model_args(p, "--model", "--norm", "--dtype",
+                   model=dict(help="HF model folder, repo id or .gguf file (default: the embedded "
+                                   "SmolLM2-135M-Instruct)"),
+                   norm=dict(help=None),
+                   dtype=dict(help="activation dtype (the float cache's too); auto: float32 on the "
+                                   "CPU, the checkpoint's half precision on a GPU"))
     p.add_argument("--kv-bits", default="8,4", help="the quantized caches, comma-separated bit widths")
     p.add_argument("--kv-group-size", type=int, default=64,
                    help="values per scale/bias of the quantized caches")

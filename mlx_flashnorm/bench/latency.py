@@ -27,9 +27,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..cli import add_model_args
 from ..errors import HelpFormatter, UserError, run_cli
 from ..generate import wants_warmup, warmup
-from ..loader import DTYPE_CHOICES, resolve_dtype
+from ..loader import resolve_dtype
 from .decode import (EAGER, PEER, context_length, device_name, gguf_checkpoint, load_mlx_lm, load_ours, log,
                      mlx_lm_runner, our_runner, parse_modes, random_checkpoint, random_shape, timed, write_atomic)
 
@@ -139,11 +140,10 @@ def arg_parser():
     p.add_argument("--config", action="append", metavar="FILE",
                    help="random weights of the architecture of a Hugging Face config.json")
     p.add_argument("--tiny", action="store_true", help="a 2-layer OpenELM-shaped random model: a smoke test in seconds")
-    p.add_argument("--bits", type=int, help="weight bits, 0 for full precision (default: 4 for random weights; "
-                                            "the embedded model as shipped, Q4_1)")
-    p.add_argument("--group-size", type=int, default=64, help="weights per scale/bias")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                   help="activation dtype; auto: float32 on the CPU, the checkpoint's half precision on a GPU")
+    add_model_args(p, "--bits", "--group-size", "--dtype",
+                   bits=dict(help="weight bits, 0 for full precision (default: 4 for random "
+                                  "weights; the embedded model as shipped, Q4_1)"),
+                   group_size=dict(help="weights per scale/bias"))
     p.add_argument("--requests", type=int, default=8, help="requests in the series")
     p.add_argument("--max-tokens", type=int, default=128,
                    help="the most tokens a request asks for (each draws from a 16th of it to it)")

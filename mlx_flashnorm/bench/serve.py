@@ -48,6 +48,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..cli import add_model_args
 from ..convert import export
 from ..errors import HelpFormatter, UserError, run_cli
 from ..loader import load
@@ -281,8 +282,9 @@ def table(rows):
 def arg_parser():
     p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.bench.serve", description=__doc__.split("\n\n")[1],
                                 formatter_class=HelpFormatter)
-    p.add_argument("--model", help="MLX model folder both servers load (default: the embedded SmolLM2, "
-                                   "written as an MLX folder under --work)")
+    add_model_args(p, "--model", model=dict(help="MLX model folder both servers load (default: the "
+                                                 "embedded SmolLM2, written as an MLX folder under "
+                                                 "--work)"))
     p.add_argument("--clients", default="1,8,32,64", help="comma-separated concurrent client counts")
     p.add_argument("--rounds", type=int, default=2, help="requests each client sends in turn")
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request")

@@ -16,9 +16,10 @@ import time
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from ..cli import add_model_args
 from ..errors import HelpFormatter, run_cli
 from ..generate import generate_step
-from ..loader import NORMS, load
+from ..loader import load
 from ..shard import world
 
 MB = 2**20
@@ -52,8 +53,9 @@ def all_sum_us(group, size, reps=100):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.bench.tensor_parallel", description=__doc__,
                                 formatter_class=HelpFormatter)
-    p.add_argument("--model", help="model (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--norm", choices=NORMS, default="flash")
+    add_model_args(p, "--model", "--norm",
+                   model=dict(help="model (default: the embedded SmolLM2-135M-Instruct)"),
+                   norm=dict(help=None))
     p.add_argument("--tg", type=int, default=64, help="decode tokens timed")
     args = p.parse_args(argv)
     group = world()
