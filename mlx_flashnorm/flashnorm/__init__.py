@@ -29,8 +29,8 @@ apply(model, fold=...) rewrites a whole model following the Mapping its model fi
 (models/*.py: FLASHNORM, a Pair per pre-norm); remove_norms(model) drops every norm
 (a speed ceiling, not the same function). Weights are folded in float32 and cast back to the model
 dtype. Why not always fold: quantizing W*g loses far more than quantizing W where g varies inside a
-quantization group (SmolLM2 4-bit perplexity +46%, bench/RESULTS.md, "Perplexity"), so a
-quantized model keeps g on the activations. Every linear keeps its path (model.layers.0.self_attn.q_proj stays that), so
+quantization group (bench/RESULTS.md, "Perplexity"), so a quantized model keeps g on the
+activations. Every linear keeps its path (model.layers.0.self_attn.q_proj stays that), so
 per-module quantization settings carry over, and DeferredLinear quantizes to QuantizedDeferredLinear
 (a QuantizedLinear becomes one as it is, with apply(fold=False)).
 """
