@@ -53,7 +53,8 @@ save_caches() {
   tar -c -C / tmp/mlx root/.cache/mlx_flashnorm 2>/dev/null | xz -1 -T8 | split -b 15M - "$OUT/cache.tar.xz."
 }
 [ "${SAVE_CACHES:-0}" = 1 ] && trap save_caches EXIT
-rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -r mlx_flashnorm tests /tmp/pkg/
+rm -rf /tmp/pkg && mkdir -p /tmp/pkg/bench && cp -r mlx_flashnorm tests /tmp/pkg/
+cp -r bench/probes /tmp/pkg/bench/  # scripts outside the package (a test loads one)
 export PYTHONPATH=/tmp/site:/tmp/pkg
 cd /tmp/pkg
 python3 -c "import mlx.core as mx; print(mx.__version__, mx.default_device(), mx.device_info().get('device_name'))"
@@ -84,19 +85,21 @@ for m in ${STEP_KERNELS:-}; do
   python3 -m mlx_flashnorm.bench.step_kernels summary "$OUT/kernels-$m.csv" 2>&1 | tee "$OUT/kernels-$m.md"
 done
 # each argument is one bench run: "ARGS" runs python -m mlx_flashnorm.bench ARGS; "NAME ARGS", with
-# NAME a module of mlx_flashnorm/bench (latency, serve, anatomy, ...), runs that module with ARGS;
-# BENCH_TIMEOUT (seconds, default 300) bounds each bench
+# NAME a module of mlx_flashnorm/bench (latency, serve, anatomy, ...) or a script of bench/probes
+# (rows_phases), runs that one with ARGS; BENCH_TIMEOUT (seconds, default 300) bounds each bench
 i=0
 for args in "$@"; do
   i=$((i + 1))
   echo "== bench $args"
-  module=mlx_flashnorm.bench source=mlx_flashnorm/bench/cli.py
+  run="-m mlx_flashnorm.bench" source=mlx_flashnorm/bench/cli.py
   first=${args%% *}
   if [ -f "mlx_flashnorm/bench/$first.py" ]; then
-    module=mlx_flashnorm.bench.$first source=mlx_flashnorm/bench/$first.py args=${args#"$first"}
+    run="-m mlx_flashnorm.bench.$first" source=mlx_flashnorm/bench/$first.py args=${args#"$first"}
+  elif [ -f "bench/probes/$first.py" ]; then
+    run=bench/probes/$first.py source=bench/probes/$first.py args=${args#"$first"}
   fi
   out=""  # the module's own files under $OUT where it writes any (--out); its table is in the log anyway
   grep -q '"--out"' "$source" && out="--out $OUT/bench$i"
-  eval "timeout ${BENCH_TIMEOUT:-300} python3 -m $module $args $out" > "$OUT/bench$i.log" 2>&1
+  eval "timeout ${BENCH_TIMEOUT:-300} python3 $run $args $out" > "$OUT/bench$i.log" 2>&1
   grep -E "^\||device|rror" "$OUT/bench$i.log" | tail -40
 done

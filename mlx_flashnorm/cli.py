@@ -1,5 +1,5 @@
-"""The flags the model-running commands share (generate, chat, server), with mlx_lm.generate's
-names."""
+"""The flags the commands share, with mlx_lm.generate's names: the model flags every command
+takes (all of them: generate, chat, server), the sampling flags of generate, chat and server."""
 import argparse
 
 from .decoding import MAX_SEED
@@ -9,30 +9,50 @@ from .loader import DTYPE_CHOICES, NORMS, QUANT_BITS, QUANT_GROUP_SIZES
 __all__ = ["HelpFormatter", "MAX_SEED", "add_generation_args", "add_model_args", "add_sampling_args"]
 
 
-def add_model_args(p):
-    """The model flags every command shares (generate, chat, server)."""
-    p.add_argument("--model", help="HF model folder, HF repo id, or llama .gguf file "
-                                   "(default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--tokenizer", help="tokenizer folder, repo id or sentencepiece .model file "
-                                       "(needed for OpenELM: e.g. meta-llama/Llama-2-7b-hf)")
-    p.add_argument("--norm", choices=NORMS, default="flash",
-                   help="flash: FlashNorm (the same function as rms, exact); rms: the reference; none: "
-                        "no norms (speed ceiling only, the text is meaningless)")
-    p.add_argument("--bits", type=int, default=None,
-                   help=f"quantize weights at load time ({', '.join(map(str, QUANT_BITS))}), or 0 for full "
-                        "precision (dequantizes a quantized checkpoint); default: as the checkpoint is "
-                        "(a k-quant GGUF: 4)")
-    p.add_argument("--group-size", type=int, default=64,
-                   help=f"weights per scale/bias with --bits: {', '.join(map(str, QUANT_GROUP_SIZES))}")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                   help="activation dtype; auto: float32 on the CPU, the checkpoint's half precision on a GPU")
-    p.add_argument("--warmup", action=argparse.BooleanOptionalAction,
-                   help="play a short throwaway request after loading, so that the first request finds "
-                        "the decode step and the kernels compiled (default: on a GPU; not on the CPU, "
-                        "where it costs more than it saves once MLX's kernel cache on disk is filled)")
-    p.add_argument("--chat-template", help="a Jinja chat template, as a file or as the text itself, in "
-                                           "place of the tokenizer's (a GGUF without one can then chat)")
-    p.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
+TOKENIZER_HELP = "tokenizer folder, repo id or sentencepiece .model file"
+
+# flag -> add_argument keywords: the model flags every command takes from here, as generate, chat
+# and server take them (all of them, in this order)
+MODEL_FLAGS = {
+    "--model": dict(help="HF model folder, HF repo id, or llama .gguf file "
+                         "(default: embedded SmolLM2-135M-Instruct)"),
+    "--tokenizer": dict(help=TOKENIZER_HELP
+                        + " (needed for OpenELM: e.g. meta-llama/Llama-2-7b-hf)"),
+    "--norm": dict(choices=NORMS, default="flash",
+                   help="flash: FlashNorm (the same function as rms, exact); rms: the reference; "
+                        "none: no norms (speed ceiling only, the text is meaningless)"),
+    "--bits": dict(type=int, default=None,
+                   help=f"quantize weights at load time ({', '.join(map(str, QUANT_BITS))}), or 0 "
+                        "for full precision (dequantizes a quantized checkpoint); default: as the "
+                        "checkpoint is (a k-quant GGUF: 4)"),
+    "--group-size": dict(type=int, default=64,
+                         help="weights per scale/bias with --bits: "
+                              f"{', '.join(map(str, QUANT_GROUP_SIZES))}"),
+    "--dtype": dict(choices=DTYPE_CHOICES, default="auto",
+                    help="activation dtype; auto: float32 on the CPU, the checkpoint's half "
+                         "precision on a GPU"),
+    "--warmup": dict(action=argparse.BooleanOptionalAction,
+                     help="play a short throwaway request after loading, so that the first "
+                          "request finds the decode step and the kernels compiled (default: on a "
+                          "GPU; not on the CPU, where it costs more than it saves once MLX's "
+                          "kernel cache on disk is filled)"),
+    "--chat-template": dict(help="a Jinja chat template, as a file or as the text itself, in place "
+                                 "of the tokenizer's (a GGUF without one can then chat)"),
+    "--verbose": dict(action="store_true", help="show tracebacks on errors"),
+}
+
+
+def add_model_args(p, *flags, **changes):
+    """Add model flags to parser p: with no flags all of MODEL_FLAGS (generate, chat, server), else
+    the flags named (e.g. "--model", "--bits") in that order; a command with flags of its own
+    between them calls this once for each run of them. changes: per flag, by its attribute name
+    (group_size for --group-size), the add_argument keywords in which the command's flag differs,
+    e.g. bits=dict(default=4, help="...")."""
+    names = {f.removeprefix("--").replace("-", "_"): f for f in flags or MODEL_FLAGS}
+    if set(changes) - set(names):
+        raise ValueError(f"changes for flags not added: {sorted(set(changes) - set(names))}")
+    for name, flag in names.items():
+        p.add_argument(flag, **{**MODEL_FLAGS[flag], **changes.get(name, {})})
 
 
 def add_sampling_args(p):

@@ -20,6 +20,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from . import flashnorm, progress
+from .cli import TOKENIZER_HELP, add_model_args
 from .errors import HelpFormatter, UserError, run_cli
 from .loader import (DTYPES, check_quantization, default_model_path, dequantize, load, quantize,
                      read_config, resolve)
@@ -81,10 +82,8 @@ def arg_parser():
     p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.convert",
                                 description=__doc__.split("\n\n")[1],
                                 formatter_class=HelpFormatter)
-    p.add_argument("--model", help="HF model folder, HF repo id, or llama .gguf file "
-                                   "(default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--tokenizer", help="tokenizer folder, repo id or sentencepiece .model file "
-                                       "(saved into the output)")
+    add_model_args(p, "--model", "--tokenizer",
+                   tokenizer=dict(help=TOKENIZER_HELP + " (saved into the output)"))
     p.add_argument("--flashnorm", action="store_true", help="fold the norm weights (the conversion done)")
     p.add_argument("--out", required=True, help="new output folder (must not exist)")
     p.add_argument("--dtype", choices=list(DTYPES),

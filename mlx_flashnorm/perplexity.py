@@ -16,8 +16,9 @@ from pathlib import Path
 import mlx.core as mx
 
 from . import progress
+from .cli import TOKENIZER_HELP, add_model_args
 from .errors import HelpFormatter, UserError, run_cli
-from .loader import DTYPE_CHOICES, NORMS, load
+from .loader import load
 
 
 def window_nll(model, tokens):
@@ -53,18 +54,15 @@ def arg_parser():
         epilog="The last line printed is exactly 'perplexity: <number>'. --bits 0 dequantizes a "
                "quantized checkpoint (e.g. the embedded Q4_1 GGUF) to full precision.",
         formatter_class=HelpFormatter)
-    p.add_argument("--model", help="HF model folder, HF repo id, or llama .gguf file "
-                                   "(default: embedded SmolLM2-135M-Instruct)")
+    add_model_args(p, "--model")
     p.add_argument("--text", required=True, help="UTF-8 text file")
-    p.add_argument("--tokenizer", help="tokenizer folder, repo id or sentencepiece .model file")
-    p.add_argument("--norm", choices=NORMS, default="flash",
-                   help="flash: FlashNorm (as the other commands run by default); rms: the reference; "
-                        "none: no norms")
-    p.add_argument("--bits", type=int, default=None,
-                   help="quantize at load time (2-8), or 0 for full precision (dequantizes)")
-    p.add_argument("--group-size", type=int, default=64, help="weights per scale/bias with --bits")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                   help="activation dtype; auto: float32 on the CPU, the checkpoint's half precision on a GPU")
+    add_model_args(p, "--tokenizer", "--norm", "--bits", "--group-size", "--dtype",
+                   tokenizer=dict(help=TOKENIZER_HELP),
+                   norm=dict(help="flash: FlashNorm (as the other commands run by default); rms: "
+                                  "the reference; none: no norms"),
+                   bits=dict(help="quantize at load time (2-8), or 0 for full precision "
+                                  "(dequantizes)"),
+                   group_size=dict(help="weights per scale/bias with --bits"))
     p.add_argument("--window", type=int, default=512, help="tokens predicted per window")
     p.add_argument("--max-tokens", type=int, default=0,
                    help="score only the first N tokens of the text (0: all of it)")

@@ -12,9 +12,10 @@ import sys
 from pathlib import Path
 
 from . import flashnorm
+from .cli import TOKENIZER_HELP, add_model_args
 from .convert import export
 from .errors import HelpFormatter, UserError, run_cli
-from .loader import NORMS, QUANT_BITS, QUANT_GROUP_SIZES, check_quantization, dequantize, load, prepare
+from .loader import QUANT_BITS, QUANT_GROUP_SIZES, check_quantization, dequantize, load, prepare
 
 
 def quantize_checkpoint(model_path, out, bits=4, group_size=64, norm="rms", head_bits=None,
@@ -56,23 +57,24 @@ def arg_parser():
                     "mlx-lm). With --norm flash, FlashNorm is folded in full precision first.",
         epilog="--bits 0 writes full precision (float32), e.g. a dequantized copy of a GGUF.",
         formatter_class=HelpFormatter)
-    p.add_argument("--model", help="HF model folder, HF repo id, or llama .gguf file "
-                                   "(default: embedded SmolLM2-135M-Instruct, Q4_1)")
+    add_model_args(p, "--model", model=dict(help="HF model folder, HF repo id, or llama .gguf file "
+                                                 "(default: embedded SmolLM2-135M-Instruct, Q4_1)"))
     p.add_argument("--out", required=True, help="new folder to write (must not exist)")
-    p.add_argument("--bits", type=int, default=4,
-                   help=f"bits per weight: {', '.join(map(str, QUANT_BITS))}, or 0 for full precision")
-    p.add_argument("--group-size", type=int, default=64,
-                   help=f"weights per scale/bias: {', '.join(map(str, QUANT_GROUP_SIZES))}")
+    add_model_args(p, "--bits", "--group-size",
+                   bits=dict(default=4, help=f"bits per weight: {', '.join(map(str, QUANT_BITS))}, "
+                                             "or 0 for full precision"),
+                   group_size=dict(help="weights per scale/bias: "
+                                        f"{', '.join(map(str, QUANT_GROUP_SIZES))}"))
     p.add_argument("--head-bits", type=int, default=None,
                    help="bits for the logits layer (and a tied input embedding), e.g. 8")
-    p.add_argument("--norm", choices=NORMS, default="rms",
-                   help="rms: the weights as they are (default: FlashNorm then runs at load time, "
-                        "which every command does by default, at no quality cost); flash: fold "
-                        "FlashNorm into the weights before quantizing (a checkpoint stock mlx-lm runs "
-                        "weightless, at a quality cost)")
+    add_model_args(p, "--norm", norm=dict(
+        default="rms", help="rms: the weights as they are (default: FlashNorm then runs at load "
+                            "time, which every command does by default, at no quality cost); "
+                            "flash: fold FlashNorm into the weights before quantizing (a "
+                            "checkpoint stock mlx-lm runs weightless, at a quality cost)"))
     p.add_argument("--dequantize", action="store_true",
                    help="accept an already quantized input: dequantize it first (its error stays)")
-    p.add_argument("--tokenizer", help="tokenizer folder, repo id or sentencepiece .model file")
+    add_model_args(p, "--tokenizer", tokenizer=dict(help=TOKENIZER_HELP))
     p.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
     return p
 

@@ -14,6 +14,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask
 
 from . import flashnorm
+from .cli import TOKENIZER_HELP, add_model_args
 from .errors import HelpFormatter, UserError, run_cli
 from .decoding import generate_step
 from .loader import dequantize, load
@@ -77,9 +78,7 @@ def arg_parser():
     p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.verify",
                                 description=__doc__.split("\n\n")[1],
                                 formatter_class=HelpFormatter)
-    p.add_argument("--model", help="HF model folder, HF repo id, or llama .gguf file "
-                                   "(default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--tokenizer", help="tokenizer folder, repo id or sentencepiece .model file")
+    add_model_args(p, "--model", "--tokenizer", tokenizer=dict(help=TOKENIZER_HELP))
     p.add_argument("--prompt", default="The quick brown fox jumps over the lazy dog. Once upon a time",
                    help="text fed to both models")
     p.add_argument("--steps", type=int, default=32, help="greedy tokens to compare")

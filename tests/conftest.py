@@ -1,4 +1,5 @@
 """Shared fixtures: checkpoints written to disk in the Hugging Face format, with random weights."""
+import importlib.util
 import io
 import json
 import math
@@ -22,9 +23,9 @@ from mlx.utils import tree_flatten
 from mlx_flashnorm.bench import decode
 from mlx_flashnorm.errors import run_cli
 
-# The files whose tests take longest on the 2-core CI machine (a `--durations` run, 2026-11-27),
-# run first: under xdist's loadfile the files are handed out in collection order, so a long file
-# collected last kept one worker busy while the other sat idle.
+# The files whose tests take longest on the CI machine (a `--durations` run), run first: under
+# xdist's loadfile the files are handed out in collection order, so a long file collected last
+# kept one worker busy while the other sat idle.
 SLOW_FILES = ("test_server_batch.py", "test_batch.py", "test_half.py", "test_models.py", "test_server.py",
               "test_gemma3_gguf.py", "test_chat.py", "test_distributed.py", "test_flashnorm.py", "test_convert.py",
               "test_engine_process.py", "test_bench.py", "test_cli.py", "test_generation_flags.py")
@@ -77,8 +78,8 @@ def random_weights(model, seed=0, scale=0.02, uniform=False):
     """Random float32 values for every parameter of model, keyed by checkpoint name. Norm weights
     are drawn around 1 (never exactly 1), so a test notices when one is dropped or misapplied.
     uniform: draw with numpy's uniform generator (the same means and standard deviations) instead of
-    mx.random.normal, for a model of hundreds of millions of parameters (OpenELM-270M's shape: 1.8 s
-    against 8.6 s on a 2-core CPU)."""
+    mx.random.normal, for a model of hundreds of millions of parameters (OpenELM-270M's shape),
+    where it is several times faster on the CPU."""
     mx.random.seed(seed)
     rng = np.random.default_rng(seed)
 
@@ -149,10 +150,22 @@ def cli(*args, env=None, stdin=None):
                           env=full_env, input=stdin)
 
 
+PROBES = Path(__file__).resolve().parents[1] / "bench" / "probes"
+
+
+def probe(name):
+    """bench/probes/NAME.py, a script outside the package, imported as a module (each call a fresh
+    one)."""
+    spec = importlib.util.spec_from_file_location(f"probes.{name}", PROBES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def in_process(main, *args):
     """run_cli(main) as `python -m <its module> <args>` runs it, in this process; returns a
     CompletedProcess (exit code, stdout, stderr). For the benches' argument errors: a process each
-    cost the suite 1.5-1.7 s of imports (test_bench's test_bad_arguments_in_a_real_process runs one
+    cost the suite seconds of imports (test_bench's test_bad_arguments_in_a_real_process runs one
     as users do). An exception other than a UserError propagates, failing the test."""
     out, err, argv, code = io.StringIO(), io.StringIO(), sys.argv, 0
     sys.argv = ["prog", *args]

@@ -1,16 +1,20 @@
-"""bench.rows_phases (the batched step kernel's time per phase): a copy of kernels/rows.py loaded
-from a file, and its refusal where decode_rows does not run (this CPU). Its stamped kernel is
-compiled with the others (test_step_kernel.py, test_cuda_source_compiles); the timings themselves
-need the CUDA machine."""
+"""bench/probes/rows_phases.py (the batched step kernel's time per phase): a copy of
+kernels/rows.py loaded from a file, and its refusal where decode_rows does not run (this CPU). Its
+stamped kernel is compiled with the others (test_step_kernel.py, test_cuda_source_compiles); the
+timings themselves need the CUDA machine."""
+import subprocess
+import sys
+
 import mlx.core as mx
 import pytest
 
 from mlx_flashnorm import forms
-from mlx_flashnorm.bench import rows_phases
 from mlx_flashnorm.errors import UserError
 from mlx_flashnorm.kernels import build, rows, step
 
-from conftest import cli
+from conftest import PROBES, probe
+
+rows_phases = probe("rows_phases")
 
 
 def test_a_copy_of_the_kernel_source_loads_beside_the_current_one(tmp_path):
@@ -58,6 +62,7 @@ def test_the_timed_launch_is_decode_rows_launch_with_room_for_the_stamps(monkeyp
 def test_refuses_where_decode_rows_does_not_run():
     if rows_phases.step.use_decode_layers("decode_rows"):
         pytest.skip("decode_rows runs here")
-    r = cli("mlx_flashnorm.bench.rows_phases", "--rows", "32")
+    r = subprocess.run([sys.executable, str(PROBES / "rows_phases.py"), "--rows", "32"],
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode != 0 and r.stderr.startswith("error: decode_rows runs on CUDA only")
     assert "Traceback" not in r.stderr

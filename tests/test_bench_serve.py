@@ -78,28 +78,6 @@ def test_serve_bench_refuses_a_temperature_out_of_range(tmp_path):
         main(["--repeats", "0", "--no-peer", "--work", str(tmp_path)])
 
 
-def test_front_bench_streams_every_paced_token():
-    """bench.front's row: our server in its own process fed a token every period per request by the
-    stand-in worker; every client's tokens arrive (usage counts them), none failed, TPOT is no
-    shorter than the period (tokens cannot come faster than they are made), and the front's CPU
-    time a token is a number (the clock's 10 ms ticks can count none in so short a run)."""
-    from mlx_flashnorm.bench.front import row
-
-    cells = [c.strip() for c in row(0.01, clients=3, rounds=2, max_tokens=6).strip("|").split("|")]
-    period, clients, tokens, _, tpot, _, cpu, failed = cells
-    assert (period, clients, tokens, failed) == ("10.0", "3", "36", "0")
-    assert float(tpot) >= 9.0 and float(cpu) >= 0
-
-
-def test_front_bench_refuses_a_bad_period():
-    import subprocess
-    import sys
-
-    r = subprocess.run([sys.executable, "-m", "mlx_flashnorm.bench.front", "--period", "0"], capture_output=True,
-                       text=True)
-    assert r.returncode == 2 and r.stderr.startswith("error: --period") and "Traceback" not in r.stderr
-
-
 def test_cpu_seconds_counts_a_process_own_work():
     import os
 

@@ -111,7 +111,7 @@ def test_a_group_that_differs_stays_separate():
 
 
 def test_flashnorm_applies_to_a_concatenated_model():
-    """load() concatenates; FlashNorm applied afterwards (verify, bench.flash_head) takes the
+    """load() concatenates; FlashNorm applied afterwards (verify) takes the
     concatenated linears as they are."""
     ref = build(checkpoint("qwen2"), "rms", None, False)
     model = flashnorm.apply(build(checkpoint("qwen2"), "rms", None, True))

@@ -15,7 +15,7 @@ from mlx_flashnorm.decoding import generate_step
 from mlx_flashnorm.kernels import build, step
 from mlx_flashnorm.loader import build_model, model_args, prepare
 
-from conftest import random_weights
+from conftest import probe, random_weights
 
 CUDA = forms.use_gpu() and forms.gpu_backend() == "cuda"
 # the kernel's shapes: head size 64, 2 query heads per kv head, sizes in whole 4-bit chunks
@@ -103,10 +103,11 @@ def test_other_blocks_keep_their_loop():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs the CUDA compiler (this CPU machine has one)")
 def test_cuda_source_compiles(tmp_path):
     """Both kernels (one row, and rows.py's batch with 8 and 16 rows per matvec pass, gate/up's 16,
-    the latter with bench.rows_phases' clock stamps) as NVRTC compiles them on a GPU, for each activation
-    dtype, both bit widths and head sizes: a syntax or type error shows here."""
-    from mlx_flashnorm.bench import rows_phases
+    the latter with bench/probes/rows_phases.py's clock stamps) as NVRTC compiles them on a GPU, for
+    each activation dtype, both bit widths and head sizes: a syntax or type error shows here."""
     from mlx_flashnorm.kernels import rows
+
+    rows_phases = probe("rows_phases")
 
     L = 3
     variants = [(mx.float16, 4, 64, None), (mx.bfloat16, 8, 128, None), (mx.float32, 4, 128, None),
@@ -116,7 +117,7 @@ def test_cuda_source_compiles(tmp_path):
                  (mx.uint32, 1)] + [(mx.uint32, 3), (T, 3), (T, 3)] * 4 + [(T, 4)] * 2 * L  # stacked matrices
         body, header = (step if G is None else rows).source(L)
         template = [("T", T), ("BITS", bits), ("D", D), ("GQ", 4), ("NL", L), ("SMAX", step.SMAX)]
-        if G == 16:  # with bench.rows_phases' clock stamps (the same kernel, timed)
+        if G == 16:  # with the rows_phases probe's clock stamps (the same kernel, timed)
             body, template = rows_phases.stamped_source(body), template + [("WORK_", 4096)]
             assert body.count("globaltimer") == 2 + 5 + 1  # before the layers, at each barrier's site, at the end
         code = build.cuda_source("fn_decode_layers", step.input_names(L),

@@ -49,8 +49,11 @@ def timed_eval(f):
 
 
 def load_mode(folder, mode, dtype):
-    """The model of one mode (ours, or mlx-lm's for PEER) from a random checkpoint, 4-bit, group 64."""
-    return load_mlx_lm(folder, 4, dtype, 64) if mode == PEER else load_ours(folder, mode, 4, dtype, 64)
+    """The model of one mode (ours, or mlx-lm's for PEER) from a random checkpoint, 4-bit, group
+    64."""
+    if mode == PEER:
+        return load_mlx_lm(folder, 4, dtype, 64)
+    return load_ours(folder, mode, 4, dtype, 64)
 
 
 def peer_cache(model):
@@ -60,7 +63,8 @@ def peer_cache(model):
 
 def prefill_fn(model, mode, prompt):
     def f():
-        cache = peer_cache(model) if mode == PEER else make_cache(model, cache_capacity(model, prompt.size + 8))
+        cache = (peer_cache(model) if mode == PEER
+                 else make_cache(model, cache_capacity(model, prompt.size + 8)))
         logits = model(prompt[None], cache=cache)[:, -1, :]
         return [logits] + [a for c in cache for a in c.state]
     return f
@@ -162,15 +166,16 @@ def cold(mode, folder, args):
             logprobs, offset, kv = decode(mx.argmax(logprobs, axis=-1), offset, kv)
             mx.eval(logprobs, offset, kv)
             parts.append((f"{round_}: step {i}", now() - t))
-    print(f"cold start, {mode}, {device_name()}, prompt {args.pp}, {args.dtype}, MLX {mx.__version__}")
+    print(f"cold start, {mode}, {device_name()}, prompt {args.pp}, {args.dtype}, "
+          f"MLX {mx.__version__}")
     print("| part | s |\n| --- | ---: |")
     for name, s in parts:
         print(f"| {name} | {s:.3f} |")
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.bench.anatomy", description=__doc__,
-                                formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.bench.anatomy",
+                                description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--shape", default="smollm2-135m", help="random weights of this architecture")
     p.add_argument("--config", action="append", metavar="FILE", help="or of this HF config.json")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
@@ -178,7 +183,8 @@ def main(argv=None):
     p.add_argument("--dtype", default="float16", help="activation dtype")
     p.add_argument("--modes", default="rms,flash,mlx-lm", help="comma-separated")
     p.add_argument("--reps", type=int, default=5, help="measured repetitions")
-    p.add_argument("--cold", metavar="MODE", help="time the first request's parts in this fresh process")
+    p.add_argument("--cold", metavar="MODE",
+                   help="time the first request's parts in this fresh process")
     p.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
     args = p.parse_args(argv)
     name, config = random_shape(args)
@@ -189,20 +195,25 @@ def main(argv=None):
         modes = args.modes.split(",")
         models = {m: load_mode(folder, m, args.dtype) for m in modes}
         prompt = mx.random.randint(0, config.get("vocab_size", 32000), (args.pp,))
-        print(f"{name}, {device_name()}, prompt {args.pp}, {args.dtype}, Q4 g64, MLX {mx.__version__}, "
-              f"medians of {args.reps}; ms")
-        print("\n| prefill | kernels off | build | submit | wait |\n| --- | --- | ---: | ---: | ---: |")
+        print(f"{name}, {device_name()}, prompt {args.pp}, {args.dtype}, Q4 g64, "
+              f"MLX {mx.__version__}, medians of {args.reps}; ms")
+        print("\n| prefill | kernels off | build | submit | wait |\n"
+              "| --- | --- | ---: | ---: | ---: |")
         for m in modes:
-            print(f"| {m} | - | {ms(profile_prefill(models[m], m, prompt, args.reps))} |", flush=True)
+            print(f"| {m} | - | {ms(profile_prefill(models[m], m, prompt, args.reps))} |",
+                  flush=True)
             if m != PEER and forms.use_gpu():
                 for k in KERNELS:
                     forms.DISABLED.add(k)
-                    print(f"| {m} | {k} | {ms(profile_prefill(models[m], m, prompt, args.reps))} |", flush=True)
+                    print(f"| {m} | {k} | {ms(profile_prefill(models[m], m, prompt, args.reps))} |",
+                          flush=True)
                     forms.DISABLED.discard(k)
-        for m in modes:  # a round untimed, as long as the timed one: else the first mode timed pays
-            profile_decode(models[m], m, prompt, args.reps)  # for MLX's first pass over the longer
-            # cache (17 against 2.7 ms a pipelined token; bench/RESULTS.md, "Portable path")
-        print("\n| decode step | build | submit | wait | pipelined per token |\n| --- | ---: | ---: | ---: | ---: |")
+        # a round untimed, as long as the timed one: else the first mode timed pays for MLX's first
+        # pass over the longer cache (bench/RESULTS.md, "Portable path")
+        for m in modes:
+            profile_decode(models[m], m, prompt, args.reps)
+        print("\n| decode step | build | submit | wait | pipelined per token |\n"
+              "| --- | ---: | ---: | ---: | ---: |")
         for m in modes:
             print(f"| {m} | {ms(profile_decode(models[m], m, prompt, args.reps))} |", flush=True)
 

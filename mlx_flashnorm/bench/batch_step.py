@@ -11,7 +11,8 @@ costs. For each row count, after the rows joined and the step was traced:
 - engine step: the median wall time of BatchEngine.step() in its steady state (pipelined: the
   next step queued before this one is read), with the events handed out.
 
-    python -m mlx_flashnorm.bench.batch_step [--model PATH] [--narrow] [--rows 1,8,32] [--capacity-step N]
+    python -m mlx_flashnorm.bench.batch_step [--model PATH] [--narrow] [--rows 1,8,32] \
+[--capacity-step N]
 
 Requests: prompts of 20 + i tokens, 64 new tokens (bench.serve's shape). --narrow: a random model
 of SmolLM2-135M's depth (30 layers) and 64 wide, where the device work is small beside the
@@ -27,6 +28,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .. import decoding, forms
+from ..cli import add_model_args
 from ..serve.engine import BatchEngine
 from ..serve.sequence import Request
 from ..errors import HelpFormatter, run_cli
@@ -81,22 +83,24 @@ def engine_step(engine, reps):
 
 
 def measure(model, label, rows, reps, log=print):
-    """A table row per row count and form of the step, one after the other at each row count: where
-    the whole-step kernels run, "kernel" (kernels.decode_layers for one row, decode_rows for more)
-    and "layer loop" (both off: the model's loop over its layers' operations); elsewhere only the loop."""
+    """A table row per row count and form of the step, one after the other at each row count:
+    where the whole-step kernels run, "kernel" (kernels.decode_layers for one row, decode_rows for
+    more) and "layer loop" (both off: the model's loop over its layers' operations); elsewhere
+    only the loop."""
     off = ("decode_layers", "decode_rows")
     forms_ = [("kernel", ()), ("layer loop", off)] if kernels_run() else [("layer loop", ())]
     for n in rows:
         for name, names in forms_:
             with forms.without(*names):
-                for kept in ("_batched_decode", "_batched_logits", "_compiled_decode", "_compiled_logits"):
+                for kept in ("_batched_decode", "_batched_logits", "_compiled_decode",
+                             "_compiled_logits"):
                     model.__dict__.pop(kept, None)
                 engine = engine_with(model, n)
                 step = engine_step(engine, reps)
                 build, submit, wait, ops = step_parts(engine, reps)
             kernels = sum(1 for op in ops if op not in VIEWS)
-            log(f"| {label} | {name} | {n} | {build * 1e3:.2f} | {submit * 1e3:.2f} | {wait * 1e3:.2f} | "
-                f"{len(ops)} | {kernels} | {step * 1e3:.2f} |")
+            log(f"| {label} | {name} | {n} | {build * 1e3:.2f} | {submit * 1e3:.2f} "
+                f"| {wait * 1e3:.2f} | {len(ops)} | {kernels} | {step * 1e3:.2f} |")
 
 
 def kernels_run():
@@ -105,9 +109,10 @@ def kernels_run():
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.bench.batch_step", description=__doc__,
-                                formatter_class=HelpFormatter)
-    p.add_argument("--model", help="checkpoint, repo or .gguf (default: the embedded SmolLM2-135M)")
+    p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.bench.batch_step",
+                                description=__doc__, formatter_class=HelpFormatter)
+    add_model_args(p, "--model", model=dict(help="checkpoint, repo or .gguf (default: the "
+                                                 "embedded SmolLM2-135M)"))
     p.add_argument("--narrow", action="store_true", help="a random 30-layer model 64 wide instead")
     p.add_argument("--rows", default="1,8,32", help="row counts, comma-separated")
     p.add_argument("--reps", type=int, default=10, help="steps timed per row count (at most 20)")
@@ -117,11 +122,13 @@ def main(argv=None):
     decoding.CAPACITY_STEP = args.capacity_step
     rows = [int(x) for x in args.rows.split(",")]
     print(f"device {mx.default_device()}, capacity step {args.capacity_step}")
-    print("| model | step | rows | build ms | submit ms | wait ms | ops | non-view | engine step ms |")
+    print("| model | step | rows | build ms | submit ms | wait ms | ops | non-view "
+          "| engine step ms |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     if args.narrow:
         with tempfile.TemporaryDirectory() as tmp:
-            model = load_ours(random_checkpoint(Path(tmp) / "narrow", NARROW), "flash", 4, "float32", 32)
+            model = load_ours(random_checkpoint(Path(tmp) / "narrow", NARROW), "flash", 4,
+                              "float32", 32)
             measure(model, "narrow (30 x 64)", rows, args.reps)
     else:
         model, _ = load(args.model, progress=False)

@@ -3,8 +3,8 @@
 Every mode runs in this one process on the same weights; after a warm-up round the modes take
 turns, one generation each per round, the order rotating from round to round (rms flash mlx-lm,
 flash mlx-lm rms, ...) so that drift of the machine, and the place in a round, hit them alike. A
-ratio between two modes is the median of their ratios within each round: a lent GPU host moves
-30-50% within a run, far more than a round lasts.
+ratio between two modes is the median of their ratios within each round: a lent GPU host's speed
+moves far more within a run than within a round (bench/RESULTS.md, "How the bench measures").
 """
 import json
 import os
@@ -25,8 +25,10 @@ from ..loader import DTYPES, build_model, load, model_args, prepare, read_config
 NORM_MODES = ("rms", "flash", "none")
 PEER = "mlx-lm"
 EAGER = "-eager"  # suffix: our runner without the compiled decode step, to measure that lever
-SUBLAYER = "-sublayer"  # suffix: without the whole-step kernel (kernels.decode_layers), one per sublayer
-RATIOS = ", order rotating, ratios paired per round"  # how this version measures (the settings line)
+# suffix: without the whole-step kernel (kernels.decode_layers), one per sublayer
+SUBLAYER = "-sublayer"
+# how this version measures (the settings line)
+RATIOS = ", order rotating, ratios paired per round"
 
 # apple/OpenELM-270M's config.json
 OPENELM_270M = {
@@ -36,8 +38,8 @@ OPENELM_270M = {
     "head_dim": 64,
     "num_query_heads": [12, 12, 12, 12, 12, 16, 16, 16, 16, 16, 16, 16, 20, 20, 20, 20],
     "num_kv_heads": [3, 3, 3, 3, 3, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5],
-    "ffn_multipliers": [0.5, 0.73, 0.97, 1.2, 1.43, 1.67, 1.9, 2.13, 2.37, 2.6, 2.83, 3.07, 3.3, 3.53,
-                        3.77, 4.0],
+    "ffn_multipliers": [0.5, 0.73, 0.97, 1.2, 1.43, 1.67, 1.9, 2.13, 2.37, 2.6, 2.83, 3.07, 3.3,
+                        3.53, 3.77, 4.0],
     "ffn_dim_divisor": 256,
     "ffn_with_glu": True,
     "normalize_qk_projections": True,
@@ -59,7 +61,8 @@ SMOLLM2_135M = {
     "rms_norm_eps": 1e-5, "rope_theta": 100000, "max_position_embeddings": 8192,
     "tie_word_embeddings": True,
 }
-# meta-llama/Llama-3.2-1B's config.json: GQA 32/8, llama3 RoPE scaling, 128k vocabulary
+# meta-llama/Llama-3.2-1B's config.json: grouped-query attention, llama3 RoPE scaling, a large
+# vocabulary
 LLAMA_3_2_1B = {
     "model_type": "llama", "hidden_size": 2048, "num_hidden_layers": 16, "intermediate_size": 8192,
     "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256,
@@ -68,12 +71,14 @@ LLAMA_3_2_1B = {
                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
     "tie_word_embeddings": True,
 }
-SHAPES = {"openelm-270m": ("OpenELM-270M", OPENELM_270M), "smollm2-135m": ("SmolLM2-135M", SMOLLM2_135M),
+SHAPES = {"openelm-270m": ("OpenELM-270M", OPENELM_270M),
+          "smollm2-135m": ("SmolLM2-135M", SMOLLM2_135M),
           "llama-3.2-1b": ("Llama-3.2-1B", LLAMA_3_2_1B)}
 
 # The same architecture shrunk so that every mode runs end to end in seconds (tests use it).
 TINY = dict(OPENELM_270M, model_dim=128, num_transformer_layers=2, num_query_heads=[4, 4],
-            num_kv_heads=[2, 1], ffn_multipliers=[0.5, 1.0], vocab_size=512, max_context_length=1024)
+            num_kv_heads=[2, 1], ffn_multipliers=[0.5, 1.0], vocab_size=512,
+            max_context_length=1024)
 
 
 def random_checkpoint(folder, config, seed=0):
@@ -109,7 +114,8 @@ def load_ours(folder, norm, bits, dtype, group_size):
     try:
         return prepare(model, norm=norm, bits=bits, group_size=group_size)
     except ImportError as e:
-        raise UserError(f"mode '{norm}' is not available in this checkout ({e}); leave it out of --modes")
+        raise UserError(f"mode '{norm}' is not available in this checkout ({e}); leave it out of "
+                        "--modes")
 
 
 def load_mlx_lm(folder, bits, dtype, group_size):
@@ -199,7 +205,8 @@ def parameter_count(weights, config):
     n = 0
     for name, v in weights.items():
         prefix = name.rsplit(".", 1)[0]
-        if name.endswith((".scales", ".biases")) and f"{prefix}.weight" in weights and f"{prefix}.scales" in weights:
+        if (name.endswith((".scales", ".biases")) and f"{prefix}.weight" in weights
+                and f"{prefix}.scales" in weights):
             continue
         packed = v.dtype == mx.uint32 and f"{prefix}.scales" in weights
         bits = (q.get(prefix) or {}).get("bits", q.get("bits", 4)) if packed else None
@@ -245,10 +252,11 @@ def bench(modes, folder, label, bits, dtype, pp, tg, reps, group_size=64, seed=0
 
     saved = config.get("quantization") or {}  # a quantized checkpoint, used as it is
     return {
-        "model": label, "params": n_params, "size_bytes": sizes, "device": device_name(), "path": code_path(),
-        "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "dtype": dtype, "bits": bits or saved.get("bits"),
-        "group_size": group_size if bits else saved.get("group_size"), "pp": pp, "tg": tg, "reps": reps,
-        "ratios": RATIOS,
+        "model": label, "params": n_params, "size_bytes": sizes, "device": device_name(),
+        "path": code_path(), "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "dtype": dtype,
+        "bits": bits or saved.get("bits"),
+        "group_size": group_size if bits else saved.get("group_size"), "pp": pp, "tg": tg,
+        "reps": reps, "ratios": RATIOS,
         "command": "python -m mlx_flashnorm.bench " + " ".join(sys.argv[1:]), "results": results,
     }
 
@@ -260,17 +268,21 @@ def table(report):
     params = f"{report['params'] / 1e6:.1f} M" if report["params"] else "?"
     peer = report.get("llama_bench")
     ratios = ["rms"] + ["llama_cpp"] * bool(peer)
-    head = ["model", "size", "params", "mode", "test", "t/s (median)", "spread (min - max)", "vs rms",
-            *["vs llama.cpp"] * bool(peer), "peak mem"]
-    lines = [settings(report), *([f"llama.cpp: `{peer['command']}`; vs llama.cpp: {peer['ratios']}"] if peer else []),
-             "", "| " + " | ".join(head) + " |", "| --- | ---: | ---: | --- | --- |" + " ---: |" * (len(head) - 5)]
+    head = ["model", "size", "params", "mode", "test", "t/s (median)", "spread (min - max)",
+            "vs rms", *["vs llama.cpp"] * bool(peer), "peak mem"]
+    peer_line = [f"llama.cpp: `{peer['command']}`; vs llama.cpp: {peer['ratios']}"] if peer else []
+    lines = [settings(report), *peer_line, "", "| " + " | ".join(head) + " |",
+             "| --- | ---: | ---: | --- | --- |" + " ---: |" * (len(head) - 5)]
     for mode, r in report["results"].items():
         for test in ("pp", "tg"):
             s = r[f"{test}_summary"]
-            cells = [f"{report['model']} {bits}", f"{report['size_bytes'][mode] / 2**20:.1f} MiB", params, mode,
-                     f"{test}{report[test]}", f"{s['median']:.2f}", f"{s['min']:.2f} - {s['max']:.2f}"]
-            cells += ["-" if r.get(f"{test}_vs_{k}") is None else f"{r[f'{test}_vs_{k}']:.3f}" for k in ratios]
-            cells.append("-" if r["peak_memory_gb"] is None else f"{r['peak_memory_gb'] * 1e3:.0f} MB")
+            cells = [f"{report['model']} {bits}", f"{report['size_bytes'][mode] / 2**20:.1f} MiB",
+                     params, mode, f"{test}{report[test]}", f"{s['median']:.2f}",
+                     f"{s['min']:.2f} - {s['max']:.2f}"]
+            cells += ["-" if r.get(f"{test}_vs_{k}") is None else f"{r[f'{test}_vs_{k}']:.3f}"
+                      for k in ratios]
+            cells.append("-" if r["peak_memory_gb"] is None
+                         else f"{r['peak_memory_gb'] * 1e3:.0f} MB")
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -281,9 +293,10 @@ COLORS = ["#4c72b0", "#dd8452", "#55a868", "#8172b3", "#937860", "#da8bc3", "#8c
 def settings(report):
     """What every point of a run shares, in one line."""
     bits = f"Q{report['bits']}" if report["bits"] else "full"
-    return (f"device: {report['device']} | {report.get('path', 'path not recorded')} | MLX {report['mlx']} | "
-            f"mlx-lm {report['mlx_lm']} | activations {report['dtype']} | weights {bits} | "
-            f"{report['reps']} reps, interleaved, after warm-up{report.get('ratios', '')}")
+    return (f"device: {report['device']} | {report.get('path', 'path not recorded')} | "
+            f"MLX {report['mlx']} | mlx-lm {report['mlx_lm']} | activations {report['dtype']} | "
+            f"weights {bits} | {report['reps']} reps, interleaved, after "
+            f"warm-up{report.get('ratios', '')}")
 
 
 def plot(reports, path):
@@ -303,16 +316,22 @@ def plot(reports, path):
                       if mode in r["results"]]
             xs = [i + (j - (len(modes) - 1) / 2) * width for i, _ in points]
             med = [s["median"] for _, s in points]
-            err = [[s["median"] - s["min"] for _, s in points], [s["max"] - s["median"] for _, s in points]]
+            err = [[s["median"] - s["min"] for _, s in points],
+                   [s["max"] - s["median"] for _, s in points]]
             ax.bar(xs, med, width, yerr=err, capsize=3, label=mode, color=COLORS[j % len(COLORS)])
-            vs_peer = [r["results"][mode].get(f"{test}_vs_llama_cpp") for r in reports if mode in r["results"]]
-            for x, m, v in zip(xs, med, vs_peer):  # our ratio to llama.cpp, where it ran (llama_bench)
-                ax.annotate((f"{m:.0f}" if m >= 100 else f"{m:.1f}") + ("" if v is None else f"\n{v:.2f}x"), (x, m),
+            vs_peer = [r["results"][mode].get(f"{test}_vs_llama_cpp") for r in reports
+                       if mode in r["results"]]
+            # our ratio to llama.cpp, where it ran (llama_bench)
+            for x, m, v in zip(xs, med, vs_peer):
+                ax.annotate((f"{m:.0f}" if m >= 100 else f"{m:.1f}")
+                            + ("" if v is None else f"\n{v:.2f}x"), (x, m),
                             ha="center", va="bottom", fontsize=7)
         ax.set_xticks(range(len(reports)), [f"{r['model'].removesuffix(' (random weights)')}\n"
-                                            f"pp{r['pp']} tg{r['tg']}" for r in reports], fontsize=8)
+                                            f"pp{r['pp']} tg{r['tg']}" for r in reports],
+                      fontsize=8)
+        peer_note = any("llama_bench" in r for r in reports)
         ax.set_title(f"{name} ({test}) tokens/s, higher is better"
-                     + ("\n(and ours / llama.cpp's)" if any("llama_bench" in r for r in reports) else ""), fontsize=10)
+                     + ("\n(and ours / llama.cpp's)" if peer_note else ""), fontsize=10)
     axes[0].legend(fontsize=8)
     fig.suptitle(settings(reports[0]), fontsize=8)
     fig.tight_layout()
@@ -333,8 +352,8 @@ def parse_modes(text):
     valid = NORM_MODES + tuple(m + EAGER for m in NORM_MODES) + ("flash" + SUBLAYER, PEER)
     bad = [m for m in modes if m not in valid]
     if not modes or bad:
-        raise UserError(f"unknown mode '{bad[0] if bad else text}'; --modes takes a comma-separated list "
-                        f"of {', '.join(valid)}")
+        raise UserError(f"unknown mode '{bad[0] if bad else text}'; --modes takes a "
+                        f"comma-separated list of {', '.join(valid)}")
     if len(set(modes)) != len(modes):
         raise UserError("--modes lists a mode twice")
     return modes
@@ -384,7 +403,8 @@ def context_length(config):
 def check_context(name, config, pp, tg):
     ctx = context_length(config)
     if pp + tg > ctx:
-        raise UserError(f"{name}: --pp + --tg is {pp + tg}, the model's context is {ctx}: lower them")
+        raise UserError(f"{name}: --pp + --tg is {pp + tg}, the model's context is {ctx}: "
+                        "lower them")
 
 
 def positive(text, what):

@@ -34,13 +34,15 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..cli import add_model_args
 from ..errors import HelpFormatter, UserError, run_cli
 from ..decoding import KV_BITS, eager_cache, stream_generate
-from ..loader import DTYPE_CHOICES, NORMS, load
+from ..loader import load
 from ..perplexity import token_nll
 from .decode import write_atomic
 
-DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "tests" / "data" / "pride_and_prejudice_ch1-3.txt"
+DEFAULT_TEXT = (Path(__file__).resolve().parents[2] / "tests" / "data"
+                / "pride_and_prejudice_ch1-3.txt")
 PROMPTS = ("What is the capital of France?",
            "Write a short poem about the sea.",
            "Explain in two sentences why the sky is blue.")
@@ -55,8 +57,8 @@ def parse_bits(text):
     except ValueError:
         bits = None
     if not bits or any(b not in KV_BITS for b in bits):
-        raise UserError(f"--kv-bits takes a comma-separated list of {', '.join(map(str, KV_BITS))}, "
-                        f"not '{text}'")
+        raise UserError("--kv-bits takes a comma-separated list of "
+                        f"{', '.join(map(str, KV_BITS))}, not '{text}'")
     if len(set(bits)) != len(bits):
         raise UserError(f"--kv-bits lists a bit width twice: '{text}'")
     return bits
@@ -89,7 +91,8 @@ def kinds(model, bits, group_size):
     for b in bits:
         eager_cache(model, kv_bits=b, kv_group_size=group_size)
     out = [(str(probe[0].keys.dtype).removeprefix("mlx.core."), lambda: eager_cache(model))]
-    out += [(f"{b}-bit", lambda b=b: eager_cache(model, kv_bits=b, kv_group_size=group_size)) for b in bits]
+    out += [(f"{b}-bit", lambda b=b: eager_cache(model, kv_bits=b, kv_group_size=group_size))
+            for b in bits]
     return out
 
 
@@ -117,11 +120,13 @@ def measure(model, tokenizer, tokens, bits, group_size=64, window=512, chunk=64,
     rows, refs = [], None
     for (label, new_cache), b in zip(kinds(model, bits, group_size), [None] + list(bits)):
         tic = time.perf_counter()
-        ppl = math.exp(token_nll(ThroughCache(model, new_cache, chunk), tokens, window).mean().item())
+        nll = token_nll(ThroughCache(model, new_cache, chunk), tokens, window)
+        ppl = math.exp(nll.mean().item())
         answers = [answer(model, tokenizer, p, gen_tokens, b, group_size) for p in prompts]
         refs = refs or answers
         rows.append({"cache": label, "kv_bits": b, "perplexity": ppl,
-                     "kept": [kept(a, r) for a, r in zip(answers, refs)], "of": [len(r) for r in refs]})
+                     "kept": [kept(a, r) for a, r in zip(answers, refs)],
+                     "of": [len(r) for r in refs]})
         if log:
             log(f"{label}: perplexity {ppl:.3f}, kept {rows[-1]['kept']} "
                 f"({time.perf_counter() - tic:.1f} s)")
@@ -150,13 +155,14 @@ def positive(name, value):
 def arg_parser():
     p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.bench.kv_cache", description=__doc__,
                                 formatter_class=HelpFormatter)
-    p.add_argument("--model", help="HF model folder, repo id or .gguf file (default: the embedded "
-                                   "SmolLM2-135M-Instruct)")
-    p.add_argument("--norm", choices=NORMS, default="flash")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                   help="activation dtype (the float cache's too); auto: float32 on the CPU, the "
-                        "checkpoint's half precision on a GPU")
-    p.add_argument("--kv-bits", default="8,4", help="the quantized caches, comma-separated bit widths")
+    add_model_args(p, "--model", "--norm", "--dtype",
+                   model=dict(help="HF model folder, repo id or .gguf file (default: the embedded "
+                                   "SmolLM2-135M-Instruct)"),
+                   norm=dict(help=None),
+                   dtype=dict(help="activation dtype (the float cache's too); auto: float32 on the "
+                                   "CPU, the checkpoint's half precision on a GPU"))
+    p.add_argument("--kv-bits", default="8,4",
+                   help="the quantized caches, comma-separated bit widths")
     p.add_argument("--kv-group-size", type=int, default=64,
                    help="values per scale/bias of the quantized caches")
     p.add_argument("--text", default=str(DEFAULT_TEXT), help="UTF-8 text file for the perplexity")
@@ -181,7 +187,8 @@ def main(argv=None):
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"{path}: cannot read the text ({type(e).__name__}: {e}); pass a UTF-8 text file")
+        raise UserError(f"{path}: cannot read the text ({type(e).__name__}: {e}); pass a UTF-8 "
+                        "text file")
     model, tokenizer = load(args.model, norm=args.norm, dtype=args.dtype, progress=False)
     tokens = tokenizer.encode(text)[: args.max_tokens + 1]
     ctx = model.args.context_length
@@ -191,13 +198,15 @@ def main(argv=None):
     def log(line):
         print(line, file=sys.stderr, flush=True)
 
-    log(f"{len(tokens)} tokens, {len(tokens) - 1} scored in windows of {args.window}, chunks of {args.chunk}")
+    log(f"{len(tokens)} tokens, {len(tokens) - 1} scored in windows of {args.window}, "
+        f"chunks of {args.chunk}")
     rows = measure(model, tokenizer, tokens, bits, args.kv_group_size, args.window, args.chunk,
                    args.gen_tokens, log=log)
     md = table(rows, args.gen_tokens)
     print(md, end="")
     if args.out:
-        command = f"python -m mlx_flashnorm.bench.kv_cache {shlex.join(sys.argv[1:] if argv is None else argv)}"
+        given = shlex.join(sys.argv[1:] if argv is None else argv)
+        command = f"python -m mlx_flashnorm.bench.kv_cache {given}"
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(out, f"Command: `{command.strip()}`\n\n{md}")

@@ -27,11 +27,13 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..cli import add_model_args
 from ..errors import HelpFormatter, UserError, run_cli
 from ..decoding import wants_warmup, warmup
-from ..loader import DTYPE_CHOICES, resolve_dtype
-from .decode import (EAGER, PEER, context_length, device_name, gguf_checkpoint, load_mlx_lm, load_ours, log,
-                     mlx_lm_runner, our_runner, parse_modes, random_checkpoint, random_shape, timed, write_atomic)
+from ..loader import resolve_dtype
+from .decode import (EAGER, PEER, context_length, device_name, gguf_checkpoint, load_mlx_lm,
+                     load_ours, log, mlx_lm_runner, our_runner, parse_modes, random_checkpoint,
+                     random_shape, timed, write_atomic)
 
 
 def series(n, seed, vocab_size, context, most_tokens=128):
@@ -40,18 +42,21 @@ def series(n, seed, vocab_size, context, most_tokens=128):
     rng = random.Random(seed)
     stream, requests = [], []
     for _ in range(n):
-        stream += [rng.randrange(vocab_size) for _ in range(rng.randint(16, 160))]  # the user's message
+        # the user's message
+        stream += [rng.randrange(vocab_size) for _ in range(rng.randint(16, 160))]
         max_tokens = rng.randint(max(1, most_tokens // 16), most_tokens)
         prompt = stream[-(context - max_tokens):]
         requests.append([prompt, max_tokens])
-        stream += [rng.randrange(vocab_size) for _ in range(max_tokens)]  # the reply, resent next turn
+        # the reply, resent next turn
+        stream += [rng.randrange(vocab_size) for _ in range(max_tokens)]
     return requests
 
 
 def worker(mode, plan_file):
     """One mode in this process: load, play the series, write result-MODE.json beside the plan."""
     plan = json.loads(Path(plan_file).read_text())
-    folder, bits, dtype, group_size = Path(plan["folder"]), plan["bits"], plan["dtype"], plan["group_size"]
+    folder, bits = Path(plan["folder"]), plan["bits"]
+    dtype, group_size = plan["dtype"], plan["group_size"]
     t0 = time.perf_counter()
     compiled = False if mode.endswith(EAGER) else None
     if mode == PEER:
@@ -70,9 +75,10 @@ def worker(mode, plan_file):
     requests = []
     for prompt, max_tokens in plan["requests"]:
         first, rest = timed(run, mx.array(prompt), max_tokens)
-        requests.append({"prompt": len(prompt), "max_tokens": max_tokens, "ttft_s": first, "total_s": first + rest})
-    result = {"mode": mode, "pid": os.getpid(), "device": device_name(), "load_s": load_s, "warmup_s": warmup_s,
-              "requests": requests}
+        requests.append({"prompt": len(prompt), "max_tokens": max_tokens, "ttft_s": first,
+                         "total_s": first + rest})
+    result = {"mode": mode, "pid": os.getpid(), "device": device_name(), "load_s": load_s,
+              "warmup_s": warmup_s, "requests": requests}
     write_atomic(Path(plan_file).with_name(f"result-{mode}.json"), json.dumps(result))
 
 
@@ -89,12 +95,13 @@ def run_worker(mode, plan_file):
 def summarize(runs):
     """A mode's rounds -> the table's numbers."""
     rest = [q["ttft_s"] for run in runs for q in run["requests"][1:]]
-    e2e = [sum(q["max_tokens"] for q in run["requests"]) / sum(q["total_s"] for q in run["requests"])
-           for run in runs]
+    e2e = [sum(q["max_tokens"] for q in run["requests"])
+           / sum(q["total_s"] for q in run["requests"]) for run in runs]
     return {"load_s": [run["load_s"] for run in runs],
             "warmup_s": [run["warmup_s"] for run in runs],
             "first_ttft_s": [run["requests"][0]["ttft_s"] for run in runs],
-            "cold_start_s": [run["load_s"] + (run["warmup_s"] or 0) + run["requests"][0]["ttft_s"] for run in runs],
+            "cold_start_s": [run["load_s"] + (run["warmup_s"] or 0) + run["requests"][0]["ttft_s"]
+                             for run in runs],
             "ttft_median_s": statistics.median(rest) if rest else None,
             "ttft_max_s": max(rest) if rest else None,
             "e2e_tps": e2e, "e2e_tps_median": statistics.median(e2e)}
@@ -109,71 +116,83 @@ def table(report):
 
     lines = [f"{report['model']} | weights {report['weights']} | activations {report['dtype']} | "
              f"device: {report['device']} | MLX {report['mlx']} | mlx-lm {report['mlx_lm']} | "
-             f"{len(report['requests'])} requests (seed {report['seed']}), {report['rounds']} round(s), "
-             f"each mode in a fresh process per round, {'with' if report['warmup'] else 'no'} warm-up", "",
-             "| mode | load s | warm-up s | TTFT first request s | cold start s | TTFT median s (rest) "
-             "| TTFT max s (rest) | end-to-end tok/s | vs rms | vs mlx-lm |",
+             f"{len(report['requests'])} requests (seed {report['seed']}), "
+             f"{report['rounds']} round(s), each mode in a fresh process per round, "
+             f"{'with' if report['warmup'] else 'no'} warm-up", "",
+             "| mode | load s | warm-up s | TTFT first request s | cold start s "
+             "| TTFT median s (rest) | TTFT max s (rest) | end-to-end tok/s | vs rms | vs mlx-lm |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     res = report["results"]
     for mode, s in res.items():
         ratios = [f"{s['e2e_tps_median'] / res[b]['e2e_tps_median']:.2f}" if b in res else "-"
                   for b in ("rms", PEER)]
-        lines.append(f"| {mode} | {secs(s['load_s'])} | {secs(s['warmup_s'])} | {secs(s['first_ttft_s'])} | "
-                     f"{secs(s['cold_start_s'])} | {opt(s['ttft_median_s'])} | "
-                     f"{opt(s['ttft_max_s'])} | {statistics.median(s['e2e_tps']):.1f} | {' | '.join(ratios)} |")
-    lines += ["", "Per round: values separated by /; cold start = load + warm-up + TTFT of the first request; "
-              "end-to-end tok/s is the median over rounds. TTFT per request (s, median over rounds):", "",
-              f"| request | prompt | max_tokens | {' | '.join(res)} |", "| ---: | ---: | ---: |" + " ---: |" * len(res)]
+        lines.append(f"| {mode} | {secs(s['load_s'])} | {secs(s['warmup_s'])} "
+                     f"| {secs(s['first_ttft_s'])} | {secs(s['cold_start_s'])} "
+                     f"| {opt(s['ttft_median_s'])} | {opt(s['ttft_max_s'])} "
+                     f"| {statistics.median(s['e2e_tps']):.1f} | {' | '.join(ratios)} |")
+    lines += ["", "Per round: values separated by /; cold start = load + warm-up + TTFT of the "
+              "first request; end-to-end tok/s is the median over rounds. TTFT per request (s, "
+              "median over rounds):", "",
+              f"| request | prompt | max_tokens | {' | '.join(res)} |",
+              "| ---: | ---: | ---: |" + " ---: |" * len(res)]
+    runs = report["runs"]
     for i, (prompt, max_tokens) in enumerate(report["requests"]):
-        cells = [f"{statistics.median(run['requests'][i]['ttft_s'] for run in report['runs'][m]):.3f}" for m in res]
+        cells = [f"{statistics.median(run['requests'][i]['ttft_s'] for run in runs[m]):.3f}"
+                 for m in res]
         lines.append(f"| {i + 1} | {prompt} | {max_tokens} | {' | '.join(cells)} |")
     return "\n".join(lines) + "\n"
 
 
 def arg_parser():
-    p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.bench.latency", description=__doc__.split("\n\n")[1],
-                                formatter_class=HelpFormatter)
-    p.add_argument("--modes", default="rms,flash,mlx-lm", help="comma-separated, as the bench takes them")
-    p.add_argument("--shape", help="random weights of this architecture instead of the embedded SmolLM2 "
-                                   "(openelm-270m, smollm2-135m, llama-3.2-1b)")
+    p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.bench.latency",
+                                description=__doc__.split("\n\n")[1], formatter_class=HelpFormatter)
+    p.add_argument("--modes", default="rms,flash,mlx-lm",
+                   help="comma-separated, as the bench takes them")
+    p.add_argument("--shape", help="random weights of this architecture instead of the embedded "
+                                   "SmolLM2 (openelm-270m, smollm2-135m, llama-3.2-1b)")
     p.add_argument("--config", action="append", metavar="FILE",
                    help="random weights of the architecture of a Hugging Face config.json")
-    p.add_argument("--tiny", action="store_true", help="a 2-layer OpenELM-shaped random model: a smoke test in seconds")
-    p.add_argument("--bits", type=int, help="weight bits, 0 for full precision (default: 4 for random weights; "
-                                            "the embedded model as shipped, Q4_1)")
-    p.add_argument("--group-size", type=int, default=64, help="weights per scale/bias")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                   help="activation dtype; auto: float32 on the CPU, the checkpoint's half precision on a GPU")
+    p.add_argument("--tiny", action="store_true",
+                   help="a 2-layer OpenELM-shaped random model: a smoke test in seconds")
+    add_model_args(p, "--bits", "--group-size", "--dtype",
+                   bits=dict(help="weight bits, 0 for full precision (default: 4 for random "
+                                  "weights; the embedded model as shipped, Q4_1)"),
+                   group_size=dict(help="weights per scale/bias"))
     p.add_argument("--requests", type=int, default=8, help="requests in the series")
     p.add_argument("--max-tokens", type=int, default=128,
                    help="the most tokens a request asks for (each draws from a 16th of it to it)")
-    p.add_argument("--warmup", action=argparse.BooleanOptionalAction,
-                   help="our modes warm up after loading (default: as the commands do on this device)")
+    add_model_args(p, "--warmup", warmup=dict(
+        help="our modes warm up after loading (default: as the commands do on this device)"))
     p.add_argument("--rounds", type=int, default=1, help="fresh processes per mode, interleaved")
     p.add_argument("--seed", type=int, default=0, help="seed of the series")
     p.add_argument("--out", default="out/latency", help="folder for latency.md, latency.json")
-    p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run one mode (a process per mode)
+    # internal: run one mode (a process per mode)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--plan", help=argparse.SUPPRESS)
     p.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
     return p
 
 
 def prepare_model(args, folder):
-    """Write the weights every mode loads to folder: (label, weights, bits for the loaders, config)."""
+    """Write the weights every mode loads to folder: (label, weights, bits for the loaders,
+    config)."""
     if args.shape or args.config or args.tiny:
-        chosen = [o for o, v in (("--shape", args.shape), ("--config", args.config), ("--tiny", args.tiny)) if v]
+        chosen = [o for o, v in (("--shape", args.shape), ("--config", args.config),
+                                 ("--tiny", args.tiny)) if v]
         if len(chosen) > 1:
             raise UserError(f"{chosen[0]} and {chosen[1]} both choose the model: keep one")
         name, config = random_shape(args)
         bits = 4 if args.bits is None else args.bits or None
         log(f"building {name} (random weights)...")
         random_checkpoint(folder, config)
-        return f"{name} (random weights)", f"Q{bits} group {args.group_size}" if bits else "full", bits, config
+        weights = f"Q{bits} group {args.group_size}" if bits else "full"
+        return f"{name} (random weights)", weights, bits, config
     if args.bits:
-        raise UserError(f"the embedded SmolLM2 GGUF is already quantized: --bits {args.bits} would stack two "
-                        "rounding errors; drop --bits (or --bits 0 for full precision), or choose random "
-                        "weights (--shape, --config, --tiny)")
-    label, config = gguf_checkpoint(None, folder, args.bits, args.group_size)  # --bits 0: dequantized
+        raise UserError(f"the embedded SmolLM2 GGUF is already quantized: --bits {args.bits} "
+                        "would stack two rounding errors; drop --bits (or --bits 0 for full "
+                        "precision), or choose random weights (--shape, --config, --tiny)")
+    # --bits 0: dequantized
+    label, config = gguf_checkpoint(None, folder, args.bits, args.group_size)
     q = config.get("quantization")
     return label, f"Q{q['bits']} group {q['group_size']}" if q else "full", None, config
 
@@ -191,11 +210,14 @@ def main(argv=None):
         mx.clear_cache()
         dtype = resolve_dtype(args.dtype, config)
         if context_length(config) < 300:
-            raise UserError(f"the model's context is {context_length(config)} tokens; the series needs 300")
-        requests = series(args.requests, args.seed, config["vocab_size"], context_length(config), args.max_tokens)
+            raise UserError(f"the model's context is {context_length(config)} tokens; the series "
+                            "needs 300")
+        requests = series(args.requests, args.seed, config["vocab_size"], context_length(config),
+                          args.max_tokens)
         plan = Path(tmp) / "plan.json"
-        plan.write_text(json.dumps({"folder": str(Path(tmp) / "model"), "bits": bits, "dtype": dtype,
-                                    "group_size": args.group_size, "requests": requests,
+        plan.write_text(json.dumps({"folder": str(Path(tmp) / "model"), "bits": bits,
+                                    "dtype": dtype, "group_size": args.group_size,
+                                    "requests": requests,
                                     "warmup": wants_warmup(args)}))
         runs = {m: [] for m in modes}
         for r in range(args.rounds):
@@ -204,10 +226,12 @@ def main(argv=None):
                 runs[mode].append(run_worker(mode, plan))
     import mlx_lm
 
-    report = {"model": label, "weights": weights, "dtype": dtype, "device": runs[modes[0]][0]["device"],
-              "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "seed": args.seed, "rounds": args.rounds,
+    command = " ".join(sys.argv[1:] if argv is None else argv)
+    report = {"model": label, "weights": weights, "dtype": dtype,
+              "device": runs[modes[0]][0]["device"], "mlx": mx.__version__,
+              "mlx_lm": mlx_lm.__version__, "seed": args.seed, "rounds": args.rounds,
               "warmup": wants_warmup(args),
-              "command": "python -m mlx_flashnorm.bench.latency " + " ".join(sys.argv[1:] if argv is None else argv),
+              "command": "python -m mlx_flashnorm.bench.latency " + command,
               "requests": [[len(p), n] for p, n in requests],
               "results": {m: summarize(runs[m]) for m in modes}, "runs": runs}
     md = table(report)

@@ -28,8 +28,8 @@ def prompt_lengths(text, name, config, tg):
         if item == "long":
             fits = [n for n in LONG if n + tg <= context_length(config)]
             if not fits:
-                log(f"note: {name}: no long prompt ({' or '.join(map(str, LONG))} tokens) fits its context "
-                    f"of {context_length(config)} with --tg {tg}; skipped")
+                log(f"note: {name}: no long prompt ({' or '.join(map(str, LONG))} tokens) fits its "
+                    f"context of {context_length(config)} with --tg {tg}; skipped")
                 continue
             lengths.append(fits[0])
         else:
@@ -49,8 +49,9 @@ def table(reports):
         return "-" if x is None else f"{x:.2f}"
 
     lines = [run_settings(reports[0]), "",
-             "| model | prompt | mode | decode t/s | decode spread | decode vs rms | decode vs mlx-lm "
-             "| prefill t/s | prefill spread | prefill vs rms | prefill vs mlx-lm |",
+             "| model | prompt | mode | decode t/s | decode spread | decode vs rms "
+             "| decode vs mlx-lm | prefill t/s | prefill spread | prefill vs rms "
+             "| prefill vs mlx-lm |",
              "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in reports:
         for mode, res in r["results"].items():
@@ -86,7 +87,7 @@ def run_matrix(args, modes):
                                      pp, args.tg, args.reps, args.group_size, log=log))
                 md = write(reports, Path(args.out))
                 total.update()
-            shutil.rmtree(folder)  # Llama-3.2-1B's random weights take 5 GB
+            shutil.rmtree(folder)  # a large shape's random weights take gigabytes of disk
     print(md)
     print(f"wrote {args.out}/matrix.md, matrix.json, matrix.png")
 
@@ -111,10 +112,12 @@ def merge(files, out):
         try:
             points = json.loads(Path(f).read_text())
         except OSError as e:
-            raise UserError(f"{f}: cannot read it ({e.strerror or e}); --merge takes matrix.json files")
+            raise UserError(f"{f}: cannot read it ({e.strerror or e}); --merge takes matrix.json "
+                            "files")
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise UserError(f"{f}: not JSON; --merge takes the matrix.json files of --matrix runs")
-        if not (isinstance(points, list) and points and all(isinstance(p, dict) and "results" in p for p in points)):
+        if not (isinstance(points, list) and points
+                and all(isinstance(p, dict) and "results" in p for p in points)):
             raise UserError(f"{f}: not a matrix.json of a --matrix run")
         reports += points
     first = run_settings(reports[0])

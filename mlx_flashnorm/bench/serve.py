@@ -8,7 +8,8 @@ join and leave a running batch. Reported per server and N: aggregate tokens/s (c
 of all requests / wall time from the first request sent to the last answer's end), time to first
 token (TTFT) and time per output token after the first (TPOT: a stream's last content time less
 its first, over its tokens less one; a server may send several tokens in one chunk) at p50 and
-p99 over the requests, as a markdown table; the rows in JSON also hold each server process's CPU seconds
+p99 over the requests, as a markdown table; the rows in JSON also hold each \
+server process's CPU seconds
 (ours: the HTTP front alone, its engine in a child process; mlx_lm.server: everything).
 
 Without --model the embedded SmolLM2 GGUF is written once as an MLX folder (its quantized weights
@@ -24,17 +25,17 @@ within 1.5x of it, and when the first of them ended: the rest of the wall time w
 turns between rounds and the last rows.
 
 --repeats R plays the --clients list R times over in each server process (1,32,1,32,... for
---clients 1,32): one timed round at 32 clients lasts under a second on the GPU, and whole stretches
-of a process there ran up to 1.7x slower than others (bench/RESULTS.md, "Serving"), so a ratio is
-read from rows played side by side, several times over. Below the table, each server's and N's
-median aggregate tok/s over the repeats and its ratio to the same repeat's first one-client row (the
-median of those paired ratios, and their range).
+--clients 1,32): a timed round at many clients is short on the GPU, and whole stretches of a
+process there ran slower than others (bench/RESULTS.md, "Serving"), so a ratio is read from rows
+played side by side, several times over. Below the table, each server's and N's median aggregate
+tok/s over the repeats and its ratio to the same repeat's first one-client row (the median of
+those paired ratios, and their range).
 
 --warm plays, before each N's timed requests, an untimed round of one request a client at that N
 (prompts of their own, so the timed ones find only what the chat template shares in the prompt
-cache), on every server (not the engine alone): a process's first batch of N rows is slower than later
-ones (bench/RESULTS.md, "Serving"), a cost a server pays once, which without --warm the first run at
-each N includes."""
+cache), on every server (not the engine alone): a process's first batch of N rows is slower than
+later ones (bench/RESULTS.md, "Serving"), a cost a server pays once, which without --warm the
+first run at each N includes."""
 import argparse
 import http.client
 import json
@@ -48,13 +49,15 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..cli import add_model_args
 from ..convert import export
 from ..errors import HelpFormatter, UserError, run_cli
 from ..loader import load
 from .decode import device_name, write_atomic
 
 SUBJECTS = ["a lighthouse keeper", "a lost robot", "a dragon who bakes", "two rival chess players",
-            "a city under the sea", "a clockmaker's apprentice", "the last tree on Mars", "a talking cat"]
+            "a city under the sea", "a clockmaker's apprentice", "the last tree on Mars",
+            "a talking cat"]
 
 
 def percentile(xs, q):
@@ -94,19 +97,22 @@ def mlx_folder(work):
 
 def server_command(kind, model, port, extra):
     if kind == "ours":
-        return [sys.executable, "-m", "mlx_flashnorm.server", "--model", str(model), "--port", str(port), *extra]
+        return [sys.executable, "-m", "mlx_flashnorm.server", "--model", str(model),
+                "--port", str(port), *extra]
     return [sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port", str(port)]
 
 
 def start(kind, model, extra, log):
-    """A server process of `kind` ("ours" or "mlx-lm") on a free port, once it answers /v1/models."""
+    """A server process of `kind` ("ours" or "mlx-lm") on a free port, once it answers
+    /v1/models."""
     port = free_port()
     process = subprocess.Popen(server_command(kind, model, port, extra), stdout=subprocess.DEVNULL,
                                stderr=log, text=True)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise UserError(f"the {kind} server exited with status {process.returncode}; see {log.name}")
+            raise UserError(f"the {kind} server exited with status {process.returncode}; "
+                            f"see {log.name}")
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
             conn.request("GET", "/v1/models")
@@ -123,11 +129,13 @@ def stream_chat(port, prompt, max_tokens, temperature=0.0):
     """One streamed chat request: (seconds to the first content, seconds per token after it
     (None below two tokens), completion tokens). Tokens come from the final usage chunk, else count
     chunks."""
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": temperature,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": temperature, "stream": True,
+            "stream_options": {"include_usage": True}}
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
     sent = time.perf_counter()
-    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    conn.request("POST", "/v1/chat/completions", json.dumps(body),
+                 {"Content-Type": "application/json"})
     response = conn.getresponse()
     if response.status != 200:
         raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
@@ -163,7 +171,8 @@ def summary(clients, results, errors, wall):
     return {"clients": clients, "requests": len(results), "errors": len(errors), "tokens": tokens,
             "error_kinds": sorted(set(e[:120] for e in errors)),
             "wall_s": wall, "tok_s": tokens / wall, "ttft_p50": percentile(ttft, 50),
-            "ttft_p99": percentile(ttft, 99), "tpot_p50": percentile(tpot, 50), "tpot_p99": percentile(tpot, 99)}
+            "ttft_p99": percentile(ttft, 99), "tpot_p50": percentile(tpot, 50),
+            "tpot_p99": percentile(tpot, 99)}
 
 
 def load_round(port, clients, rounds, max_tokens, tag, temperature=0.0):
@@ -201,13 +210,15 @@ def engine_round(model, tokenizer, clients, rounds, max_tokens, tag, temperature
     engine = BatchEngine(model, MAX_CONCURRENT, PREFILL_STEP, PromptCache(PROMPT_CACHE_MB * 2**20),
                          feed_wait=FEED_WAIT)
     warmup(engine)
-    stops, defaults = frozenset(tokenizer.eos_token_ids), dict(max_tokens=max_tokens, temp=0.0, top_p=1.0, top_k=0)
+    stops = frozenset(tokenizer.eos_token_ids)
+    defaults = dict(max_tokens=max_tokens, temp=0.0, top_p=1.0, top_k=0)
     sent, times, done = {}, {}, [0] * clients
 
     def add(i):
-        body = {"messages": [{"role": "user", "content": prompt_of(i, done[i], tag)}], "max_tokens": max_tokens,
-                "temperature": temperature}
-        call = parse_call(body, True, tokenizer, context_length(model), model.args.vocab_size, defaults)
+        body = {"messages": [{"role": "user", "content": prompt_of(i, done[i], tag)}],
+                "max_tokens": max_tokens, "temperature": temperature}
+        call = parse_call(body, True, tokenizer, context_length(model), model.args.vocab_size,
+                          defaults)
         g = call.generation
         r = Request(g.tokens, max_tokens, g.temp, g.top_p, g.top_k, g.min_p, g.seed, stops)
         sent[id(r)], times[id(r)], r.client = time.perf_counter(), [], i
@@ -227,7 +238,8 @@ def engine_round(model, tokenizer, clients, rounds, max_tokens, tag, temperature
             times[id(r)].append(now)
             if e.finish_reason:
                 t = times[id(r)]
-                results.append((t[0] - sent[id(r)], (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None, len(t)))
+                tpot = (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
+                results.append((t[0] - sent[id(r)], tpot, len(t)))
                 done[r.client] += 1
                 if done[r.client] < rounds:
                     add(r.client)
@@ -235,20 +247,23 @@ def engine_round(model, tokenizer, clients, rounds, max_tokens, tag, temperature
 
 
 def step_profile(steps):
-    """An engine's steps [(start s, seconds, rows after it)]: their count, the steady step (the median
-    of those holding the most rows), the seconds spent in such steps within 1.5x of it, and when the
-    first of them ended (every client's row decoding from there)."""
+    """An engine's steps [(start s, seconds, rows after it)]: their count, the steady step (the
+    median of those holding the most rows), the seconds spent in such steps within 1.5x of it, and
+    when the first of them ended (every client's row decoding from there)."""
     most = max(rows for _, _, rows in steps)
     full = [(t, dt) for t, dt, rows in steps if rows == most]
     steady = percentile([dt for _, dt in full], 50)
-    return {"steps": len(steps), "steady_step_s": steady, "steady_s": sum(dt for _, dt in full if dt <= 1.5 * steady),
+    return {"steps": len(steps), "steady_step_s": steady,
+            "steady_s": sum(dt for _, dt in full if dt <= 1.5 * steady),
             "first_full_s": sum(full[0])}
 
 
 def paired(rows):
-    """Lines saying, for each server and N with more than one row (the rows of --repeats), the median
-    aggregate tok/s and the median (and range) of its ratio to the same repeat's first one-client row."""
-    lines, groups, singles = [], {}, {}  # (server, N) -> its rows; (server, repeat) -> its first single's tok/s
+    """Lines saying, for each server and N with more than one row (the rows of --repeats), the
+    median aggregate tok/s and the median (and range) of its ratio to the same repeat's first
+    one-client row."""
+    # (server, N) -> its rows; (server, repeat) -> its first single's tok/s
+    lines, groups, singles = [], {}, {}
     for r in rows:
         if "repeat" in r:
             groups.setdefault((r["server"], r["clients"]), []).append(r)
@@ -259,42 +274,47 @@ def paired(rows):
             continue
         median = percentile([r["tok_s"] for r in group], 50)
         line = f"{server}, {n} clients ({len(group)} rows): median {median:,.0f} tok/s"
-        ratios = [r["tok_s"] / singles[server, r["repeat"]] for r in group if (server, r["repeat"]) in singles]
+        ratios = [r["tok_s"] / singles[server, r["repeat"]] for r in group
+                  if (server, r["repeat"]) in singles]
         if n > 1 and ratios:
-            line += (f", {percentile(ratios, 50):.1f}x the same repeat's first single stream (paired, median; "
-                     f"{min(ratios):.1f}-{max(ratios):.1f}x)")
+            line += (f", {percentile(ratios, 50):.1f}x the same repeat's first single stream "
+                     f"(paired, median; {min(ratios):.1f}-{max(ratios):.1f}x)")
         lines.append(line)
     return lines
 
 
 def table(rows):
-    lines = ["| server | clients | requests | tokens | aggregate tok/s | TTFT p50 (s) | TTFT p99 (s) "
-             "| TPOT p50 (ms) | TPOT p99 (ms) |",
+    lines = ["| server | clients | requests | tokens | aggregate tok/s | TTFT p50 (s) "
+             "| TTFT p99 (s) | TPOT p50 (ms) | TPOT p99 (ms) |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         errors = f" ({r['errors']} failed)" if r["errors"] else ""
-        lines.append(f"| {r['server']} | {r['clients']} | {r['requests']}{errors} | {r['tokens']} | "
-                     f"{r['tok_s']:.1f} | {r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} | "
+        lines.append(f"| {r['server']} | {r['clients']} | {r['requests']}{errors} | {r['tokens']} "
+                     f"| {r['tok_s']:.1f} | {r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} | "
                      f"{1e3 * r['tpot_p50']:.1f} | {1e3 * r['tpot_p99']:.1f} |")
     return "\n".join(lines)
 
 
 def arg_parser():
-    p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.bench.serve", description=__doc__.split("\n\n")[1],
-                                formatter_class=HelpFormatter)
-    p.add_argument("--model", help="MLX model folder both servers load (default: the embedded SmolLM2, "
-                                   "written as an MLX folder under --work)")
-    p.add_argument("--clients", default="1,8,32,64", help="comma-separated concurrent client counts")
+    p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.bench.serve",
+                                description=__doc__.split("\n\n")[1], formatter_class=HelpFormatter)
+    add_model_args(p, "--model", model=dict(help="MLX model folder both servers load (default: the "
+                                                 "embedded SmolLM2, written as an MLX folder under "
+                                                 "--work)"))
+    p.add_argument("--clients", default="1,8,32,64",
+                   help="comma-separated concurrent client counts")
     p.add_argument("--rounds", type=int, default=2, help="requests each client sends in turn")
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request")
-    p.add_argument("--temperature", type=float, default=0.0, help="temperature of every request (0: greedy)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="temperature of every request (0: greedy)")
     p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True,
                    help="also measure mlx_lm.server on the same weights")
     p.add_argument("--repeats", type=int, default=1,
-                   help="play the --clients list this many times over in each server process, and report "
-                        "each N's median and its ratio to the same repeat's one-client row")
+                   help="play the --clients list this many times over in each server process, and "
+                        "report each N's median and its ratio to the same repeat's one-client row")
     p.add_argument("--warm", action="store_true",
-                   help="before each N's timed requests, an untimed round of one request a client at that N")
+                   help="before each N's timed requests, an untimed round of one request a client "
+                        "at that N")
     p.add_argument("--engine", action="store_true",
                    help="also feed the same requests to our batch engine in this process (no HTTP)")
     p.add_argument("--server-args", default="", help="extra flags for our server, space-separated")
@@ -310,7 +330,8 @@ def parse_clients(text):
     except ValueError:
         counts = []
     if not counts or min(counts) < 1:
-        raise UserError(f"--clients must be positive whole numbers separated by commas, not '{text}'")
+        raise UserError("--clients must be positive whole numbers separated by commas, "
+                        f"not '{text}'")
     return counts
 
 
@@ -320,7 +341,8 @@ def main(argv=None):
     if args.rounds < 1 or args.max_tokens < 1 or args.repeats < 1:
         raise UserError("--rounds, --max-tokens and --repeats must be at least 1")
     if not 0 <= args.temperature <= 2:
-        raise UserError(f"--temperature must lie in 0..2 (the server's range), not {args.temperature:g}")
+        raise UserError("--temperature must lie in 0..2 (the server's range), "
+                        f"not {args.temperature:g}")
     model = Path(args.model) if args.model else mlx_folder(args.work)
     if not (model / "config.json").is_file():
         raise UserError(f"{model}: not an MLX model folder (config.json missing)")
@@ -335,9 +357,10 @@ def main(argv=None):
                     tag = f"{kind}{n}" + (f"r{repeat}" if repeat else "")
                     if args.warm:
                         load_round(port, n, 1, args.max_tokens, f"{tag}-warm", args.temperature)
-                    before = cpu_seconds(process.pid)  # the server process's own (ours: its HTTP front)
-                    row = dict(load_round(port, n, args.rounds, args.max_tokens, tag, args.temperature),
-                               server=kind, repeat=repeat)
+                    # the server process's own (ours: its HTTP front)
+                    before = cpu_seconds(process.pid)
+                    row = dict(load_round(port, n, args.rounds, args.max_tokens, tag,
+                                          args.temperature), server=kind, repeat=repeat)
                     row["server_cpu_s"] = cpu_seconds(process.pid) - before
                     print(table([row]).splitlines()[-1], file=sys.stderr, flush=True)
                     rows.append(row)
@@ -346,21 +369,24 @@ def main(argv=None):
                 process.wait(timeout=60)
     if args.engine:
         ours, tokenizer = load(str(model), progress=False)
-        engine_round(ours, tokenizer, 1, 1, 4, "engine")  # untimed: first-request costs, as the servers'
+        # untimed: first-request costs, as the servers'
+        engine_round(ours, tokenizer, 1, 1, 4, "engine")
         for n in counts:
-            rows.append(dict(engine_round(ours, tokenizer, n, args.rounds, args.max_tokens, f"engine{n}",
-                                          args.temperature),
+            rows.append(dict(engine_round(ours, tokenizer, n, args.rounds, args.max_tokens,
+                                          f"engine{n}", args.temperature),
                              server="ours, engine alone"))
             print(table([rows[-1]]).splitlines()[-1], file=sys.stderr, flush=True)
-    text = (f"{device_name()}, MLX {mx.__version__}, model {model.name}, {args.rounds} requests per client"
-            f"{' (the servers after an untimed round at each N)' if args.warm else ''}, "
-            f"max_tokens {args.max_tokens}, {'temperature %g' % args.temperature if args.temperature else 'greedy'}, "
-            f"streamed\n\n{table(rows)}\n")
+    sampling = "temperature %g" % args.temperature if args.temperature else "greedy"
+    warm = " (the servers after an untimed round at each N)" if args.warm else ""
+    text = (f"{device_name()}, MLX {mx.__version__}, model {model.name}, {args.rounds} requests "
+            f"per client{warm}, max_tokens {args.max_tokens}, {sampling}, streamed\n\n"
+            f"{table(rows)}\n")
     for r in rows:
         if "steps" in r:
-            text += (f"\n{r['server']}, {r['clients']} clients: {r['steps']} steps, the steady step "
-                     f"{1e3 * r['steady_step_s']:.2f} ms; {r['steady_s']:.2f} s of {r['wall_s']:.2f} in such steps, "
-                     f"the first ended at {r['first_full_s']:.2f} s")
+            text += (f"\n{r['server']}, {r['clients']} clients: {r['steps']} steps, the steady "
+                     f"step {1e3 * r['steady_step_s']:.2f} ms; {r['steady_s']:.2f} s of "
+                     f"{r['wall_s']:.2f} in such steps, the first ended at "
+                     f"{r['first_full_s']:.2f} s")
     text += "".join(f"\n{line}" for line in paired(rows)) if args.repeats > 1 else ""
     print(text)
     if args.out:

@@ -24,8 +24,9 @@ from ..errors import HelpFormatter
 from ..decoding import decode_offset, position
 from .decode import NORM_MODES, SHAPES, SUBLAYER, load_ours, random_checkpoint
 
-VIEWS = {"Reshape", "Transpose", "Slice", "Split", "ExpandDims", "Squeeze", "Broadcast", "AsStrided",
-         "Flatten", "Unflatten"}  # no kernel: they share the input's buffer (when contiguous)
+# no kernel: they share the input's buffer (when contiguous)
+VIEWS = {"Reshape", "Transpose", "Slice", "Split", "ExpandDims", "Squeeze", "Broadcast",
+         "AsStrided", "Flatten", "Unflatten"}
 
 
 def step_ops(model, prompt=8):
@@ -35,7 +36,8 @@ def step_ops(model, prompt=8):
     model(mx.arange(prompt)[None], cache=cache)
     mx.eval([c.state for c in cache])
     for c in cache:
-        c.offset = c.offset if forms.portable() else position(decode_offset(prompt))  # as generate's
+        # as generate's
+        c.offset = c.offset if forms.portable() else position(decode_offset(prompt))
     return graph_ops(model(mx.array([[3]]), cache=cache), *[a for c in cache for a in c.state])
 
 
@@ -54,19 +56,23 @@ def main(argv=None):
     p.add_argument("--bits", type=int, default=4, help="weight bits, 0 for full precision")
     p.add_argument("--dtype", default="float16", help="activation dtype")
     p.add_argument("--layers", type=int, default=16, help="decoder layers")
-    p.add_argument("--shape", choices=list(SHAPES), default="openelm-270m", help="architecture of the random weights")
+    p.add_argument("--shape", choices=list(SHAPES), default="openelm-270m",
+                   help="architecture of the random weights")
     args = p.parse_args(argv)
     name, config = SHAPES[args.shape]
     if "num_transformer_layers" in config:  # OpenELM: per-layer lists
         config = dict(config, num_transformer_layers=args.layers,
-                      **{k: config[k][:args.layers] for k in ("num_query_heads", "num_kv_heads", "ffn_multipliers")})
+                      **{k: config[k][:args.layers]
+                         for k in ("num_query_heads", "num_kv_heads", "ffn_multipliers")})
     else:
         config = dict(config, num_hidden_layers=args.layers)
     with tempfile.TemporaryDirectory() as tmp:
         folder = random_checkpoint(Path(tmp) / "m", config)
-        print(f"device {mx.default_device()}, {name} shape, {args.layers} layers, bits {args.bits}, {args.dtype}")
+        print(f"device {mx.default_device()}, {name} shape, {args.layers} layers, "
+              f"bits {args.bits}, {args.dtype}")
         for mode in NORM_MODES + ("flash" + SUBLAYER,):
-            model = load_ours(folder, mode.removesuffix(SUBLAYER), args.bits or None, args.dtype, 64)
+            model = load_ours(folder, mode.removesuffix(SUBLAYER), args.bits or None, args.dtype,
+                              64)
             with forms.without(*(("decode_layers",) if mode.endswith(SUBLAYER) else ())):
                 ops = step_ops(model)
             counts = collections.Counter(ops)

@@ -4,7 +4,8 @@ On the CUDA machine, one mode per process:
 
     ncu --profile-from-start off --cache-control none --clock-control none \\
         --metrics gpu__time_duration.sum --csv \\
-        python -m mlx_flashnorm.bench.step_kernels run --mode flash --shape smollm2-135m --pp 1792 > flash.csv
+        python -m mlx_flashnorm.bench.step_kernels run --mode flash --shape smollm2-135m \
+--pp 1792 > flash.csv
     python -m mlx_flashnorm.bench.step_kernels summary flash.csv
 
 `run` builds the random-weight model (4-bit, --dtype), prefills --pp tokens, warms the decode loop
@@ -65,10 +66,11 @@ def summary(file, top=14):
     written around `run`'s output."""
     lines = Path(file).read_text(errors="replace").splitlines()
     steps = [int(line.split()[2]) for line in lines if line.startswith(STEPS_LINE)]
-    rows = [r for r in csv.reader(line for line in lines if line.startswith('"')) if len(r) > 12 and r[0] != "ID"]
+    rows = [r for r in csv.reader(line for line in lines if line.startswith('"'))
+            if len(r) > 12 and r[0] != "ID"]
     if not steps or not rows:
-        raise UserError(f"{file}: no kernels of a `step_kernels run` in it: run it under ncu as this "
-                        "module's help shows")
+        raise UserError(f"{file}: no kernels of a `step_kernels run` in it: run it under ncu as "
+                        "this module's help shows")
     time = collections.defaultdict(float)
     calls = collections.Counter()
     for r in rows:
@@ -82,8 +84,8 @@ def summary(file, top=14):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.bench.step_kernels", description=__doc__,
-                                formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.bench.step_kernels",
+                                description=__doc__, formatter_class=HelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="decode steps for ncu to profile")
     r.add_argument("--mode", default="flash", choices=["rms", "flash", "none", PEER])
@@ -91,7 +93,8 @@ def main(argv=None):
     r.add_argument("--config", action="append", metavar="FILE", help="or of this HF config.json")
     r.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     r.add_argument("--pp", type=int, default=1792, help="prompt tokens")
-    r.add_argument("--steps", type=int, default=1, help="decode steps profiled (ncu takes about 80 s a step)")
+    r.add_argument("--steps", type=int, default=1,
+                   help="decode steps profiled (ncu takes about 80 s a step)")
     r.add_argument("--dtype", default="float16", help="activation dtype")
     s = sub.add_parser("summary", help="GPU microseconds per step by kernel, from ncu's CSV")
     s.add_argument("file")
@@ -100,7 +103,8 @@ def main(argv=None):
     if args.command == "run":
         return run(args)
     steps, table, total, kernels = summary(args.file)
-    print(f"{args.file}: {kernels:.1f} kernels a step, {total:.1f} us of GPU time a step (over {steps} steps)")
+    print(f"{args.file}: {kernels:.1f} kernels a step, {total:.1f} us of GPU time a step "
+          f"(over {steps} steps)")
     print("| kernel | calls a step | us a step | us a call |\n| --- | ---: | ---: | ---: |")
     for name, calls, t in table:
         print(f"| `{name[:70]}` | {calls:g} | {t:.1f} | {t / calls:.1f} |")

@@ -16,9 +16,10 @@ import time
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from ..cli import add_model_args
 from ..errors import HelpFormatter, run_cli
 from ..decoding import generate_step
-from ..loader import NORMS, load
+from ..loader import load
 from ..shard import world
 
 MB = 2**20
@@ -50,10 +51,11 @@ def all_sum_us(group, size, reps=100):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.bench.tensor_parallel", description=__doc__,
-                                formatter_class=HelpFormatter)
-    p.add_argument("--model", help="model (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--norm", choices=NORMS, default="flash")
+    p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.bench.tensor_parallel",
+                                description=__doc__, formatter_class=HelpFormatter)
+    add_model_args(p, "--model", "--norm",
+                   model=dict(help="model (default: the embedded SmolLM2-135M-Instruct)"),
+                   norm=dict(help=None))
     p.add_argument("--tg", type=int, default=64, help="decode tokens timed")
     args = p.parse_args(argv)
     group = world()
@@ -61,12 +63,15 @@ def main(argv=None):
     loaded = mx.get_peak_memory()
     decode_tps(model, 4)  # warm-up: the step's trace, the kernels
     tps = decode_tps(model, args.tg)
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    hidden = getattr(model.args, "hidden_size", None) or model.args.model_dim
     print(json.dumps({
-        "rank": 0 if group is None else group.rank(), "processes": 1 if group is None else group.size(),
-        "norm": args.norm, "weights_mb": round(sum(v.nbytes for _, v in tree_flatten(model.parameters())) / MB, 1),
+        "rank": 0 if group is None else group.rank(),
+        "processes": 1 if group is None else group.size(),
+        "norm": args.norm, "weights_mb": round(weights / MB, 1),
         "peak_after_load_mb": round(loaded / MB, 1), "peak_mb": round(mx.get_peak_memory() / MB, 1),
         "rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "decode_tps": round(tps, 2), "all_sum_us": all_sum_us(group, getattr(model.args, "hidden_size", None) or model.args.model_dim)}), flush=True)
+        "decode_tps": round(tps, 2), "all_sum_us": all_sum_us(group, hidden)}), flush=True)
 
 
 if __name__ == "__main__":

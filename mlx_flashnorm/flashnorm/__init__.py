@@ -29,12 +29,12 @@ This file: the whole-model passes.
 
 apply(model, fold=...) rewrites a whole model following the Mapping its model file states
 (models/*.py: FLASHNORM, a Pair per pre-norm); remove_norms(model) drops every norm
-(a speed ceiling, not the same function). Weights are folded in float32 and cast back to the
-model dtype. Why not always fold: quantizing W*g loses far more than quantizing W where g varies
-inside a quantization group (bench/RESULTS.md, "Perplexity"), so a quantized model keeps g on the
+(a speed ceiling, not the same function). Weights are folded in float32 and cast back to the model
+dtype. Why not always fold: quantizing W*g loses far more than quantizing W where g varies inside a
+quantization group (bench/RESULTS.md, "Perplexity"), so a quantized model keeps g on the
 activations. Every linear keeps its path (model.layers.0.self_attn.q_proj stays that), so
-per-module quantization settings carry over, and DeferredLinear quantizes to
-QuantizedDeferredLinear (a QuantizedLinear becomes one as it is, with apply(fold=False)).
+per-module quantization settings carry over, and DeferredLinear quantizes to QuantizedDeferredLinear
+(a QuantizedLinear becomes one as it is, with apply(fold=False)).
 """
 from typing import NamedTuple
 
@@ -138,10 +138,9 @@ def apply(model, head=DEFAULT_HEAD, fold=True, deferred=None):
 
     head: how a tied embedding takes the final norm. "scale" (default) keeps the embedding shared
     and the norm weights as one scale vector (TiedFlashHead): no extra memory. "untie" folds them
-    into an untied vocab x dim copy (FlashHead): more memory, and no faster than "scale"
-    (bench/flash_head.py, interleaved, in bench/RESULTS.md, "Final norm and tied head"), since
-    decode is bound by reading weights. An untied model always folds into its own lm_head.
-    "untie" exists to fold, so it needs fold=True.
+    into an untied vocab x dim copy (FlashHead): more memory and no faster (bench/RESULTS.md,
+    "Final norm and tied head"), since decode is bound by reading weights. An untied model always
+    folds into its own lm_head. "untie" exists to fold, so it needs fold=True.
 
     deferred: False gives Sec. 1's weightless form alone (Fig. 1(b)): with fold, every norm's
     weights folded into the linears it feeds (the final norm's into an untied lm_head), the norms

@@ -236,7 +236,7 @@ def launch(kernel, x, positions, layers, caches, gains, qk_gains, theta, eps, fa
     block per SM of 8 warps (or NW), the shared inputs, the 12 stacked matrices (stacked) and every
     layer's caches. Returns (y, ys, p, caches); the caches were written in place, so they are
     handed out as depending on the launch (reading them runs it first). keep_work: the work buffer
-    (work floats) too, last (bench.rows_phases reads its clock stamps there)."""
+    (work floats) too, last (bench/probes/rows_phases.py reads its clock stamps there)."""
     K, D, I, xmax = sizes(x, layers, theta, n_heads)
     threads = 32 * dict(template).get("NW", THREADS // 32)
     none = constant(mx.float32, 0.0)

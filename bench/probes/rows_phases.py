@@ -1,9 +1,9 @@
 """GPU time of each phase of kernels.decode_rows (the batched server's step), per layer.
 
-    python -m mlx_flashnorm.bench.rows_phases [--rows 8,16,32,64] [--positions 64,300] [--source FILE ...]
+    python bench/probes/rows_phases.py [--rows 8,16,32,64] [--positions 64,300] [--source FILE ...]
 
 The kernel is one launch with a grid barrier between its phases, so a profiler sees one duration.
-This bench builds a variant of it in which block 0 reads the GPU's nanosecond clock (globaltimer)
+This probe builds a variant of it in which block 0 reads the GPU's nanosecond clock (globaltimer)
 after every barrier and writes the reading past the end of the work buffer; a phase's time is the
 gap between two readings (its own work and the barrier that ends it). It runs the embedded
 SmolLM2-135M in float16 on random caches, every row at the same position, and prints the median
@@ -13,25 +13,33 @@ source and SIZES) beside the current one; the copy reads its CUDA from the cuda/
 (copy the kernels folder to change a phase)."""
 import argparse
 import importlib.util
+import sys
+from pathlib import Path
 
-import mlx.core as mx
-import numpy as np
+# the package of the checkout this script is in, not another installed copy: the probe reaches
+# into kernel internals that change with the code
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from ..errors import HelpFormatter, UserError, run_cli
-from ..flashnorm.stack import _spec, _stacked
-from ..kernels import rows as current, step
-from ..kernels.build import make_kernel
-from ..loader import load
-from .decode import device_name
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
 
-PHASES = ["qkv", "attention", "merge", "o_proj", "gate_up", "down"]  # after each barrier (merge: about 0 where skipped)
+from mlx_flashnorm.bench.decode import device_name  # noqa: E402
+from mlx_flashnorm.errors import HelpFormatter, UserError, run_cli  # noqa: E402
+from mlx_flashnorm.flashnorm.stack import _spec, _stacked  # noqa: E402
+from mlx_flashnorm.kernels import rows as current, step  # noqa: E402
+from mlx_flashnorm.kernels.build import make_kernel  # noqa: E402
+from mlx_flashnorm.loader import load  # noqa: E402
+
+# the phase each barrier ends (merge: about nothing where it is skipped)
+PHASES = ["qkv", "attention", "merge", "o_proj", "gate_up", "down"]
 STAMP = ("if (blockIdx.x == 0 && threadIdx.x == 0) { unsigned long long t_; "
          "asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(t_)); "
          "reinterpret_cast<unsigned long long*>(stamps_)[ti_++] = t_; }")
 
 
 def rows_module(path):
-    """kernels/rows.py, or the copy at path (its relative imports resolved in mlx_flashnorm.kernels)."""
+    """kernels/rows.py, or the copy at path (its relative imports resolved in
+    mlx_flashnorm.kernels)."""
     if not path:
         return current
     spec = importlib.util.spec_from_file_location("mlx_flashnorm.kernels.rows_variant", path)
@@ -45,11 +53,12 @@ def rows_module(path):
 def stamped_source(source):
     """The rows kernel's body with a clock reading before the layers, after every grid barrier and
     at the end, into the float pairs from work + WORK_ on."""
-    head = "for (int l = 0; l < NL; ++l) {"
-    if head not in source or "fn_grid_sync(bar, target += NB);" not in source:
+    head, barrier = "for (int l = 0; l < NL; ++l) {", "fn_grid_sync(bar, target += NB);"
+    if head not in source or barrier not in source:
         raise UserError("this rows kernel has no layer loop or grid barrier where the stamps go")
-    source = source.replace("fn_grid_sync(bar, target += NB);", "fn_grid_sync(bar, target += NB); " + STAMP)
-    source = source.replace(head, "float* stamps_ = work + WORK_; int ti_ = 0; " + STAMP + "\n  " + head, 1)
+    source = source.replace(barrier, barrier + " " + STAMP)
+    start = "float* stamps_ = work + WORK_; int ti_ = 0; "
+    source = source.replace(head, start + STAMP + "\n  " + head, 1)
     return source.replace("  fn_grid_exit(bar, NB);", "  " + STAMP + "\n  fn_grid_exit(bar, NB);")
 
 
@@ -65,12 +74,15 @@ def phase_times(module, kernel, spec, B, position, reps, capacity=1024):
     L, HQ, HKV = len(spec["layers"]), spec["n_heads"], spec["n_kv_heads"]
     D = spec["theta"].shape[0] * 2
     K, I = spec["layers"][0][1][0].shape[0], spec["layers"][0][2][0].shape[0] // 2
-    caches = [tuple(0.5 * mx.random.normal((B, HKV, capacity, D)).astype(mx.float16) for _ in range(2))
+    caches = [tuple(0.5 * mx.random.normal((B, HKV, capacity, D)).astype(mx.float16)
+                    for _ in range(2))
               for _ in range(L)]
     x = mx.random.normal((B, 1, K)).astype(mx.float16)
     positions = mx.full((B,), position, mx.int32)
     template, work, shared = module.launch_plan(B, K, I, D, HQ, HKV, L)
-    stamps = 2 + 6 * L  # before the layers, 6 a layer, at the end: pairs of floats after the work
+    # one before the layers, one after each of a layer's PHASES, one at the end: pairs of floats
+    # after the work
+    stamps = 2 + 6 * L
 
     def once():
         *_, scratch = step.launch(kernel, x, positions, caches=caches, work=work + 2 * stamps,
@@ -85,12 +97,14 @@ def phase_times(module, kernel, spec, B, position, reps, capacity=1024):
 
 
 def arg_parser():
-    p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.bench.rows_phases", description=__doc__.split("\n\n")[1],
-                                formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(prog="python bench/probes/rows_phases.py",
+                                description=__doc__.split("\n\n")[1], formatter_class=HelpFormatter)
     p.add_argument("--rows", default="8,16,32,64", help="comma-separated batch sizes")
-    p.add_argument("--positions", default="64,300", help="comma-separated positions (every row at it)")
+    p.add_argument("--positions", default="64,300",
+                   help="comma-separated positions (every row at it)")
     p.add_argument("--reps", type=int, default=20, help="timed launches per point")
-    p.add_argument("--source", nargs="*", default=[], help="other copies of kernels/rows.py to time beside it")
+    p.add_argument("--source", nargs="*", default=[],
+                   help="other copies of kernels/rows.py to time beside it")
     p.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
     return p
 
@@ -98,19 +112,24 @@ def arg_parser():
 def main(argv=None):
     args = arg_parser().parse_args(argv)
     if not step.use_decode_layers("decode_rows"):
-        raise UserError("decode_rows runs on CUDA only (sm_80 on, our kernels on): run this on the GPU machine")
+        raise UserError("decode_rows runs on CUDA only (sm_80 on, our kernels on): run this on the "
+                        "GPU machine")
     try:
         counts = [int(v) for v in args.rows.split(",")]
         positions = [int(v) for v in args.positions.split(",")]
     except ValueError:
         raise UserError("--rows and --positions take whole numbers separated by commas")
-    if min(counts) < 2 or max(counts) > step.MAX_ROWS or min(positions) < 0 or max(positions) >= 1023:
+    if (min(counts) < 2 or max(counts) > step.MAX_ROWS
+            or min(positions) < 0 or max(positions) >= 1023):
         raise UserError(f"--rows must lie in 2..{step.MAX_ROWS} and --positions in 0..1022")
     model, _ = load(None, dtype="float16", progress=False)
     spec = _spec(model.layers)
-    spec["layers"] = _stacked(model.layers, spec["layers"])  # the loader's stacks, as the step passes them
-    print(f"{device_name()}, MLX {mx.__version__}, SmolLM2-135M float16, {args.reps} launches a point\n")
-    print("| kernel | rows | position | G, GD, GU, NW | " + " | ".join(PHASES) + " | layer | step |")
+    # the loader's stacks, as the step passes them
+    spec["layers"] = _stacked(model.layers, spec["layers"])
+    print(f"{device_name()}, MLX {mx.__version__}, SmolLM2-135M float16, "
+          f"{args.reps} launches a point\n")
+    print("| kernel | rows | position | G, GD, GU, NW | " + " | ".join(PHASES)
+          + " | layer | step |")
     print("| --- | ---: | ---: | --- |" + " ---: |" * (len(PHASES) + 2))
     for i, source in enumerate([None] + args.source):
         module = rows_module(source)
@@ -118,9 +137,12 @@ def main(argv=None):
         for B in counts:
             for position in positions:
                 phases, total, plan = phase_times(module, kernel, spec, B, position, args.reps)
-                passes = f"{plan['G']}, {plan['GD']}, {plan.get('GU', plan['G'])}, {plan.get('NW', 8)}"  # GU, NW: later
+                # an older copy's plan may lack GU and NW: its gate/up pass and its warps as then
+                passes = (f"{plan['G']}, {plan['GD']}, {plan.get('GU', plan['G'])}, "
+                          f"{plan.get('NW', 8)}")
                 print(f"| {source or 'current'} | {B} | {position} | {passes} | "
-                      + " | ".join(f"{v:.1f}" for v in phases) + f" | {phases.sum():.1f} | {total:.0f} |", flush=True)
+                      + " | ".join(f"{v:.1f}" for v in phases)
+                      + f" | {phases.sum():.1f} | {total:.0f} |", flush=True)
 
 
 if __name__ == "__main__":
