@@ -181,6 +181,12 @@ def cuda_source(name, input_names, output_names, body, header, input_types, outp
             + "\n".join(lines) + f"\n{body}\n}}\n")
 
 
-# Each kernel's self-check (kernels.check) is a call on small float16 inputs, written beside it.
-def rand(shape, seed, dtype=mx.float16, scale=1.0):
+# Each kernel's self-check (kernels.check) is a call on small inputs, written beside it, of
+# CHECK_DTYPE where not of a dtype of their own: float16 on a GPU; tests/test_cuda_compile.py
+# compiles the checks' CUDA variants in each dtype the kernels take.
+CHECK_DTYPE = mx.float16
+
+
+def rand(shape, seed, dtype=None, scale=1.0):
+    dtype = CHECK_DTYPE if dtype is None else dtype
     return (scale * mx.random.normal(shape, key=mx.random.key(seed))).astype(dtype)
