@@ -241,6 +241,12 @@ def declare(fields, array="dims"):
                    for i, (name, kind) in enumerate(fields))
 
 
-# Each kernel's self-check (kernels.check) is a call on small float16 inputs, written beside it.
-def rand(shape, seed, dtype=mx.float16, scale=1.0):
+# Each kernel's self-check (kernels.check) is a call on small inputs, written beside it, of
+# CHECK_DTYPE where not of a dtype of their own: float16 on a GPU; tests/test_cuda_compile.py
+# compiles the checks' CUDA variants in each dtype the kernels take.
+CHECK_DTYPE = mx.float16
+
+
+def rand(shape, seed, dtype=None, scale=1.0):
+    dtype = CHECK_DTYPE if dtype is None else dtype
     return (scale * mx.random.normal(shape, key=mx.random.key(seed))).astype(dtype)

@@ -14,24 +14,43 @@ CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "
 
 
 @lru_cache(maxsize=None)
-def _nvrtc():
-    """MLX's NVRTC (already loaded into this process by its CUDA backend), through ctypes."""
+def _nvrtc(path=None):
+    """NVRTC through ctypes and its version: the library at `path`, else MLX's (already loaded
+    into this process by its CUDA backend)."""
     import ctypes
     import ctypes.util
 
-    with open("/proc/self/maps") as maps:
-        loaded = [line.split()[-1] for line in maps if "/libnvrtc.so" in line]
-    lib = ctypes.CDLL(loaded[0] if loaded else ctypes.util.find_library("nvrtc") or "libnvrtc.so")
+    if path is None:
+        with open("/proc/self/maps") as maps:
+            loaded = [line.split()[-1] for line in maps if "/libnvrtc.so" in line]
+        path = loaded[0] if loaded else ctypes.util.find_library("nvrtc") or "libnvrtc.so"
+    lib = ctypes.CDLL(path)
     major, minor = ctypes.c_int(), ctypes.c_int()
     lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
     return lib, f"{major.value}.{minor.value}"
+
+
+def _site_packages():
+    """The folder MLX is installed in (site-packages), where the nvidia wheels put nvidia/."""
+    return Path(mx.__file__).parents[1]  # mx.__file__: site-packages/mlx/core.*.so
+
+
+def wheel_nvrtc():
+    """(libnvrtc, include folder) of the pip wheels nvidia-cuda-nvrtc and nvidia-cuda-runtime
+    (site-packages' nvidia/cu13/lib and nvidia/cu13/include), or None where either is missing:
+    NVRTC and the headers our kernels include, enough to compile them for any GPU architecture
+    on a machine without one (tests/test_cuda_compile.py)."""
+    root = _site_packages() / "nvidia" / "cu13"
+    lib, include = root / "lib" / "libnvrtc.so.13", root / "include"
+    found = lib.is_file() and (include / "cuda_fp16.h").is_file()
+    return (str(lib), str(include)) if found else None
 
 
 @lru_cache(maxsize=None)
 def _cuda_include():
     """A folder holding cuda_fp16.h (the CUDA headers MLX's own JIT compiles against)."""
     roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
-    roots += sorted(str(p.parent) for p in (Path(mx.__file__).parents[2] / "nvidia").glob("*/include"))
+    roots += sorted(str(p.parent) for p in (_site_packages() / "nvidia").glob("*/include"))
     for root in filter(None, roots):
         for folder in (Path(root) / "include", Path(root)):
             if (folder / "cuda_fp16.h").is_file():
@@ -48,8 +67,6 @@ def cuda_binary(name, code):
     """The cubin of CUDA file `code` for this GPU: read from CACHE_DIR, or compiled with NVRTC and
     kept there (a temporary file renamed into place) under a hash of the code, the GPU
     architecture and NVRTC's version."""
-    import ctypes
-
     lib, version = _nvrtc()
     arch = _cuda_arch()
     key = hashlib.sha256(f"{code}\n{arch}\n{version}".encode()).hexdigest()[:24]
@@ -58,20 +75,7 @@ def cuda_binary(name, code):
         return file.read_bytes()
     except OSError:
         pass
-    prog = ctypes.c_void_p()
-    check = lambda rc, what: None if rc == 0 else _nvrtc_error(lib, prog, rc, what)
-    check(lib.nvrtcCreateProgram(ctypes.byref(prog), code.encode(), f"{name}.cu".encode(), 0, None, None), "create")
-    try:
-        opts = [f"--gpu-architecture={arch}", "--std=c++17", f"--include-path={_cuda_include()}"]
-        check(lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])),
-              "compile")
-        size = ctypes.c_size_t()
-        check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "cubin size")
-        cubin = ctypes.create_string_buffer(size.value)
-        check(lib.nvrtcGetCUBIN(prog, cubin), "cubin")
-    finally:
-        lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    binary = cubin.raw
+    binary = compile_cubin(lib, name, code, arch, _cuda_include())[0]
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
         tmp = file.with_suffix(f".tmp{os.getpid()}")
@@ -82,16 +86,45 @@ def cuda_binary(name, code):
     return binary
 
 
+def compile_cubin(lib, name, code, arch, include):
+    """(cubin, log): CUDA file `code` compiled by NVRTC (`lib`, through ctypes) for GPU
+    architecture `arch` ("sm_90") against the CUDA headers in folder `include`, and NVRTC's log
+    (its warnings; empty where none). A failed step raises RuntimeError, a compile's with the
+    log."""
+    import ctypes
+
+    prog = ctypes.c_void_p()
+    check = lambda rc, what: None if rc == 0 else _nvrtc_error(lib, prog, rc, what)
+    check(lib.nvrtcCreateProgram(ctypes.byref(prog), code.encode(), f"{name}.cu".encode(), 0, None,
+                                 None), "create")
+    try:
+        opts = [f"--gpu-architecture={arch}", "--std=c++17", f"--include-path={include}"]
+        check(lib.nvrtcCompileProgram(prog, len(opts),
+                                      (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])),
+              "compile")
+        size = ctypes.c_size_t()
+        check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "cubin size")
+        cubin = ctypes.create_string_buffer(size.value)
+        check(lib.nvrtcGetCUBIN(prog, cubin), "cubin")
+        return cubin.raw, _log(lib, prog)
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def _log(lib, prog):
+    import ctypes
+
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    buf = ctypes.create_string_buffer(size.value + 1)
+    lib.nvrtcGetProgramLog(prog, buf)
+    return buf.value.decode(errors="replace").strip()
+
+
 def _nvrtc_error(lib, prog, rc, what):
     import ctypes
 
-    log = ""
-    if what == "compile":
-        size = ctypes.c_size_t()
-        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-        buf = ctypes.create_string_buffer(size.value + 1)
-        lib.nvrtcGetProgramLog(prog, buf)
-        log = buf.value.decode(errors="replace").strip()
+    log = _log(lib, prog) if what == "compile" else ""
     lib.nvrtcGetErrorString.restype = ctypes.c_char_p
     raise RuntimeError(f"NVRTC {what} failed ({lib.nvrtcGetErrorString(rc).decode()}): {log[:2000]}")
 
