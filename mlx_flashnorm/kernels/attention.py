@@ -86,7 +86,8 @@ _ATTENTION = """
   }
   // merge the row groups of a warp (lanes LPR apart hold the same dims), then the warps; these
   // loops run once per block and stay rolled: MLX hashes a kernel's whole binary at every launch
-  // (about 2 us per 10 KB on the host), and unrolled they made it a third larger
+  // (host time per KB), and unrolled they made it larger
+  // (bench/LOG.md, "What a launch costs on the host")
   #pragma unroll 1
   for (int x = LPR; x < 32; x <<= 1) {
     #pragma unroll
@@ -144,13 +145,15 @@ _COMBINE = """
   for (int s = lane; s < S; s += 32) M = fmaxf(M, part[ps + s * W + D]);
   M = fn_warp_max(M);
   float L = 0.0f;
-  for (int s = lane; s < S; s += 32) L += part[ps + s * W + D + 1] * exp2f(part[ps + s * W + D] - M);
+  for (int s = lane; s < S; s += 32)
+    L += part[ps + s * W + D + 1] * exp2f(part[ps + s * W + D] - M);
   L = fn_warp_sum(L);
   __shared__ float so[NW][D];
   for (int d = lane; d < D; d += 32) {
     float O = 0.0f;
     #pragma unroll 4
-    for (int s = warp; s < S; s += NW) O += part[ps + s * W + d] * exp2f(part[ps + s * W + D] - M);
+    for (int s = warp; s < S; s += NW)
+      O += part[ps + s * W + d] * exp2f(part[ps + s * W + D] - M);
     so[warp][d] = O;
   }
   __syncthreads();
@@ -162,7 +165,8 @@ _COMBINE = """
 """
 
 SPLIT_ABOVE, CHUNK = 1024, 64  # caches longer than SPLIT_ABOVE are split in CHUNKs (_ATTENTION)
-GROUP_MAX = {"cuda": 1024, "metal": 512}  # query heads per kv head x head dim its shared memory holds
+# query heads per kv head x head dim its shared memory holds
+GROUP_MAX = {"cuda": 1024, "metal": 512}
 
 
 @lru_cache(maxsize=None)
@@ -183,15 +187,18 @@ def decode_attention(q, k, v, start, scale):
     B, Hq, L, D = q.shape
     Hkv, C = k.shape[1], k.shape[2]
     lanes = D * q.dtype.size // 16  # per row: 16-byte loads, a power of two <= 32 lanes
-    if (forms.use_gpu("decode_attention") and L == 1 and D * q.dtype.size % 16 == 0 and lanes & (lanes - 1) == 0
-            and lanes <= 32 and Hq % Hkv == 0 and Hq // Hkv * D <= GROUP_MAX[gpu_backend()]
+    if (forms.use_gpu("decode_attention") and L == 1 and D * q.dtype.size % 16 == 0
+            and lanes & (lanes - 1) == 0 and lanes <= 32 and Hq % Hkv == 0
+            and Hq // Hkv * D <= GROUP_MAX[gpu_backend()]
             and q.dtype == k.dtype == v.dtype):
         S = -(-C // CHUNK) if C > SPLIT_ABOVE else 1
         attend, combine = _attention_kernels()
         o, part = attend(
-            inputs=[q, k, v, position_array(start)],  # 1-D: Metal takes a 0-d input by reference, not as start[0]
-            template=[("T", q.dtype), ("D", D), ("GQ", Hq // Hkv), ("SPLIT_ABOVE", SPLIT_ABOVE), ("CHUNK", CHUNK),
-                      ("SCALE_BITS", float_bits(scale))],  # one scale per model: a constant, not an array
+            # 1-D: Metal takes a 0-d input by reference, not as start[0]
+            inputs=[q, k, v, position_array(start)],
+            # one scale per model: a constant, not an array
+            template=[("T", q.dtype), ("D", D), ("GQ", Hq // Hkv), ("SPLIT_ABOVE", SPLIT_ABOVE),
+                      ("CHUNK", CHUNK), ("SCALE_BITS", float_bits(scale))],
             grid=(B * Hkv * S * 256, 1, 1), threadgroup=(256, 1, 1),  # NW = 8 warps (_ATTENTION)
             output_shapes=[q.shape, (B * Hq, S, D + 2)], output_dtypes=[q.dtype, mx.float32])
         if S == 1:

@@ -65,11 +65,13 @@ template <typename U, int N> inline void fn_load(const device U* p, thread float
 }
 
 METAL_SPELLING = {
-    "blockIdx.x": "threadgroup_position_in_grid.x", "threadIdx.x": "thread_position_in_threadgroup.x",
+    "blockIdx.x": "threadgroup_position_in_grid.x",
+    "threadIdx.x": "thread_position_in_threadgroup.x",
     "blockDim.x": "threads_per_threadgroup.x", "__shared__": "threadgroup",
     "__syncthreads()": "threadgroup_barrier(mem_flags::mem_threadgroup)",
-    "__int_as_float": "as_type<float>", "__float_as_int": "as_type<int>", "rsqrtf(": "metal::rsqrt(",
-    "exp2f(": "metal::exp2(", "expf(": "metal::exp(", "fmaxf(": "metal::fmax(", "sinf(": "metal::sin(", "cosf(": "metal::cos(",
+    "__int_as_float": "as_type<float>", "__float_as_int": "as_type<int>",
+    "rsqrtf(": "metal::rsqrt(", "exp2f(": "metal::exp2(", "expf(": "metal::exp(",
+    "fmaxf(": "metal::fmax(", "sinf(": "metal::sin(", "cosf(": "metal::cos(",
 }
 
 
@@ -86,8 +88,8 @@ def constant(dtype, *values):
     """A small array of run-time sizes or flags for a kernel, made once per distinct value: no
     new array per call, and inside mx.compile one constant of the graph. Padded to 16 bytes: MLX's
     CUDA backend keeps arrays of 8 bytes or less in one managed-memory page that the host touches
-    every decode step, and a kernel reading from it waited up to 20 us (bench/RESULTS.md, "GPU time
-    per kernel")."""
+    every decode step, and a kernel reading from it waited on it (bench/RESULTS.md, "GPU time per
+    kernel")."""
     a = mx.array(values + (0,) * (4 - len(values)), dtype)
     mx.eval(a)
     return a
@@ -97,7 +99,8 @@ def position_array(offset):
     """A kernel's position input: the decode step's view of its offset as it is, an int as a
     constant (16 bytes, made once per position): mx.array(offset) would be a new 4-byte array in
     MLX's managed small-array pool at every call, which the kernel's warps then read slowly."""
-    return (offset if isinstance(offset, mx.array) else constant(mx.int32, offset)).astype(mx.int32).reshape(-1)
+    return (offset if isinstance(offset, mx.array)
+            else constant(mx.int32, offset)).astype(mx.int32).reshape(-1)
 
 
 # (kernel name, template arguments) of every launch so far: each distinct pair is one compiled
@@ -108,11 +111,10 @@ VARIANTS = set()
 def make_kernel(name, input_names, output_names, source, header):
     """A kernel of body `source` (CUDA spelling) as a function of mx.fast.cuda_kernel's keyword
     arguments (inputs, template, grid, threadgroup, output_shapes, output_dtypes; shared_memory:
-    dynamic shared bytes, CUDA only); header: the
-    backend's own. On Metal mx.fast.metal_kernel runs the respelled body. On CUDA the body is
-    compiled here (cuda_binary) and run with mx.fast.precompiled_cuda_kernel: MLX compiles a
-    cuda_kernel with NVRTC in every process (1.5-2 s each on an H100, bench/RESULTS.md, "Compile
-    once"), a binary kept on disk loads in milliseconds."""
+    dynamic shared bytes, CUDA only); header: the backend's own. On Metal mx.fast.metal_kernel
+    runs the respelled body. On CUDA the body is compiled here (cuda_binary) and run with
+    mx.fast.precompiled_cuda_kernel: MLX compiles a cuda_kernel with NVRTC in every process, slowly
+    (bench/RESULTS.md, "Compile once"), while a binary kept on disk loads quickly."""
     backend = gpu_backend()
     if backend == "metal":
         kernel = mx.fast.metal_kernel(name=name, input_names=input_names, output_names=output_names,
@@ -120,22 +122,24 @@ def make_kernel(name, input_names, output_names, source, header):
     shaped = [i for i, n in enumerate(input_names) if reads_shape(n, source)]
     binaries = {}  # (input dtypes and ranks, output dtypes, template) -> cubin (None on Metal)
 
-    def launch(*, inputs: list, template, grid, threadgroup, output_shapes, output_dtypes, shared_memory=0):
+    def launch(*, inputs: list, template, grid, threadgroup, output_shapes, output_dtypes,
+               shared_memory=0):
         # Python work here is host time of every eager launch (prefill): kept to a dict lookup
         key = (*[(a.dtype, a.ndim) for a in inputs], *output_dtypes, *template)
         binary = binaries.get(key, False)
         if binary is False:  # a variant not launched before
             VARIANTS.add((name, tuple((k, str(v)) for k, v in template)))
             binaries[key] = binary = None if backend == "metal" else cuda_binary(name, cuda_source(
-                name, input_names, output_names, source, header, [(a.dtype, a.ndim) for a in inputs],
-                output_dtypes, template))
+                name, input_names, output_names, source, header,
+                [(a.dtype, a.ndim) for a in inputs], output_dtypes, template))
         if backend == "metal":
             return kernel(inputs=inputs, template=template, grid=grid, threadgroup=threadgroup,
                           output_shapes=output_shapes, output_dtypes=output_dtypes)
         return mx.fast.precompiled_cuda_kernel(
             name=name, compiled_source=binary, inputs=inputs, output_shapes=output_shapes,
             output_dtypes=output_dtypes, scalars=[d for i in shaped for d in inputs[i].shape],
-            grid=grid, threadgroup=threadgroup, shared_memory=shared_memory, ensure_row_contiguous=True)
+            grid=grid, threadgroup=threadgroup, shared_memory=shared_memory,
+            ensure_row_contiguous=True)
 
     return launch
 
@@ -146,8 +150,9 @@ def kernel(name, inputs, outputs, source):
 
 
 
-CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.int32: "int",
-              mx.uint32: "unsigned int", mx.uint8: "unsigned char", mx.bool_: "bool"}
+CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16",
+              mx.int32: "int", mx.uint32: "unsigned int", mx.uint8: "unsigned char",
+              mx.bool_: "bool"}
 CUDA_PRELUDE = """#include <cuda_fp16.h>
 #include <cuda_bf16.h>
 typedef int int32_t;
@@ -160,7 +165,8 @@ def reads_shape(name, body):
     return f"{name}_shape" in body or f"{name}_ndim" in body
 
 
-def cuda_source(name, input_names, output_names, body, header, input_types, output_dtypes, template):
+def cuda_source(name, input_names, output_names, body, header, input_types, output_dtypes,
+                template):
     """The whole CUDA file of one kernel variant: an extern "C" __global__ function of the inputs
     (input_types: (dtype, ndim) each), the outputs and then, for each input whose shape the body
     reads, its sizes as int arguments (the launch passes them); template arguments as constants. A
@@ -179,9 +185,11 @@ def cuda_source(name, input_names, output_names, body, header, input_types, outp
         if isinstance(v, mx.Dtype):
             lines.append(f"  using {k} = {CUDA_TYPES[v]};")
         else:
-            lines.append(f"  constexpr {'bool' if isinstance(v, bool) else 'int'} {k} = {str(v).lower()};")
+            lines.append(f"  constexpr {'bool' if isinstance(v, bool) else 'int'} {k} = "
+                         f"{str(v).lower()};")
     bounds = "".join(f"__launch_bounds__({32 * v}) " for k, v in template if k == "NW")
-    return (f"{CUDA_PRELUDE}{header}\nextern \"C\" __global__ void {bounds}{name}({', '.join(params)}) {{\n"
+    return (f"{CUDA_PRELUDE}{header}\nextern \"C\" __global__ void "
+            f"{bounds}{name}({', '.join(params)}) {{\n"
             + "\n".join(lines) + f"\n{body}\n}}\n")
 
 

@@ -10,8 +10,8 @@ import mlx.nn as nn
 
 from .. import forms
 
-# measured on 2 cores: a 4-bit matvec 1.8x faster, decode 1.4x (bench/RESULTS.md, "CPU row-parallel
-# matmul")
+# the weight rows split over this many streams: a 4-bit matvec and decode both faster
+# (bench/RESULTS.md, "CPU row-parallel matmul")
 CPU_STREAMS = 2
 
 
@@ -29,30 +29,33 @@ def _cpu_streams():
 def quantized_matmul(x, w, scales, biases, group_size, bits, mode="affine"):
     """x @ dequantize(w).T, as mx.quantized_matmul(..., transpose=True). On the CPU (with at least
     two cores) the output columns are computed in row blocks of w on separate streams; each block
-    is the same computation as before, so the result is bit-identical. On a GPU a batch's decode rows
-    (B, 1, K) are one matrix (1, B, K): MLX's CUDA kernel multiplied each of the B matrices on
-    its own, reading the weights B times (a 32-row decode step's tied head: 273 us, a sixth of
-    the step, on an H200: bench/RESULTS.md, "The batched step"). On the CPU a half-precision
-    product runs in float32 and is rounded once: MLX's CPU kernel accumulates in the half type,
-    10-40x slower and 10 units in the last place off where float32 accumulation (as on a GPU)
-    is not (bench/RESULTS.md, "Half precision on the CPU")."""
-    if mx.default_device() != mx.cpu:  # first, and once: an eager forward pass calls this per linear
-        if x.ndim == 3 and x.shape[0] > 1 and x.shape[1] == 1:  # a batch's decode rows as one matrix
-            return quantized_matmul(x.reshape(1, -1, x.shape[2]), w, scales, biases, group_size, bits,
-                                    mode).reshape(x.shape[0], 1, -1)
+    is the same computation as before, so the result is bit-identical. On a GPU a batch's decode
+    rows (B, 1, K) are one matrix (1, B, K): MLX's CUDA kernel multiplied each of the B matrices on
+    its own, reading the weights B times (the tied head, a large part of a batched decode step:
+    bench/RESULTS.md, "The batched step"). On the CPU a half-precision product runs in float32 and
+    is rounded once: MLX's CPU kernel accumulates in the half type, much slower and several units
+    in the last place off where float32 accumulation (as on a GPU) is not (bench/RESULTS.md, "Half
+    precision on the CPU")."""
+    # first, and once: an eager forward pass calls this per linear
+    if mx.default_device() != mx.cpu:
+        # a batch's decode rows as one matrix
+        if x.ndim == 3 and x.shape[0] > 1 and x.shape[1] == 1:
+            return quantized_matmul(x.reshape(1, -1, x.shape[2]), w, scales, biases, group_size,
+                                    bits, mode).reshape(x.shape[0], 1, -1)
         return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size,
                                    bits=bits, mode=mode)
     if x.dtype in (mx.float16, mx.bfloat16) and mode == "affine":
         f32 = mx.float32
-        return quantized_matmul(x.astype(f32), w, scales.astype(f32), biases.astype(f32), group_size,
-                                bits, mode).astype(x.dtype)
+        return quantized_matmul(x.astype(f32), w, scales.astype(f32), biases.astype(f32),
+                                group_size, bits, mode).astype(x.dtype)
     n = w.shape[0]
     if not (forms.ENABLED and (os.cpu_count() or 1) > 1 and n >= 2 * CPU_STREAMS):
         return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size,
                                    bits=bits, mode=mode)
     cuts = [n * i // CPU_STREAMS for i in range(CPU_STREAMS + 1)]
     parts = [mx.quantized_matmul(x, w[a:b], scales[a:b], None if biases is None else biases[a:b],
-                                 transpose=True, group_size=group_size, bits=bits, mode=mode, stream=st)
+                                 transpose=True, group_size=group_size, bits=bits, mode=mode,
+                                 stream=st)
              for a, b, st in zip(cuts, cuts[1:], _cpu_streams())]
     return mx.concatenate(parts, axis=-1)
 
@@ -61,8 +64,8 @@ class QuantizedLinear(nn.QuantizedLinear):
     """nn.QuantizedLinear computed through quantized_matmul (the loader swaps it in)."""
 
     def __call__(self, x):
-        y = quantized_matmul(x, self["weight"], self["scales"], self.get("biases"), self.group_size,
-                             self.bits, self.mode)
+        y = quantized_matmul(x, self["weight"], self["scales"], self.get("biases"),
+                             self.group_size, self.bits, self.mode)
         return y + self["bias"] if "bias" in self else y
 
 
@@ -70,8 +73,8 @@ class QuantizedEmbedding(nn.QuantizedEmbedding):
     """nn.QuantizedEmbedding whose as_linear (a tied LM head) goes through quantized_matmul."""
 
     def as_linear(self, x):
-        return quantized_matmul(x, self["weight"], self["scales"], self.get("biases"), self.group_size,
-                                self.bits, self.mode)
+        return quantized_matmul(x, self["weight"], self["scales"], self.get("biases"),
+                                self.group_size, self.bits, self.mode)
 
 
 def through_quantized_matmul(model):

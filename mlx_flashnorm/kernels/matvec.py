@@ -31,7 +31,8 @@ _PROLOGUE = """
   // as float bits) are read at run time: one compile per dtype and bit width.
   constexpr int PER = 32 / BITS, MASK = (1 << BITS) - 1;  // values per word
   const int NW = blockDim.x / 32, K = dims[0], GS = dims[1], KW = K / PER, G = K / GS;  // NW: warps
-  const bool has_xs = dims[2] != 0, has_r = dims[3] != 0, has_g = dims[4] != 0, prescale = dims[5] != 0;
+  const bool has_xs = dims[2] != 0, has_r = dims[3] != 0, has_g = dims[4] != 0,
+             prescale = dims[5] != 0;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   __shared__ float hs[KMAX];
   __shared__ float red[32];
@@ -111,9 +112,12 @@ _NORM_QKV_ROPE = _PROLOGUE + """
   for (int i = threadIdx.x; i < D / 2; i += blockDim.x) {
     const int j = i + D / 2;
     const float sn = sinf(pos * theta[i]), cs = cosf(pos * theta[i]);
-    const float gi = qk_norm ? (is_q ? qg : kg)[i] : 1.0f, gj = qk_norm ? (is_q ? qg : kg)[j] : 1.0f;
-    const float pi = qk_norm ? (is_q ? qg : kg)[D + i] : 1.0f, pj = qk_norm ? (is_q ? qg : kg)[D + j] : 1.0f;
-    const float yi = inv * (res[i] * gi * cs - res[j] * pi * sn), yj = inv * (res[j] * gj * cs + res[i] * pj * sn);
+    const float gi = qk_norm ? (is_q ? qg : kg)[i] : 1.0f,
+                gj = qk_norm ? (is_q ? qg : kg)[j] : 1.0f;
+    const float pi = qk_norm ? (is_q ? qg : kg)[D + i] : 1.0f,
+                pj = qk_norm ? (is_q ? qg : kg)[D + j] : 1.0f;
+    const float yi = inv * (res[i] * gi * cs - res[j] * pi * sn),
+                yj = inv * (res[j] * gj * cs + res[i] * pj * sn);
     qkv[out + i] = fn_cast<T>(yi);
     qkv[out + j] = fn_cast<T>(yj);
   }
@@ -153,8 +157,10 @@ def fused_supported(name, x, linear):
     """Whether the fused kernel `name` ("qkv_rope": norm_qkv_rope, or "gate_up") runs for one row
     x through linear: a bias-free, affine 4- or 8-bit QuantizedLinear whose input fits the shared
     memory."""
-    return (forms.use_gpu(name) and x.size == x.shape[-1] and x.dtype in (mx.float32, mx.float16, mx.bfloat16)
-            and isinstance(linear, nn.QuantizedLinear) and linear.bits in (4, 8) and linear.mode == "affine"
+    return (forms.use_gpu(name) and x.size == x.shape[-1]
+            and x.dtype in (mx.float32, mx.float16, mx.bfloat16)
+            and isinstance(linear, nn.QuantizedLinear) and linear.bits in (4, 8)
+            and linear.mode == "affine"
             and "bias" not in linear and "biases" in linear and linear["scales"].dtype == x.dtype
             and x.shape[-1] <= KMAX[gpu_backend()]
             and x.shape[-1] % linear.group_size == 0)
@@ -173,7 +179,8 @@ def gated(activation):
     so all of it runs in float32), as one compiled element-wise kernel: run eagerly (prefill) it
     was four launches over float32 intermediates. shapeless: one trace serves every length. The
     gate_up kernel's fallback, and FlashNorm's FFNs where that kernel does not run."""
-    return mx.compile(lambda gate, s, up: (activation(gate * s) * up).astype(up.dtype), shapeless=True)
+    return mx.compile(lambda gate, s, up: (activation(gate * s) * up).astype(up.dtype),
+                      shapeless=True)
 
 
 def norm_qkv_rope(x, eps, xs, r, g, linear, offset, theta, n_heads, n_kv_heads, gains=None,
@@ -194,8 +201,9 @@ def norm_qkv_rope(x, eps, xs, r, g, linear, offset, theta, n_heads, n_kv_heads, 
     threads = 32 * min(D // 2, QKV_WARPS[gpu_backend()])
     heads = n_heads + 2 * n_kv_heads
     p, qkv = fused_kernels()[0](
-        inputs=inputs + [theta, qg, kg, off, constant(mx.int32, *flags, n_heads, n_kv_heads, D, gains is not None,
-                                                      float_bits(factor), float_bits(qk_eps))],
+        inputs=inputs + [theta, qg, kg, off,
+                         constant(mx.int32, *flags, n_heads, n_kv_heads, D, gains is not None,
+                                  float_bits(factor), float_bits(qk_eps))],
         template=template, grid=(heads * threads, 1, 1), threadgroup=(threads, 1, 1),
         output_shapes=[x.shape, (1, heads, 1, D)], output_dtypes=[x.dtype] * 2)
     return p, qkv[:, :n_heads], qkv[:, n_heads:n_heads + n_kv_heads], qkv[:, n_heads + n_kv_heads:]
@@ -239,7 +247,8 @@ def check_norm_qkv_rope():  # Sec. 4 (a residual add, gain and QK-norm), Sec. 3 
 def check_gate_up():
     linear = _quantized(2 * 200, 320, 22)
     x, r = rand((1, 1, 320), 23, scale=300.0), rand((1, 1, 320), 24, scale=300.0)
-    return gate_up(x, 1e-6, mx.full((1, 1, 1), 0.01), r, 1 + 0.3 * rand((320,), 25, mx.float32), linear)
+    return gate_up(x, 1e-6, mx.full((1, 1, 1), 0.01), r, 1 + 0.3 * rand((320,), 25, mx.float32),
+                   linear)
 
 
 CHECKS = {"qkv_rope": (check_norm_qkv_rope, 1e-2), "gate_up": (check_gate_up, 1e-2)}

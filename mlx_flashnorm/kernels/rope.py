@@ -15,9 +15,9 @@ from .build import constant, float_bits, kernel, position_array, rand
 _ROPE_AFTER_QKV = """
   // one warp per (token, head); heads: HQ queries, HKV keys, HKV values, read from q, k, v at
   // row strides QS, KS, VS and column offsets QO, KO, VO (one fused qkv array may be all three).
-  // rotate-half RoPE: lane holds elements lane + 32 t, whose partners i +- D/2 are in the same lane.
-  // Every size and flag is read at run time (dims; EPS and FACTOR as float bits): one compile per
-  // dtype and head dim.
+  // rotate-half RoPE: lane holds elements lane + 32 t, whose partners i +- D/2 are in the same
+  // lane. Every size and flag is read at run time (dims; EPS and FACTOR as float bits): one compile
+  // per dtype and head dim.
   constexpr int VPT = D / 32, HALF = VPT / 2;
   const int HQ = dims[0], HKV = dims[1], QS = dims[2], KS = dims[3], VS = dims[4];
   const int QO = dims[5], KO = dims[6], VO = dims[7];
@@ -59,12 +59,15 @@ _ROPE_AFTER_QKV = """
     float sn, cs;
     sn = sinf(pos * theta[i]);
     cs = cosf(pos * theta[i]);
-    const float gi = QK_NORM ? (is_q ? qg : kg)[i] : 1.0f, gj = QK_NORM ? (is_q ? qg : kg)[j] : 1.0f;
-    const float pi = QK_NORM ? (is_q ? qg : kg)[D + i] : 1.0f, pj = QK_NORM ? (is_q ? qg : kg)[D + j] : 1.0f;
+    const float gi = QK_NORM ? (is_q ? qg : kg)[i] : 1.0f,
+                gj = QK_NORM ? (is_q ? qg : kg)[j] : 1.0f;
+    const float pi = QK_NORM ? (is_q ? qg : kg)[D + i] : 1.0f,
+                pj = QK_NORM ? (is_q ? qg : kg)[D + j] : 1.0f;
     y[t] = inv * (x[t] * gi * cs - x[t + HALF] * pi * sn);
     y[t + HALF] = inv * (x[t + HALF] * gj * cs + x[t] * pj * sn);
   }
-  const long out = is_q ? (long(b * HQ + head) * L + l) * D : (long(b * HKV + head - HQ) * L + l) * D;
+  const long out = is_q ? (long(b * HQ + head) * L + l) * D
+                        : (long(b * HKV + head - HQ) * L + l) * D;
   #pragma unroll
   for (int t = 0; t < VPT; ++t) (is_q ? qo : ko)[out + lane + 32 * t] = fn_cast<T>(y[t]);
 """
@@ -80,7 +83,8 @@ def rope_after_qkv_supported(head_dim, traditional):
     return forms.use_gpu("rope_qkv") and not traditional and head_dim % 64 == 0 and head_dim <= 256
 
 
-def rope_after_qkv(q, k, v, s, offset, theta, n_heads, n_kv_heads, gains=None, eps=0.0, factor=1.0):
+def rope_after_qkv(q, k, v, s, offset, theta, n_heads, n_kv_heads, gains=None, eps=0.0,
+                   factor=1.0):
     """CUDA kernel preparing q, k, v for attention after a FlashNorm'd pre-norm (rotate-half layout
     only; see rope_after_qkv_supported). q, k, v (B, L, H * D) token-major projection outputs, or
     one fused (B, L, (Hq + 2 Hkv) * D) array passed as all three; s (B, L, 1) the deferred 1/RSSe
@@ -101,8 +105,8 @@ def rope_after_qkv(q, k, v, s, offset, theta, n_heads, n_kv_heads, gains=None, e
     warps = rows * (n_heads + 2 * n_kv_heads)
     off = position_array(offset)
     qg, kg = gains if gains is not None else (theta, theta)  # unused without QK-norm
-    dims = constant(mx.int32, n_heads, n_kv_heads, *strides, *offsets, gains is not None, float_bits(eps),
-                    float_bits(factor))
+    dims = constant(mx.int32, n_heads, n_kv_heads, *strides, *offsets, gains is not None,
+                    float_bits(eps), float_bits(factor))
     return rope_after_qkv_kernel()(
         inputs=[q, k, v, s.astype(mx.float32), off, theta, qg, kg, dims],
         template=[("T", q.dtype), ("D", D)],
@@ -115,9 +119,11 @@ def rope_after_qkv_mlx(q, k, v, s, offset, theta, n_heads, n_kv_heads, gains, ep
     """rope_after_qkv in plain MLX ops (its fallback and self-check reference), through rope.py."""
     B, L, _ = q.shape
     D = theta.shape[0] * 2
-    heads = lambda a, start, n: a[..., start:start + n * D].reshape(B, L, n, D).transpose(0, 2, 1, 3)
+    heads = lambda a, start, n: (a[..., start:start + n * D].reshape(B, L, n, D)
+                                 .transpose(0, 2, 1, 3))
     if q is k:
-        q, k, v = heads(q, 0, n_heads), heads(q, n_heads * D, n_kv_heads), heads(q, (n_heads + n_kv_heads) * D, n_kv_heads)
+        q, k, v = (heads(q, 0, n_heads), heads(q, n_heads * D, n_kv_heads),
+                   heads(q, (n_heads + n_kv_heads) * D, n_kv_heads))
     else:
         q, k, v = heads(q, 0, n_heads), heads(k, 0, n_kv_heads), heads(v, 0, n_kv_heads)
     sf = s.astype(mx.float32)[:, None]
@@ -128,7 +134,8 @@ def rope_after_qkv_mlx(q, k, v, s, offset, theta, n_heads, n_kv_heads, gains, ep
             return apply_rope(x, cos, sin, False, factor * sf)
         xf = x.astype(mx.float32)
         inv = mx.rsqrt(mx.sum(xf * xf, axis=-1, keepdims=True) + D * eps)
-        return apply_rope(x, cos * gain[0].astype(mx.float32), sin * gain[1].astype(mx.float32), False, inv)
+        return apply_rope(x, cos * gain[0].astype(mx.float32), sin * gain[1].astype(mx.float32),
+                          False, inv)
 
     qg, kg = gains if gains is not None else (None, None)
     return rope(q, qg), rope(k, kg), (v.astype(mx.float32) * sf).astype(v.dtype)
