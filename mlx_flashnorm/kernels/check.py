@@ -1,9 +1,10 @@
 """Each kernel's first-use self-check: at load on a GPU (self_check) every kernel is compared with
-its plain-MLX fallback on small float16 inputs (each kernel file's CHECK); one that fails to compile
-or to match prints a warning line and falls back for the rest of the process (forms.DISABLED). A
-pass is remembered per kernel code, MLX version and device (nvrtc.CACHE_DIR), so later processes
-skip it: a check costs 1.5-4 s per kernel on an H100 even with MLX's kernel cache warm. A changed
-kernel file, MLX or GPU is checked again; a failed check is never kept."""
+its plain-MLX fallback on small float16 inputs (each kernel file's CHECK); one that fails to
+compile or to match prints a warning line and falls back for the rest of the process
+(forms.DISABLED). A pass is remembered per kernel code, MLX version and device (nvrtc.CACHE_DIR),
+so later processes skip it: a check costs seconds per kernel even with MLX's kernel cache warm
+(bench/RESULTS.md, "Self-check cost"). A changed kernel file, MLX or GPU is checked again; a failed
+check is never kept."""
 import hashlib
 import json
 import os
@@ -23,8 +24,8 @@ from .step import CHECK as DECODE_LAYERS
 from .rows import CHECK as DECODE_ROWS
 
 # name: (a call on small float16 inputs, the largest max |kernel - fallback| / max |fallback|)
-CHECKS = {"add_rss": ADD_RSS, "decode_attention": ATTENTION, "rope_qkv": ROPE_QKV, "normalize": NORMALIZE,
-          **MATVEC, "decode_layers": DECODE_LAYERS,
+CHECKS = {"add_rss": ADD_RSS, "decode_attention": ATTENTION, "rope_qkv": ROPE_QKV,
+          "normalize": NORMALIZE, **MATVEC, "decode_layers": DECODE_LAYERS,
           "decode_rows": DECODE_ROWS}
 
 
@@ -44,7 +45,8 @@ def _read_passed(file):
         names = json.loads(file.read_text())
     except (OSError, ValueError):
         return set()
-    return set(names) if isinstance(names, list) and all(isinstance(n, str) for n in names) else set()
+    return (set(names) if isinstance(names, list) and all(isinstance(n, str) for n in names)
+            else set())
 
 
 def _write_passed(file, passed):
@@ -61,7 +63,8 @@ def self_check(names=None):
     """Run each kernel (or those named) once on small inputs against its plain-MLX fallback on the
     device in use; a kernel that fails to compile or to match prints one warning line and falls
     back for the rest of the process. Runs once per process (the loader calls it on a GPU; the LAZY
-    ones only when named); a kernel that passed with the same code, MLX and device before (CACHE_DIR) is not run again."""
+    ones only when named); a kernel that passed with the same code, MLX and device before
+    (CACHE_DIR) is not run again."""
     todo = [n for n in dict.fromkeys(names or [n for n in CHECKS if n not in LAZY])
             if n not in _CHECKED and n not in forms.DISABLED]  # not checked already, nor off anyway
     if not todo:  # (flashnorm.decode_stack asks at every trace: no file read then)
@@ -85,7 +88,8 @@ def self_check(names=None):
                        / mx.abs(b.astype(mx.float32)).max()).item() for a, b in zip(got, want))
             why = None if err <= tol else f"differs from its fallback by {err:.2e} (> {tol:g})"
         except Exception as e:  # a compile or launch error
-            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else 'no detail'}"
+            why = (f"{type(e).__name__}: "
+                   f"{str(e).strip().splitlines()[0] if str(e).strip() else 'no detail'}")
         if why:
             forms.DISABLED.add(name)
             print(f"warning: kernel {name} failed its self-check on {mx.default_device()} ({why}); "

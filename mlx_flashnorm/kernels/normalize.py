@@ -88,7 +88,8 @@ _BODY = """
   float ss = 0.0f;
   #pragma unroll
   for (int k = 0; k < PER; ++k) ss += v[k] * v[k];
-  const float inv = rsqrtf(fnorm_block_sum(ss, buf, tid, block / 32) / D + __int_as_float(EPS_BITS));
+  const float inv =
+      rsqrtf(fnorm_block_sum(ss, buf, tid, block / 32) / D + __int_as_float(EPS_BITS));
   const float scale = __int_as_float(SCALE_BITS) * inv;
   #pragma unroll
   for (int k = 0; k < PER; ++k) {

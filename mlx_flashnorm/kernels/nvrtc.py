@@ -1,7 +1,7 @@
 """CUDA kernels compiled once per machine: MLX's own NVRTC (through ctypes) turns a CUDA file into
 a cubin kept on disk (CACHE_DIR, a temporary file renamed into place) under a hash of the code, the
 GPU architecture and NVRTC's version. MLX compiles an mx.fast.cuda_kernel with NVRTC in every
-process (1.5-2 s each on an H100); a kept binary loads in milliseconds."""
+process, slowly; a kept binary loads quickly (bench/RESULTS.md, "Compile once")."""
 import hashlib
 import os
 from functools import lru_cache
@@ -59,7 +59,7 @@ def _cuda_include():
 
 
 def _cuda_arch():
-    return mx.device_info()["architecture"]  # "sm_90" on an H100
+    return mx.device_info()["architecture"]  # such as "sm_90"
 
 
 @lru_cache(maxsize=None)
@@ -126,7 +126,9 @@ def _nvrtc_error(lib, prog, rc, what):
 
     log = _log(lib, prog) if what == "compile" else ""
     lib.nvrtcGetErrorString.restype = ctypes.c_char_p
-    raise RuntimeError(f"NVRTC {what} failed ({lib.nvrtcGetErrorString(rc).decode()}): {log[:2000]}")
+    raise RuntimeError(f"NVRTC {what} failed ({lib.nvrtcGetErrorString(rc).decode()}): "
+                       f"{log[:2000]}")
 
 
-# Each kernel's self-check (CHECKS, self_check) is a call on small float16 inputs, written beside it.
+# Each kernel's self-check (CHECKS, self_check) is a call on small float16 inputs, written beside
+# it.

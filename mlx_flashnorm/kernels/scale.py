@@ -11,12 +11,13 @@ from .build import constant, float_bits, kernel, rand
 
 _ADD_RSS = """
   // one block per row: p = x * xs + r (in float32, rounded once to T), s = rsqrt(sum(p^2) + d*eps)
-  // and pg = p * g * P, s / P. The flags (HAS_XS, HAS_R, HAS_G, PRESCALE) and eps (its bits) are read at
-  // run time: one compile per dtype. PRESCALE (half precision): P = 2^floor(log2(s)), an exact
-  // power of two that brings pg to the scale of a normalized row (in range), s / P in [1, 2).
+  // and pg = p * g * P, s / P. The flags (HAS_XS, HAS_R, HAS_G, PRESCALE) and eps (its bits) are
+  // read at run time: one compile per dtype. PRESCALE (half precision): P = 2^floor(log2(s)), an
+  // exact power of two that brings pg to the scale of a normalized row (in range), s / P in [1, 2).
   const int row = blockIdx.x;
   const int D = x_shape[x_ndim - 1];
-  const bool has_xs = flags[0] != 0, has_r = flags[1] != 0, has_g = flags[2] != 0, prescale = flags[3] != 0;
+  const bool has_xs = flags[0] != 0, has_r = flags[1] != 0, has_g = flags[2] != 0,
+             prescale = flags[3] != 0;
   const long base = long(row) * D;
   const float xsv = has_xs ? xs[row] : 1.0f;
   float ss = 0.0f;
@@ -55,8 +56,8 @@ def residual_inputs(x, xs, r, g):
     """The kernel inputs x, xs, r, g of a residual add with an optional scale and gain (add_rss and
     the Sec. 5 kernels), absent ones stood in for, and their flags: has xs, r, g; half precision."""
     none = constant(mx.float32, 0.0)  # stands in for an absent input (its flag is 0)
-    return ([x, none if xs is None else xs.astype(mx.float32), x if r is None else r.astype(x.dtype),
-             none if g is None else g.astype(mx.float32)],
+    return ([x, none if xs is None else xs.astype(mx.float32),
+             x if r is None else r.astype(x.dtype), none if g is None else g.astype(mx.float32)],
             (xs is not None, r is not None, g is not None, x.dtype != mx.float32))
 
 
@@ -79,11 +80,12 @@ def add_rss(x, eps, xs=None, r=None, g=None):
     pg = p * g (g optional; None when there is no g, in float32). Appendix A/B of the paper: with
     sqrt(d) * g as the gain, pg * s is RMSNorm(p) * g.
 
-    Half precision: p * sqrt(d) * g leaves float16's range on trained models (their residual
-    stream reaches 1e4), and so would every matmul output after it. There pg carries an exact power
-    of two P = 2^floor(log2 s) (pg = p * g * P, also without g) and s is returned as s / P, in
-    [1, 2): pg is then on the scale of a normalized row and pg * s is unchanged, since a power-of-two
-    factor adds no rounding. x * xs + r is computed in float32 and rounded once."""
+    Half precision: p * sqrt(d) * g leaves float16's range on trained models, whose residual
+    stream grows large (bench/RESULTS.md, "Half precision"), and so would every matmul output after
+    it. There pg carries an exact power of two P = 2^floor(log2 s) (pg = p * g * P, also without g)
+    and s is returned as s / P, in [1, 2): pg is then on the scale of a normalized row and pg * s is
+    unchanged, since a power-of-two factor adds no rounding. x * xs + r is computed in float32 and
+    rounded once."""
     half = x.dtype != mx.float32
     if forms.use_gpu("add_rss") and x.dtype in (mx.float32, mx.float16, mx.bfloat16):
         d, rows = x.shape[-1], x.size // x.shape[-1]
@@ -95,8 +97,8 @@ def add_rss(x, eps, xs=None, r=None, g=None):
             grid=(rows * threads, 1, 1), threadgroup=(threads, 1, 1),
             output_shapes=[x.shape, x.shape, scale_shape(x)],
             output_dtypes=[x.dtype, x.dtype, mx.float32])
-        return ((p if (r is not None or xs is not None) else x), (pg if (g is not None or half) else None),
-                s if rows > 1 else s[..., :1])
+        return ((p if (r is not None or xs is not None) else x),
+                (pg if (g is not None or half) else None), s if rows > 1 else s[..., :1])
     if not half:
         p = x if xs is None else x * xs
         p = p if r is None else p + r
