@@ -6,7 +6,8 @@ from .decoding import MAX_SEED
 from .errors import HelpFormatter
 from .loader import DTYPE_CHOICES, NORMS, QUANT_BITS, QUANT_GROUP_SIZES
 
-__all__ = ["HelpFormatter", "MAX_SEED", "add_generation_args", "add_model_args", "add_sampling_args"]
+__all__ = ["HelpFormatter", "MAX_SEED", "add_generation_args", "add_model_args",
+           "add_sampling_args"]
 
 
 TOKENIZER_HELP = "tokenizer folder, repo id or sentencepiece .model file"
@@ -59,23 +60,27 @@ def add_sampling_args(p):
     p.add_argument("--max-tokens", "-m", type=int, default=256, help="tokens to generate at most")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 is off")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 is off")
-    p.add_argument("--seed", type=int, default=None, help=f"random seed, 0 to {MAX_SEED} (default: random)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample among the k likeliest tokens; 0 is off")
+    p.add_argument("--seed", type=int, default=None,
+                   help=f"random seed, 0 to {MAX_SEED} (default: random)")
 
 
 def add_generation_args(p):
-    """What generate and chat take beyond the shared sampling flags (mlx_lm.generate's names): min-p,
-    a repetition penalty, and the eager path's rotating or quantized KV cache."""
+    """What generate and chat take beyond the shared sampling flags (mlx_lm.generate's names):
+    min-p, a repetition penalty, and the eager path's rotating or quantized KV cache."""
     p.add_argument("--min-p", type=float, default=0.0,
                    help="keep tokens at least this fraction as likely as the likeliest; 0 is off")
     p.add_argument("--repetition-penalty", type=float, default=None,
-                   help="divide (multiply, if negative) the logits of recent tokens by this; 1 is off")
+                   help="divide (multiply, if negative) the logits of recent tokens by this; "
+                        "1 is off")
     p.add_argument("--repetition-context-size", type=int, default=20,
                    help="how many recent tokens (prompt included) the repetition penalty looks at")
     p.add_argument("--max-kv-size", type=int, default=None,
-                   help="keep at most this many positions in the KV cache (a rotating window; decodes "
-                        "eagerly)")
+                   help="keep at most this many positions in the KV cache (a rotating window; "
+                        "decodes eagerly)")
     p.add_argument("--kv-bits", type=int, default=None,
-                   help="quantize the KV cache to this many bits (mlx-lm's QuantizedKVCache; decodes "
-                        "eagerly)")
-    p.add_argument("--kv-group-size", type=int, default=64, help="values per scale/bias with --kv-bits")
+                   help="quantize the KV cache to this many bits (mlx-lm's QuantizedKVCache; "
+                        "decodes eagerly)")
+    p.add_argument("--kv-group-size", type=int, default=64,
+                   help="values per scale/bias with --kv-bits")

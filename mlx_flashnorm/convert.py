@@ -46,7 +46,8 @@ def export(model, tokenizer, out):
         tmp.rename(out)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(f"cannot write {out} ({e.strerror or e}); check the folder's space and permissions")
+        raise UserError(f"cannot write {out} ({e.strerror or e}); check the folder's space and "
+                        "permissions")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -84,12 +85,14 @@ def arg_parser():
                                 formatter_class=HelpFormatter)
     add_model_args(p, "--model", "--tokenizer",
                    tokenizer=dict(help=TOKENIZER_HELP + " (saved into the output)"))
-    p.add_argument("--flashnorm", action="store_true", help="fold the norm weights (the conversion done)")
+    p.add_argument("--flashnorm", action="store_true",
+                   help="fold the norm weights (the conversion done)")
     p.add_argument("--out", required=True, help="new output folder (must not exist)")
     p.add_argument("--dtype", choices=list(DTYPES),
                    help="dtype of the written weights (default: the source's; float16 for a GGUF)")
     p.add_argument("-q", "--quantize", action="store_true",
-                   help="quantize the folded weights too (mlx-lm layout), as mlx_lm.convert -q does")
+                   help="quantize the folded weights too (mlx-lm layout), as mlx_lm.convert -q "
+                        "does")
     p.add_argument("--q-bits", type=int, default=4, help="bits per weight with -q")
     p.add_argument("--q-group-size", type=int, default=64, help="weights per scale/bias with -q")
     p.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
@@ -110,7 +113,8 @@ def source_dtype(model_path):
 def main(argv=None):
     args = arg_parser().parse_args(argv)
     if not args.flashnorm:
-        raise UserError("nothing to do: pass --flashnorm to write a weightless FlashNorm checkpoint")
+        raise UserError("nothing to do: pass --flashnorm to write a weightless FlashNorm "
+                        "checkpoint")
     out = Path(args.out)
     if out.exists():  # fail before loading the model
         raise UserError(f"{out} already exists; choose a new --out folder (nothing is overwritten)")
@@ -121,7 +125,8 @@ def main(argv=None):
     dtype = args.dtype or source_dtype(args.model)
     with progress.bar(total=len(STAGES), desc="convert", unit="step") as bar:
         bar.set_postfix_str(STAGES[0])
-        model, tokenizer = load(args.model, norm="rms", dtype="float32", tokenizer=args.tokenizer, concat=False)
+        model, tokenizer = load(args.model, norm="rms", dtype="float32", tokenizer=args.tokenizer,
+                                concat=False)
         bar.update()
         bar.set_postfix_str(STAGES[1])
         if "quantization" in model.config:

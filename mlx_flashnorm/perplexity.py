@@ -26,7 +26,8 @@ def window_nll(model, tokens):
     tokens = mx.array(tokens)
     logits = model(tokens[None, :-1])[0].astype(mx.float32)
     target = tokens[1:]
-    return mx.logsumexp(logits, axis=-1) - mx.take_along_axis(logits, target[:, None], axis=-1)[:, 0]
+    return (mx.logsumexp(logits, axis=-1)
+            - mx.take_along_axis(logits, target[:, None], axis=-1)[:, 0])
 
 
 def token_nll(model, tokens, window=512):
@@ -76,7 +77,8 @@ def main(argv=None):
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"{path}: cannot read the text ({type(e).__name__}: {e}); pass a UTF-8 text file")
+        raise UserError(f"{path}: cannot read the text ({type(e).__name__}: {e}); pass a UTF-8 "
+                        "text file")
     if args.window < 1:
         raise UserError(f"--window must be at least 1, not {args.window}")
     if args.max_tokens < 0:

@@ -34,13 +34,15 @@ def quantize_checkpoint(model_path, out, bits=4, group_size=64, norm="rms", head
         raise UserError(f"{out} already exists: pass a new --out folder (nothing was overwritten)")
     if bits:
         check_quantization(bits, group_size)
-    model, tok = load(model_path, norm="rms", tokenizer=tokenizer, progress=progress, concat=False)  # as saved
+    # as saved
+    model, tok = load(model_path, norm="rms", tokenizer=tokenizer, progress=progress, concat=False)
     if "quantization" in model.config:
         if not dequantize_first and bits != 0:
             q = model.config["quantization"]
-            raise UserError(f"{model_path or 'the default model'} is already quantized ({q['bits']}-bit, "
-                            f"group size {q['group_size']}): pass --dequantize to dequantize it first "
-                            "(its rounding error stays), or quantize a full-precision checkpoint")
+            raise UserError(f"{model_path or 'the default model'} is already quantized "
+                            f"({q['bits']}-bit, group size {q['group_size']}): pass --dequantize "
+                            "to dequantize it first (its rounding error stays), or quantize a "
+                            "full-precision checkpoint")
         dequantize(model)
     if norm == "flash":  # folded in full precision, kept in the reference structure
         flashnorm.make_weightless(model)
@@ -88,9 +90,10 @@ def main(argv=None):
                               norm=args.norm, head_bits=args.head_bits, tokenizer=args.tokenizer,
                               dequantize_first=args.dequantize)
     if args.norm == "flash" and 0 < args.bits < 8:
-        print(f"note: --norm flash quantizes the norm-folded weights, which costs quality at {args.bits} "
-              'bits (SmolLM2 at 4 bits: perplexity +46%, bench/RESULTS.md, "Perplexity"); FlashNorm at load '
-              f"time (--norm flash --bits {args.bits} on an rms checkpoint) does not fold and has no such cost",
+        print(f"note: --norm flash quantizes the norm-folded weights, which costs quality at "
+              f"{args.bits} bits (SmolLM2 at 4 bits: perplexity +46%, "
+              'bench/RESULTS.md, "Perplexity"); FlashNorm at load time (--norm flash --bits '
+              f"{args.bits} on an rms checkpoint) does not fold and has no such cost",
               file=sys.stderr)
     what = "full precision" if args.bits == 0 else f"{args.bits}-bit, group size {args.group_size}"
     print(f"wrote {out} ({what}, norm {args.norm})")

@@ -32,7 +32,8 @@ def hidden_states(model, tokens):
     from .flashnorm import Deferred
 
     trunk = getattr(model, flashnorm.mapping(model).trunk)
-    h = trunk.embed(tokens) if hasattr(trunk, "embed") else model.embed_tokens(tokens)  # Gemma scales
+    # Gemma scales
+    h = trunk.embed(tokens) if hasattr(trunk, "embed") else model.embed_tokens(tokens)
     full = sliding = create_attention_mask(h, None)
     if hasattr(trunk, "masks"):  # Gemma 3: sliding-window layers
         full, sliding = trunk.masks(h, [None] * len(model.layers))
@@ -69,7 +70,8 @@ def greedy(model, prompt, steps):
 def compare(ref, flash, tokens, steps):
     """Rows (name, max abs, max rel) per layer and for the logits, and the two greedy sequences."""
     rows = [(f"layer {i}", *difference(a, b))
-            for i, (a, b) in enumerate(zip(hidden_states(ref, tokens[None]), hidden_states(flash, tokens[None])))]
+            for i, (a, b) in enumerate(zip(hidden_states(ref, tokens[None]),
+                                           hidden_states(flash, tokens[None])))]
     rows.append(("logits", *difference(ref(tokens[None]), flash(tokens[None]))))
     return rows, greedy(ref, tokens, steps), greedy(flash, tokens, steps)
 
@@ -79,7 +81,8 @@ def arg_parser():
                                 description=__doc__.split("\n\n")[1],
                                 formatter_class=HelpFormatter)
     add_model_args(p, "--model", "--tokenizer", tokenizer=dict(help=TOKENIZER_HELP))
-    p.add_argument("--prompt", default="The quick brown fox jumps over the lazy dog. Once upon a time",
+    p.add_argument("--prompt",
+                   default="The quick brown fox jumps over the lazy dog. Once upon a time",
                    help="text fed to both models")
     p.add_argument("--steps", type=int, default=32, help="greedy tokens to compare")
     p.add_argument("--dtype", action="append", choices=("float16", "bfloat16"), default=[],
@@ -94,14 +97,16 @@ def agree(a, b):
 
 
 def half_rows(args, ref, tokens, ref_tokens):
-    """Per dtype: (dtype, rms rel error, flash rel error, rms-vs-float32 agreement, flash-vs-rms)."""
+    """Per dtype: (dtype, rms rel error, flash rel error, rms-vs-float32 agreement,
+    flash-vs-rms)."""
     want = ref(tokens[None]).astype(mx.float32)
     top = mx.abs(want).max()
     rows = []
     for dtype in args.dtype:
         out = {}
         for norm in ("rms", "flash"):
-            m, _ = load(args.model, norm=norm, dtype=dtype, tokenizer=args.tokenizer, progress=False)
+            m, _ = load(args.model, norm=norm, dtype=dtype, tokenizer=args.tokenizer,
+                        progress=False)
             err = (mx.abs(m(tokens[None]).astype(mx.float32) - want).max() / top).item()
             out[norm] = err, greedy(m, tokens, args.steps)
         rows.append((dtype, out["rms"][0], out["flash"][0], agree(out["rms"][1], ref_tokens),
@@ -128,7 +133,8 @@ def main(argv=None):
     if same == args.steps:
         print(f"greedy tokens agree over {args.steps} steps")
     else:
-        print(f"greedy tokens differ from step {same} of {args.steps}: rms {a[same]}, flash {b[same]}")
+        print(f"greedy tokens differ from step {same} of {args.steps}: rms {a[same]}, "
+              f"flash {b[same]}")
     if args.dtype:
         print(f"{'dtype':10} {'rms rel err':>12} {'flash rel err':>14} {'rms = f32 tokens':>17} "
               f"{'flash = rms tokens':>19}  (logits vs float32 rms; greedy steps agreeing)")
