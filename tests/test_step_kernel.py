@@ -26,11 +26,14 @@ CONFIGS = {"llama": dict(SHAPE, model_type="llama", rope_theta=10000.0),
            "qwen3": dict(SHAPE, model_type="qwen3", rope_theta=1000000.0, attention_bias=False)}
 
 
-def quantized_model(name, dtype=mx.float32, bits=4):
+NORMS = ("flash", "rms", "none")  # the norm modes, each on the whole-step kernels
+
+
+def quantized_model(name, dtype=mx.float32, bits=4, norm="flash"):
     arch, args = model_args(CONFIGS[name])
     model = build_model(CONFIGS[name], random_weights(arch.Model(args), seed=3, scale=0.2), progress=False)
     model.set_dtype(dtype)
-    return prepare(model, norm="flash", bits=bits, group_size=64)
+    return prepare(model, norm=norm, bits=bits, group_size=64)
 
 
 def greedy(model, steps=12, compiled=None):
@@ -41,12 +44,15 @@ def greedy(model, steps=12, compiled=None):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("bits", [4, 8])
-def test_reference_matches_the_blocks(monkeypatch, name, bits):
+@pytest.mark.parametrize("norm", NORMS)
+def test_reference_matches_the_blocks(monkeypatch, name, bits, norm):
     """The compiled decode step through decode_layers' plain-MLX reference (its spec read from the
-    model's FlashNorm modules: Sec. 3 for Llama, Sec. 4's QK-norm for Qwen 3) gives the greedy
-    tokens of the model's own blocks, log-probabilities within float32 rounding. Where the CUDA
-    kernel runs (a GPU), the reference is forced by disabling it."""
-    model = quantized_model(name, bits=bits)
+    model's modules: FlashNorm's, Sec. 3 for Llama, Sec. 4's QK-norm for Qwen 3; the model's own
+    RMSNorms and QK-norm in rms; none of them in none) gives the greedy tokens of the model's own
+    blocks, log-probabilities within float32 rounding. Where the CUDA kernel runs (a GPU), the
+    reference is forced by disabling it."""
+    model = quantized_model(name, bits=bits, norm=norm)
+    assert stack._spec(model.layers)["norm"] == norm
     want_tokens, want = greedy(model)
     called = []
     monkeypatch.setattr(kernels, "use_decode_layers", lambda name="decode_layers": True)
@@ -72,14 +78,15 @@ def batched(model, lengths=(9, 40, 23), steps=(10, 6, 12)):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_rows_reference_matches_the_blocks(monkeypatch, tmp_path, name):
+@pytest.mark.parametrize("norm", NORMS)
+def test_rows_reference_matches_the_blocks(monkeypatch, tmp_path, name, norm):
     """The batched step (rows at their own positions) through decode_rows' reference gives every
-    request the tokens of the model's own blocks over the same slots (where the CUDA kernel runs,
-    the reference is forced by disabling it)."""
+    request the tokens of the model's own blocks over the same slots, in each norm mode (where the
+    CUDA kernel runs, the reference is forced by disabling it)."""
     from mlx_flashnorm.kernels import nvrtc
 
     monkeypatch.setattr(nvrtc, "CACHE_DIR", tmp_path)  # where the self-check would note a pass
-    model = quantized_model(name)
+    model = quantized_model(name, norm=norm)
     want = batched(model)
     called = []
     monkeypatch.setattr(kernels, "use_decode_layers", lambda name="decode_layers": True)
@@ -191,25 +198,38 @@ def test_sizes_pack_as_the_body_reads_them():
     assert all(body.count(f" {name} = ") == 1 for name, _ in rows.SIZES)
 
 
+def mode_tables(L, K, D, dtype, seed):
+    """(gains, qk_gains, factor, qk_eps, norm) of each mode and QK-norm for a random stack: flash's
+    gains about trained models' 16 (Sec. 3 and Sec. 4), rms's norm weights about 1 as values of
+    dtype (the model's own), none."""
+    gains = 16 * (1 + 0.3 * build.rand((L, 2, K), seed, mx.float32))
+    qk = 1 + 0.3 * build.rand((L, 2, 2, D), seed + 1, mx.float32)
+    w = (1 + 0.3 * build.rand((L, 2, K), seed + 2, mx.float32)).astype(dtype).astype(mx.float32)
+    wq = (1 + 0.3 * build.rand((L, 2, 2, D), seed + 3, mx.float32)).astype(dtype).astype(mx.float32)
+    return [(gains, None, D**-0.25, 0.0, "flash"), (gains, qk, D**-0.25, 1e-6, "flash"),
+            (w, None, D**-0.5, 0.0, "rms"), (w, wq, D**-0.5, 1e-6, "rms"),
+            (None, None, D**-0.5, 0.0, "none")]
+
+
 @pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")
 @pytest.mark.parametrize("dtype,tol", [(mx.float32, 1e-3), (mx.float16, 1e-2), (mx.bfloat16, 5e-2)])
 def test_kernel_matches_reference(dtype, tol):
     """The launch against the reference on a random two-layer stack at 41 and 700 positions (one
-    and several attention splits), Sec. 3 and Sec. 4: outputs and the cache rows written."""
+    and several attention splits), each norm mode (flash: Sec. 3 and Sec. 4; rms with and without
+    QK-norm; none): outputs and the cache rows written."""
     L, K, HQ, HKV, D, I, C = 2, 256, 4, 2, 64, 384, 1024
     theta = mx.exp(-mx.arange(D // 2, dtype=mx.float32) * 0.3)
     x = build.rand((1, 1, K), 51).astype(dtype)
-    gains = 16 * (1 + 0.3 * build.rand((L, 2, K), 52, mx.float32))
     for pos in (40, 700):
         layers, caches = step._random_stack(L, K, HQ, HKV, D, I, C, pos, 60)
         layers = [tuple((w, s.astype(dtype), b.astype(dtype)) for w, s, b in m) for m in layers]
         caches = [tuple(a.astype(dtype) for a in c) for c in caches]
-        for qk in (None, 1 + 0.3 * build.rand((L, 2, 2, D), 53, mx.float32)):
-            args = (theta, 1e-5, D**-0.25, 1e-6 if qk is not None else 0.0, HQ, HKV, 64, 4)
+        for gains, qk, factor, qk_eps, norm in mode_tables(L, K, D, dtype, 52):
+            args = (theta, 1e-5, factor, qk_eps, HQ, HKV, 64, 4)
             assert step.supported(x, layers, caches, HQ, HKV, 64, 4)
             got = step.decode_layers(x, pos, layers, [tuple(mx.array(a) + 0 for a in c) for c in caches], gains,
-                                     qk, *args)
-            want = step._reference(x, pos, layers, caches, gains, qk, *args)
+                                     qk, *args, norm=norm)
+            want = step._reference(x, pos, layers, caches, gains, qk, *args, norm=norm)
             for a, b in zip(got[:3], want[:3]):
                 assert (mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max()
                         <= tol * mx.abs(b.astype(mx.float32)).max()).item()
@@ -225,8 +245,8 @@ def test_kernel_matches_reference(dtype, tol):
 def test_rows_kernel_matches_reference(monkeypatch, dtype, tol, B, chunked):
     """decode_rows against its reference: B rows at their own positions (some past several
     attention splits), in one pass of 8 or 16 rows or in passes of 32 and 5, and (chunked)
-    down_proj's input held 128 of its 384 values at a time in passes of 8, Sec. 3 and Sec. 4,
-    outputs and the rows' cache entries."""
+    down_proj's input held 128 of its 384 values at a time in passes of 8, each norm mode
+    (mode_tables), outputs and the rows' cache entries."""
     from mlx_flashnorm.kernels import rows
 
     if chunked:
@@ -240,13 +260,12 @@ def test_rows_kernel_matches_reference(monkeypatch, dtype, tol, B, chunked):
     positions = mx.array([(700, 30, 250)[b % 3] - b // 3 for b in range(B)], mx.int32)
     theta = mx.exp(-mx.arange(D // 2, dtype=mx.float32) * 0.3)
     x = build.rand((B, 1, K), 71).astype(dtype)
-    gains = 16 * (1 + 0.3 * build.rand((L, 2, K), 72, mx.float32))
-    for qk in (None, 1 + 0.3 * build.rand((L, 2, 2, D), 73, mx.float32)):
-        args = (theta, 1e-5, D**-0.25, 1e-6 if qk is not None else 0.0, HQ, HKV, 64, 4)
+    for gains, qk, factor, qk_eps, norm in mode_tables(L, K, D, dtype, 72):
+        args = (theta, 1e-5, factor, qk_eps, HQ, HKV, 64, 4)
         assert step.supported(x, layers, caches, HQ, HKV, 64, 4, name="decode_rows")
         got = rows.decode_rows(x, positions, layers, [tuple(mx.array(a) + 0 for a in c) for c in caches], gains,
-                               qk, *args)
-        want = rows.reference(x, positions, layers, caches, gains, qk, *args)
+                               qk, *args, norm=norm)
+        want = rows.reference(x, positions, layers, caches, gains, qk, *args, norm=norm)
         pairs = list(zip(got[:3], want[:3])) + [(a, b) for g, w in zip(got[3], want[3]) for a, b in zip(g, w)]
         for a, b in pairs:
             a, b = a.astype(mx.float32), b.astype(mx.float32)
@@ -268,10 +287,13 @@ def agree_until_tie(model, prompt, got, steps):
 
 @pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_rows_kernel_batches_like_one_request(name):
+@pytest.mark.parametrize("norm", NORMS)
+def test_rows_kernel_batches_like_one_request(name, norm):
     """With decode_rows on, every request of a batch gets its one-request greedy tokens (float16),
-    up to a tie of its two likeliest tokens (agree_until_tie); at least 2/3 of them compared."""
-    model = quantized_model(name, mx.float16)
+    up to a tie of its two likeliest tokens (agree_until_tie); at least 2/3 of them compared; in
+    each norm mode."""
+    model = quantized_model(name, mx.float16, norm=norm)
+    assert stack._spec(model.layers)["norm"] == norm
     got = batched(model)
     compared = [agree_until_tie(model, [(7 * i + j) % 500 + 3 for j in range(n)], got[i], m)
                 for i, (n, m) in enumerate(zip((9, 40, 23), (10, 6, 12)))]
@@ -281,11 +303,13 @@ def test_rows_kernel_batches_like_one_request(name):
 @pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
-def test_kernel_decodes_like_the_blocks(monkeypatch, name, dtype):
+@pytest.mark.parametrize("norm", NORMS)
+def test_kernel_decodes_like_the_blocks(monkeypatch, name, dtype, norm):
     """Greedy decoding with the kernel gives the tokens of the per-sublayer kernels (the kernel
     disabled) and of the eager forward pass in half precision, log-probabilities within
-    test_half.py's tolerances."""
-    model = quantized_model(name, dtype)
+    test_half.py's tolerances; in each norm mode (rms, none: the model's own layers, disabled)."""
+    model = quantized_model(name, dtype, norm=norm)
+    assert stack._spec(model.layers)["norm"] == norm
     tokens, got = greedy(model, 24)
     assert greedy(model, 24, compiled=False)[0] == tokens
     with monkeypatch.context() as m:
@@ -299,11 +323,13 @@ def test_kernel_decodes_like_the_blocks(monkeypatch, name, dtype):
 
 @pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_kernel_on_real_weights(monkeypatch, dtype):
+@pytest.mark.parametrize("norm", NORMS)
+def test_kernel_on_real_weights(monkeypatch, dtype, norm):
     """SmolLM2 (the shipped Q4_1 GGUF): 40 greedy tokens with the kernel equal those without it,
-    and the step launches it (its graph holds one decode_layers node for 30 layers)."""
-    model, tok = load(None, norm="flash", dtype=dtype, progress=False)
-    assert stack._spec(model.layers) is not None
+    and the step launches it (its graph holds one decode_layers node for 30 layers), in each norm
+    mode."""
+    model, tok = load(None, norm=norm, dtype=dtype, progress=False)
+    assert stack._spec(model.layers)["norm"] == norm
     prompt = mx.array(tok.encode("The capital of France is Paris. The capital of Germany is"))
     tokens = [t for t, _ in generate_step(prompt, model, max_tokens=40)]
     with monkeypatch.context() as m:
@@ -472,11 +498,12 @@ def test_without_keeps_kernels_off_for_a_block(monkeypatch):
 
 @pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_rows_kernel_on_real_weights(dtype):
+@pytest.mark.parametrize("norm", NORMS)
+def test_rows_kernel_on_real_weights(dtype, norm):
     """SmolLM2 (the shipped Q4_1 GGUF): three requests decoded together (decode_rows, which the
     batch's steps run) each get the greedy tokens they get alone (decode_layers), up to a tie of
-    the two likeliest (agree_until_tie); at least 2/3 of them compared."""
-    model, tok = load(None, norm="flash", dtype=dtype, progress=False)
+    the two likeliest (agree_until_tie); at least 2/3 of them compared; in each norm mode."""
+    model, tok = load(None, norm=norm, dtype=dtype, progress=False)
     texts = ["The capital of France is", "List three colours:", "Water boils at"]
     requests = [Request(tok.encode(t), max_tokens=24) for t in texts]
     engine = BatchEngine(model)
@@ -524,3 +551,35 @@ def test_splitting_a_stacked_model_forgets_its_stacks():
     shard.split(model, 0, 2)
     assert not hasattr(model.layers[0], "_stacks")
     assert model.layers[0].self_attn.n_heads == 2
+
+
+class _Rows:
+    """A stand-in for the static caches decode_stack reads: buffers and an array offset."""
+
+    static_rows = True
+
+    def __init__(self, B, HKV, D):
+        self.keys = self.values = mx.zeros((B, HKV, 64, D))
+        self.offset = mx.array([5] * B) if B > 1 else mx.array(5)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_disabling_the_kernels_leaves_each_mode_its_loop(monkeypatch, norm):
+    """MLX_FLASHNORM_DISABLE=decode_layers,decode_rows (forms.DISABLED; the bench's rms-primitives
+    path): decode_stack hands every mode's step, one row or a batch, back to the model's own loop;
+    with the kernels on, each mode's blocks reach them (here asked whether they take the stack)."""
+    model = quantized_model("qwen3", norm=norm)
+    monkeypatch.setattr(forms, "use_gpu", lambda name=None: name not in forms.DISABLED)
+    monkeypatch.setattr(step, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(kernels, "self_check", lambda names=None: True)
+    asked = []
+    monkeypatch.setattr(kernels, "decode_layers_supported",
+                        lambda *a, **k: asked.append(k["name"]) or False)
+    for B, name in ((1, "decode_layers"), (3, "decode_rows")):
+        h = mx.zeros((B, 1, 256))
+        cache = [_Rows(B, 2, 64) for _ in model.layers]
+        monkeypatch.setattr(forms, "DISABLED", {"decode_layers", "decode_rows"})
+        assert stack.decode_stack(model.layers, h, cache) is None and asked == []
+        monkeypatch.setattr(forms, "DISABLED", set())
+        assert stack.decode_stack(model.layers, h, cache) is None and asked == [name]
+        asked.clear()

@@ -37,10 +37,18 @@ CUDA = Path(__file__).parent / "cuda"  # the kernels' CUDA: step.cu, rows.cu, wh
 # The sizes and flags a launch passes in its int array `dims`, in order (build.pack, build.declare):
 # the model width, group size, query and kv heads, FFN width, cache capacity, blocks, the widest
 # matvec input, whether the norms' gains are kept, whether the rows are half precision (1/RSSe's
-# power of two taken out), QK-norm, and the norm's, RoPE's and QK-norm's float settings.
+# power of two taken out), QK-norm, the norm's, RoPE's and QK-norm's float settings, and the norm
+# mode (NORMS).
 SIZES = (("K", "int"), ("GS", "int"), ("HQ", "int"), ("HKV", "int"), ("I", "int"), ("C", "int"),
          ("NB", "int"), ("XMAX", "int"), ("has_g", "bool"), ("prescale", "bool"),
-         ("qk_norm", "bool"), ("eps", "float"), ("factor", "float"), ("qk_eps", "float"))
+         ("qk_norm", "bool"), ("eps", "float"), ("factor", "float"), ("qk_eps", "float"),
+         ("NORM", "int"))
+# The norm modes (--norm), each the function of that mode's own layers: flash, the 1/RSSe deferred
+# past the matvecs (gains: the pre-norms' sqrt(K) g on the inputs; factor: the square root of the
+# softmax scale, into q and k); rms, RMSNorm before each matvec as the model's layers compute and
+# round it (gains: the norms' weights; qk_gains[:, :, 0]: QK-norm's; factor: the softmax scale);
+# none, the residual add alone (no gains).
+NORMS = {"flash": 0, "rms": 1, "none": 2}
 # a layer's arrays, in the pointer table's order: its four matrices (weight, scales, biases each)
 # and its caches; the matrices come stacked, inputs (L, rows, columns): layer l's is row l
 ARRAYS = ("wqkv", "sqkv", "bqkv", "wo", "so", "bo", "wgu", "sgu", "bgu", "wd", "sd", "bd", "kc",
@@ -185,7 +193,7 @@ def supported(x, layers, caches, n_heads, n_kv_heads, group_size, bits, name="de
 
 
 def decode_layers(x, offset, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads, n_kv_heads,
-                  group_size, bits):
+                  group_size, bits, norm="flash"):
     """Every layer of a Llama-family stack for one decode row x (the embedding, (1, 1, K)):
     (y, ys, p, caches) where y * ys is the last down_proj's output (its scale deferred), p the
     residual stream, and caches the (k, v) buffers with this position written.
@@ -194,15 +202,18 @@ def decode_layers(x, offset, layers, caches, gains, qk_gains, theta, eps, factor
     over up rows) and down_proj; caches: per layer (k, v), (1, kv heads, capacity, D); offset: the
     position (an int or the decode step's array); gains: (L, 2, K) float32, the two pre-norms'
     gains kept on the input, or None (folded); qk_gains: (L, 2, 2, D) float32, QK-norm's gains
-    and their RoPE-permuted copy for q and k (Sec. 4), or None (Sec. 3: factor * s on q and k)."""
+    and their RoPE-permuted copy for q and k (Sec. 4), or None (Sec. 3: factor * s on q and k).
+    norm: the mode (NORMS), which says what gains, qk_gains and factor are; in rms and none ys is 1
+    and y + p the last layer's output (no scale deferred)."""
     if not supported(x, layers, caches, n_heads, n_kv_heads, group_size, bits):
         return _reference(x, offset, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads,
-                          n_kv_heads, group_size, bits)
+                          n_kv_heads, group_size, bits, norm)
     K, D, I, xmax = sizes(x, layers, theta, n_heads)
     return launch(step_kernel(len(layers)), x, position_array(offset), layers, caches, gains, qk_gains, theta, eps,
                   factor, qk_eps, n_heads, n_kv_heads, group_size, bits,
                   work=(n_heads + 2 * n_kv_heads) * D + n_heads * SMAX * (D + 2) + K + I,
-                  shared_memory=shared_bytes(K, xmax, bits, D, n_heads // n_kv_heads, len(layers)))
+                  shared_memory=shared_bytes(K, xmax, bits, D, n_heads // n_kv_heads, len(layers)),
+                  norm=norm)
 
 
 def sizes(x, layers, theta, n_heads):
@@ -230,7 +241,7 @@ def stacked(layers):
 
 def launch(kernel, x, positions, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps,
            n_heads, n_kv_heads, group_size, bits, work, shared_memory, fields=SIZES, template=(),
-           keep_work=False):
+           keep_work=False, norm="flash"):
     """One launch of a whole-step kernel (this file's; rows.py's with its sizes table, which adds
     the row count B (fields), and its rows per matvec pass and warps (NW) in the template): one
     block per SM of 8 warps (or NW), the shared inputs, the 12 stacked matrices (stacked) and every
@@ -244,7 +255,7 @@ def launch(kernel, x, positions, layers, caches, gains, qk_gains, theta, eps, fa
                              C=caches[0][0].shape[2], NB=sm_count(), XMAX=xmax,
                              has_g=gains is not None, prescale=x.dtype != mx.float32,
                              qk_norm=qk_gains is not None, eps=eps, factor=factor, qk_eps=qk_eps,
-                             B=x.shape[0]))
+                             B=x.shape[0], NORM=NORMS[norm]))
     y, p, ys, scratch = kernel(
         inputs=[x, positions, constant(mx.int32, *dims), theta, none if gains is None else gains,
                 none if qk_gains is None else qk_gains, sync_state(), *stacked(layers)]
@@ -269,27 +280,44 @@ def _qmm(x, w, s, b, group_size, bits):
 
 
 def _reference(x, offset, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads, n_kv_heads,
-               group_size, bits):
+               group_size, bits, norm="flash"):
     """decode_layers in plain MLX (float32 arithmetic, rounded to x's dtype where the kernel rounds),
     over the whole cache with a mask, so that an array position (a compiled step) works: the
-    fallback and the self-check's yardstick."""
+    fallback and the self-check's yardstick. norm: the mode (NORMS); rms and none round as the
+    model's own layers do (each linear's output, RMSNorm's, RoPE's and SwiGLU's steps in T)."""
     f32, T = mx.float32, x.dtype
     K, D = x.shape[-1], theta.shape[0] * 2
     HQ, HKV, GQ = n_heads, n_kv_heads, n_heads // n_kv_heads
+    flash = norm == "flash"
     pos = offset if isinstance(offset, int) else position_array(offset)[:1].reshape(())
     pow2 = (lambda v: mx.power(2.0, mx.floor(mx.log2(v)))) if T != f32 else (lambda v: mx.array(1.0))
     rnd = lambda v: v.astype(T).astype(f32)
+
+    def normed(v, w, e):  # RMSNorm as mx.fast.rms_norm rounds it
+        return rnd(rnd(v * mx.rsqrt((v * v).mean(-1, keepdims=True) + e)) * w)
+
+    def pre(v, k):  # a matvec's input: p times the gain (flash), RMSNorm(p) (rms), p (none)
+        if norm == "rms":
+            return normed(v, gains[l, k], eps)
+        return v * gains[l, k] if flash and gains is not None else v
+
     cs, sn = mx.cos(pos * theta), mx.sin(pos * theta)
+    one = mx.array(1.0)
     h, xs, p, out = x.reshape(K).astype(f32), None, None, []
     for l, ((qkv, o, gu, down), (kc, vc)) in enumerate(zip(layers, caches)):
         p = rnd(h if xs is None else h * xs + p)
-        s = mx.rsqrt((p * p).sum() + K * eps)
+        s = mx.rsqrt((p * p).sum() + K * eps) if flash else one
         P = pow2(s)
-        raw = _qmm(p * gains[l, 0] if gains is not None else p, *qkv, group_size, bits).reshape(-1, D)
+        raw = _qmm(pre(p, 0), *qkv, group_size, bits).reshape(-1, D)
+        raw = raw if flash else rnd(raw)
         q, k, v = raw[:HQ], raw[HQ:HQ + HKV], raw[HQ + HKV:]
-        if qk_gains is None:
+        gq = gk = mx.ones((2, D))
+        if not flash:
+            inv_q = inv_k = one
+            if qk_gains is not None:
+                q, k = normed(q, qk_gains[l, 0, 0], qk_eps), normed(k, qk_gains[l, 1, 0], qk_eps)
+        elif qk_gains is None:
             inv_q = inv_k = factor * s
-            gq = gk = mx.ones((2, D))
         else:
             inv = lambda r: mx.rsqrt(((r * P) ** 2).sum(-1, keepdims=True) + D * qk_eps) * P
             inv_q, inv_k = inv(q), inv(k)
@@ -302,6 +330,8 @@ def _reference(x, offset, layers, caches, gains, qk_gains, theta, eps, factor, q
             return rnd(mx.concatenate([ya, yb], axis=-1))
 
         q, k, v = rope(q, inv_q, gq), rope(k, inv_k, gk), rnd(v * s)
+        if not flash:
+            q = q * factor  # the softmax scale on the rounded q
         at = (mx.arange(kc.shape[2]) == pos)[None, None, :, None]  # the new position's row
         kc, vc = mx.where(at, k.astype(T)[None, :, None], kc), mx.where(at, v.astype(T)[None, :, None], vc)
         out.append((kc, vc))
@@ -309,13 +339,17 @@ def _reference(x, offset, layers, caches, gains, qk_gains, theta, eps, factor, q
         scores = mx.where(mx.arange(kc.shape[2]) <= pos, scores, -mx.inf)
         att = rnd((mx.softmax(scores, axis=-1) @ vc[0].astype(f32)).reshape(-1))
         p = rnd(rnd(_qmm(att, *o, group_size, bits)) + p)
-        s2 = mx.rsqrt((p * p).sum() + K * eps)
-        P2 = pow2(s2)
-        g = _qmm(p * gains[l, 1] if gains is not None else p, *gu, group_size, bits)
-        gate, up = mx.split(g, 2)
-        a = rnd(gate * s2 * mx.sigmoid(gate * s2) * up * P2)
+        gate, up = mx.split(_qmm(pre(p, 1), *gu, group_size, bits), 2)
+        if flash:
+            s2 = mx.rsqrt((p * p).sum() + K * eps)
+            P2 = pow2(s2)
+            a = rnd(gate * s2 * mx.sigmoid(gate * s2) * up * P2)
+            xs = s2 / P2
+        else:
+            gate, up = rnd(gate), rnd(up)
+            a = rnd(rnd(gate * rnd(mx.sigmoid(gate))) * up)
+            xs = one
         h = rnd(_qmm(a, *down, group_size, bits))
-        xs = s2 / P2
     return h.astype(T).reshape(x.shape), xs.reshape(x.shape[:-1] + (1,)), p.astype(T).reshape(x.shape), out
 
 
@@ -338,16 +372,28 @@ def check_tables(L, K, D):
     return theta, 16 * (1 + 0.3 * rand((L, 2, K), 42, mx.float32)), 1 + 0.3 * rand((L, 2, 2, D), 43, mx.float32)
 
 
+def check_modes(L, K, D):
+    """The self-checks' variants, (gains, qk_gains, factor, qk_eps, norm) each: flash with Sec. 3
+    and Sec. 4 (QK-norm), rms without and with QK-norm (weights of float16 values about 1), none."""
+    _, gains, qk = check_tables(L, K, D)
+    w = (1 + 0.3 * rand((L, 2, K), 44, mx.float32)).astype(mx.float16).astype(mx.float32)
+    wq = (1 + 0.3 * rand((L, 2, 2, D), 45, mx.float32)).astype(mx.float16).astype(mx.float32)
+    return [(gains, None, D**-0.25, 0.0, "flash"), (gains, qk, D**-0.25, 1e-6, "flash"),
+            (w, None, D**-0.5, 0.0, "rms"), (w, wq, D**-0.5, 1e-6, "rms"),
+            (None, None, D**-0.5, 0.0, "none")]
+
+
 def check_decode_layers():
-    """Two layers, 41 positions (two splits a kv head), Sec. 3 with gains and Sec. 4 (QK-norm)."""
+    """Two layers, 41 positions (two splits a kv head), each mode (check_modes)."""
     L, K, HQ, HKV, D, I, C, pos = 2, 256, 4, 2, 64, 384, 64, 40
     layers, caches = _random_stack(L, K, HQ, HKV, D, I, C, pos, 40)
-    theta, gains, qk = check_tables(L, K, D)
+    theta = check_tables(L, K, D)[0]
     x = rand((1, 1, K), 41)
     out = []
-    for qk_gains, qk_eps in ((None, 0.0), (qk, 1e-6)):
-        y, ys, p, kv = decode_layers(x, pos, layers, [tuple(mx.array(a) for a in c) for c in caches], gains,
-                                     qk_gains, theta, 1e-5, D**-0.25, qk_eps, HQ, HKV, 64, 4)
+    for gains, qk_gains, factor, qk_eps, norm in check_modes(L, K, D):
+        kv = [tuple(mx.array(a) for a in c) for c in caches]
+        y, ys, p, kv = decode_layers(x, pos, layers, kv, gains, qk_gains, theta, 1e-5, factor,
+                                     qk_eps, HQ, HKV, 64, 4, norm=norm)
         out += [y, ys, p] + [a[..., pos, :] for c in kv for a in c]
     return out
 

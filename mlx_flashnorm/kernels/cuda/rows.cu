@@ -52,12 +52,16 @@ __device__ inline void fn_rows_in(const A* src, int n, int stride, int rows, flo
 template <typename A, int G>
 __device__ inline void fn_row_norms(const A* a, A* rout, const float* gain, long at0, int rows,
                                     int K, float* xin, int xs, float (*red)[G], float* srow,
-                                    float* prow, float keps, bool prescale) {
+                                    float* prow, float eps, bool prescale, int norm) {
   // for `rows` rows (of G) of p (a, from element at0): p into rout (optional: one block writes
   // it) and, times gain (optional), into the shared input rows (row g at xin + g * xs); then each
   // row's 1/RSSe and its power of two P (half precision) into srow and prow. The rows are loaded
   // by fn_rows_in; the squares are then summed in the one-row kernel's order (value i by thread
-  // i % 256, its 8 warps' sums in order): its norm alone.
+  // i % 256, its 8 warps' sums in order): its norm alone. norm (NORM): 0 flash as above; 1 rms,
+  // the input rows RMSNorm(p) with weights `gain` (fn_normed), 1 into srow and prow; 2 none, p
+  // alone, 1 into srow and prow.
+  const float* wnorm = norm == 1 ? gain : nullptr;
+  if (norm != 0) gain = nullptr;
   // passes of 8 rows: the gains of a thread's first GP values loaded before the rows, under their
   // latency (at 16 rows a pass it cost more than it saved: bench/RESULTS.md, "The batched step")
   constexpr int GP = G <= 8 ? 4 : 0;
@@ -93,12 +97,24 @@ __device__ inline void fn_row_norms(const A* a, A* rout, const float* gain, long
     for (int g = 0; g < G; ++g) red[threadIdx.x / 32][g] = ss[g];
   }
   __syncthreads();
+  float r = 0.0f;  // rms: the row's 1/RMS
   if (threadIdx.x < rows) {
     float t = 0.0f;
     for (int w = 0; w < 8; ++w) t += red[w][threadIdx.x];
-    const float s = rsqrtf(t + keps);
+    const float s = norm == 0 ? rsqrtf(t + K * eps) : 1.0f;
+    r = rsqrtf(t / K + eps);
     srow[threadIdx.x] = s;
     prow[threadIdx.x] = prescale ? __int_as_float(__float_as_int(s) & 0x7f800000) : 1.0f;
+  }
+  if (wnorm) {  // rms: the rows normalized and weighted in place, each row's 1/RMS through red
+    __syncthreads();
+    if (threadIdx.x < rows) red[0][threadIdx.x] = r;
+    __syncthreads();
+    for (int i = threadIdx.x; i < K; i += blockDim.x) {
+      const float w = __ldg(wnorm + i);
+      for (int g = 0; g < rows; ++g) xin[g * xs + i] = fn_normed<A>(xin[g * xs + i], red[0][g], w);
+    }
+    __syncthreads();
   }
 }
 template <int BITS>
@@ -311,7 +327,7 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
       if (b0 != have) {
         fn_row_norms<T, G>(l == 0 ? x : res1, l == 0 && tile == 0 ? res1 : nullptr,
                            has_g ? g1 : nullptr, long(b0) * K, rows, K, xin, XS, red, srow + b0,
-                           prow + b0, K * eps, prescale);
+                           prow + b0, eps, prescale, NORM);
         if (tile == 0 && threadIdx.x < rows) {  // for attention, in every block
           s1g[b0 + threadIdx.x] = srow[b0 + threadIdx.x];
           p1g[b0 + threadIdx.x] = prow[b0 + threadIdx.x];
@@ -322,7 +338,7 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
       fn_tile<T, BITS, NT>(wqkv, sqkv, bqkv, tile * 16, K / 32, 0, K / 32, K / GS, GS, xin, XS,
                            acc, f1);
       fn_tile_store<NT>(acc, rb, rows, [&](int f, int n, float v) {
-        raw[long(b0 + n) * NQKV + tile * 16 + f] = v;
+        raw[long(b0 + n) * NQKV + tile * 16 + f] = NORM == 0 ? v : fn_f(fn_cast<T>(v));
       });
     }
     fn_grid_sync(bar, target += NB);
@@ -395,7 +411,7 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
                                              K / GS, GS, NW / 2);
       if (b0 != have) {
         fn_row_norms<T, GU>(res0, nullptr, has_g ? g2 : nullptr, long(b0) * K, rows, K, xin, XS,
-                            redu, srow + b0, prow + b0, K * eps, prescale);
+                            redu, srow + b0, prow + b0, eps, prescale, NORM);
         if (tile == 0 && threadIdx.x < rows)  // down_proj's deferred scale, for the next layer
           xsg[b0 + threadIdx.x] = srow[b0 + threadIdx.x] / prow[b0 + threadIdx.x];
         have = b0;
@@ -412,7 +428,8 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
       fn_tile_store<NTU>(acc, rb, rows, [&](int f, int n, float up) {
         const float gt = fn_tile_get<NTU>(rb2, f, n) * srow[b0 + n];
         abuf[long(b0 + n) * I + tile * 16 + f] =
-            fn_cast<T>(gt / (1.0f + expf(-gt)) * up * prow[b0 + n]);
+            NORM == 0 ? fn_cast<T>(gt / (1.0f + expf(-gt)) * up * prow[b0 + n])
+                      : fn_cast<T>(fn_swiglu<T>(gt, up));
       });
     }
     fn_grid_sync(bar, target += NB);
