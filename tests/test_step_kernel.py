@@ -15,7 +15,7 @@ from mlx_flashnorm.decoding import generate_step
 from mlx_flashnorm.kernels import build, step
 from mlx_flashnorm.loader import build_model, model_args, prepare
 
-from conftest import random_weights
+from conftest import OPENELM_270M, random_weights
 
 CUDA = forms.use_gpu() and forms.gpu_backend() == "cuda"
 # the kernel's shapes: head size 64, 2 query heads per kv head, sizes in whole 4-bit chunks
@@ -23,7 +23,13 @@ SHAPE = dict(hidden_size=256, num_hidden_layers=2, intermediate_size=384, num_at
              num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=512, rms_norm_eps=1e-5,
              tie_word_embeddings=True)
 CONFIGS = {"llama": dict(SHAPE, model_type="llama", rope_theta=10000.0),
-           "qwen3": dict(SHAPE, model_type="qwen3", rope_theta=1000000.0, attention_bias=False)}
+           "qwen3": dict(SHAPE, model_type="qwen3", rope_theta=1000000.0, attention_bias=False),
+           # OpenELM's layer-wise scaling: query heads, kv heads (4 query heads each) and FFN width
+           # differing per layer (128, 384, 256), QK-norm, fused qkv_proj and proj_1
+           "openelm": dict(OPENELM_270M, model_dim=256, num_transformer_layers=3, head_dim=64,
+                           num_query_heads=[4, 8, 4], num_kv_heads=[1, 2, 1],
+                           ffn_multipliers=[0.5, 1.5, 1.0], ffn_dim_divisor=64, vocab_size=512,
+                           rms_norm_eps=1e-5, max_context_length=512)}
 
 
 NORMS = ("flash", "rms", "none")  # the norm modes, each on the whole-step kernels
@@ -272,6 +278,50 @@ def test_rows_kernel_matches_reference(monkeypatch, dtype, tol, B, chunked):
             assert (mx.abs(a - b).max() <= tol * mx.abs(b).max()).item()
 
 
+def per_layer_stack(dtype, B, pos=300, C=512):
+    """A random three-layer stack of OpenELM's layer-wise sizes (query heads 4, 8, 4; kv heads 1, 2,
+    1; FFN width 128, 384, 256) in dtype, with caches for B rows filled up to pos."""
+    K, D, HQ, HKV, I = 256, 64, [4, 8, 4], [1, 2, 1], [128, 384, 256]
+    layers, caches = [], []
+    for l in range(3):
+        m, c = step._random_stack(1, K, HQ[l], HKV[l], D, I[l], C, pos + 1, 100 + 10 * l)
+        layers.append(tuple((w, s.astype(dtype), b.astype(dtype)) for w, s, b in m[0]))
+        caches.append(tuple(mx.concatenate([a, a[:, :, ::-1]] * B)[:B].astype(dtype) for a in c[0]))
+    return layers, caches, HQ, HKV
+
+
+@pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")
+@pytest.mark.parametrize("dtype,tol", [(mx.float32, 1e-3), (mx.float16, 1e-2), (mx.bfloat16, 5e-2)])
+@pytest.mark.parametrize("B", [1, 3, 12])
+def test_per_layer_kernels_match_reference(dtype, tol, B):
+    """OpenELM's layer-wise scaling (per_layer_stack) through decode_layers (B = 1) and decode_rows
+    against their references, each norm mode (mode_tables), rows at their own positions: outputs
+    and the cache rows written."""
+    from mlx_flashnorm.kernels import rows
+
+    L, K, D = 3, 256, 64
+    layers, caches, HQ, HKV = per_layer_stack(dtype, B)
+    positions = mx.array([(300, 30, 250)[b % 3] - b // 3 for b in range(B)], mx.int32)
+    theta = mx.exp(-mx.arange(D // 2, dtype=mx.float32) * 0.3)
+    x = build.rand((B, 1, K), 111).astype(dtype)
+    name = "decode_layers" if B == 1 else "decode_rows"
+    for gains, qk, factor, qk_eps, norm in mode_tables(L, K, D, dtype, 112):
+        args = (theta, 1e-5, factor, qk_eps, HQ, HKV, 64, 4)
+        assert step.supported(x, layers, caches, HQ, HKV, 64, 4, name=name)
+        fresh = [tuple(mx.array(a) + 0 for a in c) for c in caches]
+        if B == 1:
+            got = step.decode_layers(x, 300, layers, fresh, gains, qk, *args, norm=norm)
+            want = step._reference(x, 300, layers, caches, gains, qk, *args, norm=norm)
+        else:
+            got = rows.decode_rows(x, positions, layers, fresh, gains, qk, *args, norm=norm)
+            want = rows.reference(x, positions, layers, caches, gains, qk, *args, norm=norm)
+        pairs = list(zip(got[:3], want[:3]))
+        pairs += [(a, b) for g, w in zip(got[3], want[3]) for a, b in zip(g, w)]
+        for a, b in pairs:
+            a, b = a.astype(mx.float32), b.astype(mx.float32)
+            assert (mx.abs(a - b).max() <= tol * mx.abs(b).max()).item(), (norm, qk is not None)
+
+
 def agree_until_tie(model, prompt, got, steps):
     """How many of the batched greedy tokens `got` equal the lone request's before the first that
     differs, which must be a tie: the lone request's two likeliest tokens within 4 units of its
@@ -515,17 +565,20 @@ def test_rows_kernel_on_real_weights(dtype, norm):
     assert sum(compared) >= 2 * 3 * 24 // 3, compared
 
 
-def test_stacked_weights_are_the_same_model():
+@pytest.mark.parametrize("name", ["llama", "openelm"])
+def test_stacked_weights_are_the_same_model(name):
     """flashnorm.stack_weights (the loader's last pass where the whole-step kernels run) makes each
-    block's matrices rows of 12 arrays over the layers: the model computes the same log-probabilities
-    bit for bit, the kernels get those 12 arrays themselves (no copy), and a block whose array is
-    replaced afterwards gets stacked copies of the current arrays instead."""
-    model = quantized_model("llama")
+    block's matrices views of 12 arrays over the layers (rows of stacks; OpenELM's, of different
+    shapes a layer, spans of flat arrays): the model computes the same log-probabilities bit for
+    bit, the kernels get those 12 arrays themselves (no copy), and a block whose array is replaced
+    afterwards gets stacked copies of the current arrays instead."""
+    model = quantized_model(name)
     want_tokens, want = greedy(model)
     flat = [a for m in stack._spec(model.layers)["layers"] for t in m for a in t]
     stack.stack_weights(model)
     stacks = model.layers[0]._stacks.arrays
-    assert [s.shape[0] for s in stacks] == [len(model.layers)] * 12
+    assert all(s.ndim == 1 or s.shape[0] == len(model.layers) for s in stacks)
+    assert sum(s.size for s in stacks) == sum(a.size for a in flat)
     now = [a for m in stack._spec(model.layers)["layers"] for t in m for a in t]
     assert all(mx.array_equal(a, b).item() for a, b in zip(now, flat))
     model._compiled_decode = None
@@ -533,11 +586,12 @@ def test_stacked_weights_are_the_same_model():
     assert tokens == want_tokens and mx.array_equal(got, want).item()
     mats = stack._spec(model.layers)["layers"]
     assert all(a is b for a, b in zip(stack._stacked(model.layers, mats).stacks, stacks))
-    q = model.layers[1].self_attn.qkv_proj
+    q = stack._linears(model.layers[1], stack.block(model.layers[1]))[0]
     q.weight = mx.array(q.weight) ^ 1  # another array, other values
     copies = stack._stacked(model.layers, stack._spec(model.layers)["layers"]).stacks
     assert not any(a is b for a, b in zip(copies, stacks))
-    assert mx.array_equal(copies[0][1], q.weight).item() and mx.array_equal(copies[1], stacks[1]).item()
+    views = kernels.layer_views(copies[0], [m[0][0] for m in stack._spec(model.layers)["layers"]])
+    assert mx.array_equal(views[1], q.weight).item() and mx.array_equal(copies[1], stacks[1]).item()
 
 
 def test_splitting_a_stacked_model_forgets_its_stacks():
@@ -583,3 +637,70 @@ def test_disabling_the_kernels_leaves_each_mode_its_loop(monkeypatch, norm):
         monkeypatch.setattr(forms, "DISABLED", set())
         assert stack.decode_stack(model.layers, h, cache) is None and asked == [name]
         asked.clear()
+
+
+def test_launches_take_each_layers_sizes(monkeypatch):
+    """OpenELM's layer-wise scaling through both launches (stubbed as in
+    test_launches_pass_every_array): each kind's arrays of different shapes flattened one after
+    another into one input, the layer table after the sizes fields of dims (each layer's 12
+    offsets, query heads, kv heads, FFN width), the sizes fields and the work buffer the widest
+    layer's; a stack whose query heads per kv head differ between layers is refused."""
+    from mlx_flashnorm.kernels import rows
+
+    calls = []
+    monkeypatch.setattr(build, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(step, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(forms, "use_gpu", lambda name=None: True)
+    monkeypatch.setattr(step, "sm_count", lambda: 132)
+    monkeypatch.setattr(step, "compute_capability", lambda: 9)
+    monkeypatch.setattr(build, "cuda_binary", lambda name, code: b"cubin")
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", lambda **kw: calls.append(kw) or
+                        [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])])
+    step.step_kernel.cache_clear()
+    rows.rows_kernel.cache_clear()
+    K, D, C, HQ, HKV, I = 256, 64, 64, [4, 8, 4], [1, 2, 1], [128, 384, 256]
+    layers, caches = [], []
+    for l in range(3):
+        m, c = step._random_stack(1, K, HQ[l], HKV[l], D, I[l], C, 9, 90 + 10 * l)
+        layers.append(tuple((w, s.astype(mx.float16), b.astype(mx.float16)) for w, s, b in m[0]))
+        caches.append(tuple(a.astype(mx.float16) for a in c[0]))
+    theta = mx.zeros((D // 2,))
+    for B in (1, 5):
+        kv = [tuple(mx.concatenate([a] * B) for a in c) for c in caches]
+        x = mx.zeros((B, 1, K), mx.float16)
+        args = (layers, kv, None, None, theta, 1e-5, 0.5, 0.0, HQ, HKV, 64, 4)
+        if B == 1:
+            step.decode_layers(x, 9, *args)
+        else:
+            rows.decode_rows(x, mx.arange(B, dtype=mx.int32), *args)
+        call = calls[-1]
+        assert len(call["inputs"]) == 7 + 12 + 2 * 3
+        for k, flat in enumerate(call["inputs"][7:19]):
+            parts = [m[k // 3][k % 3] for m in layers]
+            assert flat.ndim == 1 and flat.size == sum(a.size for a in parts)
+            assert mx.array_equal(flat, mx.concatenate([a.reshape(-1) for a in parts])).item()
+        fields = step.SIZES if B == 1 else rows.SIZES
+        dims = call["inputs"][2].tolist()
+        named = dict(zip([n for n, _ in fields], dims))
+        assert (named["HQM"], named["HKVM"], named["IM"], named["XMAX"]) == (8, 2, 384, 512)
+        lt = dims[len(fields):len(fields) + 45]
+        sizes = [a.size for m in layers for t in m for a in t]
+        for l in range(3):
+            assert lt[15 * l + 12:15 * l + 15] == [HQ[l], HKV[l], I[l]]
+            offsets = [sum(sizes[12 * j + k] for j in range(l)) for k in range(12)]
+            assert lt[15 * l:15 * l + 12] == offsets
+        if B == 1:  # q/k/v rows, the splits' partial states, o_proj's and SwiGLU's outputs
+            work = (8 + 2 * 2) * D + 8 * step.SMAX * (D + 2) + K + 384
+            assert call["output_shapes"][3] == (work,)
+    mixed = [step._random_stack(1, K, 4, hkv, D, 128, C, 9, 95 + hkv) for hkv in (1, 2)]
+    half = lambda m: tuple((w, s.astype(mx.float16), b.astype(mx.float16)) for w, s, b in m)
+    mixed = ([half(m[0]) for m, _ in mixed],
+             [tuple(a.astype(mx.float16) for a in c[0]) for _, c in mixed])
+    for B in (1, 5):  # 4 query heads per kv head, then 2: refused (either layer alone is taken)
+        kv = [tuple(mx.concatenate([a] * B) for a in c) for c in mixed[1]]
+        x, name = mx.zeros((B, 1, K), mx.float16), "decode_layers" if B == 1 else "decode_rows"
+        assert not step.supported(x, mixed[0], kv, [4, 4], [1, 2], 64, 4, name=name)
+        assert all(step.supported(x, mixed[0][l:l + 1], kv[l:l + 1], 4, hkv, 64, 4, name=name)
+                   for l, hkv in enumerate((1, 2)))
+    step.step_kernel.cache_clear()
+    rows.rows_kernel.cache_clear()

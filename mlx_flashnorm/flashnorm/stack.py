@@ -1,9 +1,11 @@
-"""Sec. 5 for a whole decode step: every block of a Llama-family stack (4/8-bit weights, SwiGLU) in
-one kernel launch, kernels.decode_layers (one row) or kernels.decode_rows (a batch), where it runs;
-the model's own loop over its blocks everywhere else. Each norm mode on the same kernels, which
-differ only in the normalization: flash (FlashAttention or Qwen 3's FlashQKNormAttention,
-FlashSwiGLU, DeferredNorm pre-norms), rms (the model's own RMSNorm pre-norms and QK-norm, the
-attention and MLP with concat.py's concatenated q/k/v and gate/up), none (remove_norms' NoNorms)."""
+"""Sec. 5 for a whole decode step: every block of a Llama-family or OpenELM stack (4/8-bit
+weights, SwiGLU; OpenELM's heads and FFN width per layer) in one kernel launch,
+kernels.decode_layers (one row) or kernels.decode_rows (a batch), where it runs; the model's own
+loop over its blocks everywhere else. Each norm mode on the same kernels, which differ only in the
+normalization: flash (FlashAttention or the QK-norm's FlashQKNormAttention, FlashSwiGLU or
+OpenELM's FlashFusedSwiGLU, DeferredNorm pre-norms), rms (the model's own RMSNorm pre-norms and
+QK-norm, the attention and MLP with concat.py's concatenated q/k/v and gate/up, or OpenELM's own
+qkv_proj and proj_1), none (remove_norms' NoNorms)."""
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -12,7 +14,7 @@ from ..errors import UserError
 from ..nn import PlainRMSNorm, RMSNorm
 from ..rope import rope_frequencies
 from .attention import FlashAttention, FlashQKNormAttention
-from .ffn import FlashSwiGLU
+from .ffn import FlashFusedSwiGLU, FlashSwiGLU
 from .norm import DeferredNorm, NoNorm, QuantizedDeferredLinear, deferred_output
 
 # The blocks the whole-step kernels compute, by the names of their modules: the two pre-norms, the
@@ -20,7 +22,8 @@ from .norm import DeferredNorm, NoNorm, QuantizedDeferredLinear, deferred_output
 # one of them where its children are exactly these (Gemma's sandwich norms are not).
 LLAMA = (("input_layernorm", "post_attention_layernorm"), "self_attn", ("qkv_proj", "o_proj"),
          "mlp", ("gate_up_proj", "down_proj"))
-BLOCKS = (LLAMA,)
+OPENELM = (("attn_norm", "ffn_norm"), "attn", ("qkv_proj", "out_proj"), "ffn", ("proj_1", "proj_2"))
+BLOCKS = (LLAMA, OPENELM)
 
 
 def block(layer):
@@ -65,10 +68,10 @@ class _Stacks:
 
 def stack_weights(model):
     """Make each of the 12 arrays of the blocks' matrices (qkv weight, scales, biases; o_proj's;
-    gate_up's; down_proj's) one array over the layers, each block's array a row of it (a view: no
-    copy is kept), where decode_layers takes these blocks: a launch then takes 12 inputs for them,
-    not 12 per layer (its host work grows with its inputs). The same values: every other path
-    reads the rows as it read the arrays."""
+    gate_up's; down_proj's) one array over the layers (kernels.stacked), each block's array a view
+    of it (kernels.layer_views: no copy is kept), where decode_layers takes these blocks: a launch
+    then takes 12 inputs for them, not 12 per layer (its host work grows with its inputs). The
+    same values: every other path reads the views as it read the arrays."""
     layers = getattr(model, "layers", None)
     spec = _spec(layers) if layers and isinstance(layers[0], nn.Module) else None
     if spec is None:
@@ -77,7 +80,7 @@ def stack_weights(model):
     arrays, rows = kernels.stacked(spec["layers"]), []
     # one kind at a time: its old arrays go before the next is stacked
     for k, stack in enumerate(arrays):
-        views = [stack[l] for l in range(len(layers))]
+        views = kernels.layer_views(stack, [mats[k // 3][k % 3] for mats in spec["layers"]])
         mx.eval(stack, views)
         for layer, view in zip(layers, views):
             _linears(layer, names)[k // 3][("weight", "scales", "biases")[k % 3]] = view
@@ -134,11 +137,11 @@ def _flash_spec(layers, names):
     for layer in layers:
         a, f = layer[names[1]], layer[names[3]]
         norms = [layer[n] for n in names[0]]
-        if (type(a) is not type(attn) or type(f) is not FlashSwiGLU or not f.late
-                or names[4][0] not in f
+        swiglu = type(f) is FlashSwiGLU and f.late or type(f) is FlashFusedSwiGLU
+        if (type(a) is not type(attn) or not swiglu or names[4][0] not in f
                 or any(not m.fuse or m.eps != eps for m in norms)
                 or (not qk_norm and a.qkv_bias) or a.traditional or a.factor != attn.factor
-                or a.n_heads != attn.n_heads or a.n_kv_heads != attn.n_kv_heads
+                or a.head_dim != attn.head_dim
                 or any(("gain" in m) != ("gain" in norms[0]) for m in norms)):
             return None
         if "gain" in norms[0]:
@@ -147,8 +150,7 @@ def _flash_spec(layers, names):
             qk_gains.append(mx.stack([a.q_gain, a.k_gain]).astype(mx.float32))
     return dict(gains=_stacked_or_none(gains), qk_gains=_stacked_or_none(qk_gains),
                 theta=attn._theta, eps=eps, factor=attn.factor,
-                qk_eps=attn.qk_eps if qk_norm else 0.0, n_heads=attn.n_heads,
-                n_kv_heads=attn.n_kv_heads,
+                qk_eps=attn.qk_eps if qk_norm else 0.0, **_heads(layers, names),
                 classes=[(QuantizedDeferredLinear,), (nn.QuantizedLinear, kernels.QuantizedLinear),
                          (QuantizedDeferredLinear,), (QuantizedDeferredLinear,)])
 
@@ -173,11 +175,16 @@ def _theta(attn):
     return scale * theta
 
 
+HEADS = ("n_heads", "n_kv_heads", "head_dim", "scale")  # what the model's attention states
+
+
 def _plain_spec(layers, names):
     """_spec's settings for the model's own blocks in norm mode rms (RMSNorm pre-norms, QK-norm
     where the model has it) or none (every norm a NoNorm): the attention of concat.py's qkv_proj
     with the softmax scale in sdpa, the SwiGLU FFN of one gate_up linear."""
     attn = layers[0][names[1]]
+    if any(getattr(attn, n, None) is None for n in HEADS):
+        return None
     rms = mode(layers[0], names) == "rms"
     K = _linears(layers[0], names)[1]["weight"].shape[0]  # the output projection's rows
     qk_norm = rms and "q_norm" in attn
@@ -193,8 +200,8 @@ def _plain_spec(layers, names):
         norms = [layer[n] for n in names[0]]
         if (not set(a.keys()) <= parts or not all(n in a for n in names[2])
                 or set(f.keys()) != set(names[4]) or ("q_norm" in a) != ("q_norm" in attn)
-                or [getattr(a, n, None) for n in ("n_heads", "n_kv_heads", "head_dim", "scale")]
-                != [getattr(attn, n, 0) for n in ("n_heads", "n_kv_heads", "head_dim", "scale")]
+                or any(getattr(a, n, None) is None for n in HEADS)
+                or (a.head_dim, a.scale) != (attn.head_dim, attn.scale)
                 or type(a.rope) is not type(attn.rope)):
             return None
         t = _theta(a)
@@ -213,8 +220,18 @@ def _plain_spec(layers, names):
             qk_gains.append(mx.stack([mx.stack([m.weight.astype(mx.float32)] * 2) for m in qk]))
     linear = (nn.QuantizedLinear, kernels.QuantizedLinear)
     return dict(gains=_stacked_or_none(gains), qk_gains=_stacked_or_none(qk_gains), theta=theta,
-                eps=eps, factor=attn.scale, qk_eps=qk_eps, n_heads=attn.n_heads,
-                n_kv_heads=attn.n_kv_heads, classes=[linear] * 4)
+                eps=eps, factor=attn.scale, qk_eps=qk_eps, **_heads(layers, names),
+                classes=[linear] * 4)
+
+
+def _heads(layers, names):
+    """n_heads and n_kv_heads as the kernels take them: one int where every layer has the same,
+    else one a layer (OpenELM's layer-wise scaling; their ratio is checked by the kernels)."""
+    out = {}
+    for n in ("n_heads", "n_kv_heads"):
+        v = [getattr(layer[names[1]], n) for layer in layers]
+        out[n] = v[0] if len(set(v)) == 1 else v
+    return out
 
 
 def _stacked(layers, mats):

@@ -272,26 +272,27 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
   constexpr int EPL = 16 / sizeof(T), LPR = D / EPL, RPW = 32 / LPR;
   // the run-time sizes and flags (dims: rows.SIZES; XMAX unused here)
   {{SIZES}}
-  const int KO = HQ * D, NQKV = (HQ + 2 * HKV) * D;
   // strides of an input row in shared memory (down_proj's: XSD, its input in chunks of IC values)
-  const int XS = max(K, KO) + 4, XSD = min(IC, I) + 4;
+  const int XS = max(K, HQM * D) + 4, XSD = min(IC, IM) + 4;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   unsigned int* bar = const_cast<unsigned int*>(sync);
   unsigned int target = 0;
-  float* raw = work;                                  // B * NQKV
-  float* part = raw + long(B) * NQKV;                 // B * HQ * SMAX * (D + 2)
-  float* s1g = part + long(B) * HQ * SMAX * (D + 2);  // B each: per row 1/RSSe and its power
+  // sized for the widest layer (HQM, HKVM, IM); a layer's rows B * NQKV, B * HQ * ... within them
+  const long NQKVM = (HQM + 2 * HKVM) * D;
+  float* raw = work;                                   // B * NQKV
+  float* part = raw + long(B) * NQKVM;                 // B * HQ * SMAX * (D + 2)
+  float* s1g = part + long(B) * HQM * SMAX * (D + 2);  // B each: per row 1/RSSe and its power
   float* p1g = s1g + B;                               // of two (phase 1, for attention),
   float* xsg = p1g + B;                               // down_proj's deferred scale (phase 5, for
                                                       // the next layer's add)
   // the rows between phases, in T (rounded where the one-row kernel rounds them), 16-byte aligned:
   T* res0 = reinterpret_cast<T*>(
-      work + ((long(B) * (NQKV + HQ * SMAX * (D + 2)) + 3 * B + 3) & ~3L));
+      work + ((long(B) * (NQKVM + HQM * SMAX * (D + 2)) + 3 * B + 3) & ~3L));
   // res0, B * K: the stream after attention (p2, phase 4's); res1, B * K: before it (p, phase 6's
   // or x)
   T* res1 = res0 + long(B) * K;
   T* mbuf = res1 + long(B) * K;  // B * KO: attention's output, the splits merged
-  T* abuf = mbuf + long(B) * KO;  // B * I: down_proj's input
+  T* abuf = mbuf + long(B) * HQM * D;  // B * I: down_proj's input
   extern __shared__ float smem[];
   float* xin = smem;  // GU * XS or GD * XSD: the running matvec's input rows
   // 2 * NW * NTU * 128: the warps' partial sums of a tile (two tiles)
@@ -304,21 +305,24 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
   __shared__ float qsh[GQ][D], sm[NW][GQ], sl[NW][GQ], sacc[NW][GQ][D];
   __shared__ int first[BMAX + 1];  // phase 2's items: row b's are first[b] .. first[b + 1] - 1
   {{TABLE}}
-  if (threadIdx.x == 0) {  // a row's attention splits: the one-row kernel's rule, capped so that
-    int t = 0;             // the batch's items about fill the grid once
-    const int cap = max(1, NB / (B * HKV));
-    for (int b = 0; b < B; ++b) {
-      first[b] = t;
-      t += HKV * max(1, min(min((off[b] + 32) / 32, SMAX), cap));
-    }
-    first[B] = t;
-  }
   __syncthreads();
   // A matvec phase's items, (pass of G rows, tile of 16 weight rows), spread over the grid: a block
   // loads a pass's input rows (and their norms) when its item is of another pass than the last one
   const int NP = (B + G - 1) / G, NPD = (B + GD - 1) / GD, NPU = (B + GU - 1) / GU;
   for (int l = 0; l < NL; ++l) {
     {{LAYER}}
+    // a row's attention splits (read from phase 2 on, after a grid barrier; the last layer's
+    // readers passed barriers since): the one-row kernel's rule, capped so that the batch's items
+    // about fill the grid once
+    if (threadIdx.x == 0) {
+      int t = 0;
+      const int cap = max(1, NB / (B * HKV));
+      for (int b = 0; b < B; ++b) {
+        first[b] = t;
+        t += HKV * max(1, min(min((off[b] + 32) / 32, SMAX), cap));
+      }
+      first[B] = t;
+    }
     // 1. per row: p (x in the first layer, then res1), s = 1/RSSe(p); the q/k/v rows of p * g
     for (int item = blockIdx.x, have = -1; item < NP * (NQKV / 16); item += NB) {
       const int b0 = item % NP * G, tile = item / NP, rows = min(G, B - b0);

@@ -10,22 +10,17 @@
   constexpr int EPL = 16 / sizeof(T), LPR = D / EPL, RPW = 32 / LPR;  // attention: a row's lanes
   // the run-time sizes and flags (dims: step.SIZES)
   {{SIZES}}
-  const int KO = HQ * D, NQKV = (HQ + 2 * HKV) * D;
-  const int NCK = K / CW, NCO = KO / CW, NCI = I / CW;
+  const int NCK = K / CW;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int gwarp = blockIdx.x * NW + warp, TW = NB * NW;
   const int pos = off[0], n = pos + 1;
-  int S = (n + 31) / 32;  // attention splits per kv head: about 32 positions or more each
-  if (S > SMAX) S = SMAX;
-  if (S > NB / HKV) S = NB / HKV;
-  if (S < 1) S = 1;
-  const int chunk = (n + S - 1) / S;
   unsigned int* bar = const_cast<unsigned int*>(sync);
   unsigned int target = 0;
-  float* raw = work;                        // NQKV: the q/k/v rows before RoPE
-  float* part = raw + NQKV;                 // HQ * SMAX * (D + 2): per split max, sum, values
-  float* obuf = part + HQ * SMAX * (D + 2); // K: o_proj's output
-  float* abuf = obuf + K;                   // I: SwiGLU's output
+  // sized for the widest layer (HQM, HKVM, IM)
+  float* raw = work;                          // NQKV: the q/k/v rows before RoPE
+  float* part = raw + (HQM + 2 * HKVM) * D;   // HQ * SMAX * (D + 2): per split max, sum, values
+  float* obuf = part + HQM * SMAX * (D + 2);  // K: o_proj's output
+  float* abuf = obuf + K;                     // I: SwiGLU's output
   extern __shared__ float smem[];
   float* pres = smem;        // K: this block's copy of the residual stream (T-rounded)
   float* xin = pres + K;     // XMAX: the running matvec's input row
@@ -39,6 +34,12 @@
   float xs = 1.0f;  // the deferred scale of the layer's input (the previous down_proj's)
   for (int l = 0; l < NL; ++l) {
     {{LAYER}}
+    const int NCO = KO / CW, NCI = I / CW;
+    int S = (n + 31) / 32;  // attention splits per kv head: about 32 positions or more each
+    if (S > SMAX) S = SMAX;
+    if (S > NB / HKV) S = NB / HKV;
+    if (S < 1) S = 1;
+    const int chunk = (n + S - 1) / S;
     // 1. p = x * xs + r, s = 1/RSSe(p), the q/k/v rows of p * g (flash; rms: of RMSNorm(p),
     // rounded to T; none: of p, rounded to T)
     float ss = 0.0f;

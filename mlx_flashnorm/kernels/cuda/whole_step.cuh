@@ -4,7 +4,10 @@
 //           fn_grid_exit), an attention head's splits merged (fn_merged), the one-row
 //           matvec's input row (fn_put, fn_chunk_sums), block sum (fn_block_sum) and packed row
 //           (fn_qrow), and RMSNorm's value as the rms mode's layers round it (fn_normed)
-//   layer   layer l's arrays read from the block's pointer table (the bodies' {{LAYER}} line)
+//   layer   layer l's arrays read from the block's pointer table, and its sizes (query and kv
+//           heads, FFN width: HQ, HKV, I, KO, NQKV) from the layer table `lt` (step.layer_table)
+//           (the bodies' {{LAYER}} line); HQM, HKVM and IM (the sizes table) are the widest
+//           layer's, which size the work buffer
 //   attend  phase 2 of one (row, kv head, split of the positions), the bodies' {{ATTEND}} line:
 //           RoPE on the row's q and k, the new k and v written into the cache by the split that
 //           holds the position, attention over the split's positions, its partial state (max,
@@ -129,6 +132,8 @@ __device__ inline float fn_qrow(const unsigned int* w, const T* sc, const T* bi,
     const T* sd = (const T*)tab[14 * l + 10]; const T* bd = (const T*)tab[14 * l + 11];
     T* kc = (T*)tab[14 * l + 12];
     T* vc = (T*)tab[14 * l + 13];
+    const int HQ = lt[15 * l + 12], HKV = lt[15 * l + 13], I = lt[15 * l + 14];
+    const int KO = HQ * D, NQKV = (HQ + 2 * HKV) * D;
     const float* g1 = gains + long(l) * 2 * K;
     const float* g2 = g1 + K;
 // @piece attend
