@@ -299,6 +299,8 @@ def launch(kernel, x, positions, layers, caches, gains, qk_gains, theta, eps, fa
     layer's caches. Returns (y, ys, p, caches); the caches were written in place, so they are
     handed out as depending on the launch (reading them runs it first). keep_work: the work buffer
     (work floats) too, last (bench.rows_phases reads its clock stamps there)."""
+    if norm == "rms" and gains is None:  # the kernel would read the norms' weights from `gains`
+        raise ValueError("norm 'rms' needs the norms' weights (gains)")
     K, D, I, xmax, HQ, HKV, GQ = sizes(x, layers, theta, n_heads, n_kv_heads)
     threads = 32 * dict(template).get("NW", THREADS // 32)
     none = constant(mx.float32, 0.0)
