@@ -15,7 +15,7 @@ from mlx_flashnorm.decoding import generate_step
 from mlx_flashnorm.kernels import build, step
 from mlx_flashnorm.loader import build_model, model_args, prepare
 
-from conftest import probe, random_weights
+from conftest import OPENELM_270M, probe, random_weights
 
 CUDA = forms.use_gpu() and forms.gpu_backend() == "cuda"
 # the kernel's shapes: head size 64, 2 query heads per kv head, sizes in whole 4-bit chunks
@@ -23,14 +23,23 @@ SHAPE = dict(hidden_size=256, num_hidden_layers=2, intermediate_size=384, num_at
              num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=512, rms_norm_eps=1e-5,
              tie_word_embeddings=True)
 CONFIGS = {"llama": dict(SHAPE, model_type="llama", rope_theta=10000.0),
-           "qwen3": dict(SHAPE, model_type="qwen3", rope_theta=1000000.0, attention_bias=False)}
+           "qwen3": dict(SHAPE, model_type="qwen3", rope_theta=1000000.0, attention_bias=False),
+           # OpenELM's layer-wise scaling: query heads, kv heads (4 query heads each) and FFN width
+           # differing per layer (128, 384, 256), QK-norm, fused qkv_proj and proj_1
+           "openelm": dict(OPENELM_270M, model_dim=256, num_transformer_layers=3, head_dim=64,
+                           num_query_heads=[4, 8, 4], num_kv_heads=[1, 2, 1],
+                           ffn_multipliers=[0.5, 1.5, 1.0], ffn_dim_divisor=64, vocab_size=512,
+                           rms_norm_eps=1e-5, max_context_length=512)}
 
 
-def quantized_model(name, dtype=mx.float32, bits=4):
+NORMS = ("flash", "rms", "none")  # the norm modes, each on the whole-step kernels
+
+
+def quantized_model(name, dtype=mx.float32, bits=4, norm="flash"):
     arch, args = model_args(CONFIGS[name])
     model = build_model(CONFIGS[name], random_weights(arch.Model(args), seed=3, scale=0.2), progress=False)
     model.set_dtype(dtype)
-    return prepare(model, norm="flash", bits=bits, group_size=64)
+    return prepare(model, norm=norm, bits=bits, group_size=64)
 
 
 def greedy(model, steps=12, compiled=None):
@@ -41,12 +50,15 @@ def greedy(model, steps=12, compiled=None):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("bits", [4, 8])
-def test_reference_matches_the_blocks(monkeypatch, name, bits):
+@pytest.mark.parametrize("norm", NORMS)
+def test_reference_matches_the_blocks(monkeypatch, name, bits, norm):
     """The compiled decode step through decode_layers' plain-MLX reference (its spec read from the
-    model's FlashNorm modules: Sec. 3 for Llama, Sec. 4's QK-norm for Qwen 3) gives the greedy
-    tokens of the model's own blocks, log-probabilities within float32 rounding. Where the CUDA
-    kernel runs (a GPU), the reference is forced by disabling it."""
-    model = quantized_model(name, bits=bits)
+    model's modules: FlashNorm's, Sec. 3 for Llama, Sec. 4's QK-norm for Qwen 3; the model's own
+    RMSNorms and QK-norm in rms; none of them in none) gives the greedy tokens of the model's own
+    blocks, log-probabilities within float32 rounding. Where the CUDA kernel runs (a GPU), the
+    reference is forced by disabling it."""
+    model = quantized_model(name, bits=bits, norm=norm)
+    assert stack._spec(model.layers)["norm"] == norm
     want_tokens, want = greedy(model)
     called = []
     monkeypatch.setattr(kernels, "use_decode_layers", lambda name="decode_layers": True)
@@ -72,14 +84,15 @@ def batched(model, lengths=(9, 40, 23), steps=(10, 6, 12)):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_rows_reference_matches_the_blocks(monkeypatch, tmp_path, name):
+@pytest.mark.parametrize("norm", NORMS)
+def test_rows_reference_matches_the_blocks(monkeypatch, tmp_path, name, norm):
     """The batched step (rows at their own positions) through decode_rows' reference gives every
-    request the tokens of the model's own blocks over the same slots (where the CUDA kernel runs,
-    the reference is forced by disabling it)."""
+    request the tokens of the model's own blocks over the same slots, in each norm mode (where the
+    CUDA kernel runs, the reference is forced by disabling it)."""
     from mlx_flashnorm.kernels import nvrtc
 
     monkeypatch.setattr(nvrtc, "CACHE_DIR", tmp_path)  # where the self-check would note a pass
-    model = quantized_model(name)
+    model = quantized_model(name, norm=norm)
     want = batched(model)
     called = []
     monkeypatch.setattr(kernels, "use_decode_layers", lambda name="decode_layers": True)
@@ -192,25 +205,38 @@ def test_sizes_pack_as_the_body_reads_them():
     assert all(body.count(f" {name} = ") == 1 for name, _ in rows.SIZES)
 
 
+def mode_tables(L, K, D, dtype, seed):
+    """(gains, qk_gains, factor, qk_eps, norm) of each mode and QK-norm for a random stack: flash's
+    gains about trained models' 16 (Sec. 3 and Sec. 4), rms's norm weights about 1 as values of
+    dtype (the model's own), none."""
+    gains = 16 * (1 + 0.3 * build.rand((L, 2, K), seed, mx.float32))
+    qk = 1 + 0.3 * build.rand((L, 2, 2, D), seed + 1, mx.float32)
+    w = (1 + 0.3 * build.rand((L, 2, K), seed + 2, mx.float32)).astype(dtype).astype(mx.float32)
+    wq = (1 + 0.3 * build.rand((L, 2, 2, D), seed + 3, mx.float32)).astype(dtype).astype(mx.float32)
+    return [(gains, None, D**-0.25, 0.0, "flash"), (gains, qk, D**-0.25, 1e-6, "flash"),
+            (w, None, D**-0.5, 0.0, "rms"), (w, wq, D**-0.5, 1e-6, "rms"),
+            (None, None, D**-0.5, 0.0, "none")]
+
+
 @pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")
 @pytest.mark.parametrize("dtype,tol", [(mx.float32, 1e-3), (mx.float16, 1e-2), (mx.bfloat16, 5e-2)])
 def test_kernel_matches_reference(dtype, tol):
     """The launch against the reference on a random two-layer stack at 41 and 700 positions (one
-    and several attention splits), Sec. 3 and Sec. 4: outputs and the cache rows written."""
+    and several attention splits), each norm mode (flash: Sec. 3 and Sec. 4; rms with and without
+    QK-norm; none): outputs and the cache rows written."""
     L, K, HQ, HKV, D, I, C = 2, 256, 4, 2, 64, 384, 1024
     theta = mx.exp(-mx.arange(D // 2, dtype=mx.float32) * 0.3)
     x = build.rand((1, 1, K), 51).astype(dtype)
-    gains = 16 * (1 + 0.3 * build.rand((L, 2, K), 52, mx.float32))
     for pos in (40, 700):
         layers, caches = step._random_stack(L, K, HQ, HKV, D, I, C, pos, 60)
         layers = [tuple((w, s.astype(dtype), b.astype(dtype)) for w, s, b in m) for m in layers]
         caches = [tuple(a.astype(dtype) for a in c) for c in caches]
-        for qk in (None, 1 + 0.3 * build.rand((L, 2, 2, D), 53, mx.float32)):
-            args = (theta, 1e-5, D**-0.25, 1e-6 if qk is not None else 0.0, HQ, HKV, 64, 4)
+        for gains, qk, factor, qk_eps, norm in mode_tables(L, K, D, dtype, 52):
+            args = (theta, 1e-5, factor, qk_eps, HQ, HKV, 64, 4)
             assert step.supported(x, layers, caches, HQ, HKV, 64, 4)
             got = step.decode_layers(x, pos, layers, [tuple(mx.array(a) + 0 for a in c) for c in caches], gains,
-                                     qk, *args)
-            want = step._reference(x, pos, layers, caches, gains, qk, *args)
+                                     qk, *args, norm=norm)
+            want = step._reference(x, pos, layers, caches, gains, qk, *args, norm=norm)
             for a, b in zip(got[:3], want[:3]):
                 assert (mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max()
                         <= tol * mx.abs(b.astype(mx.float32)).max()).item()
@@ -226,8 +252,8 @@ def test_kernel_matches_reference(dtype, tol):
 def test_rows_kernel_matches_reference(monkeypatch, dtype, tol, B, chunked):
     """decode_rows against its reference: B rows at their own positions (some past several
     attention splits), in one pass of 8 or 16 rows or in passes of 32 and 5, and (chunked)
-    down_proj's input held 128 of its 384 values at a time in passes of 8, Sec. 3 and Sec. 4,
-    outputs and the rows' cache entries."""
+    down_proj's input held 128 of its 384 values at a time in passes of 8, each norm mode
+    (mode_tables), outputs and the rows' cache entries."""
     from mlx_flashnorm.kernels import rows
 
     if chunked:
@@ -241,17 +267,60 @@ def test_rows_kernel_matches_reference(monkeypatch, dtype, tol, B, chunked):
     positions = mx.array([(700, 30, 250)[b % 3] - b // 3 for b in range(B)], mx.int32)
     theta = mx.exp(-mx.arange(D // 2, dtype=mx.float32) * 0.3)
     x = build.rand((B, 1, K), 71).astype(dtype)
-    gains = 16 * (1 + 0.3 * build.rand((L, 2, K), 72, mx.float32))
-    for qk in (None, 1 + 0.3 * build.rand((L, 2, 2, D), 73, mx.float32)):
-        args = (theta, 1e-5, D**-0.25, 1e-6 if qk is not None else 0.0, HQ, HKV, 64, 4)
+    for gains, qk, factor, qk_eps, norm in mode_tables(L, K, D, dtype, 72):
+        args = (theta, 1e-5, factor, qk_eps, HQ, HKV, 64, 4)
         assert step.supported(x, layers, caches, HQ, HKV, 64, 4, name="decode_rows")
         got = rows.decode_rows(x, positions, layers, [tuple(mx.array(a) + 0 for a in c) for c in caches], gains,
-                               qk, *args)
-        want = rows.reference(x, positions, layers, caches, gains, qk, *args)
+                               qk, *args, norm=norm)
+        want = rows.reference(x, positions, layers, caches, gains, qk, *args, norm=norm)
         pairs = list(zip(got[:3], want[:3])) + [(a, b) for g, w in zip(got[3], want[3]) for a, b in zip(g, w)]
         for a, b in pairs:
             a, b = a.astype(mx.float32), b.astype(mx.float32)
             assert (mx.abs(a - b).max() <= tol * mx.abs(b).max()).item()
+
+
+def per_layer_stack(dtype, B, pos=300, C=512):
+    """A random three-layer stack of OpenELM's layer-wise sizes (query heads 4, 8, 4; kv heads 1, 2,
+    1; FFN width 128, 384, 256) in dtype, with caches for B rows filled up to pos."""
+    K, D, HQ, HKV, I = 256, 64, [4, 8, 4], [1, 2, 1], [128, 384, 256]
+    layers, caches = [], []
+    for l in range(3):
+        m, c = step._random_stack(1, K, HQ[l], HKV[l], D, I[l], C, pos + 1, 100 + 10 * l)
+        layers.append(tuple((w, s.astype(dtype), b.astype(dtype)) for w, s, b in m[0]))
+        caches.append(tuple(mx.concatenate([a, a[:, :, ::-1]] * B)[:B].astype(dtype) for a in c[0]))
+    return layers, caches, HQ, HKV
+
+
+@pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")
+@pytest.mark.parametrize("dtype,tol", [(mx.float32, 1e-3), (mx.float16, 1e-2), (mx.bfloat16, 5e-2)])
+@pytest.mark.parametrize("B", [1, 3, 12])
+def test_per_layer_kernels_match_reference(dtype, tol, B):
+    """OpenELM's layer-wise scaling (per_layer_stack) through decode_layers (B = 1) and decode_rows
+    against their references, each norm mode (mode_tables), rows at their own positions: outputs
+    and the cache rows written."""
+    from mlx_flashnorm.kernels import rows
+
+    L, K, D = 3, 256, 64
+    layers, caches, HQ, HKV = per_layer_stack(dtype, B)
+    positions = mx.array([(300, 30, 250)[b % 3] - b // 3 for b in range(B)], mx.int32)
+    theta = mx.exp(-mx.arange(D // 2, dtype=mx.float32) * 0.3)
+    x = build.rand((B, 1, K), 111).astype(dtype)
+    name = "decode_layers" if B == 1 else "decode_rows"
+    for gains, qk, factor, qk_eps, norm in mode_tables(L, K, D, dtype, 112):
+        args = (theta, 1e-5, factor, qk_eps, HQ, HKV, 64, 4)
+        assert step.supported(x, layers, caches, HQ, HKV, 64, 4, name=name)
+        fresh = [tuple(mx.array(a) + 0 for a in c) for c in caches]
+        if B == 1:
+            got = step.decode_layers(x, 300, layers, fresh, gains, qk, *args, norm=norm)
+            want = step._reference(x, 300, layers, caches, gains, qk, *args, norm=norm)
+        else:
+            got = rows.decode_rows(x, positions, layers, fresh, gains, qk, *args, norm=norm)
+            want = rows.reference(x, positions, layers, caches, gains, qk, *args, norm=norm)
+        pairs = list(zip(got[:3], want[:3]))
+        pairs += [(a, b) for g, w in zip(got[3], want[3]) for a, b in zip(g, w)]
+        for a, b in pairs:
+            a, b = a.astype(mx.float32), b.astype(mx.float32)
+            assert (mx.abs(a - b).max() <= tol * mx.abs(b).max()).item(), (norm, qk is not None)
 
 
 def agree_until_tie(model, prompt, got, steps):
@@ -269,10 +338,13 @@ def agree_until_tie(model, prompt, got, steps):
 
 @pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_rows_kernel_batches_like_one_request(name):
+@pytest.mark.parametrize("norm", NORMS)
+def test_rows_kernel_batches_like_one_request(name, norm):
     """With decode_rows on, every request of a batch gets its one-request greedy tokens (float16),
-    up to a tie of its two likeliest tokens (agree_until_tie); at least 2/3 of them compared."""
-    model = quantized_model(name, mx.float16)
+    up to a tie of its two likeliest tokens (agree_until_tie); at least 2/3 of them compared; in
+    each norm mode."""
+    model = quantized_model(name, mx.float16, norm=norm)
+    assert stack._spec(model.layers)["norm"] == norm
     got = batched(model)
     compared = [agree_until_tie(model, [(7 * i + j) % 500 + 3 for j in range(n)], got[i], m)
                 for i, (n, m) in enumerate(zip((9, 40, 23), (10, 6, 12)))]
@@ -282,11 +354,13 @@ def test_rows_kernel_batches_like_one_request(name):
 @pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
-def test_kernel_decodes_like_the_blocks(monkeypatch, name, dtype):
+@pytest.mark.parametrize("norm", NORMS)
+def test_kernel_decodes_like_the_blocks(monkeypatch, name, dtype, norm):
     """Greedy decoding with the kernel gives the tokens of the per-sublayer kernels (the kernel
     disabled) and of the eager forward pass in half precision, log-probabilities within
-    test_half.py's tolerances."""
-    model = quantized_model(name, dtype)
+    test_half.py's tolerances; in each norm mode (rms, none: the model's own layers, disabled)."""
+    model = quantized_model(name, dtype, norm=norm)
+    assert stack._spec(model.layers)["norm"] == norm
     tokens, got = greedy(model, 24)
     assert greedy(model, 24, compiled=False)[0] == tokens
     with monkeypatch.context() as m:
@@ -300,11 +374,13 @@ def test_kernel_decodes_like_the_blocks(monkeypatch, name, dtype):
 
 @pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_kernel_on_real_weights(monkeypatch, dtype):
+@pytest.mark.parametrize("norm", NORMS)
+def test_kernel_on_real_weights(monkeypatch, dtype, norm):
     """SmolLM2 (the shipped Q4_1 GGUF): 40 greedy tokens with the kernel equal those without it,
-    and the step launches it (its graph holds one decode_layers node for 30 layers)."""
-    model, tok = load(None, norm="flash", dtype=dtype, progress=False)
-    assert stack._spec(model.layers) is not None
+    and the step launches it (its graph holds one decode_layers node for 30 layers), in each norm
+    mode."""
+    model, tok = load(None, norm=norm, dtype=dtype, progress=False)
+    assert stack._spec(model.layers)["norm"] == norm
     prompt = mx.array(tok.encode("The capital of France is Paris. The capital of Germany is"))
     tokens = [t for t, _ in generate_step(prompt, model, max_tokens=40)]
     with monkeypatch.context() as m:
@@ -473,11 +549,12 @@ def test_without_keeps_kernels_off_for_a_block(monkeypatch):
 
 @pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_rows_kernel_on_real_weights(dtype):
+@pytest.mark.parametrize("norm", NORMS)
+def test_rows_kernel_on_real_weights(dtype, norm):
     """SmolLM2 (the shipped Q4_1 GGUF): three requests decoded together (decode_rows, which the
     batch's steps run) each get the greedy tokens they get alone (decode_layers), up to a tie of
-    the two likeliest (agree_until_tie); at least 2/3 of them compared."""
-    model, tok = load(None, norm="flash", dtype=dtype, progress=False)
+    the two likeliest (agree_until_tie); at least 2/3 of them compared; in each norm mode."""
+    model, tok = load(None, norm=norm, dtype=dtype, progress=False)
     texts = ["The capital of France is", "List three colours:", "Water boils at"]
     requests = [Request(tok.encode(t), max_tokens=24) for t in texts]
     engine = BatchEngine(model)
@@ -489,17 +566,20 @@ def test_rows_kernel_on_real_weights(dtype):
     assert sum(compared) >= 2 * 3 * 24 // 3, compared
 
 
-def test_stacked_weights_are_the_same_model():
+@pytest.mark.parametrize("name", ["llama", "openelm"])
+def test_stacked_weights_are_the_same_model(name):
     """flashnorm.stack_weights (the loader's last pass where the whole-step kernels run) makes each
-    block's matrices rows of 12 arrays over the layers: the model computes the same log-probabilities
-    bit for bit, the kernels get those 12 arrays themselves (no copy), and a block whose array is
-    replaced afterwards gets stacked copies of the current arrays instead."""
-    model = quantized_model("llama")
+    block's matrices views of 12 arrays over the layers (rows of stacks; OpenELM's, of different
+    shapes a layer, spans of flat arrays): the model computes the same log-probabilities bit for
+    bit, the kernels get those 12 arrays themselves (no copy), and a block whose array is replaced
+    afterwards gets stacked copies of the current arrays instead."""
+    model = quantized_model(name)
     want_tokens, want = greedy(model)
     flat = [a for m in stack._spec(model.layers)["layers"] for t in m for a in t]
     stack.stack_weights(model)
     stacks = model.layers[0]._stacks.arrays
-    assert [s.shape[0] for s in stacks] == [len(model.layers)] * 12
+    assert all(s.ndim == 1 or s.shape[0] == len(model.layers) for s in stacks)
+    assert sum(s.size for s in stacks) == sum(a.size for a in flat)
     now = [a for m in stack._spec(model.layers)["layers"] for t in m for a in t]
     assert all(mx.array_equal(a, b).item() for a, b in zip(now, flat))
     model._compiled_decode = None
@@ -507,11 +587,12 @@ def test_stacked_weights_are_the_same_model():
     assert tokens == want_tokens and mx.array_equal(got, want).item()
     mats = stack._spec(model.layers)["layers"]
     assert all(a is b for a, b in zip(stack._stacked(model.layers, mats).stacks, stacks))
-    q = model.layers[1].self_attn.qkv_proj
+    q = stack._linears(model.layers[1], stack.block(model.layers[1]))[0]
     q.weight = mx.array(q.weight) ^ 1  # another array, other values
     copies = stack._stacked(model.layers, stack._spec(model.layers)["layers"]).stacks
     assert not any(a is b for a, b in zip(copies, stacks))
-    assert mx.array_equal(copies[0][1], q.weight).item() and mx.array_equal(copies[1], stacks[1]).item()
+    views = kernels.layer_views(copies[0], [m[0][0] for m in stack._spec(model.layers)["layers"]])
+    assert mx.array_equal(views[1], q.weight).item() and mx.array_equal(copies[1], stacks[1]).item()
 
 
 def test_splitting_a_stacked_model_forgets_its_stacks():
@@ -525,3 +606,102 @@ def test_splitting_a_stacked_model_forgets_its_stacks():
     shard.split(model, 0, 2)
     assert not hasattr(model.layers[0], "_stacks")
     assert model.layers[0].self_attn.n_heads == 2
+
+
+class _Rows:
+    """A stand-in for the static caches decode_stack reads: buffers and an array offset."""
+
+    static_rows = True
+
+    def __init__(self, B, HKV, D):
+        self.keys = self.values = mx.zeros((B, HKV, 64, D))
+        self.offset = mx.array([5] * B) if B > 1 else mx.array(5)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_disabling_the_kernels_leaves_each_mode_its_loop(monkeypatch, norm):
+    """MLX_FLASHNORM_DISABLE=decode_layers,decode_rows (forms.DISABLED; the bench's rms-primitives
+    path): decode_stack hands every mode's step, one row or a batch, back to the model's own loop;
+    with the kernels on, each mode's blocks reach them (here asked whether they take the stack)."""
+    model = quantized_model("qwen3", norm=norm)
+    monkeypatch.setattr(forms, "use_gpu", lambda name=None: name not in forms.DISABLED)
+    monkeypatch.setattr(step, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(kernels, "self_check", lambda names=None: True)
+    asked = []
+    monkeypatch.setattr(kernels, "decode_layers_supported",
+                        lambda *a, **k: asked.append(k["name"]) or False)
+    for B, name in ((1, "decode_layers"), (3, "decode_rows")):
+        h = mx.zeros((B, 1, 256))
+        cache = [_Rows(B, 2, 64) for _ in model.layers]
+        monkeypatch.setattr(forms, "DISABLED", {"decode_layers", "decode_rows"})
+        assert stack.decode_stack(model.layers, h, cache) is None and asked == []
+        monkeypatch.setattr(forms, "DISABLED", set())
+        assert stack.decode_stack(model.layers, h, cache) is None and asked == [name]
+        asked.clear()
+
+
+def test_launches_take_each_layers_sizes(monkeypatch):
+    """OpenELM's layer-wise scaling through both launches (stubbed as in
+    test_launches_pass_every_array): each kind's arrays of different shapes flattened one after
+    another into one input, the layer table after the sizes fields of dims (each layer's 12
+    offsets, query heads, kv heads, FFN width), the sizes fields and the work buffer the widest
+    layer's; a stack whose query heads per kv head differ between layers is refused."""
+    from mlx_flashnorm.kernels import rows
+
+    calls = []
+    monkeypatch.setattr(build, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(step, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(forms, "use_gpu", lambda name=None: True)
+    monkeypatch.setattr(step, "sm_count", lambda: 132)
+    monkeypatch.setattr(step, "compute_capability", lambda: 9)
+    monkeypatch.setattr(build, "cuda_binary", lambda name, code: b"cubin")
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", lambda **kw: calls.append(kw) or
+                        [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])])
+    step.step_kernel.cache_clear()
+    rows.rows_kernel.cache_clear()
+    K, D, C, HQ, HKV, I = 256, 64, 64, [4, 8, 4], [1, 2, 1], [128, 384, 256]
+    layers, caches = [], []
+    for l in range(3):
+        m, c = step._random_stack(1, K, HQ[l], HKV[l], D, I[l], C, 9, 90 + 10 * l)
+        layers.append(tuple((w, s.astype(mx.float16), b.astype(mx.float16)) for w, s, b in m[0]))
+        caches.append(tuple(a.astype(mx.float16) for a in c[0]))
+    theta = mx.zeros((D // 2,))
+    for B in (1, 5):
+        kv = [tuple(mx.concatenate([a] * B) for a in c) for c in caches]
+        x = mx.zeros((B, 1, K), mx.float16)
+        args = (layers, kv, None, None, theta, 1e-5, 0.5, 0.0, HQ, HKV, 64, 4)
+        if B == 1:
+            step.decode_layers(x, 9, *args)
+        else:
+            rows.decode_rows(x, mx.arange(B, dtype=mx.int32), *args)
+        call = calls[-1]
+        assert len(call["inputs"]) == 7 + 12 + 2 * 3
+        for k, flat in enumerate(call["inputs"][7:19]):
+            parts = [m[k // 3][k % 3] for m in layers]
+            assert flat.ndim == 1 and flat.size == sum(a.size for a in parts)
+            assert mx.array_equal(flat, mx.concatenate([a.reshape(-1) for a in parts])).item()
+        fields = step.SIZES if B == 1 else rows.SIZES
+        dims = call["inputs"][2].tolist()
+        named = dict(zip([n for n, _ in fields], dims))
+        assert (named["HQM"], named["HKVM"], named["IM"], named["XMAX"]) == (8, 2, 384, 512)
+        lt = dims[len(fields):len(fields) + 45]
+        sizes = [a.size for m in layers for t in m for a in t]
+        for l in range(3):
+            assert lt[15 * l + 12:15 * l + 15] == [HQ[l], HKV[l], I[l]]
+            offsets = [sum(sizes[12 * j + k] for j in range(l)) for k in range(12)]
+            assert lt[15 * l:15 * l + 12] == offsets
+        if B == 1:  # q/k/v rows, the splits' partial states, o_proj's and SwiGLU's outputs
+            work = (8 + 2 * 2) * D + 8 * step.SMAX * (D + 2) + K + 384
+            assert call["output_shapes"][3] == (work,)
+    mixed = [step._random_stack(1, K, 4, hkv, D, 128, C, 9, 95 + hkv) for hkv in (1, 2)]
+    half = lambda m: tuple((w, s.astype(mx.float16), b.astype(mx.float16)) for w, s, b in m)
+    mixed = ([half(m[0]) for m, _ in mixed],
+             [tuple(a.astype(mx.float16) for a in c[0]) for _, c in mixed])
+    for B in (1, 5):  # 4 query heads per kv head, then 2: refused (either layer alone is taken)
+        kv = [tuple(mx.concatenate([a] * B) for a in c) for c in mixed[1]]
+        x, name = mx.zeros((B, 1, K), mx.float16), "decode_layers" if B == 1 else "decode_rows"
+        assert not step.supported(x, mixed[0], kv, [4, 4], [1, 2], 64, 4, name=name)
+        assert all(step.supported(x, mixed[0][l:l + 1], kv[l:l + 1], 4, hkv, 64, 4, name=name)
+                   for l, hkv in enumerate((1, 2)))
+    step.step_kernel.cache_clear()
+    rows.rows_kernel.cache_clear()

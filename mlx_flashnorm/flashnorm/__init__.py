@@ -50,8 +50,9 @@ from ..rope import apply_rope, permute_gain, rope_frequencies, rope_tables, rota
 from .attention import FlashAttention, FlashQKNormAttention
 from .ffn import FlashFusedSwiGLU, FlashGeGLU, FlashSwiGLU
 from .head import FlashHead, TiedFlashHead
-from .norm import (Deferred, DeferredLinear, DeferredNorm, Pending, QuantizedDeferredLinear,
-                   deferred, fold_weight, norm_gain, norm_weight, rss_scale, weightless)
+from .norm import (Deferred, DeferredLinear, DeferredNorm, NoNorm, Pending,
+                   QuantizedDeferredLinear, deferred, fold_weight, norm_gain, norm_weight,
+                   rss_scale, weightless)
 from .stack import decode_stack, stack_weights, unstack
 from .paper import (DyTLinear, FlashDyT, FlashGLU, FlashLayerNormLinear, FlashReLUFFN,
                     merge_mean_centering)
@@ -68,17 +69,6 @@ __all__ = ["apply", "remove_norms", "decode_stack", "stack_weights", "unstack", 
 HEADS = ("scale", "untie")
 DEFAULT_HEAD = "scale"
 
-
-
-class NoNorm(nn.Module):
-    """In place of a norm whose work moved elsewhere (or was removed): m(x) returns x, and
-    m(x, residual) the fused residual add alone, (p, p) with p = x + residual."""
-
-    def __call__(self, x, *residual):
-        if not residual:
-            return x
-        p = x if residual[0] is None else x + residual[0]
-        return p, p
 
 
 class Pair(NamedTuple):

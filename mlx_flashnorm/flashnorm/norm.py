@@ -5,6 +5,7 @@
     Pending                            a DeferredNorm's work left to its consumer's fused kernel
     DeferredNorm                       what is left of a pre-norm in a model: residual add + 1/RSSe
     DeferredLinear                     Fig. 1(c): a linear whose output takes the deferred scale
+    NoNorm                             a norm removed (remove_norms): the residual add alone
     weightless                         Fig. 1(b) in place: norm weights folded into the linears
 """
 import math
@@ -72,6 +73,17 @@ class Deferred(NamedTuple):
     x: mx.array
     xg: mx.array
     s: mx.array
+
+
+class NoNorm(nn.Module):
+    """In place of a norm whose work moved elsewhere (or was removed): m(x) returns x, and
+    m(x, residual) the fused residual add alone, (p, p) with p = x + residual."""
+
+    def __call__(self, x, *residual):
+        if not residual:
+            return x
+        p = x if residual[0] is None else x + residual[0]
+        return p, p
 
 
 class Pending:

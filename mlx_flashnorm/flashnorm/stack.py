@@ -1,13 +1,35 @@
-"""Sec. 5 for a whole decode step: every block of a Llama-family stack (FlashAttention or Qwen 3's
-FlashQKNormAttention, FlashSwiGLU, DeferredNorm pre-norms, 4/8-bit weights) in one kernel launch,
-kernels.decode_layers, where it runs; the model's own loop over its blocks everywhere else."""
+"""Sec. 5 for a whole decode step: every block of a Llama-family or OpenELM stack (4/8-bit
+weights, SwiGLU; OpenELM's heads and FFN width per layer) in one kernel launch,
+kernels.decode_layers (one row) or kernels.decode_rows (a batch), where it runs; the model's own
+loop over its blocks everywhere else. Each norm mode on the same kernels, which differ only in the
+normalization: flash (FlashAttention or the QK-norm's FlashQKNormAttention, FlashSwiGLU or
+OpenELM's FlashFusedSwiGLU, DeferredNorm pre-norms), rms (the model's own RMSNorm pre-norms and
+QK-norm, the attention and MLP with concat.py's concatenated q/k/v and gate/up, or OpenELM's own
+qkv_proj and proj_1), none (remove_norms' NoNorms)."""
 import mlx.core as mx
 import mlx.nn as nn
 
 from .. import kernels
+from ..errors import UserError
+from ..nn import PlainRMSNorm, RMSNorm
+from ..rope import rope_frequencies
 from .attention import FlashAttention, FlashQKNormAttention
-from .ffn import FlashSwiGLU
-from .norm import DeferredNorm, QuantizedDeferredLinear, deferred_output
+from .ffn import FlashFusedSwiGLU, FlashSwiGLU
+from .norm import DeferredNorm, NoNorm, QuantizedDeferredLinear, deferred_output
+
+# The blocks the whole-step kernels compute, by the names of their modules: the two pre-norms, the
+# attention and its q/k/v and output linears, the FFN and its gate/up and down linears. A block is
+# one of them where its children are exactly these (Gemma's sandwich norms are not).
+LLAMA = (("input_layernorm", "post_attention_layernorm"), "self_attn", ("qkv_proj", "o_proj"),
+         "mlp", ("gate_up_proj", "down_proj"))
+OPENELM = (("attn_norm", "ffn_norm"), "attn", ("qkv_proj", "out_proj"), "ffn", ("proj_1", "proj_2"))
+BLOCKS = (LLAMA, OPENELM)
+
+
+def block(layer):
+    """The entry of BLOCKS naming layer's children, or None."""
+    keys = set(layer.keys())
+    return next((b for b in BLOCKS if keys == {*b[0], b[1], b[3]}), None)
 
 
 def _quantized(linear, *classes):
@@ -21,10 +43,20 @@ def _arrays(linear):
     return linear["weight"], linear["scales"], linear["biases"]
 
 
-def _linears(layer):
+def _linears(layer, names=LLAMA):
     """A block's four matrices, in the kernels' order."""
-    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-            layer.mlp.down_proj)
+    attn, ffn = layer[names[1]], layer[names[3]]
+    return attn[names[2][0]], attn[names[2][1]], ffn[names[4][0]], ffn[names[4][1]]
+
+
+def mode(layer, names=LLAMA):
+    """The norm mode of a block, by its pre-norms' class: "flash" (DeferredNorm), "rms" (the
+    model's RMSNorm), "none" (NoNorm); None for any other."""
+    kinds = {type(layer[n]) for n in names[0]}
+    if len(kinds) != 1:
+        return None
+    kind = kinds.pop()
+    return {DeferredNorm: "flash", RMSNorm: "rms", PlainRMSNorm: "rms", NoNorm: "none"}.get(kind)
 
 
 class _Stacks:
@@ -36,21 +68,22 @@ class _Stacks:
 
 def stack_weights(model):
     """Make each of the 12 arrays of the blocks' matrices (qkv weight, scales, biases; o_proj's;
-    gate_up's; down_proj's) one array over the layers, each block's array a row of it (a view: no
-    copy is kept), where decode_layers takes these blocks: a launch then takes 12 inputs for them,
-    not 12 per layer (its host work grows with its inputs). The same values: every other path
-    reads the rows as it read the arrays."""
+    gate_up's; down_proj's) one array over the layers (kernels.stacked), each block's array a view
+    of it (kernels.layer_views: no copy is kept), where decode_layers takes these blocks: a launch
+    then takes 12 inputs for them, not 12 per layer (its host work grows with its inputs). The
+    same values: every other path reads the views as it read the arrays."""
     layers = getattr(model, "layers", None)
-    spec = _spec(layers) if layers and hasattr(layers[0], "self_attn") else None
+    spec = _spec(layers) if layers and isinstance(layers[0], nn.Module) else None
     if spec is None:
         return model
+    names = block(layers[0])
     arrays, rows = kernels.stacked(spec["layers"]), []
     # one kind at a time: its old arrays go before the next is stacked
     for k, stack in enumerate(arrays):
-        views = [stack[l] for l in range(len(layers))]
+        views = kernels.layer_views(stack, [mats[k // 3][k % 3] for mats in spec["layers"]])
         mx.eval(stack, views)
         for layer, view in zip(layers, views):
-            _linears(layer)[k // 3][("weight", "scales", "biases")[k % 3]] = view
+            _linears(layer, names)[k // 3][("weight", "scales", "biases")[k % 3]] = view
         rows.append(views)
     layers[0]._stacks = _Stacks(arrays, rows)
     return model
@@ -65,49 +98,140 @@ def unstack(model):
 
 
 def _spec(layers):
-    """The arguments decode_layers takes for these blocks, or None where a block is not of the
-    forms it computes (any other module, a bias, a sharded linear, mixed quantization)."""
-    first = layers[0]
-    attn = first.self_attn
-    if not isinstance(attn, (FlashAttention, FlashQKNormAttention)) or "qkv_proj" not in attn:
+    """The arguments decode_layers takes for these blocks (with `norm`, their mode), or None where
+    a block is not of the forms it computes (any other module, a bias, a sharded linear, mixed
+    quantization, mixed modes)."""
+    names = block(layers[0])
+    norm = names and mode(layers[0], names)
+    if norm is None or any(block(layer) != names or mode(layer, names) != norm for layer in layers):
+        return None
+    spec = (_flash_spec if norm == "flash" else _plain_spec)(layers, names)
+    if spec is None:
+        return None
+    linears, classes = [_linears(layer, names) for layer in layers], spec.pop("classes")
+    first = linears[0][0]
+    if any(not _quantized(m, *c) or (m.bits, m.group_size) != (first.bits, first.group_size)
+           for ms in linears for m, c in zip(ms, classes)):
+        return None
+    mats = [tuple(_arrays(m) for m in ms) for ms in linears]
+    # made once per trace of the compiled step (not from traced inputs: a constant of its graph)
+    mx.eval([a for a in (spec["gains"], spec["qk_gains"]) if a is not None])
+    return dict(spec, layers=mats, group_size=first.group_size, bits=first.bits, norm=norm)
+
+
+def _stacked_or_none(arrays):
+    return mx.stack(arrays) if arrays else None
+
+
+def _flash_spec(layers, names):
+    """_spec's settings for FlashNorm's blocks (DeferredNorm pre-norms fused into their
+    consumers, FlashAttention or FlashQKNormAttention, a late-scaled FlashSwiGLU)."""
+    attn = layers[0][names[1]]
+    if not isinstance(attn, (FlashAttention, FlashQKNormAttention)) or names[2][0] not in attn:
         return None
     qk_norm = isinstance(attn, FlashQKNormAttention)
-    if qk_norm and ("q_gain" not in attn or attn.out_name != "o_proj"):
+    if qk_norm and ("q_gain" not in attn or attn.out_name != names[2][1]):
         return None
-    eps = first.input_layernorm.eps
-    mats, gains, qk_gains = [], [], []
+    eps = layers[0][names[0][0]].eps
+    gains, qk_gains = [], []
     for layer in layers:
-        a, f = layer.self_attn, layer.mlp
-        norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if (type(a) is not type(attn) or type(f) is not FlashSwiGLU or not f.late
-                or "gate_up_proj" not in f
-                or any(type(m) is not DeferredNorm or not m.fuse or m.eps != eps for m in norms)
+        a, f = layer[names[1]], layer[names[3]]
+        norms = [layer[n] for n in names[0]]
+        swiglu = type(f) is FlashSwiGLU and f.late or type(f) is FlashFusedSwiGLU
+        if (type(a) is not type(attn) or not swiglu or names[4][0] not in f
+                or any(not m.fuse or m.eps != eps for m in norms)
                 or (not qk_norm and a.qkv_bias) or a.traditional or a.factor != attn.factor
-                or a.n_heads != attn.n_heads or a.n_kv_heads != attn.n_kv_heads
-                or not _quantized(a.qkv_proj, QuantizedDeferredLinear)
-                or not _quantized(a.o_proj, nn.QuantizedLinear, kernels.QuantizedLinear)
-                or not _quantized(f.gate_up_proj, QuantizedDeferredLinear)
-                or not _quantized(f.down_proj, QuantizedDeferredLinear)):
+                or a.head_dim != attn.head_dim
+                or any(("gain" in m) != ("gain" in norms[0]) for m in norms)):
             return None
-        linears = _linears(layer)
-        if any((m.bits, m.group_size) != (attn.qkv_proj.bits, attn.qkv_proj.group_size)
-               for m in linears):
-            return None
-        if any(("gain" in m) != ("gain" in norms[0]) for m in norms):
-            return None
-        mats.append(tuple(_arrays(m) for m in linears))
         if "gain" in norms[0]:
             gains.append(mx.stack([m.gain.astype(mx.float32) for m in norms]))
         if qk_norm:
             qk_gains.append(mx.stack([a.q_gain, a.k_gain]).astype(mx.float32))
-    # made once per trace of the compiled step (not from traced inputs: a constant of its graph)
-    gains = mx.stack(gains) if gains else None
-    qk_gains = mx.stack(qk_gains) if qk_gains else None
-    mx.eval([a for a in (gains, qk_gains) if a is not None])
-    return dict(layers=mats, gains=gains, qk_gains=qk_gains, theta=attn._theta, eps=eps,
-                factor=attn.factor, qk_eps=attn.qk_eps if qk_norm else 0.0, n_heads=attn.n_heads,
-                n_kv_heads=attn.n_kv_heads, group_size=attn.qkv_proj.group_size,
-                bits=attn.qkv_proj.bits)
+    return dict(gains=_stacked_or_none(gains), qk_gains=_stacked_or_none(qk_gains),
+                theta=attn._theta, eps=eps, factor=attn.factor,
+                qk_eps=attn.qk_eps if qk_norm else 0.0, **_heads(layers, names),
+                classes=[(QuantizedDeferredLinear,), (nn.QuantizedLinear, kernels.QuantizedLinear),
+                         (QuantizedDeferredLinear,), (QuantizedDeferredLinear,)])
+
+
+def _rms(m, n):
+    """Whether m is the model's RMSNorm over n values with weights and an epsilon."""
+    return ("weight" in m and "bias" not in m and m.eps is not None and m._last == n
+            and m.weight.shape == (n,))
+
+
+def _theta(attn):
+    """The angle per position of each RoPE pair of the model's own attention (as FlashNorm's
+    attention takes it), or None for a RoPE the kernels do not compute (interleaved, or another
+    kind)."""
+    rope = attn.get("rope")
+    if rope is None or getattr(rope, "traditional", True):
+        return None
+    try:
+        scale, theta = rope_frequencies(rope)
+    except UserError:
+        return None
+    return scale * theta
+
+
+HEADS = ("n_heads", "n_kv_heads", "head_dim", "scale")  # what the model's attention states
+
+
+def _plain_spec(layers, names):
+    """_spec's settings for the model's own blocks in norm mode rms (RMSNorm pre-norms, QK-norm
+    where the model has it) or none (every norm a NoNorm): the attention of concat.py's qkv_proj
+    with the softmax scale in sdpa, the SwiGLU FFN of one gate_up linear."""
+    attn = layers[0][names[1]]
+    if any(getattr(attn, n, None) is None for n in HEADS):
+        return None
+    rms = mode(layers[0], names) == "rms"
+    K = _linears(layers[0], names)[1]["weight"].shape[0]  # the output projection's rows
+    qk_norm = rms and "q_norm" in attn
+    theta = _theta(attn)
+    if theta is None:
+        return None
+    eps = layers[0][names[0][0]].eps if rms else 0.0
+    qk_eps = attn.q_norm.eps if qk_norm else 0.0
+    parts = {*names[2], "rope", "q_norm", "k_norm"}
+    gains, qk_gains = [], []
+    for layer in layers:
+        a, f = layer[names[1]], layer[names[3]]
+        norms = [layer[n] for n in names[0]]
+        if (not set(a.keys()) <= parts or not all(n in a for n in names[2])
+                or set(f.keys()) != set(names[4]) or ("q_norm" in a) != ("q_norm" in attn)
+                or any(getattr(a, n, None) is None for n in HEADS)
+                or (a.head_dim, a.scale) != (attn.head_dim, attn.scale)
+                or type(a.rope) is not type(attn.rope)):
+            return None
+        t = _theta(a)
+        if t is None or t.shape != theta.shape or not mx.array_equal(t, theta).item():
+            return None
+        qk = [a[n] for n in ("q_norm", "k_norm") if n in a]
+        if rms and (any(not _rms(m, K) or m.eps != eps for m in norms)
+                    or any(type(m) not in (RMSNorm, PlainRMSNorm) or not _rms(m, a.head_dim)
+                           or m.eps != qk_eps for m in qk)):
+            return None
+        if not rms and any(type(m) is not NoNorm for m in qk):
+            return None
+        if rms:
+            gains.append(mx.stack([m.weight.astype(mx.float32) for m in norms]))
+        if qk_norm:
+            qk_gains.append(mx.stack([mx.stack([m.weight.astype(mx.float32)] * 2) for m in qk]))
+    linear = (nn.QuantizedLinear, kernels.QuantizedLinear)
+    return dict(gains=_stacked_or_none(gains), qk_gains=_stacked_or_none(qk_gains), theta=theta,
+                eps=eps, factor=attn.scale, qk_eps=qk_eps, **_heads(layers, names),
+                classes=[linear] * 4)
+
+
+def _heads(layers, names):
+    """n_heads and n_kv_heads as the kernels take them: one int where every layer has the same,
+    else one a layer (OpenELM's layer-wise scaling; their ratio is checked by the kernels)."""
+    out = {}
+    for n in ("n_heads", "n_kv_heads"):
+        v = [getattr(layer[names[1]], n) for layer in layers]
+        out[n] = v[0] if len(set(v)) == 1 else v
+    return out
 
 
 def _stacked(layers, mats):
@@ -124,7 +248,9 @@ def _stacked(layers, mats):
 
 def decode_stack(layers, h, cache):
     """The input of the final norm, (x, residual), after every block for the decode rows h
-    (embeddings, (B, 1, K)) through one kernel, with the caches' new k and v written: B = 1 over
+    (embeddings, (B, 1, K)) through one kernel, with the caches' new k and v written (flash: x a
+    Deferred, the last FFN's scale left to the final DeferredNorm; rms, none: the last FFN's
+    output, which the model's own final norm adds to the residual): B = 1 over
     StaticKVCaches, kernels.decode_layers; B rows over a batch's caches (serve.slots.RowsKVCache),
     kernels.decode_rows. Both kinds of cache say so with `static_rows` (buffers of every position,
     an array offset per row). None where the kernel does not take these blocks (then the model runs
@@ -149,4 +275,6 @@ def decode_stack(layers, h, cache):
     y, ys, p, kv = run(h, cache[0].offset, caches=kv, **spec)
     for c, (k, v) in zip(cache, kv):
         c.keys, c.values = k, v
-    return deferred_output(layers[-1].mlp, y, ys), p
+    if spec["norm"] != "flash":  # the model's final norm adds y and p (rms, none: ys is 1)
+        return y, p
+    return deferred_output(layers[-1][block(layers[-1])[3]], y, ys), p

@@ -93,25 +93,27 @@ def rows_kernel(layers):
 
 
 def decode_rows(x, positions, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads, n_kv_heads,
-                group_size, bits):
+                group_size, bits, norm="flash"):
     """step.decode_layers for B rows (x: (B, 1, K), positions: (B,) int32, caches (B, kv heads, capacity, D)
-    per layer): one launch where step.supported says it runs and its plan fits the GPU, else the reference."""
-    K, D, I, _ = step.sizes(x, layers, theta, n_heads)
+    per layer; norm: the mode, step.NORMS): one launch where step.supported says it runs and its
+    plan fits the GPU, else the reference."""
+    K, D, I, _, HQ, HKV, _ = step.sizes(x, layers, theta, n_heads, n_kv_heads)  # the widest layer's
     plan = (step.supported(x, layers, caches, n_heads, n_kv_heads, group_size, bits, name="decode_rows")
-            and launch_plan(x.shape[0], K, I, D, n_heads, n_kv_heads, len(layers)))
+            and launch_plan(x.shape[0], K, I, D, HQ, HKV, len(layers)))
     if not plan:
         return reference(x, positions, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads,
-                         n_kv_heads, group_size, bits)
+                         n_kv_heads, group_size, bits, norm=norm)
     template, work, shared = plan
     return step.launch(rows_kernel(len(layers)), x, positions.astype(mx.int32), layers, caches, gains, qk_gains, theta,
                        eps, factor, qk_eps, n_heads, n_kv_heads, group_size, bits, work=work,
-                       shared_memory=shared, fields=SIZES, template=template)
+                       shared_memory=shared, fields=SIZES, template=template, norm=norm)
 
 
 def launch_plan(B, K, I, D, n_heads, n_kv_heads, L):
-    """(template, work, shared) of a launch for B rows: its rows per pass (G, GD, IC: rows_per_pass; GU:
-    gate_up_rows) within the shared memory the GPU gives a block (step.shared_limit), its work buffer's
-    floats and its shared memory bytes; None where it cannot fit."""
+    """(template, work, shared) of a launch for B rows (I, n_heads, n_kv_heads: the widest layer's,
+    step.sizes): its rows per pass (G, GD, IC: rows_per_pass; GU: gate_up_rows) within the shared
+    memory the GPU gives a block (step.shared_limit), its work buffer's floats and its shared memory
+    bytes; None where it cannot fit."""
     xa, GQ = max(K, n_heads * D), n_heads // n_kv_heads
     limit = min(SHARED_MAX, step.shared_limit() - static_bytes(GMAX, GMAX, D, GQ, L))
     if (plan := rows_per_pass(B, xa, I, limit)) is None:
@@ -126,9 +128,10 @@ def launch_plan(B, K, I, D, n_heads, n_kv_heads, L):
     return [("G", G), ("GD", GD), ("GU", GU), ("IC", IC), ("NW", WARPS)], work, shared
 
 
-def reference(x, positions, layers, caches, *args):
+def reference(x, positions, layers, caches, *args, norm="flash"):
     """decode_rows in plain MLX: step._reference row by row (its caches' row b at positions[b])."""
-    outs = [step._reference(x[b:b + 1], positions[b], layers, [(k[b:b + 1], v[b:b + 1]) for k, v in caches], *args)
+    outs = [step._reference(x[b:b + 1], positions[b], layers,
+                            [(k[b:b + 1], v[b:b + 1]) for k, v in caches], *args, norm=norm)
             for b in range(x.shape[0])]
     y, ys, p = (mx.concatenate([o[i] for o in outs]) for i in range(3))
     kv = [tuple(mx.concatenate([o[3][l][j] for o in outs]) for j in range(2)) for l in range(len(layers))]
@@ -136,18 +139,20 @@ def reference(x, positions, layers, caches, *args):
 
 
 def check_decode_rows():
-    """Three rows at positions 40, 5 and 17 of the one-row check's stack, Sec. 3 and Sec. 4."""
-    L, K, HQ, HKV, D, I, C = 2, 256, 4, 2, 64, 384, 64
-    layers, caches = step._random_stack(L, K, HQ, HKV, D, I, C, 41, 40)
-    caches = [tuple(mx.concatenate([a, a[:, :, ::-1], a]) for a in c) for c in caches]  # 3 rows
+    """Three rows at positions 40, 5 and 17 of the one-row check's stacks (step.check_stacks: layers
+    alike and of their own sizes), each mode (step.check_modes)."""
+    L, K, D = 2, 256, 64
     positions = mx.array([40, 5, 17], mx.int32)
-    theta, gains, qk = step.check_tables(L, K, D)
+    theta = step.check_tables(L, K, D)[0]
     x = rand((3, 1, K), 44)
     out = []
-    for qk_gains, qk_eps in ((None, 0.0), (qk, 1e-6)):
-        y, ys, p, kv = decode_rows(x, positions, layers, [tuple(mx.array(a) + 0 for a in c) for c in caches],
-                                gains, qk_gains, theta, 1e-5, D**-0.25, qk_eps, HQ, HKV, 64, 4)
-        out += [y, ys, p] + [mx.take_along_axis(a, positions.reshape(3, 1, 1, 1), axis=2) for c in kv for a in c]
+    for layers, caches, HQ, HKV in step.check_stacks(3, 41, 40):
+        for gains, qk_gains, factor, qk_eps, norm in step.check_modes(L, K, D):
+            kv = [tuple(mx.array(a) + 0 for a in c) for c in caches]
+            y, ys, p, kv = decode_rows(x, positions, layers, kv, gains, qk_gains, theta, 1e-5,
+                                       factor, qk_eps, HQ, HKV, 64, 4, norm=norm)
+            out += [y, ys, p] + [mx.take_along_axis(a, positions.reshape(3, 1, 1, 1), axis=2)
+                                 for c in kv for a in c]
     return out
 
 

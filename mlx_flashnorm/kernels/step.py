@@ -35,14 +35,23 @@ MAX_ROWS = 64  # rows of the batched form (rows.py), at most
 CUDA = Path(__file__).parent / "cuda"  # the kernels' CUDA: step.cu, rows.cu, whole_step.cuh
 
 # The sizes and flags a launch passes in its int array `dims`, in order (build.pack, build.declare):
-# the model width, group size, query and kv heads, FFN width, cache capacity, blocks, the widest
+# the model width, group size, the widest layer's query and kv heads and FFN width (each layer's
+# come in the layer table after these fields: layer_table), cache capacity, blocks, the widest
 # matvec input, whether the norms' gains are kept, whether the rows are half precision (1/RSSe's
-# power of two taken out), QK-norm, and the norm's, RoPE's and QK-norm's float settings.
-SIZES = (("K", "int"), ("GS", "int"), ("HQ", "int"), ("HKV", "int"), ("I", "int"), ("C", "int"),
+# power of two taken out), QK-norm, the norm's, RoPE's and QK-norm's float settings, and the norm
+# mode (NORMS).
+SIZES = (("K", "int"), ("GS", "int"), ("HQM", "int"), ("HKVM", "int"), ("IM", "int"), ("C", "int"),
          ("NB", "int"), ("XMAX", "int"), ("has_g", "bool"), ("prescale", "bool"),
-         ("qk_norm", "bool"), ("eps", "float"), ("factor", "float"), ("qk_eps", "float"))
+         ("qk_norm", "bool"), ("eps", "float"), ("factor", "float"), ("qk_eps", "float"),
+         ("NORM", "int"))
+# The norm modes (--norm), each the function of that mode's own layers: flash, the 1/RSSe deferred
+# past the matvecs (gains: the pre-norms' sqrt(K) g on the inputs; factor: the square root of the
+# softmax scale, into q and k); rms, RMSNorm before each matvec as the model's layers compute and
+# round it (gains: the norms' weights; qk_gains[:, :, 0]: QK-norm's; factor: the softmax scale);
+# none, the residual add alone (no gains).
+NORMS = {"flash": 0, "rms": 1, "none": 2}
 # a layer's arrays, in the pointer table's order: its four matrices (weight, scales, biases each)
-# and its caches; the matrices come stacked, inputs (L, rows, columns): layer l's is row l
+# and its caches; the matrices come one input a kind (stacked: layer l's at its offset in it)
 ARRAYS = ("wqkv", "sqkv", "bqkv", "wo", "so", "bo", "wgu", "sgu", "bgu", "wd", "sd", "bd", "kc",
           "vc")
 STACKED = ARRAYS[:12]
@@ -57,9 +66,10 @@ def input_names(layers):
 
 
 def table(layers):
-    """The body's pointer table in shared memory: thread l of each block points at layer l's rows
-    of the stacked matrices and at its caches."""
-    rows = "\n    ".join(f"tab[14 * l + {k}] = {a} + long(l) * {a}_shape[1] * {a}_shape[2];"
+    """The body's pointer table in shared memory: thread l of each block points at layer l's arrays
+    in the 12 matrix inputs (at its offsets in the layer table `lt`, layer_table) and at its
+    caches."""
+    rows = "\n    ".join(f"tab[14 * l + {k}] = {a} + long(lt[15 * l + {k}]);"
                          for k, a in enumerate(STACKED))
     stacked = f"  if (threadIdx.x < NL) {{\n    const int l = threadIdx.x;\n    {rows}\n  }}\n"
     return stacked + "".join(f"  if (threadIdx.x == {l}) {{ tab[{14 * l + 12}] = kc{l}; "
@@ -74,7 +84,8 @@ def compose(folder, file, fields, layers, own=("body",)):
     the backend's shared functions (HEADERS), whole_step.cuh's device piece and the file's."""
     shared = pieces(folder / "whole_step.cuh", "device", "layer", "attend")
     mine = pieces(folder / file, *own)
-    body = fill(mine["body"], SIZES=declare(fields), TABLE=table(layers), LAYER=shared["layer"],
+    sizes = declare(fields) + f"  const int* lt = dims + {len(fields)};  // step.layer_table\n"
+    body = fill(mine["body"], SIZES=sizes, TABLE=table(layers), LAYER=shared["layer"],
                 ATTEND=shared["attend"])
     return body, HEADERS["cuda"] + shared["device"] + mine.get("device", "")
 
@@ -150,42 +161,71 @@ def use_decode_layers(name="decode_layers"):
     return forms.use_gpu(name) and gpu_backend() == "cuda"
 
 
+def layer_sizes(layers, n_heads, n_kv_heads):
+    """Each layer's (query heads, kv heads, FFN width): n_heads and n_kv_heads one int for every
+    layer or one per layer (OpenELM's), the width from its gate/up rows."""
+    per = lambda v: list(v) if isinstance(v, (list, tuple)) else [v] * len(layers)
+    return [(q, k, mats[2][0].shape[0] // 2)
+            for q, k, mats in zip(per(n_heads), per(n_kv_heads), layers)]
+
+
+def layer_table(layers, n_heads, n_kv_heads):
+    """The layer table the kernels read after the sizes fields of `dims` (`lt`), 15 ints a layer:
+    the offsets (in elements) of its 12 arrays in the 12 matrix inputs (stacked: the arrays of a
+    kind one after another), then its query heads, kv heads and FFN width."""
+    offsets, out = [0] * 12, []
+    for mats, sizes in zip(layers, layer_sizes(layers, n_heads, n_kv_heads)):
+        arrays = [a for m in mats for a in m]
+        out += offsets + list(sizes)
+        offsets = [o + a.size for o, a in zip(offsets, arrays)]
+    return tuple(out)
+
+
 def supported(x, layers, caches, n_heads, n_kv_heads, group_size, bits, name="decode_layers"):
     """Whether the kernel `name` takes this stack: CUDA with our kernels on, x one row ((1, 1, K);
-    decode_rows: (B, 1, K), B <= MAX_ROWS), 4 or 8 bits, every layer's matrices alike, sizes in
-    whole 16-byte chunks and groups (decode_rows: spans of 32 values, tensor cores with tf32),
-    head size 64 or 128, at most 8 query heads per kv head; decode_layers' shared memory within
-    what the GPU gives a block (shared_limit; decode_rows fits its passes to it: rows.launch_plan)."""
+    decode_rows: (B, 1, K), B <= MAX_ROWS), 4 or 8 bits, every layer's matrices of its own sizes
+    (layer_sizes: heads and FFN width per layer; the query heads per kv head alike), each kind's
+    arrays within int32 offsets, sizes in whole 16-byte chunks and groups (decode_rows: spans of
+    32 values, tensor cores with tf32), head size 64 or 128, at most 8 query heads per kv head;
+    decode_layers' shared memory within what the GPU gives a block (shared_limit; decode_rows fits
+    its passes to it: rows.launch_plan)."""
     B = x.shape[0]
     if not (use_decode_layers(name) and x.ndim == 3 and x.shape[1] == 1 and (B == 1 if name == "decode_layers" else
                                                                              B <= MAX_ROWS)
             and x.dtype in (mx.float16, mx.bfloat16, mx.float32) and bits in (4, 8) and 0 < len(layers) <= MAX_LAYERS):
         return False
     K, D = x.shape[-1], caches[0][0].shape[-1]
-    I = layers[0][2][0].shape[0] // 2
+    per = layer_sizes(layers, n_heads, n_kv_heads)
+    if len(per) != len(layers) or len(caches) != len(layers):
+        return False
     cw = 4 * 32 // bits
     if name == "decode_rows":  # the tensor cores' spans: 32 values in one group; tf32 from sm_80 on
         cw = 32
         if compute_capability() < 8:
             return False
-    if (D not in (64, 128) or n_heads % n_kv_heads or n_heads // n_kv_heads > 8 or group_size % cw
-            or any(v % group_size or v % cw for v in (K, n_heads * D, I)) or name == "decode_layers"
-            and shared_bytes(K, max(K, n_heads * D, I), bits, D, n_heads // n_kv_heads, len(layers), True)
-            > shared_limit()):
+    HQM, GQ = max(q for q, _, _ in per), per[0][0] // per[0][1]
+    xmax = max(K, HQM * D, max(i for _, _, i in per))
+    if (D not in (64, 128) or GQ > 8 or group_size % cw
+            or any(q % k or q // k != GQ for q, k, _ in per)
+            or any(v % group_size or v % cw for q, _, i in per for v in (K, q * D, i))
+            or name == "decode_layers"
+            and shared_bytes(K, xmax, bits, D, GQ, len(layers), True) > shared_limit()):
         return False
-    shapes = [(K * bits // 32, n_heads * D + 2 * n_kv_heads * D), (n_heads * D * bits // 32, K),
-              (K * bits // 32, 2 * I), (I * bits // 32, K)]
-    for mats, (k, v) in zip(layers, caches):
+    for mats, (k, v), (hq, hkv, I) in zip(layers, caches, per):
+        shapes = [(K * bits // 32, hq * D + 2 * hkv * D), (hq * D * bits // 32, K),
+                  (K * bits // 32, 2 * I), (I * bits // 32, K)]
         for (w, s, b), (width, rows) in zip(mats, shapes):
             if w.dtype != mx.uint32 or w.shape != (rows, width) or s.dtype != x.dtype or b.dtype != x.dtype:
                 return False
-        if k.dtype != x.dtype or v.dtype != x.dtype or k.shape != v.shape or k.shape[:2] != (B, n_kv_heads):
+        if (k.dtype != x.dtype or v.dtype != x.dtype or k.shape != v.shape
+                or k.shape[:2] != (B, hkv)):
             return False
-    return True
+    # each kind's arrays together within the int32 offsets of the layer table
+    return all(sum(m[i][j].size for m in layers) < 2**31 for i in range(4) for j in range(3))
 
 
 def decode_layers(x, offset, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads, n_kv_heads,
-                  group_size, bits):
+                  group_size, bits, norm="flash"):
     """Every layer of a Llama-family stack for one decode row x (the embedding, (1, 1, K)):
     (y, ys, p, caches) where y * ys is the last down_proj's output (its scale deferred), p the
     residual stream, and caches the (k, v) buffers with this position written.
@@ -194,27 +234,33 @@ def decode_layers(x, offset, layers, caches, gains, qk_gains, theta, eps, factor
     over up rows) and down_proj; caches: per layer (k, v), (1, kv heads, capacity, D); offset: the
     position (an int or the decode step's array); gains: (L, 2, K) float32, the two pre-norms'
     gains kept on the input, or None (folded); qk_gains: (L, 2, 2, D) float32, QK-norm's gains
-    and their RoPE-permuted copy for q and k (Sec. 4), or None (Sec. 3: factor * s on q and k)."""
+    and their RoPE-permuted copy for q and k (Sec. 4), or None (Sec. 3: factor * s on q and k).
+    norm: the mode (NORMS), which says what gains, qk_gains and factor are; in rms and none ys is 1
+    and y + p the last layer's output (no scale deferred)."""
     if not supported(x, layers, caches, n_heads, n_kv_heads, group_size, bits):
         return _reference(x, offset, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads,
-                          n_kv_heads, group_size, bits)
-    K, D, I, xmax = sizes(x, layers, theta, n_heads)
+                          n_kv_heads, group_size, bits, norm)
+    K, D, I, xmax, HQ, HKV, GQ = sizes(x, layers, theta, n_heads, n_kv_heads)
     return launch(step_kernel(len(layers)), x, position_array(offset), layers, caches, gains, qk_gains, theta, eps,
                   factor, qk_eps, n_heads, n_kv_heads, group_size, bits,
-                  work=(n_heads + 2 * n_kv_heads) * D + n_heads * SMAX * (D + 2) + K + I,
-                  shared_memory=shared_bytes(K, xmax, bits, D, n_heads // n_kv_heads, len(layers)))
+                  work=(HQ + 2 * HKV) * D + HQ * SMAX * (D + 2) + K + I,
+                  shared_memory=shared_bytes(K, xmax, bits, D, GQ, len(layers)), norm=norm)
 
 
-def sizes(x, layers, theta, n_heads):
-    """(K, D, I, xmax) of a stack: the model width, head size, FFN width and the widest matvec input."""
-    K, D, I = x.shape[-1], theta.shape[0] * 2, layers[0][2][0].shape[0] // 2
-    return K, D, I, max(K, n_heads * D, I)
+def sizes(x, layers, theta, n_heads, n_kv_heads):
+    """(K, D, I, xmax, HQ, HKV, GQ) of a stack: the model width, head size, the widest layer's FFN
+    width, the widest matvec input, the most query and kv heads of a layer (layer_sizes), and the
+    query heads per kv head."""
+    per = layer_sizes(layers, n_heads, n_kv_heads)
+    K, D = x.shape[-1], theta.shape[0] * 2
+    HQ, HKV, I = (max(v[j] for v in per) for j in range(3))
+    return K, D, I, max(K, HQ * D, I), HQ, HKV, per[0][0] // per[0][1]
 
 
 class Layers(list):
     """A stack's layers (per layer the (weight, scales, biases) of its four matrices) with `stacks`:
-    the 12 arrays (L, rows, columns) whose row l each layer's arrays are, in that order
-    (flashnorm.stack_weights makes them at load time, so that they take no memory of their own)."""
+    the 12 arrays (stacked) holding each layer's arrays, in that order (flashnorm.stack_weights
+    makes them at load time, so that they take no memory of their own: layer_views)."""
 
     def __init__(self, layers, stacks):
         super().__init__(layers)
@@ -222,34 +268,53 @@ class Layers(list):
 
 
 def stacked(layers):
-    """The 12 stacked matrices a launch takes: the layers' own stacks, else copies."""
+    """The 12 matrix inputs a launch takes, one a kind: the layers' own stacks, else copies; a
+    kind's arrays stacked (L, rows, columns) where every layer's has one shape, else flattened one
+    after another (OpenELM's layers differ), layer l's at its offset in the layer table."""
     if isinstance(layers, Layers):
         return layers.stacks
-    return [mx.stack([mats[i][j] for mats in layers]) for i in range(4) for j in range(3)]
+    kinds = [[mats[i][j] for mats in layers] for i in range(4) for j in range(3)]
+    return [mx.stack(arrays) if len({a.shape for a in arrays}) == 1
+            else mx.concatenate([a.reshape(-1) for a in arrays]) for arrays in kinds]
+
+
+def layer_views(stack, arrays):
+    """Each layer's array of one kind as a view of its input (stacked): row l of a stack, else its
+    span of the flat array, in the shape of `arrays` (the layers' own)."""
+    if stack.ndim == 3:
+        return [stack[l] for l in range(len(arrays))]
+    views, at = [], 0
+    for a in arrays:
+        views.append(stack[at:at + a.size].reshape(a.shape))
+        at += a.size
+    return views
 
 
 def launch(kernel, x, positions, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps,
            n_heads, n_kv_heads, group_size, bits, work, shared_memory, fields=SIZES, template=(),
-           keep_work=False):
+           keep_work=False, norm="flash"):
     """One launch of a whole-step kernel (this file's; rows.py's with its sizes table, which adds
     the row count B (fields), and its rows per matvec pass and warps (NW) in the template): one
     block per SM of 8 warps (or NW), the shared inputs, the 12 stacked matrices (stacked) and every
     layer's caches. Returns (y, ys, p, caches); the caches were written in place, so they are
     handed out as depending on the launch (reading them runs it first). keep_work: the work buffer
     (work floats) too, last (bench/probes/rows_phases.py reads its clock stamps there)."""
-    K, D, I, xmax = sizes(x, layers, theta, n_heads)
+    if norm == "rms" and gains is None:  # the kernel would read the norms' weights from `gains`
+        raise ValueError("norm 'rms' needs the norms' weights (gains)")
+    K, D, I, xmax, HQ, HKV, GQ = sizes(x, layers, theta, n_heads, n_kv_heads)
     threads = 32 * dict(template).get("NW", THREADS // 32)
     none = constant(mx.float32, 0.0)
-    dims = pack(fields, dict(K=K, GS=group_size, HQ=n_heads, HKV=n_kv_heads, I=I,
+    dims = pack(fields, dict(K=K, GS=group_size, HQM=HQ, HKVM=HKV, IM=I,
                              C=caches[0][0].shape[2], NB=sm_count(), XMAX=xmax,
                              has_g=gains is not None, prescale=x.dtype != mx.float32,
                              qk_norm=qk_gains is not None, eps=eps, factor=factor, qk_eps=qk_eps,
-                             B=x.shape[0]))
+                             B=x.shape[0], NORM=NORMS[norm]))
+    dims += layer_table(layers, n_heads, n_kv_heads)
     y, p, ys, scratch = kernel(
         inputs=[x, positions, constant(mx.int32, *dims), theta, none if gains is None else gains,
                 none if qk_gains is None else qk_gains, sync_state(), *stacked(layers)]
         + [a for kv in caches for a in kv],
-        template=[("T", x.dtype), ("BITS", bits), ("D", D), ("GQ", n_heads // n_kv_heads), ("NL", len(layers)),
+        template=[("T", x.dtype), ("BITS", bits), ("D", D), ("GQ", GQ), ("NL", len(layers)),
                   ("SMAX", SMAX), *template],
         grid=(sm_count() * threads, 1, 1), threadgroup=(threads, 1, 1),
         output_shapes=[x.shape, x.shape, (max(x.shape[0], 4),), (work,)],
@@ -269,27 +334,46 @@ def _qmm(x, w, s, b, group_size, bits):
 
 
 def _reference(x, offset, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads, n_kv_heads,
-               group_size, bits):
+               group_size, bits, norm="flash"):
     """decode_layers in plain MLX (float32 arithmetic, rounded to x's dtype where the kernel rounds),
     over the whole cache with a mask, so that an array position (a compiled step) works: the
-    fallback and the self-check's yardstick."""
+    fallback and the self-check's yardstick. norm: the mode (NORMS); rms and none round as the
+    model's own layers do (each linear's output, RMSNorm's, RoPE's and SwiGLU's steps in T)."""
     f32, T = mx.float32, x.dtype
     K, D = x.shape[-1], theta.shape[0] * 2
-    HQ, HKV, GQ = n_heads, n_kv_heads, n_heads // n_kv_heads
+    per = layer_sizes(layers, n_heads, n_kv_heads)
+    flash = norm == "flash"
     pos = offset if isinstance(offset, int) else position_array(offset)[:1].reshape(())
     pow2 = (lambda v: mx.power(2.0, mx.floor(mx.log2(v)))) if T != f32 else (lambda v: mx.array(1.0))
     rnd = lambda v: v.astype(T).astype(f32)
+
+    def normed(v, w, e):  # RMSNorm as mx.fast.rms_norm rounds it
+        return rnd(rnd(v * mx.rsqrt((v * v).mean(-1, keepdims=True) + e)) * w)
+
+    def pre(v, k):  # a matvec's input: p times the gain (flash), RMSNorm(p) (rms), p (none)
+        if norm == "rms":
+            return normed(v, gains[l, k], eps)
+        return v * gains[l, k] if flash and gains is not None else v
+
     cs, sn = mx.cos(pos * theta), mx.sin(pos * theta)
+    one = mx.array(1.0)
     h, xs, p, out = x.reshape(K).astype(f32), None, None, []
     for l, ((qkv, o, gu, down), (kc, vc)) in enumerate(zip(layers, caches)):
+        HQ, HKV, _ = per[l]
+        GQ = HQ // HKV
         p = rnd(h if xs is None else h * xs + p)
-        s = mx.rsqrt((p * p).sum() + K * eps)
+        s = mx.rsqrt((p * p).sum() + K * eps) if flash else one
         P = pow2(s)
-        raw = _qmm(p * gains[l, 0] if gains is not None else p, *qkv, group_size, bits).reshape(-1, D)
+        raw = _qmm(pre(p, 0), *qkv, group_size, bits).reshape(-1, D)
+        raw = raw if flash else rnd(raw)
         q, k, v = raw[:HQ], raw[HQ:HQ + HKV], raw[HQ + HKV:]
-        if qk_gains is None:
+        gq = gk = mx.ones((2, D))
+        if not flash:
+            inv_q = inv_k = one
+            if qk_gains is not None:
+                q, k = normed(q, qk_gains[l, 0, 0], qk_eps), normed(k, qk_gains[l, 1, 0], qk_eps)
+        elif qk_gains is None:
             inv_q = inv_k = factor * s
-            gq = gk = mx.ones((2, D))
         else:
             inv = lambda r: mx.rsqrt(((r * P) ** 2).sum(-1, keepdims=True) + D * qk_eps) * P
             inv_q, inv_k = inv(q), inv(k)
@@ -302,6 +386,8 @@ def _reference(x, offset, layers, caches, gains, qk_gains, theta, eps, factor, q
             return rnd(mx.concatenate([ya, yb], axis=-1))
 
         q, k, v = rope(q, inv_q, gq), rope(k, inv_k, gk), rnd(v * s)
+        if not flash:
+            q = q * factor  # the softmax scale on the rounded q
         at = (mx.arange(kc.shape[2]) == pos)[None, None, :, None]  # the new position's row
         kc, vc = mx.where(at, k.astype(T)[None, :, None], kc), mx.where(at, v.astype(T)[None, :, None], vc)
         out.append((kc, vc))
@@ -309,13 +395,17 @@ def _reference(x, offset, layers, caches, gains, qk_gains, theta, eps, factor, q
         scores = mx.where(mx.arange(kc.shape[2]) <= pos, scores, -mx.inf)
         att = rnd((mx.softmax(scores, axis=-1) @ vc[0].astype(f32)).reshape(-1))
         p = rnd(rnd(_qmm(att, *o, group_size, bits)) + p)
-        s2 = mx.rsqrt((p * p).sum() + K * eps)
-        P2 = pow2(s2)
-        g = _qmm(p * gains[l, 1] if gains is not None else p, *gu, group_size, bits)
-        gate, up = mx.split(g, 2)
-        a = rnd(gate * s2 * mx.sigmoid(gate * s2) * up * P2)
+        gate, up = mx.split(_qmm(pre(p, 1), *gu, group_size, bits), 2)
+        if flash:
+            s2 = mx.rsqrt((p * p).sum() + K * eps)
+            P2 = pow2(s2)
+            a = rnd(gate * s2 * mx.sigmoid(gate * s2) * up * P2)
+            xs = s2 / P2
+        else:
+            gate, up = rnd(gate), rnd(up)
+            a = rnd(rnd(gate * rnd(mx.sigmoid(gate))) * up)
+            xs = one
         h = rnd(_qmm(a, *down, group_size, bits))
-        xs = s2 / P2
     return h.astype(T).reshape(x.shape), xs.reshape(x.shape[:-1] + (1,)), p.astype(T).reshape(x.shape), out
 
 
@@ -332,23 +422,51 @@ def _random_stack(L, K, HQ, HKV, D, I, C, pos, seed):
     return layers, caches
 
 
+def check_stacks(rows, pos, seed):
+    """The self-checks' two stacks, (layers, caches for `rows` rows, n_heads, n_kv_heads) each: two
+    layers alike (4 query heads, 2 kv heads, FFN width 384) and two of their own sizes as
+    OpenELM's (4 and 8 query heads, 2 and 4 kv heads, FFN widths 128 and 384; the same query heads
+    per kv head, so the same compiled variant), caches filled up to pos."""
+    K, D, C = 256, 64, 64
+    alike = _random_stack(2, K, 4, 2, D, 384, C, pos, seed)
+    own = [_random_stack(1, K, hq, hq // 2, D, i, C, pos, seed + 50 + l)
+           for l, (hq, i) in enumerate(((4, 128), (8, 384)))]
+    own = ([m for s in own for m in s[0]], [c for s in own for c in s[1]])
+    many = lambda caches: [tuple(mx.concatenate([a, a[:, :, ::-1], a][:rows]) for a in c)
+                           for c in caches]
+    return [(alike[0], many(alike[1]), 4, 2), (own[0], many(own[1]), [4, 8], [2, 4])]
+
+
 def check_tables(L, K, D):
     """The self-checks' RoPE angles, pre-norm gains (about trained models' 16) and QK-norm tables."""
     theta = mx.exp(-mx.arange(D // 2, dtype=mx.float32) * 0.3)
     return theta, 16 * (1 + 0.3 * rand((L, 2, K), 42, mx.float32)), 1 + 0.3 * rand((L, 2, 2, D), 43, mx.float32)
 
 
+def check_modes(L, K, D):
+    """The self-checks' variants, (gains, qk_gains, factor, qk_eps, norm) each: flash with Sec. 3
+    and Sec. 4 (QK-norm), rms without and with QK-norm (weights of float16 values about 1), none."""
+    _, gains, qk = check_tables(L, K, D)
+    w = (1 + 0.3 * rand((L, 2, K), 44, mx.float32)).astype(mx.float16).astype(mx.float32)
+    wq = (1 + 0.3 * rand((L, 2, 2, D), 45, mx.float32)).astype(mx.float16).astype(mx.float32)
+    return [(gains, None, D**-0.25, 0.0, "flash"), (gains, qk, D**-0.25, 1e-6, "flash"),
+            (w, None, D**-0.5, 0.0, "rms"), (w, wq, D**-0.5, 1e-6, "rms"),
+            (None, None, D**-0.5, 0.0, "none")]
+
+
 def check_decode_layers():
-    """Two layers, 41 positions (two splits a kv head), Sec. 3 with gains and Sec. 4 (QK-norm)."""
-    L, K, HQ, HKV, D, I, C, pos = 2, 256, 4, 2, 64, 384, 64, 40
-    layers, caches = _random_stack(L, K, HQ, HKV, D, I, C, pos, 40)
-    theta, gains, qk = check_tables(L, K, D)
+    """Two layers, 41 positions (two splits a kv head), each mode (check_modes), layers alike and
+    of their own sizes (check_stacks)."""
+    L, K, D, pos = 2, 256, 64, 40
+    theta = check_tables(L, K, D)[0]
     x = rand((1, 1, K), 41)
     out = []
-    for qk_gains, qk_eps in ((None, 0.0), (qk, 1e-6)):
-        y, ys, p, kv = decode_layers(x, pos, layers, [tuple(mx.array(a) for a in c) for c in caches], gains,
-                                     qk_gains, theta, 1e-5, D**-0.25, qk_eps, HQ, HKV, 64, 4)
-        out += [y, ys, p] + [a[..., pos, :] for c in kv for a in c]
+    for layers, caches, HQ, HKV in check_stacks(1, pos, 40):
+        for gains, qk_gains, factor, qk_eps, norm in check_modes(L, K, D):
+            kv = [tuple(mx.array(a) for a in c) for c in caches]
+            y, ys, p, kv = decode_layers(x, pos, layers, kv, gains, qk_gains, theta, 1e-5, factor,
+                                         qk_eps, HQ, HKV, 64, 4, norm=norm)
+            out += [y, ys, p] + [a[..., pos, :] for c in kv for a in c]
     return out
 
 

@@ -127,6 +127,9 @@ class OpenELMModel(nn.Module):
     def __call__(self, tokens, cache=None):
         h = self.token_embeddings(tokens)
         cache = cache or [None] * len(self.layers)
+        # one kernel for every block
+        if (fused := fn.decode_stack(self.layers, h, cache)) is not None:
+            return self.norm(*fused)[0]
         mask = create_attention_mask(h, cache[0])
         residual = None
         for layer, c in zip(self.layers, cache):

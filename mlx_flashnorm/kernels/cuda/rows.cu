@@ -52,12 +52,16 @@ __device__ inline void fn_rows_in(const A* src, int n, int stride, int rows, flo
 template <typename A, int G>
 __device__ inline void fn_row_norms(const A* a, A* rout, const float* gain, long at0, int rows,
                                     int K, float* xin, int xs, float (*red)[G], float* srow,
-                                    float* prow, float keps, bool prescale) {
+                                    float* prow, float eps, bool prescale, int norm) {
   // for `rows` rows (of G) of p (a, from element at0): p into rout (optional: one block writes
   // it) and, times gain (optional), into the shared input rows (row g at xin + g * xs); then each
   // row's 1/RSSe and its power of two P (half precision) into srow and prow. The rows are loaded
   // by fn_rows_in; the squares are then summed in the one-row kernel's order (value i by thread
-  // i % 256, its 8 warps' sums in order): its norm alone.
+  // i % 256, its 8 warps' sums in order): its norm alone. norm (NORM): 0 flash as above; 1 rms,
+  // the input rows RMSNorm(p) with weights `gain` (fn_normed), 1 into srow and prow; 2 none, p
+  // alone, 1 into srow and prow.
+  const float* wnorm = norm == 1 ? gain : nullptr;
+  if (norm != 0) gain = nullptr;
   // passes of 8 rows: the gains of a thread's first GP values loaded before the rows, under their
   // latency (at 16 rows a pass it cost more than it saved: bench/RESULTS.md, "The batched step")
   constexpr int GP = G <= 8 ? 4 : 0;
@@ -93,12 +97,24 @@ __device__ inline void fn_row_norms(const A* a, A* rout, const float* gain, long
     for (int g = 0; g < G; ++g) red[threadIdx.x / 32][g] = ss[g];
   }
   __syncthreads();
+  float r = 0.0f;  // rms: the row's 1/RMS
   if (threadIdx.x < rows) {
     float t = 0.0f;
     for (int w = 0; w < 8; ++w) t += red[w][threadIdx.x];
-    const float s = rsqrtf(t + keps);
+    const float s = norm == 0 ? rsqrtf(t + K * eps) : 1.0f;
+    r = rsqrtf(t / K + eps);
     srow[threadIdx.x] = s;
     prow[threadIdx.x] = prescale ? __int_as_float(__float_as_int(s) & 0x7f800000) : 1.0f;
+  }
+  if (wnorm) {  // rms: the rows normalized and weighted in place, each row's 1/RMS through red
+    __syncthreads();
+    if (threadIdx.x < rows) red[0][threadIdx.x] = r;
+    __syncthreads();
+    for (int i = threadIdx.x; i < K; i += blockDim.x) {
+      const float w = __ldg(wnorm + i);
+      for (int g = 0; g < rows; ++g) xin[g * xs + i] = fn_normed<A>(xin[g * xs + i], red[0][g], w);
+    }
+    __syncthreads();
   }
 }
 template <int BITS>
@@ -256,26 +272,27 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
   constexpr int EPL = 16 / sizeof(T), LPR = D / EPL, RPW = 32 / LPR;
   // the run-time sizes and flags (dims: rows.SIZES; XMAX unused here)
   {{SIZES}}
-  const int KO = HQ * D, NQKV = (HQ + 2 * HKV) * D;
   // strides of an input row in shared memory (down_proj's: XSD, its input in chunks of IC values)
-  const int XS = max(K, KO) + 4, XSD = min(IC, I) + 4;
+  const int XS = max(K, HQM * D) + 4, XSD = min(IC, IM) + 4;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   unsigned int* bar = const_cast<unsigned int*>(sync);
   unsigned int target = 0;
-  float* raw = work;                                  // B * NQKV
-  float* part = raw + long(B) * NQKV;                 // B * HQ * SMAX * (D + 2)
-  float* s1g = part + long(B) * HQ * SMAX * (D + 2);  // B each: per row 1/RSSe and its power
+  // sized for the widest layer (HQM, HKVM, IM); a layer's rows B * NQKV, B * HQ * ... within them
+  const long NQKVM = (HQM + 2 * HKVM) * D;
+  float* raw = work;                                   // B * NQKV
+  float* part = raw + long(B) * NQKVM;                 // B * HQ * SMAX * (D + 2)
+  float* s1g = part + long(B) * HQM * SMAX * (D + 2);  // B each: per row 1/RSSe and its power
   float* p1g = s1g + B;                               // of two (phase 1, for attention),
   float* xsg = p1g + B;                               // down_proj's deferred scale (phase 5, for
                                                       // the next layer's add)
   // the rows between phases, in T (rounded where the one-row kernel rounds them), 16-byte aligned:
   T* res0 = reinterpret_cast<T*>(
-      work + ((long(B) * (NQKV + HQ * SMAX * (D + 2)) + 3 * B + 3) & ~3L));
+      work + ((long(B) * (NQKVM + HQM * SMAX * (D + 2)) + 3 * B + 3) & ~3L));
   // res0, B * K: the stream after attention (p2, phase 4's); res1, B * K: before it (p, phase 6's
   // or x)
   T* res1 = res0 + long(B) * K;
   T* mbuf = res1 + long(B) * K;  // B * KO: attention's output, the splits merged
-  T* abuf = mbuf + long(B) * KO;  // B * I: down_proj's input
+  T* abuf = mbuf + long(B) * HQM * D;  // B * I: down_proj's input
   extern __shared__ float smem[];
   float* xin = smem;  // GU * XS or GD * XSD: the running matvec's input rows
   // 2 * NW * NTU * 128: the warps' partial sums of a tile (two tiles)
@@ -288,21 +305,24 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
   __shared__ float qsh[GQ][D], sm[NW][GQ], sl[NW][GQ], sacc[NW][GQ][D];
   __shared__ int first[BMAX + 1];  // phase 2's items: row b's are first[b] .. first[b + 1] - 1
   {{TABLE}}
-  if (threadIdx.x == 0) {  // a row's attention splits: the one-row kernel's rule, capped so that
-    int t = 0;             // the batch's items about fill the grid once
-    const int cap = max(1, NB / (B * HKV));
-    for (int b = 0; b < B; ++b) {
-      first[b] = t;
-      t += HKV * max(1, min(min((off[b] + 32) / 32, SMAX), cap));
-    }
-    first[B] = t;
-  }
   __syncthreads();
   // A matvec phase's items, (pass of G rows, tile of 16 weight rows), spread over the grid: a block
   // loads a pass's input rows (and their norms) when its item is of another pass than the last one
   const int NP = (B + G - 1) / G, NPD = (B + GD - 1) / GD, NPU = (B + GU - 1) / GU;
   for (int l = 0; l < NL; ++l) {
     {{LAYER}}
+    // a row's attention splits (read from phase 2 on, after a grid barrier; the last layer's
+    // readers passed barriers since): the one-row kernel's rule, capped so that the batch's items
+    // about fill the grid once
+    if (threadIdx.x == 0) {
+      int t = 0;
+      const int cap = max(1, NB / (B * HKV));
+      for (int b = 0; b < B; ++b) {
+        first[b] = t;
+        t += HKV * max(1, min(min((off[b] + 32) / 32, SMAX), cap));
+      }
+      first[B] = t;
+    }
     // 1. per row: p (x in the first layer, then res1), s = 1/RSSe(p); the q/k/v rows of p * g
     for (int item = blockIdx.x, have = -1; item < NP * (NQKV / 16); item += NB) {
       const int b0 = item % NP * G, tile = item / NP, rows = min(G, B - b0);
@@ -311,7 +331,7 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
       if (b0 != have) {
         fn_row_norms<T, G>(l == 0 ? x : res1, l == 0 && tile == 0 ? res1 : nullptr,
                            has_g ? g1 : nullptr, long(b0) * K, rows, K, xin, XS, red, srow + b0,
-                           prow + b0, K * eps, prescale);
+                           prow + b0, eps, prescale, NORM);
         if (tile == 0 && threadIdx.x < rows) {  // for attention, in every block
           s1g[b0 + threadIdx.x] = srow[b0 + threadIdx.x];
           p1g[b0 + threadIdx.x] = prow[b0 + threadIdx.x];
@@ -322,7 +342,7 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
       fn_tile<T, BITS, NT>(wqkv, sqkv, bqkv, tile * 16, K / 32, 0, K / 32, K / GS, GS, xin, XS,
                            acc, f1);
       fn_tile_store<NT>(acc, rb, rows, [&](int f, int n, float v) {
-        raw[long(b0 + n) * NQKV + tile * 16 + f] = v;
+        raw[long(b0 + n) * NQKV + tile * 16 + f] = NORM == 0 ? v : fn_f(fn_cast<T>(v));
       });
     }
     fn_grid_sync(bar, target += NB);
@@ -395,7 +415,7 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
                                              K / GS, GS, NW / 2);
       if (b0 != have) {
         fn_row_norms<T, GU>(res0, nullptr, has_g ? g2 : nullptr, long(b0) * K, rows, K, xin, XS,
-                            redu, srow + b0, prow + b0, K * eps, prescale);
+                            redu, srow + b0, prow + b0, eps, prescale, NORM);
         if (tile == 0 && threadIdx.x < rows)  // down_proj's deferred scale, for the next layer
           xsg[b0 + threadIdx.x] = srow[b0 + threadIdx.x] / prow[b0 + threadIdx.x];
         have = b0;
@@ -412,7 +432,8 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
       fn_tile_store<NTU>(acc, rb, rows, [&](int f, int n, float up) {
         const float gt = fn_tile_get<NTU>(rb2, f, n) * srow[b0 + n];
         abuf[long(b0 + n) * I + tile * 16 + f] =
-            fn_cast<T>(gt / (1.0f + expf(-gt)) * up * prow[b0 + n]);
+            NORM == 0 ? fn_cast<T>(gt / (1.0f + expf(-gt)) * up * prow[b0 + n])
+                      : fn_cast<T>(fn_swiglu<T>(gt, up));
       });
     }
     fn_grid_sync(bar, target += NB);

@@ -10,22 +10,17 @@
   constexpr int EPL = 16 / sizeof(T), LPR = D / EPL, RPW = 32 / LPR;  // attention: a row's lanes
   // the run-time sizes and flags (dims: step.SIZES)
   {{SIZES}}
-  const int KO = HQ * D, NQKV = (HQ + 2 * HKV) * D;
-  const int NCK = K / CW, NCO = KO / CW, NCI = I / CW;
+  const int NCK = K / CW;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int gwarp = blockIdx.x * NW + warp, TW = NB * NW;
   const int pos = off[0], n = pos + 1;
-  int S = (n + 31) / 32;  // attention splits per kv head: about 32 positions or more each
-  if (S > SMAX) S = SMAX;
-  if (S > NB / HKV) S = NB / HKV;
-  if (S < 1) S = 1;
-  const int chunk = (n + S - 1) / S;
   unsigned int* bar = const_cast<unsigned int*>(sync);
   unsigned int target = 0;
-  float* raw = work;                        // NQKV: the q/k/v rows before RoPE
-  float* part = raw + NQKV;                 // HQ * SMAX * (D + 2): per split max, sum, values
-  float* obuf = part + HQ * SMAX * (D + 2); // K: o_proj's output
-  float* abuf = obuf + K;                   // I: SwiGLU's output
+  // sized for the widest layer (HQM, HKVM, IM)
+  float* raw = work;                          // NQKV: the q/k/v rows before RoPE
+  float* part = raw + (HQM + 2 * HKVM) * D;   // HQ * SMAX * (D + 2): per split max, sum, values
+  float* obuf = part + HQM * SMAX * (D + 2);  // K: o_proj's output
+  float* abuf = obuf + K;                     // I: SwiGLU's output
   extern __shared__ float smem[];
   float* pres = smem;        // K: this block's copy of the residual stream (T-rounded)
   float* xin = pres + K;     // XMAX: the running matvec's input row
@@ -39,21 +34,34 @@
   float xs = 1.0f;  // the deferred scale of the layer's input (the previous down_proj's)
   for (int l = 0; l < NL; ++l) {
     {{LAYER}}
-    // 1. p = x * xs + r, s = 1/RSSe(p), the q/k/v rows of p * g
+    const int NCO = KO / CW, NCI = I / CW;
+    int S = (n + 31) / 32;  // attention splits per kv head: about 32 positions or more each
+    if (S > SMAX) S = SMAX;
+    if (S > NB / HKV) S = NB / HKV;
+    if (S < 1) S = 1;
+    const int chunk = (n + S - 1) / S;
+    // 1. p = x * xs + r, s = 1/RSSe(p), the q/k/v rows of p * g (flash; rms: of RMSNorm(p),
+    // rounded to T; none: of p, rounded to T)
     float ss = 0.0f;
     for (int i = threadIdx.x; i < K; i += blockDim.x) {
       const float t = l == 0 ? fn_f(x[i]) : fn_f(__ldcg(y + i)) * xs + pres[i];
       const float tp = fn_f(fn_cast<T>(t));
       pres[i] = tp;
       ss += tp * tp;
-      fn_put(xin, i, has_g ? tp * g1[i] : tp, NCK, PER);
+      if (NORM != 1) fn_put(xin, i, has_g ? tp * g1[i] : tp, NCK, PER);
     }
-    const float s = rsqrtf(fn_block_sum(ss, red) + K * eps);
+    const float sum = fn_block_sum(ss, red);
+    const float s = NORM == 0 ? rsqrtf(sum + K * eps) : 1.0f;
     const float P = prescale ? __int_as_float(__float_as_int(s) & 0x7f800000) : 1.0f;
+    if (NORM == 1) {  // the values this thread wrote into pres
+      const float r = rsqrtf(sum / K + eps);
+      for (int i = threadIdx.x; i < K; i += blockDim.x)
+        fn_put(xin, i, fn_normed<T>(pres[i], r, g1[i]), NCK, PER);
+    }
     fn_chunk_sums(xin, xsum, NCK, CW);
     for (int row = gwarp; row < NQKV; row += TW) {
       const float a = fn_qrow<T, BITS>(wqkv, sqkv, bqkv, row, NCK, K / GS, GS, xin, xsum, lane);
-      if (lane == 0) raw[row] = a;
+      if (lane == 0) raw[row] = NORM == 0 ? a : fn_f(fn_cast<T>(a));
     }
     fn_grid_sync(bar, target += NB);
     // 2. RoPE, the cache write and attention: block (kv head, split of the positions)
@@ -78,22 +86,30 @@
     }
     fn_grid_sync(bar, target += NB);
     // 4. p2 = o + p, s2 = 1/RSSe(p2), gate/up rows of p2 * g2, a = silu(gate * s2) * up * P2
+    // (rms: of RMSNorm(p2), none: of p2, a = silu(gate) * up rounded as the layers round it)
     ss = 0.0f;
     for (int i = threadIdx.x; i < K; i += blockDim.x) {
       const float tp = fn_f(fn_cast<T>(__ldcg(obuf + i) + pres[i]));
       pres[i] = tp;
       ss += tp * tp;
-      fn_put(xin, i, has_g ? tp * g2[i] : tp, NCK, PER);
+      if (NORM != 1) fn_put(xin, i, has_g ? tp * g2[i] : tp, NCK, PER);
     }
-    const float s2 = rsqrtf(fn_block_sum(ss, red) + K * eps);
+    const float sum2 = fn_block_sum(ss, red);
+    const float s2 = NORM == 0 ? rsqrtf(sum2 + K * eps) : 1.0f;
     const float P2 = prescale ? __int_as_float(__float_as_int(s2) & 0x7f800000) : 1.0f;
+    if (NORM == 1) {
+      const float r = rsqrtf(sum2 / K + eps);
+      for (int i = threadIdx.x; i < K; i += blockDim.x)
+        fn_put(xin, i, fn_normed<T>(pres[i], r, g2[i]), NCK, PER);
+    }
     fn_chunk_sums(xin, xsum, NCK, CW);
     for (int i = gwarp; i < I; i += TW) {
       const float a0 = fn_qrow<T, BITS>(wgu, sgu, bgu, i, NCK, K / GS, GS, xin, xsum, lane);
       const float a1 = fn_qrow<T, BITS>(wgu, sgu, bgu, I + i, NCK, K / GS, GS, xin, xsum, lane);
       if (lane == 0) {
         const float gt = a0 * s2;
-        abuf[i] = fn_f(fn_cast<T>(gt / (1.0f + expf(-gt)) * a1 * P2));
+        abuf[i] = NORM == 0 ? fn_f(fn_cast<T>(gt / (1.0f + expf(-gt)) * a1 * P2))
+                            : fn_swiglu<T>(a0, a1);
       }
     }
     xs = s2 / P2;

@@ -1,16 +1,24 @@
 // The whole-step kernels' shared CUDA: what step.cu (decode_layers, one row) and rows.cu
 // (decode_rows, a batch) both take, in three pieces (build.pieces; step.compose composes them):
 //   device  the device functions both kernels' headers hold: the grid barrier (fn_grid_sync,
-//           fn_grid_exit), an attention head's splits merged (fn_merged), and the one-row
+//           fn_grid_exit), an attention head's splits merged (fn_merged), the one-row
 //           matvec's input row (fn_put, fn_chunk_sums), block sum (fn_block_sum) and packed row
-//           (fn_qrow)
-//   layer   layer l's arrays read from the block's pointer table (the bodies' {{LAYER}} line)
+//           (fn_qrow), and RMSNorm's value as the rms mode's layers round it (fn_normed)
+//   layer   layer l's arrays read from the block's pointer table, and its sizes (query and kv
+//           heads, FFN width: HQ, HKV, I, KO, NQKV) from the layer table `lt` (step.layer_table)
+//           (the bodies' {{LAYER}} line); HQM, HKVM and IM (the sizes table) are the widest
+//           layer's, which size the work buffer
 //   attend  phase 2 of one (row, kv head, split of the positions), the bodies' {{ATTEND}} line:
 //           RoPE on the row's q and k, the new k and v written into the cache by the split that
 //           holds the position, attention over the split's positions, its partial state (max,
 //           sum, values) into `part`. The body around it names the row: rbase (its raw q/k/v),
 //           cbase (its kv head's first cache row), head0 (its first query head among all rows'
 //           heads), pos, lo, hi, mine (this block writes the new k and v), s and P.
+// The norm mode NORM (step.NORMS; the sizes table): 0 flash (1/RSSe deferred past the matvecs,
+// the gains on their inputs, QK-norm's gains in RoPE's tables), 1 rms (RMSNorm before each
+// matvec, weights multiplied into its input, as the model's own layers round it: the q/k/v and
+// gate/up outputs in T, QK-norm on them, the softmax scale (factor) on the rounded q), 2 none (no
+// norm: the residual add alone). In rms and none s and P are 1.
 // @piece device
 __device__ inline void fn_grid_sync(unsigned int* bar, unsigned int target) {
   // every block of the grid arrives before any leaves (all blocks are resident: one per SM);
@@ -76,6 +84,20 @@ __device__ inline float fn_block_sum(float v, float* red) {
   for (int w = 0; w < int(blockDim.x / 32); ++w) t += red[w];
   return t;
 }
+template <typename T>
+__device__ inline float fn_normed(float v, float r, float w) {
+  // RMSNorm's value as MLX computes it (mx.fast.rms_norm): v times its 1/RMS rounded to T, times
+  // the weight w (a value of T) rounded to T
+  return fn_f(fn_cast<T>(fn_f(fn_cast<T>(v * r)) * w));
+}
+template <typename T>
+__device__ inline float fn_swiglu(float gate, float up) {
+  // silu(gate) * up as the rms and none modes' layers round it: gate and up in T (the matvec's
+  // outputs), the sigmoid, its product with gate, and that times up, each rounded to T
+  const float g = fn_f(fn_cast<T>(gate)), u = fn_f(fn_cast<T>(up));
+  const float sg = fn_f(fn_cast<T>(1.0f / (1.0f + expf(-g))));
+  return fn_f(fn_cast<T>(fn_f(fn_cast<T>(g * sg)) * u));
+}
 template <typename T, int BITS>
 __device__ inline float fn_qrow(const unsigned int* w, const T* sc, const T* bi, long row, int nc,
                                 int gpr, int gs, const float* xin, const float* xsum, int lane) {
@@ -110,6 +132,8 @@ __device__ inline float fn_qrow(const unsigned int* w, const T* sc, const T* bi,
     const T* sd = (const T*)tab[14 * l + 10]; const T* bd = (const T*)tab[14 * l + 11];
     T* kc = (T*)tab[14 * l + 12];
     T* vc = (T*)tab[14 * l + 13];
+    const int HQ = lt[15 * l + 12], HKV = lt[15 * l + 13], I = lt[15 * l + 14];
+    const int KO = HQ * D, NQKV = (HQ + 2 * HKV) * D;
     const float* g1 = gains + long(l) * 2 * K;
     const float* g2 = g1 + K;
 // @piece attend
@@ -126,23 +150,29 @@ __device__ inline float fn_qrow(const unsigned int* w, const T* sc, const T* bi,
           for (int d = lane; d < D; d += 32) vc[at + d] = fn_cast<T>(__ldcg(r + d) * s);
           continue;
         }
-        float inv = factor * s;
+        // flash: s (Sec. 3) or QK-norm's 1/RSSe (Sec. 4) times RoPE with the gains in its
+        // tables; rms: QK-norm's RMSNorm on the rounded row, then RoPE; none: RoPE alone
+        float inv = NORM == 0 ? factor * s : 1.0f;
         if (qk_norm) {
           float hss = 0.0f;
           for (int d = lane; d < D; d += 32) { const float v = __ldcg(r + d) * P; hss += v * v; }
-          inv = rsqrtf(fn_warp_sum(hss) + D * qk_eps) * P;
+          inv = NORM == 0 ? rsqrtf(fn_warp_sum(hss) + D * qk_eps) * P
+                          : rsqrtf(fn_warp_sum(hss) / D + qk_eps);
         }
+        const bool in_tables = NORM == 0 && qk_norm, normed = NORM != 0 && qk_norm;
         const float* gq = qkg + (long(l) * 2 + (is_q ? 0 : 1)) * 2 * D;
-        const float fpos = float(pos);
+        const float fpos = float(pos), mul = NORM == 0 ? inv : 1.0f;
+        const float qscale = NORM == 0 ? 1.0f : factor;  // rms, none: the softmax scale on q
         for (int i = lane; i < D / 2; i += 32) {
           const int j = i + D / 2;
-          const float ri = __ldcg(r + i), rj = __ldcg(r + j);
+          float ri = __ldcg(r + i), rj = __ldcg(r + j);
+          if (normed) { ri = fn_normed<T>(ri, inv, gq[i]); rj = fn_normed<T>(rj, inv, gq[j]); }
           const float sn = sinf(fpos * theta[i]), cs = cosf(fpos * theta[i]);
-          const float gi = qk_norm ? gq[i] : 1.0f, gj = qk_norm ? gq[j] : 1.0f;
-          const float pi = qk_norm ? gq[D + i] : 1.0f, pj = qk_norm ? gq[D + j] : 1.0f;
-          const T yi = fn_cast<T>(inv * (ri * gi * cs - rj * pi * sn)),
-                  yj = fn_cast<T>(inv * (rj * gj * cs + ri * pj * sn));
-          if (is_q) { qsh[vi][i] = fn_f(yi); qsh[vi][j] = fn_f(yj); }
+          const float gi = in_tables ? gq[i] : 1.0f, gj = in_tables ? gq[j] : 1.0f;
+          const float pi = in_tables ? gq[D + i] : 1.0f, pj = in_tables ? gq[D + j] : 1.0f;
+          const T yi = fn_cast<T>(mul * (ri * gi * cs - rj * pi * sn)),
+                  yj = fn_cast<T>(mul * (rj * gj * cs + ri * pj * sn));
+          if (is_q) { qsh[vi][i] = fn_f(yi) * qscale; qsh[vi][j] = fn_f(yj) * qscale; }
           else { kc[at + i] = yi; kc[at + j] = yj; }
         }
       }
