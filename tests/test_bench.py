@@ -17,7 +17,7 @@ from mlx_flashnorm.loader import default_model_path, model_args
 
 from conftest import cli, in_process
 
-MODES = ["rms", "flash", "none", "mlx-lm", "rms-eager"]
+MODES = ["rms", "flash", "none", "mlx-lm", "rms-eager", "rms-primitives"]
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +62,9 @@ def test_table_has_a_row_per_mode_and_test(report):
     for mode in MODES:
         assert any(f"| {mode} | pp12 |" in row for row in rows)
         assert any(f"| {mode} | tg6 |" in row for row in rows)
+    notes = [line for line in md.splitlines() if line.startswith("- ")]  # what each mode runs
+    assert [line.split(":")[0][2:] for line in notes] == MODES
+    assert "layer loop" in notes[MODES.index("rms-primitives")] and "after the matvec" in notes[1]
     assert r["device"] in md and r["mlx"] in md
 
 

@@ -27,6 +27,9 @@ PEER = "mlx-lm"
 EAGER = "-eager"  # suffix: our runner without the compiled decode step, to measure that lever
 # suffix: without the whole-step kernel (kernels.decode_layers), one per sublayer
 SUBLAYER = "-sublayer"
+# rms on the model's layer loop (MLX's primitives and the norm kernel), as rms ran before every
+# mode took the whole-step kernels: the step from the primitives to the kernel, measured
+PRIMITIVES = "rms-primitives"
 # how this version measures (the settings line)
 RATIOS = ", order rotating, ratios paired per round"
 
@@ -190,6 +193,22 @@ def device_name():
     return f"{backend}: {name}".strip(": ")
 
 
+def mode_line(mode):
+    """What a mode runs, in a few words (the table's footnote)."""
+    if mode == PEER:
+        return "mlx-lm's own model and generate_step on the same checkpoint"
+    if mode == PRIMITIVES:
+        return "RMSNorm on the layer loop (MLX's primitives and the norm kernel)"
+    norm = mode.removesuffix(EAGER).removesuffix(SUBLAYER)
+    what = {"rms": "RMSNorm (1/RMS and the norm weights applied before each matvec)",
+            "flash": "FlashNorm (norm weights folded or kept on the input, 1/RMS after the matvec)",
+            "none": "no normalization (a speed ceiling)"}[norm]
+    how = (" on the eager step" if mode.endswith(EAGER) else
+           " on one kernel per sublayer" if mode.endswith(SUBLAYER) else
+           " on the whole-step kernel where our kernels run")
+    return what + how
+
+
 def code_path():
     """What our modes ran on: our kernels, MLX's primitives alone (the portable path, the stand-in
     for Metal), or the CPU."""
@@ -222,10 +241,12 @@ def bench(modes, folder, label, bits, dtype, pp, tg, reps, group_size=64, seed=0
             model = load_mlx_lm(folder, bits, dtype, group_size)
             runners[mode] = mlx_lm_runner(model)
         else:
-            norm = mode.removesuffix(EAGER).removesuffix(SUBLAYER)
+            norm = "rms" if mode == PRIMITIVES else mode.removesuffix(EAGER).removesuffix(SUBLAYER)
             model = load_ours(folder, norm, bits, dtype, group_size)
+            without = (("decode_layers", "decode_rows") if mode == PRIMITIVES
+                       else ("decode_layers",) if mode.endswith(SUBLAYER) else ())
             runners[mode] = our_runner(model, compiled=False if mode.endswith(EAGER) else None,
-                                       without={"decode_layers"} if mode.endswith(SUBLAYER) else ())
+                                       without=without)
         sizes[mode] = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     files = list(folder.glob("*.safetensors"))
     n_params = parameter_count(mx.load(str(files[0])), config) if len(files) == 1 else None
@@ -284,6 +305,7 @@ def table(report):
             cells.append("-" if r["peak_memory_gb"] is None
                          else f"{r['peak_memory_gb'] * 1e3:.0f} MB")
             lines.append("| " + " | ".join(cells) + " |")
+    lines += [""] + [f"- {mode}: {mode_line(mode)}" for mode in report["results"]]
     return "\n".join(lines) + "\n"
 
 
@@ -349,7 +371,8 @@ def write_atomic(path, text):
 
 def parse_modes(text):
     modes = [m.strip() for m in text.split(",") if m.strip()]
-    valid = NORM_MODES + tuple(m + EAGER for m in NORM_MODES) + ("flash" + SUBLAYER, PEER)
+    valid = (NORM_MODES + tuple(m + EAGER for m in NORM_MODES)
+             + ("flash" + SUBLAYER, PRIMITIVES, PEER))
     bad = [m for m in modes if m not in valid]
     if not modes or bad:
         raise UserError(f"unknown mode '{bad[0] if bad else text}'; --modes takes a "
