@@ -24,7 +24,8 @@ def arg_parser():
                     "same weights, interleaved in one process: the paper's OpenELM-270M table.",
         epilog="Without --model, --shape, --config or --tiny: the embedded SmolLM2-135M-Instruct "
                "(Q4_1 GGUF); --model also takes a .gguf file. --shape: random weights (labelled as "
-               "such). Modes: rms, flash, none, mlx-lm; add -eager to a norm mode (e.g. rms-eager) "
+               "such). Modes: rms, flash, none, mlx-lm, rms-primitives (rms on the layer loop, "
+               "without the whole-step kernel); add -eager to a norm mode (e.g. rms-eager) "
                "for our runner without the compiled decode step. --matrix runs every shape "
                "(--shape, --config) at every prompt length (--pp) and writes matrix.md, "
                "matrix.json and matrix.png; time to first token over a series of requests: python "
