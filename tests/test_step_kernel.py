@@ -640,6 +640,19 @@ def test_disabling_the_kernels_leaves_each_mode_its_loop(monkeypatch, norm):
         asked.clear()
 
 
+@pytest.mark.parametrize("norm", NORMS)
+def test_blocks_without_concatenated_linears_keep_their_loop(norm):
+    """A model prepared without concat.py's pass (the bench exports such a checkpoint) has no
+    qkv_proj or gate_up_proj: no whole-step spec, so the model runs its own loop (and stacking
+    its weights leaves it as it is), in each mode."""
+    arch, args = model_args(CONFIGS["llama"])
+    model = build_model(CONFIGS["llama"], random_weights(arch.Model(args), seed=3, scale=0.2),
+                        progress=False)
+    model = prepare(model, norm=norm, bits=4, group_size=64, concat=False)
+    assert stack.block(model.layers[0]) is None and stack._spec(model.layers) is None
+    assert stack.stack_weights(model) is model and "_stacks" not in vars(model.layers[0])
+
+
 def test_launches_take_each_layers_sizes(monkeypatch):
     """OpenELM's layer-wise scaling through both launches (stubbed as in
     test_launches_pass_every_array): each kind's arrays of different shapes flattened one after

@@ -27,9 +27,12 @@ BLOCKS = (LLAMA, OPENELM)
 
 
 def block(layer):
-    """The entry of BLOCKS naming layer's children, or None."""
+    """The entry of BLOCKS naming layer's children and their four linears (q/k/v and gate/up
+    concatenated: a model loaded without concat.py's pass has none), or None."""
     keys = set(layer.keys())
-    return next((b for b in BLOCKS if keys == {*b[0], b[1], b[3]}), None)
+    return next((b for b in BLOCKS if keys == {*b[0], b[1], b[3]}
+                 and all(n in layer[b[1]] for n in b[2]) and all(n in layer[b[3]] for n in b[4])),
+                None)
 
 
 def _quantized(linear, *classes):
