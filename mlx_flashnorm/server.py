@@ -82,6 +82,10 @@ def arg_parser():
     p.add_argument("--timeout", type=float, default=30.0,
                    help="seconds a request (headers and body) may take to arrive, and a write to "
                         "a client")
+    p.add_argument("--request-timeout", type=float, metavar="SECONDS",
+                   help="seconds a request may run once taken, waiting and generating; beyond, it "
+                        "is stopped and answered 504 (streamed: an error event, then [DONE]) "
+                        "(unset: no limit)")
     add_model_args(p)
     add_sampling_args(p)
     return p
@@ -93,6 +97,9 @@ def main(argv=None):
     if args.max_queue < 0 or args.max_body < 1 or not args.timeout > 0:
         raise UserError("--max-queue must be at least 0, --max-body at least 1 and --timeout "
                         "above 0")
+    if args.request_timeout is not None and not 0 < args.request_timeout < float("inf"):
+        raise UserError(f"--request-timeout must be a number of seconds above 0, not "
+                        f"{args.request_timeout:g}")
     if args.max_concurrent < 1 or not args.prompt_cache_size >= 0 or args.prefill_step_size < 1:
         raise UserError("--max-concurrent and --prefill-step-size must be at least 1 and "
                         "--prompt-cache-size (MB) at least 0")
@@ -120,6 +127,7 @@ def main(argv=None):
                         api_key=args.api_key or os.environ.get(API_KEY_VARIABLE) or None,
                         cors_origins=args.cors_origin or (), max_queue=args.max_queue,
                         max_body=args.max_body, timeout=args.timeout,
+                        request_timeout=args.request_timeout,
                         max_concurrent=args.max_concurrent, worker=worker)
     except OSError as e:  # (the server closed the worker)
         raise UserError(f"cannot listen on {args.host}:{args.port}: {e.strerror}")
