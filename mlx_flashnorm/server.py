@@ -21,7 +21,7 @@ from .errors import UserError, run_cli
 from .lockstep import leads
 from .serve import http
 from .serve.batch_worker import BatchWorker
-from .serve.engine_process import EngineProcess
+from .serve.engine_process import RESTARTS, EngineProcess
 from .serve.serial import SerialWorker, follow
 from .shard import world
 
@@ -29,6 +29,10 @@ API_KEY_VARIABLE = "MLX_FLASHNORM_API_KEY"
 MAX_CONCURRENT = 32  # requests decoded together (mlx_lm.server's default)
 PROMPT_CACHE_MB = 512  # the prompt cache's bound
 PREFILL_STEP = 2048  # prompt tokens prefilled per engine step, at most (mlx-lm's prefill step)
+
+
+class Stop(Exception):
+    """Raised in Server.serve_forever's loop to end it."""
 
 
 class Server(http.Server):
@@ -46,6 +50,20 @@ class Server(http.Server):
                                         prefill_step))
         super().__init__(worker, tokenizer, model_id, host, port, max_tokens, temp, top_p, top_k,
                          **limits)
+        self.stopped = None  # why serve_forever returned (a Stop)
+
+    def serve_forever(self, poll_interval=0.5):
+        """As socketserver's, and returns once the worker is gone for good (its `fatal`: an
+        EngineProcess whose restarts are spent), self.stopped saying why."""
+        try:
+            super().serve_forever(poll_interval)
+        except Stop as e:
+            self.stopped = e
+
+    def service_actions(self):
+        """(in serve_forever's loop, at every poll_interval or request)"""
+        if (fatal := getattr(self.worker, "fatal", None)) is not None:
+            raise Stop(fatal)
 
 
 def arg_parser():
@@ -79,6 +97,10 @@ def arg_parser():
                    help="prompt tokens prefilled per step of the batch, at most: a longer prompt "
                         "goes in chunks, between the running requests' tokens (smaller: shorter "
                         "stalls for them, later first tokens for newcomers)")
+    p.add_argument("--engine-restarts", type=int, default=RESTARTS, metavar="N",
+                   help="times the engine process is started again after it dies (the requests "
+                        "in flight fail; /health answers 503 until it is back); at the next death "
+                        "the server exits with status 1, for a service manager to restart it")
     p.add_argument("--timeout", type=float, default=30.0,
                    help="seconds a request (headers and body) may take to arrive, and a write to "
                         "a client")
@@ -100,6 +122,8 @@ def main(argv=None):
     if args.request_timeout is not None and not 0 < args.request_timeout < float("inf"):
         raise UserError(f"--request-timeout must be a number of seconds above 0, not "
                         f"{args.request_timeout:g}")
+    if args.engine_restarts < 0:
+        raise UserError("--engine-restarts must be at least 0")
     if args.max_concurrent < 1 or not args.prompt_cache_size >= 0 or args.prefill_step_size < 1:
         raise UserError("--max-concurrent and --prefill-step-size must be at least 1 and "
                         "--prompt-cache-size (MB) at least 0")
@@ -110,7 +134,8 @@ def main(argv=None):
         args.max_concurrent = 1
     if world() is None and args.max_concurrent > 1:  # the batch engine in a process of its own
         worker = EngineProcess(args, wants_warmup(args), args.max_concurrent,
-                               int(args.prompt_cache_size * 2**20), args.prefill_step_size)
+                               int(args.prompt_cache_size * 2**20), args.prefill_step_size,
+                               args.engine_restarts)
         model, tokenizer = None, worker.tokenizer
     else:
         worker = None
@@ -144,6 +169,9 @@ def main(argv=None):
         # a second Ctrl-C must not cut the close short: under mlx.launch it ends the other ranks
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         server.server_close()
+    if server.stopped is not None:
+        sys.exit(f"error: {server.stopped} (--engine-restarts {args.engine_restarts}): the server "
+                 "stops")
 
 
 if __name__ == "__main__":

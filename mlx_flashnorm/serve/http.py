@@ -108,6 +108,9 @@ class Server(ThreadingHTTPServer):
         """The worker's Ticket for generation, or a 503 when the worker's slots and the queue are
         full."""
         with self.lock:
+            if (problem := self.unavailable()) is not None:
+                raise HTTPError(503, f"the server takes no requests now: {problem}",
+                                headers={"Retry-After": str(RETRY_AFTER)})
             if self.active >= self.worker.slots + self.max_queue:
                 raise HTTPError(503, f"the server is busy ({self.active} requests taken, "
                                      f"--max-queue {self.max_queue}): retry later",
@@ -119,9 +122,18 @@ class Server(ThreadingHTTPServer):
         with self.lock:
             self.active -= 1
 
+    def unavailable(self):
+        """Why no request is taken now (the worker's `problem`, where it has one), or None."""
+        return getattr(self.worker, "problem", None)
+
     def health(self):
-        return {"status": "ok", "requests": self.active, "slots": self.worker.slots,
+        """(status, body) of GET /health: 503 with the reason while no request is taken."""
+        problem = self.unavailable()
+        body = {"status": "ok", "requests": self.active, "slots": self.worker.slots,
                 "max_queue": self.max_queue}
+        if problem is None:
+            return 200, body
+        return 503, dict(body, status="unavailable", reason=problem)
 
     def server_close(self):
         super().server_close()
@@ -228,7 +240,7 @@ class Handler(BaseHTTPRequestHandler):
         try:
             self.check_origin()
             if path == "/health":
-                return self.send_json(200, self.server.health())
+                return self.send_json(*self.server.health())
             if path != "/v1/models":
                 raise HTTPError(404, f"no such endpoint: GET {self.path}")
             self.check_key()
