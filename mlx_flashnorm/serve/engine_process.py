@@ -247,9 +247,11 @@ class PipedWorker(BatchWorker):
 def serve_engine(conn):
     """The child: take (flags, warm, max_batch, prompt_cache_bytes, prefill_step), load, reply
     ("ready", tokenizer, context length, vocab size) or ("failed", exception), then take ("add",
-    key, generation), ("cancel", key) and ("close",) until the server closes or goes. Ctrl-C is the
-    server's to take: it closes the child."""
+    key, generation), ("cancel", key) and ("close",) until the server closes or goes. Ctrl-C and
+    SIGTERM (sent to every process of a terminal's job, or of a systemd service) are the server's
+    to take: it drains, then closes the child."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         args, warm, max_batch, prompt_cache_bytes, prefill_step = conn.recv()
         model, tokenizer = load_from_args(args, warm=False)

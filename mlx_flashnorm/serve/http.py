@@ -97,6 +97,7 @@ class Server(ThreadingHTTPServer):
         self.max_queue, self.max_body, self.io_timeout = max_queue, max_body, timeout
         self.created = int(time.time())
         self.lock, self.active = threading.Lock(), 0
+        self.draining = False  # stopping: no request taken
         self.reaper = Reaper(timeout)
         self.streamer = Streamer(timeout, request_timeout)
         self.limits = (worker.context_length, worker.vocab_size)
@@ -124,6 +125,8 @@ class Server(ThreadingHTTPServer):
 
     def unavailable(self):
         """Why no request is taken now (the worker's `problem`, where it has one), or None."""
+        if self.draining:
+            return "the server is shutting down"
         return getattr(self.worker, "problem", None)
 
     def health(self):

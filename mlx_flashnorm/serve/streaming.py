@@ -9,8 +9,9 @@ ticket's waiting tokens at once (a stream that fell behind sends them as one eve
 without blocking (what a full socket does not take waits for the next round), and every POLL
 seconds looks for clients that left. A client that left, or whose socket has taken nothing for
 `timeout` seconds, has its request cancelled: the worker drops it at its next step; so has one
-running past `request_timeout` seconds, answered 504 (a streamed one: an error event, then
-[DONE])."""
+running past `request_timeout` seconds, answered 504, and, as the server stops, one that had no
+token yet (drain()) or any one (stop()), answered 503: a streamed one with an error event, then
+[DONE]."""
 import json
 import socket
 import threading
@@ -36,6 +37,7 @@ class Stream:
         self.whole = whole  # no events: the text, finish and entries kept for one answer at the end
         self.text, self.finish, self.entries, self.failed = "", None, [], None
         self.error = None  # the HTTPError answering failed
+        self.began = False  # a token came
         self.since = time.monotonic()  # (for the request's time limit)
         self.out = bytearray()  # events not yet taken by the socket
         self.finished = False  # the last event is in out
@@ -53,6 +55,7 @@ class Stream:
             if isinstance(token, Exception):
                 failed = token
                 break
+            self.began = True
             piece, finish, got = self.transcript.add(token)
             text, entries = text + piece, entries + got
             if finish:
@@ -108,6 +111,8 @@ class Streamer:
         self.streams, self.ready = {}, set()  # ticket -> Stream; tickets with tokens waiting
         self.stopped = False
         self.request_timeout = request_timeout
+        # HTTPErrors ending streams early: those with no token yet (drain), every one (stop)
+        self.unbegun = self.every = None
         threading.Thread(target=self._run, daemon=True).start()
 
     def run(self, stream):
@@ -122,8 +127,23 @@ class Streamer:
         stream.connection.settimeout(self.timeout)
         return not stream.gone
 
+    def drain(self, error):
+        """End with error (its request cancelled) every stream that has had no token, now and from
+        now on."""
+        self.unbegun = error
+        self.wake.set()
+
+    def stop(self, error):
+        """End with error every stream not finished, now and from now on."""
+        self.every = error
+        self.wake.set()
+
     def cut(self, s, now):
         """The HTTPError that ends s early, or None."""
+        if self.every is not None:
+            return self.every
+        if self.unbegun is not None and not s.began:
+            return self.unbegun
         if self.request_timeout is not None and now - s.since > self.request_timeout:
             return HTTPError(504, "the request ran past the server's limit of "
                                   f"{self.request_timeout:g} s (--request-timeout)")
