@@ -12,10 +12,12 @@ in lockstep), and the other ranks listen on no port.
 
 As a service: SIGTERM or SIGINT drains the server (Server.drain, within --drain-timeout) and it
 exits 0; an engine process that dies is started again (--engine-restarts; past them the server
-exits 1); --request-timeout bounds a request's time."""
+exits 1); --request-timeout bounds a request's time. The port is checked before the model
+loads."""
 import argparse
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -104,6 +106,19 @@ class Server(http.Server):
             time.sleep(0.05)
 
 
+def check_listen(host, port):
+    """A one-line UserError unless the server could listen on host:port (bound as http.Server
+    binds, then let go): checked before the model loads."""
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port must be 0 to 65535, not {port}")
+    try:
+        with socket.socket(http.Server.address_family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, http.Server.allow_reuse_address)
+            s.bind((host, port))
+    except OSError as e:  # (socket.gaierror: a host that does not resolve)
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}")
+
+
 def arg_parser():
     p = argparse.ArgumentParser(
         prog="python -m mlx_flashnorm.server",
@@ -112,7 +127,8 @@ def arg_parser():
                     "defaults of requests that leave them out.", formatter_class=HelpFormatter)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8080, help="port (0: any free one)")
+    p.add_argument("--port", type=int, default=8080,
+                   help="port (0: any free one); checked before the model loads")
     p.add_argument("--api-key", help="require the header 'Authorization: Bearer API_KEY' "
                                      f"(default: the {API_KEY_VARIABLE} environment variable, "
                                      "which ps does not show; unset: no key)")
@@ -170,6 +186,8 @@ def main(argv=None):
     if args.max_concurrent < 1 or not args.prompt_cache_size >= 0 or args.prefill_step_size < 1:
         raise UserError("--max-concurrent and --prefill-step-size must be at least 1 and "
                         "--prompt-cache-size (MB) at least 0")
+    if leads():
+        check_listen(args.host, args.port)
     if world() is not None and args.max_concurrent != 1:  # the batched worker keeps no lockstep
         if leads():
             print("note: under mlx.launch the server generates one request at a time "

@@ -18,7 +18,7 @@ import pytest
 from mlx_flashnorm.serve.requests import Ticket, Token
 from mlx_flashnorm.server import Server
 
-from conftest import TINY_LLAMA, make_checkpoint, serving
+from conftest import TINY_LLAMA, in_process, make_checkpoint, serving
 
 WAIT = 120  # seconds: an upper bound, never a pace
 
@@ -215,3 +215,30 @@ def test_a_signal_drains_the_command_line_server(long_llama_dir, tokenizer, sig)
     finally:
         server.kill()
         server.wait()
+
+
+def server_command(*args, env=None):
+    """The server command run in this process (on a model that is nowhere, so that it stops at the
+    load at the latest): a CompletedProcess."""
+    from mlx_flashnorm.server import main
+
+    with pytest.MonkeyPatch.context() as m:
+        for name, value in (env or {}).items():
+            m.setenv(name, value)
+        return in_process(main, "--model", "/nowhere/model.gguf", "--max-concurrent", "1", *args)
+
+
+def test_the_port_is_checked_before_the_model_loads():
+    """A port out of range, or one another socket listens on, is a one-line error before the model
+    loads (the model, nowhere, is not what it names)."""
+    r = server_command("--port", "99999")
+    assert r.returncode == 2 and r.stderr == "error: --port must be 0 to 65535, not 99999\n"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = server_command("--port", str(port))
+    assert r.returncode == 2 and r.stderr.startswith(f"error: cannot listen on 127.0.0.1:{port}: ")
+    assert len(r.stderr.splitlines()) == 1 and "nowhere" not in r.stderr, r.stderr
+    r = server_command("--port", "0")  # free: on to the model
+    assert r.returncode == 2 and "nowhere" in r.stderr
