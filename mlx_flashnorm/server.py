@@ -15,6 +15,7 @@ exits 0; an engine process that dies is started again (--engine-restarts; past t
 exits 1); --request-timeout bounds a request's time. The port is checked before the model
 loads."""
 import argparse
+import ipaddress
 import os
 import signal
 import socket
@@ -119,6 +120,16 @@ def check_listen(host, port):
         raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}")
 
 
+def loopback(host):
+    """Whether every address host names is this machine's loopback (0.0.0.0: every interface is
+    not)."""
+    try:
+        addresses = {a[4][0] for a in socket.getaddrinfo(host, None, http.Server.address_family)}
+        return all(ipaddress.ip_address(a).is_loopback for a in addresses)
+    except (OSError, ValueError):
+        return False
+
+
 def arg_parser():
     p = argparse.ArgumentParser(
         prog="python -m mlx_flashnorm.server",
@@ -186,8 +197,13 @@ def main(argv=None):
     if args.max_concurrent < 1 or not args.prompt_cache_size >= 0 or args.prefill_step_size < 1:
         raise UserError("--max-concurrent and --prefill-step-size must be at least 1 and "
                         "--prompt-cache-size (MB) at least 0")
+    api_key = args.api_key or os.environ.get(API_KEY_VARIABLE) or None
     if leads():
         check_listen(args.host, args.port)
+        if api_key is None and not loopback(args.host):
+            print(f"warning: listening on {args.host}, beyond this machine, with no API key: "
+                  f"anyone who reaches it can use the server (set --api-key or "
+                  f"{API_KEY_VARIABLE})", file=sys.stderr, flush=True)
     if world() is not None and args.max_concurrent != 1:  # the batched worker keeps no lockstep
         if leads():
             print("note: under mlx.launch the server generates one request at a time "
@@ -210,7 +226,7 @@ def main(argv=None):
     try:
         server = Server(model, tokenizer, model_id, args.host, args.port, args.max_tokens,
                         args.temp, args.top_p, args.top_k, warm=wants_warmup(args),
-                        api_key=args.api_key or os.environ.get(API_KEY_VARIABLE) or None,
+                        api_key=api_key,
                         cors_origins=args.cors_origin or (), max_queue=args.max_queue,
                         max_body=args.max_body, timeout=args.timeout,
                         request_timeout=args.request_timeout,

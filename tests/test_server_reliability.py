@@ -242,3 +242,20 @@ def test_the_port_is_checked_before_the_model_loads():
     assert len(r.stderr.splitlines()) == 1 and "nowhere" not in r.stderr, r.stderr
     r = server_command("--port", "0")  # free: on to the model
     assert r.returncode == 2 and "nowhere" in r.stderr
+
+
+@pytest.mark.parametrize("host,key,warned", [
+    ("0.0.0.0", None, True), ("0.0.0.0", "flag", False), ("0.0.0.0", "environment", False),
+    ("127.0.0.1", None, False), ("localhost", None, False)])
+def test_listening_beyond_this_machine_without_a_key_is_warned(host, key, warned):
+    """A non-loopback --host with no API key (neither --api-key nor the environment variable) gets
+    a one-line warning on stderr, before the model loads; a key, or loopback, none."""
+    from mlx_flashnorm.server import API_KEY_VARIABLE
+
+    args = ["--host", host, "--port", "0"] + (["--api-key", "k3y"] if key == "flag" else [])
+    env = {API_KEY_VARIABLE: "k3y" if key == "environment" else ""}
+    lines = server_command(*args, env=env).stderr.splitlines()
+    assert lines[-1].startswith("error: /nowhere/model.gguf")  # (after the warning)
+    assert lines[:-1] == ([f"warning: listening on {host}, beyond this machine, with no API key: "
+                           f"anyone who reaches it can use the server (set --api-key or "
+                           f"{API_KEY_VARIABLE})"] if warned else []), lines
