@@ -131,6 +131,10 @@ class EngineProcess:
         and start another, up to `restarts` times; then set fatal."""
         while True:
             self._receive()
+            with self.lock:
+                if self.closing:
+                    return
+                self.problem = "the engine process is gone"  # (its exit status next)
             try:
                 status = exit_status(self.process.wait(CLOSE_TIMEOUT))
             except subprocess.TimeoutExpired:  # (its connection closed, the process alive)
@@ -239,6 +243,8 @@ class PipedWorker(BatchWorker):
         with it: the server then fails the requests in flight and starts another."""
         try:
             super()._serve()
+        except OSError:  # the server is gone
+            pass
         except BaseException:
             traceback.print_exc()
         os._exit(70)
