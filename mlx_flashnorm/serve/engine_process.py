@@ -144,15 +144,15 @@ class EngineProcess:
             with self.lock:
                 if self.closing:
                     return
-                self.problem = dead
+                self.problem = self._restarting(dead)  # (before its requests hear of it)
                 for ticket in self.tickets.values():
                     ticket.put(RuntimeError(dead))
                 self.tickets.clear()
                 self.conn.close()
             while self.restarted < self.restarts:
-                self.restarted += 1
                 with self.lock:
-                    self.problem = f"{dead}; restarting it ({self.restarted} of {self.restarts})"
+                    self.problem = self._restarting(dead)
+                self.restarted += 1
                 try:
                     self._start()
                     break
@@ -171,6 +171,12 @@ class EngineProcess:
                     self._send(("close",))
                     return
                 self.problem = None
+
+    def _restarting(self, dead):
+        """The problem while the next restart runs, dead saying why."""
+        if self.restarted >= self.restarts:
+            return dead
+        return f"{dead}; restarting it ({self.restarted + 1} of {self.restarts})"
 
     def _receive(self):
         """Hand each step's tokens to their tickets, until the child's connection ends."""
