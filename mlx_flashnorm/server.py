@@ -8,11 +8,19 @@ path (serve/serial.SerialWorker: our fused kernels where they run, no prompt cac
 
 Under `mlx.launch -n N` the model is split over the N processes (shard.py): rank 0 serves, one
 request at a time (SerialWorker hands each to the other ranks, whose serial.follow() generates it
-in lockstep), and the other ranks listen on no port."""
+in lockstep), and the other ranks listen on no port.
+
+As a service: SIGTERM or SIGINT drains the server (Server.drain, within --drain-timeout) and it
+exits 0; an engine process that dies is started again (--engine-restarts; past them the server
+exits 1); --request-timeout bounds a request's time. The port is checked before the model
+loads."""
 import argparse
+import ipaddress
 import os
 import signal
+import socket
 import sys
+import time
 from pathlib import Path
 
 from .cli import HelpFormatter, add_model_args, add_sampling_args
@@ -21,7 +29,8 @@ from .errors import UserError, run_cli
 from .lockstep import leads
 from .serve import http
 from .serve.batch_worker import BatchWorker
-from .serve.engine_process import EngineProcess
+from .serve.engine_process import RESTARTS, EngineProcess
+from .serve.openai_api import HTTPError
 from .serve.serial import SerialWorker, follow
 from .shard import world
 
@@ -29,6 +38,17 @@ API_KEY_VARIABLE = "MLX_FLASHNORM_API_KEY"
 MAX_CONCURRENT = 32  # requests decoded together (mlx_lm.server's default)
 PROMPT_CACHE_MB = 512  # the prompt cache's bound
 PREFILL_STEP = 2048  # prompt tokens prefilled per engine step, at most (mlx-lm's prefill step)
+# seconds the requests in flight may take to finish once the server is told to stop: within the
+# 10 s Docker gives a container between SIGTERM and SIGKILL
+DRAIN_TIMEOUT = 8.0
+
+
+class Stop(Exception):
+    """Raised in Server.serve_forever's loop to end it; fatal: the worker is gone for good."""
+
+    def __init__(self, reason, fatal=False):
+        super().__init__(reason)
+        self.fatal = fatal
 
 
 class Server(http.Server):
@@ -46,6 +66,68 @@ class Server(http.Server):
                                         prefill_step))
         super().__init__(worker, tokenizer, model_id, host, port, max_tokens, temp, top_p, top_k,
                          **limits)
+        self.stopped = None  # why serve_forever returned (a Stop)
+        # set by the command's signal handler: the name of the signal that stops the server; a
+        # second signal's cutting the drain short
+        self.signalled, self.hurried = None, False
+
+    def serve_forever(self, poll_interval=0.5):
+        """As socketserver's, and returns once the worker is gone for good (its `fatal`: an
+        EngineProcess whose restarts are spent) or self.signalled is set, self.stopped saying
+        why."""
+        try:
+            super().serve_forever(poll_interval)
+        except Stop as e:
+            self.stopped = e
+
+    def service_actions(self):
+        """(in serve_forever's loop, at every poll_interval or request)"""
+        if (fatal := getattr(self.worker, "fatal", None)) is not None:
+            raise Stop(fatal, fatal=True)
+        if self.signalled is not None:
+            raise Stop(self.signalled)
+
+    def drain(self, seconds):
+        """After serve_forever: take no more connections (refused) or requests (503); answer the
+        requests taken that have had no token yet 503 (a stream: its error event, then [DONE]);
+        let the others finish for up to `seconds`, or until self.hurried is set, then end them
+        alike. Returns once every request taken is answered (or a write to its client timed out).
+        """
+        self.draining = True
+        self.socket.close()
+        self.streamer.drain(HTTPError(503, "the server is shutting down: retry later",
+                                      headers={"Retry-After": str(http.RETRY_AFTER)}))
+        end = time.monotonic() + seconds
+        while self.active and time.monotonic() < end and not self.hurried:
+            time.sleep(0.05)
+        self.streamer.stop(HTTPError(503, "the server is shutting down: the answer was cut "
+                                          f"short after --drain-timeout {seconds:g} s"))
+        end = time.monotonic() + self.io_timeout  # (the last writes)
+        while self.active and time.monotonic() < end:
+            time.sleep(0.05)
+
+
+def check_listen(host, port):
+    """A one-line UserError unless the server could listen on host:port (bound as http.Server
+    binds, then let go): checked before the model loads."""
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port must be 0 to 65535, not {port}")
+    try:
+        with socket.socket(http.Server.address_family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, http.Server.allow_reuse_address)
+            s.bind((host, port))
+    except OSError as e:  # (socket.gaierror: a host that does not resolve)
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}")
+
+
+def loopback(host):
+    """Whether every address host names is this machine's loopback (0.0.0.0: every interface is
+    not)."""
+    try:
+        addresses = {a[4][0] for a in socket.getaddrinfo(host, None, http.Server.address_family)}
+        return all(ipaddress.ip_address(a).is_loopback for a in addresses)
+    except (OSError, ValueError):
+        return False
 
 
 def arg_parser():
@@ -56,7 +138,8 @@ def arg_parser():
                     "defaults of requests that leave them out.", formatter_class=HelpFormatter)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8080, help="port (0: any free one)")
+    p.add_argument("--port", type=int, default=8080,
+                   help="port (0: any free one); checked before the model loads")
     p.add_argument("--api-key", help="require the header 'Authorization: Bearer API_KEY' "
                                      f"(default: the {API_KEY_VARIABLE} environment variable, "
                                      "which ps does not show; unset: no key)")
@@ -79,9 +162,22 @@ def arg_parser():
                    help="prompt tokens prefilled per step of the batch, at most: a longer prompt "
                         "goes in chunks, between the running requests' tokens (smaller: shorter "
                         "stalls for them, later first tokens for newcomers)")
+    p.add_argument("--engine-restarts", type=int, default=RESTARTS, metavar="N",
+                   help="times the engine process is started again after it dies (the requests "
+                        "in flight fail; /health answers 503 until it is back); at the next death "
+                        "the server exits with status 1, for a service manager to restart it")
+    p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT, metavar="SECONDS",
+                   help="on SIGTERM or SIGINT (Ctrl-C) the server takes no more requests, answers "
+                        "those not begun 503 and gives the others this long to finish, then ends "
+                        "them with an error (a stream: an error event, then [DONE]) and exits 0; "
+                        "a second signal ends them at once")
     p.add_argument("--timeout", type=float, default=30.0,
                    help="seconds a request (headers and body) may take to arrive, and a write to "
                         "a client")
+    p.add_argument("--request-timeout", type=float, metavar="SECONDS",
+                   help="seconds a request may run once taken, waiting and generating; beyond, it "
+                        "is stopped and answered 504 (streamed: an error event, then [DONE]) "
+                        "(unset: no limit)")
     add_model_args(p)
     add_sampling_args(p)
     return p
@@ -93,9 +189,21 @@ def main(argv=None):
     if args.max_queue < 0 or args.max_body < 1 or not args.timeout > 0:
         raise UserError("--max-queue must be at least 0, --max-body at least 1 and --timeout "
                         "above 0")
+    if args.request_timeout is not None and not 0 < args.request_timeout < float("inf"):
+        raise UserError(f"--request-timeout must be a number of seconds above 0, not "
+                        f"{args.request_timeout:g}")
+    if args.engine_restarts < 0 or not 0 <= args.drain_timeout < float("inf"):
+        raise UserError("--engine-restarts and --drain-timeout must be at least 0")
     if args.max_concurrent < 1 or not args.prompt_cache_size >= 0 or args.prefill_step_size < 1:
         raise UserError("--max-concurrent and --prefill-step-size must be at least 1 and "
                         "--prompt-cache-size (MB) at least 0")
+    api_key = args.api_key or os.environ.get(API_KEY_VARIABLE) or None
+    if leads():
+        check_listen(args.host, args.port)
+        if api_key is None and not loopback(args.host):
+            print(f"warning: listening on {args.host}, beyond this machine, with no API key: "
+                  f"anyone who reaches it can use the server (set --api-key or "
+                  f"{API_KEY_VARIABLE})", file=sys.stderr, flush=True)
     if world() is not None and args.max_concurrent != 1:  # the batched worker keeps no lockstep
         if leads():
             print("note: under mlx.launch the server generates one request at a time "
@@ -103,7 +211,8 @@ def main(argv=None):
         args.max_concurrent = 1
     if world() is None and args.max_concurrent > 1:  # the batch engine in a process of its own
         worker = EngineProcess(args, wants_warmup(args), args.max_concurrent,
-                               int(args.prompt_cache_size * 2**20), args.prefill_step_size)
+                               int(args.prompt_cache_size * 2**20), args.prefill_step_size,
+                               args.engine_restarts)
         model, tokenizer = None, worker.tokenizer
     else:
         worker = None
@@ -117,25 +226,39 @@ def main(argv=None):
     try:
         server = Server(model, tokenizer, model_id, args.host, args.port, args.max_tokens,
                         args.temp, args.top_p, args.top_k, warm=wants_warmup(args),
-                        api_key=args.api_key or os.environ.get(API_KEY_VARIABLE) or None,
+                        api_key=api_key,
                         cors_origins=args.cors_origin or (), max_queue=args.max_queue,
                         max_body=args.max_body, timeout=args.timeout,
+                        request_timeout=args.request_timeout,
                         max_concurrent=args.max_concurrent, worker=worker)
     except OSError as e:  # (the server closed the worker)
         raise UserError(f"cannot listen on {args.host}:{args.port}: {e.strerror}")
     host, port = server.server_address[:2]
-    # Ctrl-C stops the server even where the process started with SIGINT ignored (as a shell's
-    # background job does), when Python installs no handler of its own
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def stop(signum, frame):  # the first signal drains, a second cuts the drain short
+        if server.signalled is None:
+            server.signalled = signal.Signals(signum).name
+        else:
+            server.hurried = True
+
+    # SIGTERM (systemd's, Docker's) and Ctrl-C drain the server, even where the process started
+    # with SIGINT ignored (as a shell's background job does)
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
     print(f"serving {model_id} on http://{host}:{port}/v1", flush=True)
     try:
         server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+        if server.stopped is not None and not server.stopped.fatal:  # a signal
+            print(f"{server.signalled}: stopping, {server.active} requests in flight (at most "
+                  f"{args.drain_timeout:g} s, --drain-timeout)", file=sys.stderr, flush=True)
+            server.drain(args.drain_timeout)
     finally:
         # a second Ctrl-C must not cut the close short: under mlx.launch it ends the other ranks
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         server.server_close()
+    if server.stopped is not None and server.stopped.fatal:
+        sys.exit(f"error: {server.stopped} (--engine-restarts {args.engine_restarts}): the server "
+                 "stops")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,18 @@
 """The batch engine in a process of its own (engine_process.EngineProcess, the command-line
 server's worker): a real child process on the embedded SmolLM2, its requests answered as one
 process answers them, a cancelled request leaving its slot, the child's death answered as a JSON
-error by a server that goes on serving, and a load error as one line."""
+error, the child restarted (then the command-line server exits), and a load error as one line."""
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
+import urllib.error
 import urllib.request
+from pathlib import Path
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -16,8 +25,9 @@ from mlx_flashnorm.decoding import stream_generate
 from mlx_flashnorm.server import Server, arg_parser
 from mlx_flashnorm.serve.requests import Generation, Token
 
-from conftest import cli, openai_client, serving
+from conftest import cli, serving
 
+WAIT = 300  # seconds: an upper bound (a model loaded in a new process), never a pace
 PROMPTS = ["What is the capital of France?", "Name a color."]
 
 
@@ -71,26 +81,100 @@ def test_a_cancelled_request_leaves_its_slot(engine):
     long_ones[1].cancel()
 
 
-def test_a_dead_engine_is_a_json_error_and_the_server_goes_on(smollm2):
-    """The child killed mid-request: that request's stream and the next request get a 500 with a
-    JSON error naming it, and /health still answers."""
-    worker = EngineProcess(flags(), max_batch=2)
-    with serving(Server(None, worker.tokenizer, "smol", port=0, worker=worker)) as server:
-        client = openai_client(server)
-        stream = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Tell a story."}],
-                                                max_tokens=4000, stream=True)
-        first = next(iter(stream))
-        assert first.choices[0].delta.role == "assistant"
-        threading.Timer(0.5, worker.process.kill).start()
-        with pytest.raises(Exception, match="engine process exited"):
-            for _ in stream:
-                pass
-        import openai
+def health(port):
+    """(status, JSON body) of GET /health."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=WAIT) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
 
-        with pytest.raises(openai.InternalServerError, match="engine process exited"):
-            client.completions.create(model="smol", prompt="1, 2, 3,", max_tokens=3)
-        with urllib.request.urlopen(f"http://127.0.0.1:{server.server_address[1]}/health", timeout=30) as r:
-            assert r.status == 200
+
+def until(condition):
+    """Wait for condition() (at most WAIT seconds: an upper bound, never a pace)."""
+    end = time.monotonic() + WAIT
+    while not (got := condition()):
+        assert time.monotonic() < end, "never happened"
+        time.sleep(0.05)
+    return got
+
+
+def complete(port, prompt="1, 2, 3,", **fields):
+    """(status, JSON body) of a plain completion."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT)
+    body = json.dumps({"prompt": prompt, "max_tokens": 2, **fields})
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    return r.status, json.loads(r.read()), r.headers
+
+
+def test_a_dead_engine_is_restarted(smollm2):
+    """The child killed (SIGKILL) mid-stream: the stream ends with an error event naming its death,
+    then [DONE]; at once /health answers 503 with the reason, and a request 503 with Retry-After,
+    while a new child loads (held here until the test lets it); then /health answers 200 and the
+    next request is answered. Killed again, past its one restart: the engine is gone for good
+    (fatal), /health stays 503, and the server's serve_forever returns."""
+    worker = EngineProcess(flags(), max_batch=2, restarts=1)
+    let, start = threading.Event(), worker._start
+    worker._start = lambda: let.wait(WAIT) and start()
+    server = Server(None, worker.tokenizer, "smol", port=0, worker=worker)
+    with serving(server):
+        port = server.server_address[1]
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT)
+        body = json.dumps({"prompt": "1, 2, 3, 4,", "max_tokens": 4000, "stream": True})
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        stream = conn.getresponse()
+        assert stream.status == 200 and json.loads(stream.readline()[6:])["choices"][0]["text"]
+        os.kill(worker.process.pid, signal.SIGKILL)
+        lines = [line.decode() for line in stream.read().split(b"\n\n") if line]
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        error = json.loads(lines[-2][6:])["error"]["message"]
+        assert "engine process exited (killed by SIGKILL)" in error, error
+        status, body = health(port)
+        assert status == 503 and "(killed by SIGKILL); restarting" in body["reason"], body
+        status, body, headers = complete(port)
+        assert status == 503 and "restarting" in body["error"]["message"] and headers["Retry-After"]
+        let.set()
+        until(lambda: health(port)[0] == 200)
+        status, body, _ = complete(port)
+        assert status == 200 and body["usage"]["completion_tokens"] == 2, body
+        os.kill(worker.process.pid, signal.SIGKILL)
+        until(lambda: worker.fatal)
+        status, body = health(port)
+        assert status == 503 and "restarted 1 time already" in body["reason"], body
+        until(lambda: server.stopped)
+        assert "killed by SIGKILL" in str(server.stopped)
+
+
+def children(pid):
+    """The process ids whose parent is pid (Linux)."""
+    return {int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+            for c in (task / "children").read_text().split()}
+
+
+def test_the_server_exits_once_its_engine_restarts_are_spent(tiny_llama_dir):
+    """The command-line server with --engine-restarts 1: its engine process killed, a new one
+    serves; killed again, the server exits with status 1 and a one-line error naming the bound."""
+    server = subprocess.Popen([sys.executable, "-m", "mlx_flashnorm.server", "--model",
+                               str(tiny_llama_dir), "--norm", "rms", "--no-warmup", "--port", "0",
+                               "--engine-restarts", "1"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline().rsplit(":", 1)[1].split("/")[0])
+        assert complete(port)[0] == 200
+        (first,) = children(server.pid)
+        os.kill(first, signal.SIGKILL)
+        (second,) = until(lambda: (c := children(server.pid)) and first not in c and c)
+        until(lambda: health(port)[0] == 200)
+        assert complete(port)[0] == 200
+        os.kill(second, signal.SIGKILL)
+        assert server.wait(WAIT) == 1
+        err = server.stderr.read().strip().splitlines()
+        assert err[-1].startswith("error: the engine process exited (killed by SIGKILL)"), err
+        assert "--engine-restarts 1" in err[-1] and "Traceback" not in "".join(err), err
+    finally:
+        server.kill()
+        server.wait()
 
 
 def test_load_errors_are_one_line():

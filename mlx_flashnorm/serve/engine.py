@@ -10,7 +10,10 @@ does not already pay. But a fed newcomer waits a step a token: where steps are s
 (the CPU, where a step's time grows with its rows) `feed_wait` bounds that wait by the fastest
 recent step (bench/RESULTS.md, "Serving"). Other prompts are prefilled (mlx-lm's KVCache) in
 chunks of at most `prefill_step` tokens per engine step, between the others' decode steps, so a
-long prompt delays the running streams by one chunk a step rather than by its whole length;
+long prompt delays the running streams by one chunk a step rather than by its whole length; the
+prompts with the fewest tokens left go first (a short newcomer is not held behind a long prompt's
+chunks), and each step waits for the chunks the last one queued, so that a newcomer or a
+cancellation waits behind one chunk on the device, not all of a long prompt's;
 newcomers that arrive together and fit the step whole share one call (rows padded at their ends,
 each from the shortest of their cached prefixes). Once only its last token is left it takes a slot
 of the batch's static cache (slots.Slots: one buffer per layer, a slot per row, each row at
@@ -108,6 +111,8 @@ class BatchEngine:
         self.spare = None  # the slots a lone newcomer or a shrink left, kept for the next wave
         self.idle = True  # no row decoded when this step began
         self.pending = None  # the runner.Queued step not read yet
+        # prefill calls as arrays to wait for: this step's, and the last step's (waited for in this)
+        self.queued, self.in_flight = [], []
         self.layout = None  # slots.kv_layout, read once
         self.prefilled = 0
         self.prefill_calls = 0
@@ -146,6 +151,7 @@ class BatchEngine:
         self.waiting, self.filling, self.joining, self.slots, self.pending = (
             deque(), [], [], None, None)
         self.spare = self.read_at = None
+        self.queued, self.in_flight = [], []
 
     def step(self):
         """Drop cancelled requests, prefill up to prefill_step prompt tokens, give the prefilled
@@ -219,21 +225,31 @@ class BatchEngine:
                          else [KVCache() for _ in self.model.layers])
                 self.filling.append(Filling(r, cache, list(r.tokens[n:-1])))
         self._feed(fed)
+        self.queued = []
         together = self._prefill_together()
         budget = self.prefill_step - together
-        for f in list(self.filling):
+        # the fewest tokens left first: a short prompt is not held behind a long one's chunks
+        for f in sorted(self.filling, key=lambda f: len(f.todo)):
             if together and f.todo and not self._begun(f) and len(f.todo) <= self.prefill_step:
                 continue  # begun now it would go alone; whole, it joins the next step's shared call
             n = min(budget, len(f.todo))
             if n:
                 self.model(mx.array(f.todo[:n])[None], cache=f.cache)
                 mx.async_eval([(c.keys, c.values) for c in f.cache])
+                # (a slice: the next chunk writes the cache's arrays over, in place)
+                self.queued += [c.keys[..., :1, :1] for c in f.cache]
                 del f.todo[:n]
                 budget -= n
                 self.prefilled += n
                 self.prefill_calls += 1
             if not f.todo:
                 self._join(f)
+        # the last step's calls done before this step's return: with no row decoding, nothing else
+        # waits, and a long prompt's chunks would all be queued on the device at once, ahead of a
+        # newcomer's prefill and past its own cancellation
+        if self.in_flight:
+            mx.eval(self.in_flight)
+        self.in_flight = self.queued
 
     def _prefill_together(self):
         """Newcomers not begun (nothing run past their cached prefix) whose prompts fit the step's
@@ -270,6 +286,7 @@ class BatchEngine:
         self.model(mx.array([t + [0] * (longest - len(t)) for t in todo]), cache=cache)
         kv = [(c.keys[..., :c.offset, :], c.values[..., :c.offset, :]) for c in cache]
         mx.async_eval(kv)
+        self.queued.append(kv)
         for f, t in zip(group, todo):
             self.filling.remove(f)
             f.request.cached = start

@@ -12,15 +12,21 @@ cancellations go to the child over a socket pair, and each engine step's tokens 
 message.
 
 EngineProcess has the worker interface (requests.py: slots, submit(generation) -> Ticket, close()),
-plus the model's context_length and vocab_size, which the server checks requests against. If the
-child dies, every request in flight and every later one fails with an error the server answers
-as a 500, and the server goes on answering."""
+plus the model's context_length and vocab_size, which the server checks requests against, and
+`problem`: why it takes no requests now (None: it does). The child is supervised: if it dies, every
+request in flight fails with an error naming its exit (the server answers a 500: a stream's error
+event, then [DONE]), `problem` says so at once (the server's /health answers 503 and new requests
+503 with Retry-After), and a new child loads the model; once it is ready requests are taken again.
+After `restarts` restarts, at the next death the engine is gone for good: `fatal` says why (the
+server command then exits non-zero)."""
 import itertools
+import os
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import traceback
 from multiprocessing.connection import Connection
 
 from ..decoding import context_length, load_from_args
@@ -29,52 +35,83 @@ from .batch_worker import BatchWorker
 from .requests import Ticket, Token, token_of
 
 CLOSE_TIMEOUT = 30  # seconds the child may take to stop once asked
+RESTARTS = 3  # times a dead child is replaced (the server's --engine-restarts)
+
+
+def exit_status(code):
+    """A child's exit code in words."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"status {code}"
 
 
 class EngineProcess:
-    def __init__(self, args, warm=False, max_batch=32, prompt_cache_bytes=0, prefill_step=2048):
+    def __init__(self, args, warm=False, max_batch=32, prompt_cache_bytes=0, prefill_step=2048,
+                 restarts=RESTARTS):
         """args: the server's parsed flags (the model flags of cli.add_model_args: the child loads
-        with decoding.load_from_args); the rest as BatchWorker's. Returns once the child has loaded
-        (and warmed up); a load error (UserError) is raised here."""
+        with decoding.load_from_args); restarts: how many times a dead child is replaced; the rest
+        as BatchWorker's. Returns once the child has loaded (and warmed up); a load error
+        (UserError) is raised here."""
         self.slots = max_batch
+        self.setup = (args, warm, max_batch, prompt_cache_bytes, prefill_step)
+        self.restarts, self.restarted = restarts, 0
+        self.tickets, self.keys, self.lock = {}, itertools.count(), threading.Lock()
+        self.problem = None  # why no request is taken now (None: they are)
+        self.closing = False
+        self.fatal = None  # why the engine is gone for good
+        _, self.tokenizer, self.context_length, self.vocab_size = self._start()
+        threading.Thread(target=self._supervise, daemon=True).start()
+
+    def _start(self):
+        """Start a child and hand it the setup; its reply ("ready", tokenizer, context length, vocab
+        size) once it has loaded. A load error is raised (a UserError where the child died)."""
         here, there = socket.socketpair()
         with there:
-            self.process = subprocess.Popen([sys.executable, "-m", __name__, str(there.fileno())],
-                                            pass_fds=(there.fileno(),), stdin=subprocess.DEVNULL,
-                                            stdout=subprocess.DEVNULL)
-        self.conn = Connection(here.detach())
+            self.process = process = subprocess.Popen(
+                [sys.executable, "-m", __name__, str(there.fileno())], pass_fds=(there.fileno(),),
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        conn = Connection(here.detach())
         try:
-            self.conn.send((args, warm, max_batch, prompt_cache_bytes, prefill_step))
-            reply = self.conn.recv()
+            conn.send(self.setup)
+            reply = conn.recv()
         except (EOFError, OSError):
+            conn.close()
             raise UserError("the engine process exited while loading the model "
-                            f"(status {self.process.wait()})")
+                            f"({exit_status(process.wait())})")
         if reply[0] == "failed":
-            self.process.wait()
+            conn.close()
+            process.wait()
             raise reply[1]
-        _, self.tokenizer, self.context_length, self.vocab_size = reply
-        self.tickets, self.keys, self.lock, self.gone = (
-            {}, itertools.count(), threading.Lock(), None)
-        threading.Thread(target=self._receive, daemon=True).start()
+        self.conn = conn
+        return reply
 
     def submit(self, generation):
         key = next(self.keys)
         ticket = RemoteTicket(generation, lambda: self._cancel(key))
         with self.lock:
-            if self.gone is None:
+            if self.problem is None:
                 self.tickets[key] = ticket
                 self._send(("add", key, generation))
-            if self.gone is not None:
-                ticket.put(self.gone)
+            else:
+                ticket.put(RuntimeError(self.problem))
         return ticket
 
     def close(self):
         with self.lock:
+            self.closing = True
             self._send(("close",))
+            if self.problem is not None:  # a child loading, or none: nothing in flight
+                self.process.kill()
         try:
             self.process.wait(CLOSE_TIMEOUT)
         except subprocess.TimeoutExpired:
             self.process.kill()
+            self.process.wait()
         self.conn.close()
 
     def _cancel(self, key):
@@ -86,16 +123,68 @@ class EngineProcess:
         """(under self.lock)"""
         try:
             self.conn.send(message)
-        except (OSError, ValueError):  # the child is gone: _receive fails the requests in flight
-            self.gone = self.gone or RuntimeError("the engine process is gone")
+        except (OSError, ValueError):  # the child is gone: _supervise fails the requests in flight
+            pass
+
+    def _supervise(self):
+        """Hand the child's tokens to their tickets; once it is gone, fail every request in flight
+        and start another, up to `restarts` times; then set fatal."""
+        while True:
+            self._receive()
+            with self.lock:
+                if self.closing:
+                    return
+                self.problem = "the engine process is gone"  # (its exit status next)
+            try:
+                status = exit_status(self.process.wait(CLOSE_TIMEOUT))
+            except subprocess.TimeoutExpired:  # (its connection closed, the process alive)
+                self.process.kill()
+                status = exit_status(self.process.wait())
+            dead = f"the engine process exited ({status})"
+            with self.lock:
+                if self.closing:
+                    return
+                self.problem = self._restarting(dead)  # (before its requests hear of it)
+                for ticket in self.tickets.values():
+                    ticket.put(RuntimeError(dead))
+                self.tickets.clear()
+                self.conn.close()
+            while self.restarted < self.restarts:
+                with self.lock:
+                    self.problem = self._restarting(dead)
+                self.restarted += 1
+                try:
+                    self._start()
+                    break
+                except BaseException as e:  # (the next restart, or fatal, says it)
+                    if self.closing:
+                        return
+                    dead = f"the engine process failed to load the model again: {e}"
+            else:
+                n = self.restarted
+                reason = f"{dead}; it was restarted {n} time{'s' * (n != 1)} already"
+                with self.lock:
+                    self.problem = self.fatal = reason
+                return
+            with self.lock:
+                if self.closing:  # (close() waits for this child)
+                    self._send(("close",))
+                    return
+                self.problem = None
+
+    def _restarting(self, dead):
+        """The problem while the next restart runs, dead saying why."""
+        if self.restarted >= self.restarts:
+            return dead
+        return f"{dead}; restarting it ({self.restarted + 1} of {self.restarts})"
 
     def _receive(self):
-        """Hand each step's tokens to their tickets; once the child is gone, fail every request."""
+        """Hand each step's tokens to their tickets, until the child's connection ends."""
         while True:
             try:
                 tokens = self.conn.recv()
             except (EOFError, OSError):
-                break
+                return
             for key, item in tokens:
                 if type(item) is tuple:  # a plain token (PipedWorker.put)
                     item = Token(*item)
@@ -104,16 +193,6 @@ class EngineProcess:
                     ticket.put(item)
                     if item is None or isinstance(item, BaseException):
                         self.tickets.pop(key, None)
-        try:
-            status = self.process.wait(CLOSE_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            status = "still running"
-        with self.lock:
-            self.gone = RuntimeError(f"the engine process exited (status {status}); "
-                                     "restart the server")
-            for ticket in self.tickets.values():
-                ticket.put(self.gone)
-            self.tickets.clear()
 
 
 class RemoteTicket(Ticket):
@@ -165,13 +244,26 @@ class PipedWorker(BatchWorker):
             tokens, self.outbox = self.outbox, []
             self.conn.send(tokens)
 
+    def _serve(self):
+        """BatchWorker's, and should its thread end (it handles a failed step itself), the process
+        with it: the server then fails the requests in flight and starts another."""
+        try:
+            super()._serve()
+        except OSError:  # the server is gone
+            pass
+        except BaseException:
+            traceback.print_exc()
+        os._exit(70)
+
 
 def serve_engine(conn):
     """The child: take (flags, warm, max_batch, prompt_cache_bytes, prefill_step), load, reply
     ("ready", tokenizer, context length, vocab size) or ("failed", exception), then take ("add",
-    key, generation), ("cancel", key) and ("close",) until the server closes or goes. Ctrl-C is the
-    server's to take: it closes the child."""
+    key, generation), ("cancel", key) and ("close",) until the server closes or goes. Ctrl-C and
+    SIGTERM (sent to every process of a terminal's job, or of a systemd service) are the server's
+    to take: it drains, then closes the child."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         args, warm, max_batch, prompt_cache_bytes, prefill_step = conn.recv()
         model, tokenizer = load_from_args(args, warm=False)

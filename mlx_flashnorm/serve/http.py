@@ -81,14 +81,14 @@ class Server(ThreadingHTTPServer):
 
     def __init__(self, worker, tokenizer, model_id, host="127.0.0.1", port=8080, max_tokens=256,
                  temp=0.0, top_p=1.0, top_k=0, *, api_key=None, cors_origins=(), max_queue=64,
-                 max_body=MAX_BODY, timeout=30.0):
+                 max_body=MAX_BODY, timeout=30.0, request_timeout=None):
         """worker: what generates (requests.py's interface, with the model's context_length and
         vocab_size, which the requests are checked against); it is closed with the server.
         max_tokens, temp, top_p, top_k: the defaults of requests that leave them out.
         api_key: requests must send it as a Bearer token; cors_origins: the web origins whose pages
         may call the server ("*": any); max_queue: requests waiting beyond the worker's slots;
         max_body: bytes; timeout: seconds for a request to arrive, and for any one socket
-        operation."""
+        operation; request_timeout: seconds a request may run once taken (None: no limit)."""
         self.worker = worker
         super().__init__((host, port), Handler)
         self.tokenizer, self.model_id = tokenizer, model_id
@@ -97,8 +97,9 @@ class Server(ThreadingHTTPServer):
         self.max_queue, self.max_body, self.io_timeout = max_queue, max_body, timeout
         self.created = int(time.time())
         self.lock, self.active = threading.Lock(), 0
+        self.draining = False  # stopping: no request taken
         self.reaper = Reaper(timeout)
-        self.streamer = Streamer(timeout)
+        self.streamer = Streamer(timeout, request_timeout)
         self.limits = (worker.context_length, worker.vocab_size)
 
     def call(self, body, chat):
@@ -108,6 +109,9 @@ class Server(ThreadingHTTPServer):
         """The worker's Ticket for generation, or a 503 when the worker's slots and the queue are
         full."""
         with self.lock:
+            if (problem := self.unavailable()) is not None:
+                raise HTTPError(503, f"the server takes no requests now: {problem}",
+                                headers={"Retry-After": str(RETRY_AFTER)})
             if self.active >= self.worker.slots + self.max_queue:
                 raise HTTPError(503, f"the server is busy ({self.active} requests taken, "
                                      f"--max-queue {self.max_queue}): retry later",
@@ -119,9 +123,20 @@ class Server(ThreadingHTTPServer):
         with self.lock:
             self.active -= 1
 
+    def unavailable(self):
+        """Why no request is taken now (the worker's `problem`, where it has one), or None."""
+        if self.draining:
+            return "the server is shutting down"
+        return getattr(self.worker, "problem", None)
+
     def health(self):
-        return {"status": "ok", "requests": self.active, "slots": self.worker.slots,
+        """(status, body) of GET /health: 503 with the reason while no request is taken."""
+        problem = self.unavailable()
+        body = {"status": "ok", "requests": self.active, "slots": self.worker.slots,
                 "max_queue": self.max_queue}
+        if problem is None:
+            return 200, body
+        return 503, dict(body, status="unavailable", reason=problem)
 
     def server_close(self):
         super().server_close()
@@ -228,7 +243,7 @@ class Handler(BaseHTTPRequestHandler):
         try:
             self.check_origin()
             if path == "/health":
-                return self.send_json(200, self.server.health())
+                return self.send_json(*self.server.health())
             if path != "/v1/models":
                 raise HTTPError(404, f"no such endpoint: GET {self.path}")
             self.check_key()
@@ -318,8 +333,8 @@ class Handler(BaseHTTPRequestHandler):
         """The answer in one piece, once the server's Streamer has read all its tokens."""
         if not self.server.streamer.run(stream):
             raise ClientGone()
-        if stream.failed is not None:  # nothing checked before should get here
-            return self.fail(HTTPError(500, f"generation failed: {stream.failed}"))
+        if stream.failed is not None:  # (a limit, or nothing checked before)
+            return self.fail(stream.error)
         try:
             self.send_json(200, stream.answer.whole(stream.text, stream.finish, stream.entries,
                                                     stream.transcript.count))

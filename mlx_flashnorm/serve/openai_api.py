@@ -25,7 +25,7 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed
 FIELDS = {True: COMMON | {"messages", "max_completion_tokens", "top_logprobs"},  # chat
           False: COMMON | {"prompt", "echo"}}  # completions
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-               500: "server_error", 503: "server_error"}
+               500: "server_error", 503: "server_error", 504: "server_error"}
 
 
 class HTTPError(Exception):

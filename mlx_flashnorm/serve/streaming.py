@@ -8,7 +8,10 @@ bench/RESULTS.md, "Serving"). Here the worker's puts wake the one thread, which 
 ticket's waiting tokens at once (a stream that fell behind sends them as one event), writes
 without blocking (what a full socket does not take waits for the next round), and every POLL
 seconds looks for clients that left. A client that left, or whose socket has taken nothing for
-`timeout` seconds, has its request cancelled: the worker drops it at its next step."""
+`timeout` seconds, has its request cancelled: the worker drops it at its next step; so has one
+running past `request_timeout` seconds, answered 504, and, as the server stops, one that had no
+token yet (drain()) or any one (stop()), answered 503: a streamed one with an error event, then
+[DONE]."""
 import json
 import socket
 import threading
@@ -33,6 +36,9 @@ class Stream:
         self.ticket, self.transcript, self.answer = ticket, transcript, answer
         self.whole = whole  # no events: the text, finish and entries kept for one answer at the end
         self.text, self.finish, self.entries, self.failed = "", None, [], None
+        self.error = None  # the HTTPError answering failed
+        self.began = False  # a token came
+        self.since = time.monotonic()  # (for the request's time limit)
         self.out = bytearray()  # events not yet taken by the socket
         self.finished = False  # the last event is in out
         self.gone = False  # the client left (or stopped reading)
@@ -49,6 +55,7 @@ class Stream:
             if isinstance(token, Exception):
                 failed = token
                 break
+            self.began = True
             piece, finish, got = self.transcript.add(token)
             text, entries = text + piece, entries + got
             if finish:
@@ -69,10 +76,13 @@ class Stream:
             self.finished = True
 
     def fail(self, error):
-        """End the answer with a 500 naming error (a streamed one's as its last event)."""
+        """End the answer with error: an HTTPError as it is, another exception a 500 naming it (a
+        streamed one's as its last event, then [DONE])."""
         self.failed, self.finished = error, True
+        self.error = (error if isinstance(error, HTTPError)
+                      else HTTPError(500, f"generation failed: {error}"))
         if not self.whole:
-            self.out += event(HTTPError(500, f"generation failed: {error}").body())
+            self.out += event(self.error.body()) + b"data: [DONE]\n\n"
 
     def flush(self, now, timeout):
         """Write what the socket takes without waiting; False once the client is gone."""
@@ -93,12 +103,16 @@ class Stream:
 class Streamer:
     """The thread that writes every Stream. run(stream) returns once the stream is written or its
     client gone (then False); timeout: seconds a socket may take nothing before its client counts
-    as gone."""
+    as gone; request_timeout: seconds a request may run, from its Stream's making (None: no
+    limit)."""
 
-    def __init__(self, timeout):
+    def __init__(self, timeout, request_timeout=None):
         self.timeout, self.lock, self.wake = timeout, threading.Lock(), threading.Event()
         self.streams, self.ready = {}, set()  # ticket -> Stream; tickets with tokens waiting
         self.stopped = False
+        self.request_timeout = request_timeout
+        # HTTPErrors ending streams early: those with no token yet (drain), every one (stop)
+        self.unbegun = self.every = None
         threading.Thread(target=self._run, daemon=True).start()
 
     def run(self, stream):
@@ -112,6 +126,28 @@ class Streamer:
         stream.done.wait()
         stream.connection.settimeout(self.timeout)
         return not stream.gone
+
+    def drain(self, error):
+        """End with error (its request cancelled) every stream that has had no token, now and from
+        now on."""
+        self.unbegun = error
+        self.wake.set()
+
+    def stop(self, error):
+        """End with error every stream not finished, now and from now on."""
+        self.every = error
+        self.wake.set()
+
+    def cut(self, s, now):
+        """The HTTPError that ends s early, or None."""
+        if self.every is not None:
+            return self.every
+        if self.unbegun is not None and not s.began:
+            return self.unbegun
+        if self.request_timeout is not None and now - s.since > self.request_timeout:
+            return HTTPError(504, "the request ran past the server's limit of "
+                                  f"{self.request_timeout:g} s (--request-timeout)")
+        return None
 
     def notify(self, ticket):
         """A ticket has tokens (called by the worker, from its thread)."""
@@ -136,6 +172,9 @@ class Streamer:
                         s.advance()
                 except Exception as e:  # one answer's failure (its text, JSON) ends it alone
                     s.fail(e)
+                if not s.finished and (error := self.cut(s, now)) is not None:
+                    s.ticket.cancel()
+                    s.fail(error)
                 try:
                     ok = s.flush(now, self.timeout) and not (look and not s.out and s.left())
                 except Exception:
