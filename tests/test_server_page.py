@@ -284,7 +284,8 @@ def test_page_streams_stops_and_keeps_the_conversation(server, page):
     send(page, "Give it a title.")
     expect(page.locator(".message.assistant")).to_have_count(2)
     expect(page.locator("#send")).to_be_visible()
-    expect(page.locator(".message.assistant .meta").last).to_have_text(re.compile(r"\b[1-8] tokens"))
+    meta = page.locator(".message.assistant .meta").last
+    expect(meta).to_have_text(re.compile(r"\b[1-8] tokens"))
     second = page.locator(".message.assistant .content").last.inner_text()
     assert second.strip()
     # the worker takes one request at a time: the first had ended, short of max_tokens

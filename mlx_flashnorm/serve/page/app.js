@@ -409,6 +409,12 @@
         send();
       }
     });
+    window.addEventListener("pagehide", () => {
+      if (running) { // a reload or a closed tab ends the answer: keep what came
+        running.reply.finish = "stopped";
+      }
+      save();
+    });
     render();
     loadModel();
   }
