@@ -134,8 +134,9 @@ def arg_parser():
     p = argparse.ArgumentParser(
         prog="python -m mlx_flashnorm.server",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/models, "
-                    "/v1/chat/completions, /v1/completions, /health). The sampling flags set the "
-                    "defaults of requests that leave them out.", formatter_class=HelpFormatter)
+                    "/v1/chat/completions, /v1/completions, /health), llama-server's /tokenize, "
+                    "/detokenize and /apply-template, and a chat page at /. The sampling flags set "
+                    "the defaults of requests that leave them out.", formatter_class=HelpFormatter)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080,
@@ -246,6 +247,7 @@ def main(argv=None):
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     print(f"serving {model_id} on http://{host}:{port}/v1", flush=True)
+    print(f"the chat page: http://{host}:{port}/", flush=True)
     try:
         server.serve_forever()
         if server.stopped is not None and not server.stopped.fatal:  # a signal

@@ -4,7 +4,8 @@ preflights. Built on the standard library's ThreadingHTTPServer: each connection
 reads and checks its request (openai_api: every field range-checked, a JSON error for anything
 wrong), submits it to the worker it was given (requests.py's interface) and writes the answer from
 the tokens that come back, which one thread reads for every answer (streaming.Streamer), writing a
-streamed one's events itself.
+streamed one's events itself. Beside the API: the chat page (page.py) at GET /, and llama-server's
+POST /tokenize, /detokenize and /apply-template (tokenizer_api.py).
 
 Under load: at most the worker's slots plus max_queue requests are taken at once, the rest get 503
 with Retry-After; a request (headers and body) must arrive within `timeout` seconds and be at most
@@ -19,6 +20,7 @@ import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from . import page, tokenizer_api
 from .openai_api import Answer, HTTPError, Transcript, bad, parse_call, parse_json
 from .streaming import Stream, Streamer, event
 
@@ -194,6 +196,15 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def send_file(self, body, content_type):
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        for name, value in page.HEADERS.items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(body)
+
     def fail(self, error):
         try:
             self.send_json(error.status, error.body(), error.headers)
@@ -209,7 +220,7 @@ class Handler(BaseHTTPRequestHandler):
     def check_origin(self):
         """A page in a browser sends its Origin: refused unless --cors-origin allows it."""
         origin = self.headers.get("Origin")
-        if origin is None:
+        if origin is None or page.same_origin(origin, self.headers.get("Host")):
             return
         if "*" not in self.server.cors_origins and origin not in self.server.cors_origins:
             raise HTTPError(403, f"requests from web pages of {origin} are refused: start the "
@@ -244,6 +255,8 @@ class Handler(BaseHTTPRequestHandler):
             self.check_origin()
             if path == "/health":
                 return self.send_json(*self.server.health())
+            if (file := page.asset(self.path)) is not None:  # the chat page: no key
+                return self.send_file(*file)
             if path != "/v1/models":
                 raise HTTPError(404, f"no such endpoint: GET {self.path}")
             self.check_key()
@@ -295,9 +308,10 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         chat = self.path.rstrip("/") == "/v1/chat/completions"
+        utility = tokenizer_api.ROUTES.get(self.path.rstrip("/"))
         try:
             body = self.read_body()  # first: an answer with bytes left unread could be lost (drain)
-            if not chat and self.path.rstrip("/") != "/v1/completions":
+            if not chat and utility is None and self.path.rstrip("/") != "/v1/completions":
                 raise HTTPError(404, f"no such endpoint: POST {self.path}")
             self.check_origin()
             self.check_key()
@@ -305,6 +319,9 @@ class Handler(BaseHTTPRequestHandler):
                     != "application/json"):
                 raise HTTPError(415, "send the body as JSON, with the header "
                                      "'Content-Type: application/json'")
+            if utility is not None:  # /tokenize, /detokenize, /apply-template
+                return self.send_json(200, utility(parse_json(body), self.server.tokenizer,
+                                                   self.server.limits[1]))
             call = self.server.call(parse_json(body), chat)
             ticket = self.server.admit(call.generation)
         except HTTPError as e:

@@ -89,7 +89,8 @@ def message_text(content):
     raise bad("a message's 'content' must be a string or a list of text parts", "messages")
 
 
-def chat_tokens(body, tokenizer):
+def chat_tokens(body, tokenizer, tokenize=True):
+    """The prompt's token ids (tokenize=False: its text) of a chat request's messages."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty list of messages", "messages")
@@ -104,7 +105,9 @@ def chat_tokens(body, tokenizer):
     if not tokenizer.has_chat_template:
         raise bad("this model has no chat template: use /v1/completions")
     try:
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                               tokenize=tokenize)
+        return list(prompt) if tokenize else prompt
     except (TemplateError, ValueError, TypeError) as e:
         raise bad(f"the model's chat template refused the messages: {e}", "messages")
 
