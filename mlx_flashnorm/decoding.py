@@ -286,9 +286,11 @@ def check_limits(max_tokens, seed):
         raise UserError(f"seed must be a whole number from 0 to {MAX_SEED}, not {seed!r}")
 
 
-def encode_prompt(tokenizer, prompt, chat_template=True, system_prompt=None):
+def encode_prompt(tokenizer, prompt, chat_template=True, system_prompt=None, vocab=None):
     """Token ids of a prompt string (through the chat template where there is one and
-    chat_template, after the system message system_prompt) or of a list of ids as it is."""
+    chat_template, after the system message system_prompt) or of a list of ids as it is; with
+    vocab (the model's vocabulary size), each checked to lie inside it, so that no id reads
+    beyond the embedding."""
     if isinstance(prompt, str):
         if not prompt.strip():
             raise UserError("the prompt is empty; pass some text with --prompt")
@@ -303,7 +305,18 @@ def encode_prompt(tokenizer, prompt, chat_template=True, system_prompt=None):
             prompt = tokenizer.encode(prompt)
     if len(prompt) == 0:
         raise UserError("the prompt is empty; pass some text with --prompt")
+    if vocab is not None:
+        check_ids(prompt, vocab)
     return list(prompt)
+
+
+def check_ids(ids, vocab):
+    """Token ids lie from 0 to vocab - 1, the rows of the model's embedding (one min and max)."""
+    lo, hi = min(ids), max(ids)
+    if lo < 0 or hi >= vocab:
+        raise UserError(f"the prompt holds token id {lo if lo < 0 else hi}, outside the model's "
+                        f"vocabulary of {vocab} (ids 0 to {vocab - 1}); its ids must come from "
+                        "this model's tokenizer")
 
 
 def stream_generate(model, tokenizer, prompt, max_tokens=256, temp=0.0, top_p=1.0, top_k=0,
@@ -318,7 +331,8 @@ def stream_generate(model, tokenizer, prompt, max_tokens=256, temp=0.0, top_p=1.
     check_limits(max_tokens, seed)
     if cache is None and (max_kv_size is not None or kv_bits is not None):
         cache = eager_cache(model, max_kv_size, kv_bits, kv_group_size)
-    tokens = encode_prompt(tokenizer, prompt, chat_template, system_prompt)
+    tokens = encode_prompt(tokenizer, prompt, chat_template, system_prompt,
+                           vocab=model.args.vocab_size)
     ctx = context_length(model)
     start = cache[0].offset if cache else 0
     if start + len(tokens) >= ctx:

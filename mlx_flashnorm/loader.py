@@ -334,6 +334,7 @@ def load(path_or_repo=None, norm="flash", bits=None, dtype="auto", tokenizer=Non
         model = build_model(config, read_safetensors(path), progress, source, weights_source=path,
                             group=group, group_size=group_size if bits else None)
         tok = load_tokenizer(path, tokenizer)
+    validate.tokenizer_ids(tok, model.args.vocab_size, _tokenizer_source(path, tokenizer))
     validate.chat_template(tok, _template_source(path, tokenizer))
     model.set_dtype(DTYPES[resolve_dtype(dtype, config)])
     model = prepare(model, norm=norm, bits=bits, group_size=group_size, concat=concat)
@@ -354,6 +355,16 @@ def _gguf_tokenizer(path, tokenizer, meta):
         raise UserError(f"{path}: its tokenizer metadata (tokenizer.ggml.*) does not make a "
                         f"tokenizer ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
                         "the file is damaged, or pass --tokenizer PATH_OR_REPO")
+
+
+def _tokenizer_source(path, tokenizer):
+    """The tokenizer's file, for messages: a GGUF's metadata, tokenizer.json or tokenizer.model."""
+    if tokenizer is not None:
+        return f"--tokenizer {tokenizer}"
+    if path.is_file():
+        return f"{path}: GGUF metadata 'tokenizer.ggml.tokens'"
+    return next((path / f for f in ("tokenizer.json", "tokenizer.model") if (path / f).exists()),
+                path)
 
 
 def _template_source(path, tokenizer):

@@ -10,6 +10,7 @@ Every failure is a UserError naming the file and the field, so nothing damaged l
 import dataclasses
 import json
 import math
+import operator
 import typing
 from pathlib import Path
 
@@ -315,6 +316,27 @@ def finite(model, source):
     name = params[bad.tolist().index(True)][0]
     raise UserError(f"{source}: tensor '{name}' holds NaN or infinite values; "
                     "the weights are damaged")
+
+
+# tokenizer ---------------------------------------------------------------------------------------
+
+def tokenizer_ids(tokenizer, vocab_size, source):
+    """Every id the tokenizer can produce (its vocabulary, added and special tokens) lies below
+    vocab_size, the embedding's rows (config and weights agree on them: the model's load is
+    strict about shapes): an id past them would read beyond the embedding. A tokenizer smaller
+    than the embedding is normal (padding rows). One max over the ids, no loop in Python."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper holds it
+    backend = getattr(hf, "backend_tokenizer", None)  # a fast tokenizer: tokenizer.json
+    vocab = backend.get_vocab(with_added_tokens=True) if backend is not None else hf.get_vocab()
+    token, top = max(vocab.items(), key=operator.itemgetter(1), default=(None, -1))
+    added = getattr(hf, "added_tokens_decoder", None) or {}
+    for i in [*added, *(getattr(hf, "all_special_ids", None) or [])]:
+        if _is_int(i) and i > top:
+            token, top = str(added.get(i, i)), i
+    if top >= vocab_size:
+        raise UserError(f"{source}: token {token!r} has id {top}, beyond the model's vocabulary "
+                        f"of {vocab_size} (its embedding's rows); the tokenizer is damaged or not "
+                        "this model's: pass --tokenizer with the model's own")
 
 
 # chat template -----------------------------------------------------------------------------------

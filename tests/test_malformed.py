@@ -277,6 +277,68 @@ def test_broken_chat_template_in_tokenizer_config(folder):
     assert r.stderr.startswith("error: ") and "chat template" in r.stderr, r.stderr
 
 
+# token ids past the embedding -------------------------------------------------------------------
+
+def edit_tokenizer(folder, edit):
+    file = folder / "tokenizer.json"
+    tokenizer = json.loads(file.read_text())
+    edit(tokenizer)
+    file.write_text(json.dumps(tokenizer))
+
+
+@pytest.mark.parametrize("token_id", [60_000, 10**9])
+def test_tokenizer_id_past_the_embedding(folder, token_id):
+    """A tokenizer.json mapping a token (" t") to an id past the embedding's 49,152 rows is refused
+    at load, where it used to load and then read beyond the embedding (10^9: a segfault)."""
+    edit_tokenizer(folder, lambda t: t["model"]["vocab"].update({"\u0120t": token_id}))
+    refused(folder, "tokenizer.json", str(token_id), "49152")
+    r = cli("mlx_flashnorm.generate", "--model", str(folder), "--prompt", "a t b t c t",
+            "--ignore-chat-template", "-m", "2")
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and "tokenizer.json" in r.stderr, r.stderr
+
+
+def test_added_token_id_past_the_embedding(folder):
+    edit_tokenizer(folder, lambda t: t["added_tokens"].append(
+        {"id": 50_000, "content": "<extra>", "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": True}))
+    refused(folder, "tokenizer.json", "<extra>", "beyond the model's vocabulary")
+
+
+def test_tokenizer_smaller_than_the_embedding_loads(tiny_llama_dir, tmp_path):
+    """Padding rows (an embedding larger than the tokenizer) are normal."""
+    from conftest import make_checkpoint
+
+    config = dict(TINY_LLAMA, vocab_size=TINY_LLAMA["vocab_size"] + 64)
+    folder, _ = make_checkpoint(tmp_path / "padded", config)
+    for f in tiny_llama_dir.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template")):
+            shutil.copy(f, folder)
+    model, tok = load(str(folder), progress=False)
+    assert model.args.vocab_size == config["vocab_size"] > len(tok.get_vocab())
+
+
+def test_prompt_ids_past_the_vocabulary_never_reach_the_model(folder):
+    """The second line of defence: ids of a prompt, as text or as a list, are checked against the
+    model's vocabulary before the model runs (encode_prompt, stream_generate, the server's
+    parse_call)."""
+    from mlx_flashnorm import stream_generate
+    from mlx_flashnorm.decoding import encode_prompt
+    from mlx_flashnorm.serve.openai_api import HTTPError, parse_call
+
+    model, tok = load(str(folder), progress=False)
+    vocab = model.args.vocab_size
+    with pytest.raises(UserError, match="outside the model's vocabulary of 5"):
+        encode_prompt(tok, "hello world", chat_template=False, vocab=5)
+    for ids in ([1, vocab], [1, -1]):
+        with pytest.raises(UserError, match="vocabulary"):
+            next(stream_generate(model, tok, ids, max_tokens=1))
+    defaults = {"max_tokens": 4, "temp": 0.0, "top_p": 1.0, "top_k": 0}
+    for chat, body in ((False, {"prompt": "hello world"}),
+                       (True, {"messages": [{"role": "user", "content": "hello"}]})):
+        with pytest.raises(HTTPError, match="vocabulary"):
+            parse_call(body, chat, tok, 64, 5, defaults)
+
+
 def test_valid_files_still_load(folder):
     """The checks refuse no healthy checkpoint: the tiny one and the embedded GGUF load."""
     model, tok = load(str(folder), progress=False)
