@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from conftest import TINY_LLAMA, cli, write_checkpoint
 from gguf_edit import fields, find, write
+from special_files import KINDS, deep_json, replace, unprivileged, within
 
 from mlx_flashnorm import load, loader
 from mlx_flashnorm.errors import UserError
@@ -337,6 +338,97 @@ def test_prompt_ids_past_the_vocabulary_never_reach_the_model(folder):
                        (True, {"messages": [{"role": "user", "content": "hello"}]})):
         with pytest.raises(HTTPError, match="vocabulary"):
             parse_call(body, chat, tok, 64, 5, defaults)
+
+
+# special files in place of a model's, a tokenizer's or a cache's file -----------------------------
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "tokenizer.json"])
+def test_special_file_in_a_model_folder(folder, name, kind):
+    """A FIFO (it used to hang), a folder, a symlink loop or an unreadable file in place of one of
+    a checkpoint's files: a one-line error naming it."""
+    replace(folder / name, kind)
+    with within(), unprivileged():
+        refused(folder, name)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_special_file_as_the_gguf_model(original, tmp_path, kind):
+    path = tmp_path / "model.gguf"
+    shutil.copyfile(original[0], path)
+    replace(path, kind)
+    with within(), unprivileged():
+        refused(path, "model.gguf")
+
+
+def test_unreadable_model_folder(folder):
+    os.chmod(folder, 0)
+    try:
+        with within(), unprivileged():
+            refused(folder, str(folder))
+    finally:
+        os.chmod(folder, 0o755)
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json"])
+def test_json_nested_too_deeply(folder, name):
+    (folder / name).write_text(deep_json())
+    refused(folder, name, "nested")
+
+
+def test_safetensors_header_nested_too_deeply(folder):
+    file = folder / "model.safetensors"
+    header = deep_json().encode()
+    header += b" " * (-len(header) % 8)
+    file.write_bytes(len(header).to_bytes(8, "little") + header + bytes(64))
+    refused(folder, "model.safetensors", "nested")
+
+
+def test_gguf_that_cannot_be_mapped(original, monkeypatch):
+    """An mmap that runs out of address space (ENOMEM) names the file."""
+    import errno
+
+    from mlx_flashnorm import gguf
+
+    def no_room(*args, **kwargs):
+        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+    monkeypatch.setattr(gguf.mmap, "mmap", no_room)
+    refused(original[0], original[0].name, "address space")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_special_file_as_the_prompt_cache_file(tmp_path, kind):
+    """--prompt-cache-file naming a FIFO (it used to hang), a folder, a symlink loop or an
+    unreadable file: a one-line error before the model loads, and nothing written through it."""
+    from mlx_flashnorm.serve import prompt_cache
+
+    path = tmp_path / "cache.safetensors"
+    replace(path, kind)
+    with within(), unprivileged():
+        with pytest.raises(UserError, match="cache.safetensors") as e:
+            prompt_cache.check_path(path)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_special_file_in_the_kernel_cache(tmp_path, kind):
+    """A special file in place of a kernel cache's file (a cubin, the self-checks' record) is a
+    cache miss, and a write replaces it rather than writing through it."""
+    from mlx_flashnorm.kernels import check, nvrtc
+
+    path = tmp_path / "self-check.json"
+    replace(path, kind)
+    with within(), unprivileged():
+        assert nvrtc.read_cached(path) is None
+        assert check._read_passed(path) == set()
+    check._write_passed(path, {"add_rss"})
+    if kind == "folder":  # left as it is: a cache is not worth a folder
+        assert path.is_dir() and check._read_passed(path) == set()
+        return
+    assert not path.is_symlink() and check._read_passed(path) == {"add_rss"}
+    nvrtc.write_cached(path, b"cubin")
+    assert nvrtc.read_cached(path) == b"cubin" and [p.name for p in tmp_path.iterdir()] == [path.name]
 
 
 def test_valid_files_still_load(folder):

@@ -20,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
+from .. import validate
 from ..errors import UserError
 
 def common_prefix(a, b):
@@ -174,11 +175,16 @@ SUFFIX = ".safetensors"
 
 
 def check_path(path):
+    """path as a prompt cache file's: named *.safetensors in a folder that exists, and a regular
+    file this process can read where something is there already (a FIFO, a folder, a link loop or
+    an unreadable file is a one-line error: validate.check_file)."""
     path = Path(path)
     if path.suffix != SUFFIX:
         raise UserError(f"{path}: a prompt cache file's name must end in {SUFFIX}")
     if not path.parent.is_dir():
         raise UserError(f"{path.parent}: no such folder for the prompt cache file")
+    if validate.present(path):
+        validate.check_file(path)
     return path
 
 
@@ -187,7 +193,7 @@ def reuse(path, model, model_id, tokens, kv_bits=None):
     `tokens` (never all of them: the last prompt token must be fed to get logits), and that
     prefix's length; (None, 0) when there is no file yet."""
     path = check_path(path)
-    if not path.exists():
+    if not validate.present(path):
         return None, 0
     try:
         cache, meta = load_prompt_cache(str(path), return_metadata=True)
