@@ -1,5 +1,6 @@
 """load(): a local HF folder, a Hugging Face repo id, or a llama GGUF file -> (model, tokenizer)."""
 import dataclasses
+import hashlib
 from functools import lru_cache
 import os
 import re
@@ -311,6 +312,8 @@ def load(path_or_repo=None, norm="flash", bits=None, dtype="auto", tokenizer=Non
         raise UserError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, not '{dtype}'")
     path = default_model_path() if path_or_repo is None else resolve(path_or_repo)
     group = world() if distributed else None
+    settings = {"norm": norm, "bits": bits, "group_size": group_size, "tokenizer": tokenizer,
+                "ranks": group.size() if group is not None else 1}
     if not path.is_dir():
         validate.check_file(path)  # a FIFO, a loop, an unreadable file: named, never waited on
         if path.suffix != ".gguf":
@@ -339,12 +342,48 @@ def load(path_or_repo=None, norm="flash", bits=None, dtype="auto", tokenizer=Non
         tok = load_tokenizer(path, tokenizer)
     validate.tokenizer_ids(tok, model.args.vocab_size, _tokenizer_source(path, tokenizer))
     validate.chat_template(tok, _template_source(path, tokenizer))
-    model.set_dtype(DTYPES[resolve_dtype(dtype, config)])
+    settings["dtype"] = resolve_dtype(dtype, config)
+    model.fingerprint = fingerprint(_model_files(path, tokenizer), settings)
+    model.set_dtype(DTYPES[settings["dtype"]])
     model = prepare(model, norm=norm, bits=bits, group_size=group_size, concat=concat)
     if group is not None:
         connect(model, group)
     _add_config_eos(tok, config)
     return model, tok
+
+
+FINGERPRINT_SAMPLE = 1 << 18  # bytes read from each end of a large file for its fingerprint
+
+
+def fingerprint(files, settings):
+    """A short hash that changes with the model that load() makes of files with settings: each
+    file's name, size, modification time and bytes (a large file's first and last
+    FINGERPRINT_SAMPLE), and the settings. A prompt cache saved to disk carries it, so that one
+    made from other weights or tokenizer files at the same path is never used."""
+    h = hashlib.sha256(repr(sorted(settings.items())).encode())
+    for file in sorted(set(files)):
+        with validate.open_file(file) as f:
+            info = os.fstat(f.fileno())
+            h.update(f"\n{file.name} {info.st_size} {info.st_mtime_ns}\n".encode())
+            if info.st_size > 2 * FINGERPRINT_SAMPLE:
+                h.update(f.read(FINGERPRINT_SAMPLE))
+                f.seek(-FINGERPRINT_SAMPLE, os.SEEK_END)
+            h.update(f.read())
+    return h.hexdigest()[:32]
+
+
+def _model_files(path, tokenizer):
+    """The files load() read: the GGUF, or the folder's weights, config and tokenizer files; a
+    local --tokenizer's too (a repo id is a setting: the hub cache keeps a revision's files)."""
+    def tokenizer_files(folder):
+        return [folder / n for n in validate.folder_files(folder, TOKENIZER_FILES)]
+
+    files = ([path] if not path.is_dir()
+             else [*validate.safetensors_files(path), *tokenizer_files(path)])
+    local = Path(tokenizer).expanduser() if tokenizer is not None else None
+    if local is not None and validate.present(local):
+        files += tokenizer_files(local) if local.is_dir() else [local]
+    return files
 
 
 def _gguf_tokenizer(path, tokenizer, meta):

@@ -126,12 +126,11 @@ def read_folder(folder):
 
 
 def folder_files(folder, patterns):
-    """The names in folder (read_folder), each that matches one of the glob patterns checked to
-    be a regular file this process can read (check_file)."""
-    names = set(read_folder(folder))
+    """The names in folder (read_folder) that match one of the glob patterns, each checked to be
+    a regular file this process can read (check_file)."""
+    names = {n for n in read_folder(folder) if any(fnmatch.fnmatchcase(n, p) for p in patterns)}
     for name in sorted(names):
-        if any(fnmatch.fnmatchcase(name, p) for p in patterns):
-            check_file(Path(folder) / name)
+        check_file(Path(folder) / name)
     return names
 
 
