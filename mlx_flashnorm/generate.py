@@ -47,7 +47,8 @@ def generation_kwargs(args):
 
 def main(argv=None):
     args = arg_parser().parse_args(argv)
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    # standard input: without the line ending that `echo` adds (as `--prompt "$(cat)"` drops it)
+    prompt = sys.stdin.read().rstrip("\r\n") if args.prompt == "-" else args.prompt
     if not prompt.strip():
         raise UserError("the prompt is empty; pass some text with --prompt" +
                         (" (standard input was empty)" if args.prompt == "-" else ""))
