@@ -228,7 +228,7 @@ def reuse(path, model, model_id, tokens, fresh):
     try:
         cache, cached = check(arrays, meta, model, fresh)
     except Stale as e:
-        print(f"note: {path}: {e}; not used, and replaced by this run's", file=sys.stderr)
+        print(f"note: {path}: {e}; not used (this run's save overwrites it)", file=sys.stderr)
         return None, 0
     kept = common_prefix(cached, tokens[:-1])
     if not all(c.is_trimmable() for c in cache):
