@@ -110,6 +110,16 @@ def source_dtype(model_path):
     return dtype if dtype in DTYPES else "float32"
 
 
+def refuse_requantizing(quantization, model_path):
+    """-q of a quantized source is refused as load's --bits is (loader.prepare): its weights would
+    be rounded twice, and the model written answers worse than the source, silently."""
+    source = model_path or "the embedded SmolLM2-135M-Instruct"
+    raise UserError(f"{source} is already quantized ({quantization['bits']}-bit, group size "
+                    f"{quantization['group_size']}); quantizing it again (-q) stacks two rounding "
+                    "errors: convert it without -q (dequantized, written in --dtype), or start "
+                    "from a full-precision checkpoint")
+
+
 def main(argv=None):
     args = arg_parser().parse_args(argv)
     if not args.flashnorm:
@@ -130,6 +140,8 @@ def main(argv=None):
         bar.update()
         bar.set_postfix_str(STAGES[1])
         if "quantization" in model.config:
+            if args.quantize:  # before anything is written
+                refuse_requantizing(model.config["quantization"], args.model)
             dequantize(model)
         flashnorm.make_weightless(model)  # in float32, then stored as dtype
         model.set_dtype(DTYPES[dtype])

@@ -286,9 +286,11 @@ def check_limits(max_tokens, seed):
         raise UserError(f"seed must be a whole number from 0 to {MAX_SEED}, not {seed!r}")
 
 
-def encode_prompt(tokenizer, prompt, chat_template=True, system_prompt=None):
+def encode_prompt(tokenizer, prompt, chat_template=True, system_prompt=None, vocab=None):
     """Token ids of a prompt string (through the chat template where there is one and
-    chat_template, after the system message system_prompt) or of a list of ids as it is."""
+    chat_template, after the system message system_prompt) or of a list of ids as it is; with
+    vocab (the model's vocabulary size), each checked to lie inside it, so that no id reads
+    beyond the embedding."""
     if isinstance(prompt, str):
         if not prompt.strip():
             raise UserError("the prompt is empty; pass some text with --prompt")
@@ -303,22 +305,43 @@ def encode_prompt(tokenizer, prompt, chat_template=True, system_prompt=None):
             prompt = tokenizer.encode(prompt)
     if len(prompt) == 0:
         raise UserError("the prompt is empty; pass some text with --prompt")
+    if vocab is not None:
+        check_ids(prompt, vocab)
     return list(prompt)
+
+
+def check_ids(ids, vocab):
+    """Token ids lie from 0 to vocab - 1, the rows of the model's embedding (one min and max)."""
+    lo, hi = min(ids), max(ids)
+    if lo < 0 or hi >= vocab:
+        raise UserError(f"the prompt holds token id {lo if lo < 0 else hi}, outside the model's "
+                        f"vocabulary of {vocab} (ids 0 to {vocab - 1}); its ids must come from "
+                        "this model's tokenizer")
 
 
 def stream_generate(model, tokenizer, prompt, max_tokens=256, temp=0.0, top_p=1.0, top_k=0,
                     seed=None, chat_template=True, prefill_step=512, cache=None, min_p=0.0,
                     logits_processors=(), system_prompt=None, max_kv_size=None, kv_bits=None,
-                    kv_group_size=64):
+                    kv_group_size=64, sampler=None):
     """Yield a Response per generated token; prompt is a string or a list of token ids.
     cache: a cache list holding earlier tokens, to continue after them (generate_step): a
     StaticKVCache list, or mlx-lm caches (eager_cache), which decode eagerly. max_kv_size, kv_bits:
     without a cache, decode eagerly over eager_cache's rotating or quantized cache.
-    logits_processors: as generate_step takes them (make_processors builds a repetition penalty)."""
+    logits_processors: as generate_step takes them (make_processors builds a repetition penalty).
+    sampler: as mlx-lm takes it (mlx_lm.sample_utils.make_sampler's result, or any function of
+    the (1, vocabulary) log-probabilities giving the (1,) token), in place of temp, top_p, top_k
+    and min_p."""
     check_limits(max_tokens, seed)
+    if sampler is None:
+        sampler = make_sampler_for(temp, top_p, top_k, min_p)
+    elif (temp, top_p, top_k, min_p) != (0.0, 1.0, 0, 0.0):
+        raise UserError("pass either a sampler or temp, top_p, top_k and min_p, not both")
+    elif not callable(sampler):
+        raise UserError(f"sampler must be a function of the log-probabilities, not {sampler!r}")
     if cache is None and (max_kv_size is not None or kv_bits is not None):
         cache = eager_cache(model, max_kv_size, kv_bits, kv_group_size)
-    tokens = encode_prompt(tokenizer, prompt, chat_template, system_prompt)
+    tokens = encode_prompt(tokenizer, prompt, chat_template, system_prompt,
+                           vocab=model.args.vocab_size)
     ctx = context_length(model)
     start = cache[0].offset if cache else 0
     if start + len(tokens) >= ctx:
@@ -327,7 +350,6 @@ def stream_generate(model, tokenizer, prompt, max_tokens=256, temp=0.0, top_p=1.
     max_tokens = min(max_tokens, ctx - start - len(tokens))
     if seed is not None:
         mx.random.seed(seed)
-    sampler = make_sampler_for(temp, top_p, top_k, min_p)
     detok = tokenizer.detokenizer
     detok.reset()
     mx.reset_peak_memory()
@@ -355,12 +377,22 @@ def stream_generate(model, tokenizer, prompt, max_tokens=256, temp=0.0, top_p=1.
 
 
 def generate(model, tokenizer, prompt, max_tokens=256, verbose=False, **kwargs) -> str:
-    """The whole generated text (EOS excluded)."""
-    text = ""
+    """The whole generated text (EOS excluded); kwargs as stream_generate takes them. verbose:
+    print what mlx_lm.generate prints, the text as it comes between two rules, then the prompt's
+    and the generation's tokens per second and the peak memory."""
+    rule = "=" * 10
+    if verbose:
+        print(rule)
+    text, r = "", None
     for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs):
         text += r.text
         if verbose:
             print(r.text, end="", flush=True)
+    if verbose:
+        print(f"\n{rule}")
+        print(f"Prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.3f} tokens-per-sec")
+        print(f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec")
+        print(f"Peak memory: {r.peak_memory:.3f} GB")
     return text
 
 

@@ -47,7 +47,8 @@ def generation_kwargs(args):
 
 def main(argv=None):
     args = arg_parser().parse_args(argv)
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    # standard input: without the line ending that `echo` adds (as `--prompt "$(cat)"` drops it)
+    prompt = sys.stdin.read().rstrip("\r\n") if args.prompt == "-" else args.prompt
     if not prompt.strip():
         raise UserError("the prompt is empty; pass some text with --prompt" +
                         (" (standard input was empty)" if args.prompt == "-" else ""))
@@ -59,16 +60,16 @@ def main(argv=None):
     cache, kept = None, 0
     if args.prompt_cache_file:
         model_id = args.model or "embedded SmolLM2-135M-Instruct"
-        cache, kept = prompt_cache.reuse(args.prompt_cache_file, model, model_id, tokens,
-                                         args.kv_bits)
-        cache = cache or eager_cache(model, args.max_kv_size, args.kv_bits, args.kv_group_size)
+        fresh = eager_cache(model, args.max_kv_size, args.kv_bits, args.kv_group_size)
+        cache, kept = prompt_cache.reuse(args.prompt_cache_file, model, model_id, tokens, fresh)
+        cache = cache or fresh
     r = None
     for r in lockstep(stream_generate(model, tokenizer, tokens[kept:], max_tokens=args.max_tokens,
                                       seed=args.seed, cache=cache, **kwargs)):
         print(r.text, end="", flush=True)
     print()
     if args.prompt_cache_file:
-        saved = prompt_cache.save(args.prompt_cache_file, cache, model_id, tokens, args.kv_bits)
+        saved = prompt_cache.save(args.prompt_cache_file, cache, model, model_id, tokens)
         print(f"prompt cache: {kept} of {len(tokens)} prompt tokens reused; "
               + (f"saved to {args.prompt_cache_file}" if saved else
                  "not saved (the rotating cache wrapped around: raise --max-kv-size)"),

@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES
 
-from . import validate_gguf
+from . import validate, validate_gguf
 from .errors import UserError
 from .models import GGUF_ARCHITECTURES, llama
 from .pretokenizers import pre_tokenizer
@@ -34,8 +34,13 @@ class _Header:
     """Metadata and tensor directory of a GGUF file (GGUF v2/v3 layout, little-endian)."""
 
     def __init__(self, path):
-        with open(path, "rb") as f:
-            self.buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        with validate.open_file(path) as f:  # a regular file only (a FIFO: never waited on)
+            try:
+                self.buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except OSError as e:  # ENOMEM: no address space left for the file (ulimit -v)
+                raise UserError(f"{path}: cannot map the file into memory ({e.strerror}): the "
+                                "process is out of address space; raise its limit (ulimit -v) "
+                                "or free memory") from None
         self.pos = 4
         if self.buf[:4] != b"GGUF":
             raise ValueError("not a GGUF file (bad magic)")

@@ -1,6 +1,6 @@
 """load(): a local HF folder, a Hugging Face repo id, or a llama GGUF file -> (model, tokenizer)."""
 import dataclasses
-import json
+import hashlib
 from functools import lru_cache
 import os
 import re
@@ -73,7 +73,7 @@ def _is_repo_id(s):
 def resolve(path_or_repo, patterns=HUB_PATTERNS):
     """A local path as it is; a repo id through the hub cache (HF_HUB_OFFLINE is honoured)."""
     path = Path(path_or_repo).expanduser()
-    if path.exists():
+    if validate.present(path):  # a FIFO, a loop or an unreadable file too: load names it
         return path
     s = str(path_or_repo)
     if not _is_repo_id(s):
@@ -94,13 +94,10 @@ def resolve(path_or_repo, patterns=HUB_PATTERNS):
 
 def read_config(folder):
     file = folder / "config.json"
-    if not file.exists():
+    if not validate.present(file):
         raise UserError(f"{folder}: not a model folder (no config.json); expected a Hugging Face "
                         "checkpoint (config.json + *.safetensors) or a .gguf file")
-    try:
-        config = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{file}: invalid JSON ({e}); the file is damaged")
+    config = validate.read_json(file)
     validate.config_object(config, file)
     return config
 
@@ -236,6 +233,10 @@ def _materialize(model, progress):
             shown.update(v.nbytes)
 
 
+# what the tokenizer libraries may open in a folder (checked to be regular files first)
+TOKENIZER_FILES = ("*.json", "*.jinja", "*.model", "*.tiktoken", "merges.txt", "vocab.txt")
+
+
 def load_tokenizer(folder, tokenizer=None, gguf_meta=None):
     from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
     from mlx_lm.tokenizer_utils import load as load_hf_tokenizer
@@ -243,11 +244,11 @@ def load_tokenizer(folder, tokenizer=None, gguf_meta=None):
     if tokenizer is not None:
         folder = resolve(tokenizer, patterns=["tokenizer*", "special_tokens_map.json", "*.model",
                                               "*.jinja"])
-        if folder.is_file():
+        if not folder.is_dir():
             if folder.suffix != ".model":
                 raise UserError(f"{folder}: --tokenizer takes a folder, a repo id or a "
                                 "sentencepiece .model file")
-            return _sentencepiece_tokenizer(folder)
+            return _sentencepiece_tokenizer(validate.check_file(folder))
     elif gguf_meta is not None:
         from functools import partial
 
@@ -260,7 +261,7 @@ def load_tokenizer(folder, tokenizer=None, gguf_meta=None):
             return TokenizerWrapper(tok, partial(SPMStreamingDetokenizer,
                                                  trim_space=tok.add_dummy_prefix))
         return TokenizerWrapper(tok, BPEStreamingDetokenizer)
-    files = {p.name for p in folder.iterdir()}
+    files = validate.folder_files(folder, TOKENIZER_FILES)  # each a regular file, readable
     if {"tokenizer.json", "tokenizer_config.json"} & files:
         try:
             return load_hf_tokenizer(folder)
@@ -275,9 +276,10 @@ def load_tokenizer(folder, tokenizer=None, gguf_meta=None):
 
 def _model_type(folder):
     try:
-        return json.loads((folder / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError):
+        config = validate.read_json(folder / "config.json")
+    except UserError:
         return None
+    return config.get("model_type") if isinstance(config, dict) else None
 
 
 def _sentencepiece_tokenizer(file):
@@ -310,7 +312,10 @@ def load(path_or_repo=None, norm="flash", bits=None, dtype="auto", tokenizer=Non
         raise UserError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, not '{dtype}'")
     path = default_model_path() if path_or_repo is None else resolve(path_or_repo)
     group = world() if distributed else None
-    if path.is_file():
+    settings = {"norm": norm, "bits": bits, "group_size": group_size, "tokenizer": tokenizer,
+                "ranks": group.size() if group is not None else 1}
+    if not path.is_dir():
+        validate.check_file(path)  # a FIFO, a loop, an unreadable file: named, never waited on
         if path.suffix != ".gguf":
             raise UserError(f"{path}: not a model; pass a model folder, a .gguf file or a repo id")
         from .gguf import read_gguf
@@ -329,18 +334,56 @@ def load(path_or_repo=None, norm="flash", bits=None, dtype="auto", tokenizer=Non
                             group_size=group_size if bits else None)
         tok = _gguf_tokenizer(path, tokenizer, meta)
     else:
+        validate.read_folder(path)  # an unreadable folder named as such
         config, source = read_config(path), path / "config.json"
         model_args(config, source)  # fail on a bad config before reading gigabytes of weights
         model = build_model(config, read_safetensors(path), progress, source, weights_source=path,
                             group=group, group_size=group_size if bits else None)
         tok = load_tokenizer(path, tokenizer)
+    validate.tokenizer_ids(tok, model.args.vocab_size, _tokenizer_source(path, tokenizer))
     validate.chat_template(tok, _template_source(path, tokenizer))
-    model.set_dtype(DTYPES[resolve_dtype(dtype, config)])
+    settings["dtype"] = resolve_dtype(dtype, config)
+    model.fingerprint = fingerprint(_model_files(path, tokenizer), settings)
+    model.set_dtype(DTYPES[settings["dtype"]])
     model = prepare(model, norm=norm, bits=bits, group_size=group_size, concat=concat)
     if group is not None:
         connect(model, group)
     _add_config_eos(tok, config)
     return model, tok
+
+
+FINGERPRINT_SAMPLE = 1 << 18  # bytes read from each end of a large file for its fingerprint
+
+
+def fingerprint(files, settings):
+    """A short hash that changes with the model that load() makes of files with settings: each
+    file's name, size, modification time and bytes (a large file's first and last
+    FINGERPRINT_SAMPLE), and the settings. A prompt cache saved to disk carries it, so that one
+    made from other weights or tokenizer files at the same path is never used."""
+    h = hashlib.sha256(repr(sorted(settings.items())).encode())
+    for file in sorted(set(files)):
+        with validate.open_file(file) as f:
+            info = os.fstat(f.fileno())
+            h.update(f"\n{file.name} {info.st_size} {info.st_mtime_ns}\n".encode())
+            if info.st_size > 2 * FINGERPRINT_SAMPLE:
+                h.update(f.read(FINGERPRINT_SAMPLE))
+                f.seek(-FINGERPRINT_SAMPLE, os.SEEK_END)
+            h.update(f.read())
+    return h.hexdigest()[:32]
+
+
+def _model_files(path, tokenizer):
+    """The files load() read: the GGUF, or the folder's weights, config and tokenizer files; a
+    local --tokenizer's too (a repo id is a setting: the hub cache keeps a revision's files)."""
+    def tokenizer_files(folder):
+        return [folder / n for n in validate.folder_files(folder, TOKENIZER_FILES)]
+
+    files = ([path] if not path.is_dir()
+             else [*validate.safetensors_files(path), *tokenizer_files(path)])
+    local = Path(tokenizer).expanduser() if tokenizer is not None else None
+    if local is not None and validate.present(local):
+        files += tokenizer_files(local) if local.is_dir() else [local]
+    return files
 
 
 def _gguf_tokenizer(path, tokenizer, meta):
@@ -354,6 +397,16 @@ def _gguf_tokenizer(path, tokenizer, meta):
         raise UserError(f"{path}: its tokenizer metadata (tokenizer.ggml.*) does not make a "
                         f"tokenizer ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
                         "the file is damaged, or pass --tokenizer PATH_OR_REPO")
+
+
+def _tokenizer_source(path, tokenizer):
+    """The tokenizer's file, for messages: a GGUF's metadata, tokenizer.json or tokenizer.model."""
+    if tokenizer is not None:
+        return f"--tokenizer {tokenizer}"
+    if path.is_file():
+        return f"{path}: GGUF metadata 'tokenizer.ggml.tokens'"
+    return next((path / f for f in ("tokenizer.json", "tokenizer.model") if (path / f).exists()),
+                path)
 
 
 def _template_source(path, tokenizer):

@@ -1,16 +1,24 @@
 """Validation of Hugging Face checkpoints and of the weights of every format, at the boundary.
 
-One place for each thing read: safetensors files (the header: dtypes, shapes, byte ranges inside
-the file that overlap no other) and their index.json (valid JSON whose weight_map names files inside
-the model folder); config.json (the type and range of every key the loader reads, from the model's
-ModelArgs annotations); the weights handed to a model whatever their format (each role's dtype,
-a quantization block that matches them, finite values); the chat template (it compiles and renders).
+One place for each thing read: every file opened as a model's, a tokenizer's or a cache's (only
+a regular file is opened, and never waiting: open_file, read_json); safetensors files (the header:
+dtypes, shapes, byte ranges inside the file that overlap no other) and their index.json (valid
+JSON whose weight_map names files inside the model folder); config.json (the type and range of
+every key the loader reads, from the model's ModelArgs annotations); the weights handed to a model
+whatever their format (each role's dtype, a quantization block that matches them, finite values);
+the tokenizer (no id past the embedding); the chat template (it compiles and renders).
 Every failure is a UserError naming the file and the field, so nothing damaged loads silently.
 (GGUF files: validate_gguf.)"""
 import dataclasses
+import errno
+import fnmatch
 import json
 import math
+import operator
+import os
+import stat
 import typing
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -43,21 +51,116 @@ def _show(v):
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+# files -------------------------------------------------------------------------------------------
+
+SPECIAL = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFDIR: "a folder",
+           stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
+           stat.S_IFBLK: "a block device"}
+
+
+def file_error(path, e):
+    """The one-line UserError for an OSError met opening or reading path."""
+    if e.errno == errno.ELOOP:
+        why = "a loop of symbolic links that never reaches a file"
+    elif e.errno in (errno.EACCES, errno.EPERM):
+        why = "permission denied; check its permissions"
+    elif e.errno == errno.EISDIR:
+        why = "a folder, not a file"
+    else:
+        why = e.strerror or type(e).__name__
+    return UserError(f"{path}: cannot be read ({why})")
+
+
+@contextmanager
+def open_file(path):
+    """path opened for reading (binary), only if it is a regular file: it is opened without
+    waiting (opening a FIFO for reading waits for a writer forever) and checked before a byte is
+    read. A FIFO, a folder, a device, a symbolic link loop, an unreadable or a missing file is a
+    one-line UserError naming it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise file_error(path, e) from None
+    try:
+        kind = stat.S_IFMT(os.fstat(fd).st_mode)
+        if kind != stat.S_IFREG:
+            raise UserError(f"{path}: is {SPECIAL.get(kind, 'a special file')}, not a regular "
+                            "file; remove it or put the real file there")
+        os.set_blocking(fd, True)
+        f = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    with f:
+        try:
+            yield f
+        except OSError as e:  # a read that fails (an I/O error, a file cut short under us)
+            raise file_error(path, e) from None
+
+
+def check_file(path):
+    """path is a regular file this process can read (open_file), for a reader that opens it
+    itself (MLX's loaders, the tokenizer libraries). Returns path."""
+    with open_file(path):
+        return path
+
+
+def present(path):
+    """Whether something is at path (a broken link, a loop or an unreadable file too: opening it
+    then says what is wrong), never raising."""
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def read_folder(folder):
+    """The names in a folder; an unreadable one is a one-line UserError naming it."""
+    try:
+        return os.listdir(folder)
+    except OSError as e:
+        raise file_error(folder, e) from None
+
+
+def folder_files(folder, patterns):
+    """The names in folder (read_folder) that match one of the glob patterns, each checked to be
+    a regular file this process can read (check_file)."""
+    names = {n for n in read_folder(folder) if any(fnmatch.fnmatchcase(n, p) for p in patterns)}
+    for name in sorted(names):
+        check_file(Path(folder) / name)
+    return names
+
+
+def read_json(path, what="valid JSON", fix="the file is damaged"):
+    """The JSON document in the regular file path (open_file); invalid JSON, UTF-8 or nesting too
+    deep for the parser is a one-line UserError naming the file: "PATH: not WHAT (...); FIX"."""
+    with open_file(path) as f:
+        raw = f.read()
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        detail = "nested too deeply to read"
+    except (ValueError, UnicodeDecodeError) as e:
+        detail = str(e).splitlines()[0]
+    raise UserError(f"{path}: not {what} ({detail}); {fix}")
+
+
 # safetensors -------------------------------------------------------------------------------------
 
 def safetensors_files(folder):
     """The weight files of a checkpoint folder: the shards its index.json names (each inside the
     folder), else every *.safetensors in it."""
     index = folder / "model.safetensors.index.json"
-    if not index.exists():
-        return sorted(folder.glob("*.safetensors"))
-    try:
-        weight_map = json.loads(index.read_text()).get("weight_map")
-    except (ValueError, UnicodeDecodeError, AttributeError) as e:
-        detail = (str(e).splitlines()[0] if not isinstance(e, AttributeError)
-                  else "not a JSON object")
-        raise UserError(f"{index}: not a valid index ({detail}); the file is damaged, "
+    if not present(index):
+        return sorted(folder / n for n in read_folder(folder) if n.endswith(".safetensors"))
+    weight_map = read_json(index, "a valid index", "the file is damaged, download it again")
+    if not isinstance(weight_map, dict):
+        raise UserError(f"{index}: not a valid index (not a JSON object); the file is damaged, "
                         "download it again")
+    weight_map = weight_map.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map or \
             not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
         raise UserError(f"{index}: 'weight_map' is missing or not an object of tensor name -> file "
@@ -70,7 +173,7 @@ def safetensors_files(folder):
             raise UserError(f"{index}: 'weight_map' names '{s}', which is not a .safetensors file "
                             "in the model folder; the index is damaged or hostile, download it "
                             "again")
-        if not target.exists():
+        if not present(folder / s):
             raise UserError(f"{folder}: shard {s} listed in {index.name} is missing; "
                             "download it again")
     return [folder / s for s in shards]
@@ -82,16 +185,19 @@ def safetensors_header(file):
     def bad(why):
         return UserError(f"{file}: {why}; the file is truncated or corrupt, download it again")
 
-    size = file.stat().st_size
-    with open(file, "rb") as f:
+    with open_file(file) as f:
+        size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         n = int.from_bytes(head, "little") if len(head) == 8 else -1
         if not 0 < n <= min(size - 8, MAX_HEADER):
             raise bad(f"header length {n} does not fit the file's {size} bytes")
-        try:
-            header = json.loads(f.read(n))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise bad(f"header is not valid JSON ({str(e).splitlines()[0]})")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except RecursionError:
+        raise bad("header is JSON nested too deeply to read")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad(f"header is not valid JSON ({str(e).splitlines()[0]})")
     if not isinstance(header, dict):
         raise bad("header is not a JSON object")
     data, spans = size - 8 - n, []
@@ -315,6 +421,27 @@ def finite(model, source):
     name = params[bad.tolist().index(True)][0]
     raise UserError(f"{source}: tensor '{name}' holds NaN or infinite values; "
                     "the weights are damaged")
+
+
+# tokenizer ---------------------------------------------------------------------------------------
+
+def tokenizer_ids(tokenizer, vocab_size, source):
+    """Every id the tokenizer can produce (its vocabulary, added and special tokens) lies below
+    vocab_size, the embedding's rows (config and weights agree on them: the model's load is
+    strict about shapes): an id past them would read beyond the embedding. A tokenizer smaller
+    than the embedding is normal (padding rows). One max over the ids, no loop in Python."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper holds it
+    backend = getattr(hf, "backend_tokenizer", None)  # a fast tokenizer: tokenizer.json
+    vocab = backend.get_vocab(with_added_tokens=True) if backend is not None else hf.get_vocab()
+    token, top = max(vocab.items(), key=operator.itemgetter(1), default=(None, -1))
+    added = getattr(hf, "added_tokens_decoder", None) or {}
+    for i in [*added, *(getattr(hf, "all_special_ids", None) or [])]:
+        if _is_int(i) and i > top:
+            token, top = str(added.get(i, i)), i
+    if top >= vocab_size:
+        raise UserError(f"{source}: token {token!r} has id {top}, beyond the model's vocabulary "
+                        f"of {vocab_size} (its embedding's rows); the tokenizer is damaged or not "
+                        "this model's: pass --tokenizer with the model's own")
 
 
 # chat template -----------------------------------------------------------------------------------

@@ -147,3 +147,14 @@ def test_convert_errors_are_one_error_line(tmp_path, tiny_llama_dir):
     with pytest.raises(UserError, match="cannot write .*out"):
         export(model, tok, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_convert_refuses_to_quantize_a_quantized_checkpoint(tmp_path):
+    """-q of an already quantized source (the embedded 4-bit GGUF) used to write, silently, a model
+    that answers nonsense; as generate --bits does, convert refuses it: one line, nothing written."""
+    from conftest import in_process
+    from mlx_flashnorm.convert import main
+
+    r = in_process(main, "--flashnorm", "-q", "--out", str(tmp_path / "out"))
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and "already quantized" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and list(tmp_path.iterdir()) == []

@@ -1,7 +1,9 @@
 """Fuzzing the loader with damaged headers (issue 31): seeded mutations of the header of the real
-embedded GGUF and of a small safetensors checkpoint. Every outcome must be a UserError or a model
-whose logits equal the original's: never another exception, never a model that computes something
-else. Mutations that make another valid model (a RoPE base rewritten to another positive float,
+embedded GGUF and of a small safetensors checkpoint; and (issue 64) special files in place of a
+checkpoint's (a FIFO, a folder, a symlink loop, an unreadable file), JSON nested too deeply and
+token ids past the embedding. Every outcome must be a UserError or a model whose logits equal the
+original's (and whose tokenizer has no id past its embedding): never another exception, never a
+hang, never a model that computes something else. Mutations that make another valid model (a RoPE base rewritten to another positive float,
 two same-shaped tensors swapped) are left out: no check can tell them from a real file."""
 import json
 import math
@@ -14,12 +16,14 @@ import mlx.core as mx
 import pytest
 from conftest import TINY_LLAMA, make_checkpoint
 from gguf_edit import fields
+from special_files import KINDS, deep_json, replace, unprivileged, within
 
 from mlx_flashnorm import load, loader
 from mlx_flashnorm.errors import UserError
 
 GGUF_CASES = 80
 SAFETENSORS_CASES = 400
+FILE_CASES = 60
 TOKENS = mx.array([[1, 17, 4, 33, 9, 2]])  # ids inside both vocabularies
 
 
@@ -31,7 +35,8 @@ class Tally:
 
     def run(self, path, what):
         try:
-            model, _ = load(str(path), norm="rms", progress=False)  # as the references are
+            with within(), unprivileged():  # a FIFO must not hang it; permissions bind root too
+                model, tok = load(str(path), norm="rms", progress=False)  # as the references are
         except UserError as e:
             assert "\n" not in str(e), (what, str(e))
             self.errors += 1
@@ -39,6 +44,8 @@ class Tally:
         except Exception as e:
             raise AssertionError(f"{what}: {type(e).__name__} instead of a UserError: {e}") from e
         assert mx.array_equal(model(TOKENS), self.reference), f"{what}: loaded, but computes other logits"
+        vocab = tok._tokenizer.get_vocab()
+        assert max(vocab.values()) < model.args.vocab_size, f"{what}: loaded a token id past the embedding"
         self.matched += 1
 
 
@@ -175,3 +182,57 @@ def test_fuzz_safetensors_header(tmp_path, spm_model, capsys):
         print(f"\nsafetensors fuzz: {SAFETENSORS_CASES} mutations, {tally.errors} refused, "
               f"{tally.matched} loaded and matched")
     assert tally.errors + tally.matched == SAFETENSORS_CASES and tally.errors > 0 and tally.matched > 0
+
+
+# special files, deep nesting, token ids past the embedding (issue 64) -----------------------------
+
+FILES = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+         "model.safetensors.index.json"]
+IDS = [5, 49151, 49152, 49153, 60_000, 1 << 31, 10**9, (1 << 32) - 1, 1 << 40, -1]  # 2 inside
+
+
+def file_mutation(folder, rng):
+    """Damage one file of a checkpoint folder in place; returns what was done."""
+    kind = rng.choice(["special", "deep", "token id", "added token id"])
+    name = rng.choice(FILES)
+    if kind == "special":
+        replace(folder / name, rng.choice(KINDS))
+        return f"{name} made a special file"
+    if kind == "deep":
+        depth = rng.choice([900, 5000, 100_000])
+        if name == "model.safetensors":  # the header
+            raw = (folder / name).read_bytes()
+            header = deep_json(depth).encode()
+            (folder / name).write_bytes(len(header).to_bytes(8, "little") + header + raw[8:])
+        else:
+            (folder / name).write_text(deep_json(depth))
+        return f"{name} nested {depth} deep"
+    file = folder / "tokenizer.json"
+    tokenizer = json.loads(file.read_text())
+    new_id = rng.choice(IDS)
+    if kind == "token id":
+        token = rng.choice(list(tokenizer["model"]["vocab"]))
+        tokenizer["model"]["vocab"][token] = new_id
+    else:
+        tokenizer["added_tokens"].append({"id": new_id, "content": "<fuzz>", "single_word": False,
+                                          "lstrip": False, "rstrip": False, "normalized": False,
+                                          "special": True})
+    file.write_text(json.dumps(tokenizer))
+    return f"tokenizer.json: a {kind} of {new_id}"
+
+
+def test_fuzz_special_files_deep_json_and_token_ids(tmp_path, tiny_llama_dir, capsys):
+    reference = load(str(tiny_llama_dir), norm="rms", progress=False)[0](TOKENS)
+    rng, tally = random.Random(64), Tally(reference)
+    for case in range(FILE_CASES):
+        folder = shutil.copytree(tiny_llama_dir, tmp_path / f"case{case}")
+        what = file_mutation(folder, rng)
+        tally.run(folder, f"case {case}: {what}")
+        for f in folder.iterdir():
+            if not f.is_symlink():
+                os.chmod(f, 0o755)
+        shutil.rmtree(folder)
+    with capsys.disabled():
+        print(f"\nfile fuzz: {FILE_CASES} mutations, {tally.errors} refused, {tally.matched} loaded and "
+              "matched")
+    assert tally.errors + tally.matched == FILE_CASES and tally.errors > 0

@@ -155,9 +155,12 @@ def test_prompt_cache_file_is_reused_and_replaced_atomically(tiny_llama_dir, tmp
 
 
 def test_prompt_from_standard_input(tiny_llama_dir):
+    """`echo TEXT | generate --prompt -` prompts TEXT, as --prompt TEXT does: the trailing newline
+    that echo adds is dropped (it made the embedded model answer the France question with
+    nonsense)."""
     base = ("mlx_flashnorm.generate", "--model", str(tiny_llama_dir), "-m", "5", "--ignore-chat-template")
-    piped = cli(*base, "-p", "-", stdin="once upon a time\n")
-    given = cli(*base, "-p", "once upon a time\n")
+    piped = cli(*base, "-p", "-", stdin="once upon a time\n")  # echo's newline is not the prompt's
+    given = cli(*base, "-p", "once upon a time")
     assert piped.returncode == 0, piped.stderr
     assert piped.stdout.split(" tokens,")[0] == given.stdout.split(" tokens,")[0]  # the text, the prompt's size
     empty = cli(*base, "-p", "-", stdin="")
@@ -171,3 +174,27 @@ def test_kv_group_size_must_divide_a_head_size_the_config_does_not_state():
     arch, args = model_args(QWEN2)
     with pytest.raises(UserError, match=r"divide the head size \(16\), not 32"):
         gen.eager_cache(arch.Model(args), kv_bits=8, kv_group_size=32)
+
+
+def test_sampler_and_verbose_as_mlx_lm_takes_them(tiny, capsys):
+    """generate and stream_generate take mlx-lm's sampler= (a callable: log-probabilities -> token,
+    such as make_sampler's) in place of temp, top_p, top_k and min_p, and generate's verbose=True
+    prints what mlx_lm.generate prints: the text between two rules, then the speeds and memory."""
+    import re
+
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tok = tiny
+    sampled = tokens(model, tok, temp=0.8, top_p=0.9, seed=5)
+    assert tokens(model, tok, sampler=make_sampler(0.8, top_p=0.9), seed=5) == sampled
+    assert tokens(model, tok, n=3, sampler=lambda logprobs: mx.array([42])) == [42, 42, 42]
+    assert gen.generate(model, tok, "Hi", max_tokens=3, sampler=lambda lp: mx.array([42])) == tok.decode([42] * 3)
+    with pytest.raises(UserError, match="sampler"):
+        tokens(model, tok, sampler=make_sampler(0.8), temp=0.5)
+    capsys.readouterr()
+    text = gen.generate(model, tok, "Tell me a story.", max_tokens=5, verbose=True)
+    out = capsys.readouterr().out
+    assert re.fullmatch(r"==========\n(.*)\n==========\nPrompt: \d+ tokens, [\d.]+ tokens-per-sec\n"
+                        r"Generation: 5 tokens, [\d.]+ tokens-per-sec\nPeak memory: [\d.]+ GB\n", out, re.S), out
+    assert out.split("\n==========\n")[0] == "==========\n" + text
+    assert gen.generate(model, tok, "Tell me a story.", max_tokens=5) == text and capsys.readouterr().out == ""

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from conftest import TINY_LLAMA, cli, write_checkpoint
 from gguf_edit import fields, find, write
+from special_files import KINDS, deep_json, replace, unprivileged, within
 
 from mlx_flashnorm import load, loader
 from mlx_flashnorm.errors import UserError
@@ -275,6 +276,159 @@ def test_broken_chat_template_in_tokenizer_config(folder):
     r = cli("mlx_flashnorm.generate", "--model", str(folder), "--prompt", "hi")
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.startswith("error: ") and "chat template" in r.stderr, r.stderr
+
+
+# token ids past the embedding -------------------------------------------------------------------
+
+def edit_tokenizer(folder, edit):
+    file = folder / "tokenizer.json"
+    tokenizer = json.loads(file.read_text())
+    edit(tokenizer)
+    file.write_text(json.dumps(tokenizer))
+
+
+@pytest.mark.parametrize("token_id", [60_000, 10**9])
+def test_tokenizer_id_past_the_embedding(folder, token_id):
+    """A tokenizer.json mapping a token (" t") to an id past the embedding's 49,152 rows is refused
+    at load, where it used to load and then read beyond the embedding (10^9: a segfault)."""
+    edit_tokenizer(folder, lambda t: t["model"]["vocab"].update({"\u0120t": token_id}))
+    refused(folder, "tokenizer.json", str(token_id), "49152")
+    r = cli("mlx_flashnorm.generate", "--model", str(folder), "--prompt", "a t b t c t",
+            "--ignore-chat-template", "-m", "2")
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and "tokenizer.json" in r.stderr, r.stderr
+
+
+def test_added_token_id_past_the_embedding(folder):
+    edit_tokenizer(folder, lambda t: t["added_tokens"].append(
+        {"id": 50_000, "content": "<extra>", "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": True}))
+    refused(folder, "tokenizer.json", "<extra>", "beyond the model's vocabulary")
+
+
+def test_tokenizer_smaller_than_the_embedding_loads(tiny_llama_dir, tmp_path):
+    """Padding rows (an embedding larger than the tokenizer) are normal."""
+    from conftest import make_checkpoint
+
+    config = dict(TINY_LLAMA, vocab_size=TINY_LLAMA["vocab_size"] + 64)
+    folder, _ = make_checkpoint(tmp_path / "padded", config)
+    for f in tiny_llama_dir.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template")):
+            shutil.copy(f, folder)
+    model, tok = load(str(folder), progress=False)
+    assert model.args.vocab_size == config["vocab_size"] > len(tok.get_vocab())
+
+
+def test_prompt_ids_past_the_vocabulary_never_reach_the_model(folder):
+    """The second line of defence: ids of a prompt, as text or as a list, are checked against the
+    model's vocabulary before the model runs (encode_prompt, stream_generate, the server's
+    parse_call)."""
+    from mlx_flashnorm import stream_generate
+    from mlx_flashnorm.decoding import encode_prompt
+    from mlx_flashnorm.serve.openai_api import HTTPError, parse_call
+
+    model, tok = load(str(folder), progress=False)
+    vocab = model.args.vocab_size
+    with pytest.raises(UserError, match="outside the model's vocabulary of 5"):
+        encode_prompt(tok, "hello world", chat_template=False, vocab=5)
+    for ids in ([1, vocab], [1, -1]):
+        with pytest.raises(UserError, match="vocabulary"):
+            next(stream_generate(model, tok, ids, max_tokens=1))
+    defaults = {"max_tokens": 4, "temp": 0.0, "top_p": 1.0, "top_k": 0}
+    for chat, body in ((False, {"prompt": "hello world"}),
+                       (True, {"messages": [{"role": "user", "content": "hello"}]})):
+        with pytest.raises(HTTPError, match="vocabulary"):
+            parse_call(body, chat, tok, 64, 5, defaults)
+
+
+# special files in place of a model's, a tokenizer's or a cache's file -----------------------------
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "tokenizer.json"])
+def test_special_file_in_a_model_folder(folder, name, kind):
+    """A FIFO (it used to hang), a folder, a symlink loop or an unreadable file in place of one of
+    a checkpoint's files: a one-line error naming it."""
+    replace(folder / name, kind)
+    with within(), unprivileged():
+        refused(folder, name)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_special_file_as_the_gguf_model(original, tmp_path, kind):
+    path = tmp_path / "model.gguf"
+    shutil.copyfile(original[0], path)
+    replace(path, kind)
+    with within(), unprivileged():
+        refused(path, "model.gguf")
+
+
+def test_unreadable_model_folder(folder):
+    os.chmod(folder, 0)
+    try:
+        with within(), unprivileged():
+            refused(folder, str(folder))
+    finally:
+        os.chmod(folder, 0o755)
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json"])
+def test_json_nested_too_deeply(folder, name):
+    (folder / name).write_text(deep_json())
+    refused(folder, name, "nested")
+
+
+def test_safetensors_header_nested_too_deeply(folder):
+    file = folder / "model.safetensors"
+    header = deep_json().encode()
+    header += b" " * (-len(header) % 8)
+    file.write_bytes(len(header).to_bytes(8, "little") + header + bytes(64))
+    refused(folder, "model.safetensors", "nested")
+
+
+def test_gguf_that_cannot_be_mapped(original, monkeypatch):
+    """An mmap that runs out of address space (ENOMEM) names the file."""
+    import errno
+
+    from mlx_flashnorm import gguf
+
+    def no_room(*args, **kwargs):
+        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+    monkeypatch.setattr(gguf.mmap, "mmap", no_room)
+    refused(original[0], original[0].name, "address space")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_special_file_as_the_prompt_cache_file(tmp_path, kind):
+    """--prompt-cache-file naming a FIFO (it used to hang), a folder, a symlink loop or an
+    unreadable file: a one-line error before the model loads, and nothing written through it."""
+    from mlx_flashnorm.serve import prompt_cache
+
+    path = tmp_path / "cache.safetensors"
+    replace(path, kind)
+    with within(), unprivileged():
+        with pytest.raises(UserError, match="cache.safetensors") as e:
+            prompt_cache.check_path(path)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_special_file_in_the_kernel_cache(tmp_path, kind):
+    """A special file in place of a kernel cache's file (a cubin, the self-checks' record) is a
+    cache miss, and a write replaces it rather than writing through it."""
+    from mlx_flashnorm.kernels import check, nvrtc
+
+    path = tmp_path / "self-check.json"
+    replace(path, kind)
+    with within(), unprivileged():
+        assert nvrtc.read_cached(path) is None
+        assert check._read_passed(path) == set()
+    check._write_passed(path, {"add_rss"})
+    if kind == "folder":  # left as it is: a cache is not worth a folder
+        assert path.is_dir() and check._read_passed(path) == set()
+        return
+    assert not path.is_symlink() and check._read_passed(path) == {"add_rss"}
+    nvrtc.write_cached(path, b"cubin")
+    assert nvrtc.read_cached(path) == b"cubin" and [p.name for p in tmp_path.iterdir()] == [path.name]
 
 
 def test_valid_files_still_load(folder):

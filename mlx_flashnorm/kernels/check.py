@@ -7,7 +7,6 @@ so later processes skip it: a check costs seconds per kernel even with MLX's ker
 check is never kept."""
 import hashlib
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -39,24 +38,19 @@ def _passed_file():
 
 
 def _read_passed(file):
-    """The names kept in file; a file of any other content (not a JSON list of names) is treated
-    as absent."""
+    """The names kept in file; a file of any other content (not a JSON list of names), or no
+    regular file there (nvrtc.read_cached), is treated as absent."""
     try:
-        names = json.loads(file.read_text())
-    except (OSError, ValueError):
+        names = json.loads(nvrtc.read_cached(file) or b"")
+    except (ValueError, RecursionError):  # b"" (a miss) is not JSON either
         return set()
     return (set(names) if isinstance(names, list) and all(isinstance(n, str) for n in names)
             else set())
 
 
 def _write_passed(file, passed):
-    try:  # a temporary file renamed into place; a read-only cache only costs the next process time
-        file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = file.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(sorted(passed)))
-        tmp.replace(file)
-    except OSError:
-        pass
+    # a temporary file renamed into place; a read-only cache only costs the next process time
+    nvrtc.write_cached(file, json.dumps(sorted(passed)).encode())
 
 
 def self_check(names=None):

@@ -4,6 +4,7 @@ GPU architecture and NVRTC's version. MLX compiles an mx.fast.cuda_kernel with N
 process, slowly; a kept binary loads quickly (bench/RESULTS.md, "Compile once")."""
 import hashlib
 import os
+import stat
 from functools import lru_cache
 from pathlib import Path
 
@@ -11,6 +12,45 @@ import mlx.core as mx
 
 # Compiled kernels and the self-checks that passed (kernels.check) are kept here.
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mlx_flashnorm"
+
+
+def read_cached(file):
+    """A cache file's bytes, or None (a cache miss) where there is no regular file to read: it is
+    opened without waiting (a FIFO in its place would wait for a writer forever) and read only if
+    it is a regular file; a folder, a link loop or an unreadable file is a miss too."""
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        os.set_blocking(fd, True)
+        with open(fd, "rb", closefd=False) as f:
+            return f.read()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def write_cached(file, data):
+    """Keep data in a cache file: written to a temporary file made anew beside it and renamed into
+    place, so that a special file there is replaced, never written through (a folder stays). A
+    cache that cannot be written only costs the next process time."""
+    tmp = file.with_suffix(f".tmp{os.getpid()}")
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        with open(fd, "wb") as f:
+            f.write(data)
+        tmp.replace(file)
+    except OSError:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 @lru_cache(maxsize=None)
@@ -71,18 +111,11 @@ def cuda_binary(name, code):
     arch = _cuda_arch()
     key = hashlib.sha256(f"{code}\n{arch}\n{version}".encode()).hexdigest()[:24]
     file = CACHE_DIR / "cuda" / f"{name}-{key}.cubin"
-    try:
-        return file.read_bytes()
-    except OSError:
-        pass
+    cached = read_cached(file)
+    if cached is not None:
+        return cached
     binary = compile_cubin(lib, name, code, arch, _cuda_include())[0]
-    try:
-        file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = file.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_bytes(binary)
-        tmp.replace(file)
-    except OSError:  # a read-only cache only costs the next process a compile
-        pass
+    write_cached(file, binary)  # a read-only cache only costs the next process a compile
     return binary
 
 

@@ -164,6 +164,8 @@ def parse_call(body, chat, tokenizer, context, vocab, defaults):
         tokens, prompt = completion_tokens(body, tokenizer, vocab)
         offset = len(prompt)
     where = "messages" if chat else "prompt"
+    if max(tokens, default=0) >= vocab:  # a tokenizer's id past the embedding: never run
+        raise bad(f"the prompt's token id {max(tokens)} is beyond the vocabulary ({vocab})", where)
     if len(tokens) >= context:
         raise bad(f"the prompt has {len(tokens)} tokens, the model's context is {context}", where)
     room = context - len(tokens)

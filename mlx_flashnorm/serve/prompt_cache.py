@@ -6,20 +6,26 @@ prefills only the rest.
   entry sharing the longest prefix with the prompt, whatever follows in either; eviction is least
   recently used, bounded by the bytes the entries hold.
 - On disk, across runs (--prompt-cache-file: check_path, reuse, save): mlx-lm's prompt-cache format
-  (mlx_lm.models.cache.save_prompt_cache: safetensors, the cache classes in its metadata) with three
-  entries of ours in that metadata: the model it was made with, the prompt's token ids and the KV
-  bits. It is written to a temporary file beside it and renamed into place, so a run cut short
-  leaves the old file or none."""
+  (mlx_lm.models.cache.save_prompt_cache: safetensors, the cache classes in its metadata) with four
+  entries of ours in that metadata: the model it was made with (--model), the fingerprint of its
+  files and load settings (loader.fingerprint), the prompt's token ids and the KV bits. What it
+  holds is checked against them and against the model before it is used (check). It is written to
+  a temporary file beside it and renamed into place, so a run cut short leaves the old file or
+  none."""
+import copy
 import json
 import os
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models.cache import save_prompt_cache
 
+from .. import validate
 from ..errors import UserError
 
 def common_prefix(a, b):
@@ -174,35 +180,56 @@ SUFFIX = ".safetensors"
 
 
 def check_path(path):
+    """path as a prompt cache file's: named *.safetensors in a folder that exists, and a regular
+    file this process can read where something is there already (a FIFO, a folder, a link loop or
+    an unreadable file is a one-line error: validate.check_file)."""
     path = Path(path)
     if path.suffix != SUFFIX:
         raise UserError(f"{path}: a prompt cache file's name must end in {SUFFIX}")
     if not path.parent.is_dir():
         raise UserError(f"{path.parent}: no such folder for the prompt cache file")
+    if validate.present(path):
+        validate.check_file(path)
     return path
 
 
-def reuse(path, model, model_id, tokens, kv_bits=None):
+class Stale(Exception):
+    """A prompt cache file of ours that must not be used: its message says why."""
+
+
+def reuse(path, model, model_id, tokens, fresh):
     """(cache, kept): the cache in the file trimmed to the longest prefix its prompt shares with
     `tokens` (never all of them: the last prompt token must be fed to get logits), and that
-    prefix's length; (None, 0) when there is no file yet."""
+    prefix's length; (None, 0) when there is no file yet. fresh: the empty cache this run makes
+    (decoding.eager_cache), whose kind the file's must be.
+
+    A file of ours that does not match this model and run (check: the fingerprint of the weights,
+    tokenizer and load settings, the token ids, the cache kinds, each array's shape and dtype, the
+    positions held, finite values) is not used: a one-line note on stderr says why, and save()
+    replaces it. A file that is not a prompt cache of ours, or one saved for another --model or
+    --kv-bits, is an error, and never overwritten."""
     path = check_path(path)
-    if not path.exists():
+    if not validate.present(path):
         return None, 0
+    kv_bits = getattr(fresh[0], "bits", None)
     try:
-        cache, meta = load_prompt_cache(str(path), return_metadata=True)
-        cached = json.loads(meta["tokens"])
-        saved_for, saved_bits = meta["model"], meta["kv_bits"]
+        arrays, meta = mx.load(str(path), return_metadata=True)
+        saved_for, saved_bits = meta["0.model"], meta["0.kv_bits"]
     except Exception as e:
         raise UserError(f"{path}: not a prompt cache file of ours ({type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else 'no detail'}); "
                         "delete it or pass another")
-    if saved_for != model_id or len(cache) != len(model.layers):
+    if saved_for != model_id:
         raise UserError(f"{path} holds the prompt cache of model {saved_for}, not of {model_id}: "
                         "pass another --prompt-cache-file or delete this one")
     if saved_bits != str(kv_bits):
         raise UserError(f"{path} was saved with --kv-bits {saved_bits}, this run has {kv_bits}: "
                         "pass the same --kv-bits or another file")
+    try:
+        cache, cached = check(arrays, meta, model, fresh)
+    except Stale as e:
+        print(f"note: {path}: {e}; not used (this run's save overwrites it)", file=sys.stderr)
+        return None, 0
     kept = common_prefix(cached, tokens[:-1])
     if not all(c.is_trimmable() for c in cache):
         if kept < len(cached):
@@ -213,20 +240,85 @@ def reuse(path, model, model_id, tokens, kv_bits=None):
     return cache, kept
 
 
-def save(path, cache, model_id, tokens, kv_bits=None):
+SETTINGS = ("group_size", "bits", "keep", "max_size")  # a cache kind's settings, which must agree
+
+
+def check(arrays, meta, model, fresh):
+    """(cache, its token ids) from a prompt cache file's arrays and metadata (mx.load's), checked
+    against the model and the empty cache this run makes (fresh), or Stale saying what does not
+    match. The file's layout is taken from fresh's, not from its own metadata: each layer's state
+    is that of a cache of fresh's kind that read a token, array for array, the same but for the
+    positions (axis 2)."""
+    if meta.get("0.fingerprint") != getattr(model, "fingerprint", None):
+        raise Stale("it was made from other weights, tokenizer or load settings than this "
+                    "model's (the files at this path changed, or the flags did)")
+    try:
+        cached = json.loads(meta["0.tokens"])
+    except (KeyError, ValueError, RecursionError):
+        raise Stale("its 'tokens' entry is not JSON") from None
+    vocab = model.args.vocab_size
+    if not (isinstance(cached, list) and cached
+            and all(type(t) is int and 0 <= t < vocab for t in cached)):
+        raise Stale(f"its 'tokens' entry is not a list of token ids below {vocab}")
+    kinds = [type(c).__name__ for c in fresh]
+    if [meta.get(f"1.{i}") for i in range(len(fresh) + 1)] != [*kinds, None]:
+        raise Stale(f"it does not hold {len(fresh)} layers of {kinds[0]}, as this run's cache")
+    probe = copy.deepcopy(fresh)  # its arrays' shapes and dtypes: a graph, never evaluated
+    model(mx.zeros((1, 1), mx.int32), cache=probe)
+    leaves = [(f"{i}.{key}", want) for i, c in enumerate(probe) for key, want in
+              tree_flatten(c.state)]
+    if set(arrays) != {name for name, _ in leaves}:
+        raise Stale("its arrays are not those of this model's caches")
+    cache, finite = [], []
+    for i, (c, made) in enumerate(zip(probe, fresh)):
+        state = []
+        for key, want in tree_flatten(c.state):
+            got = arrays[f"{i}.{key}"]
+            if isinstance(want, mx.array):
+                if got.dtype != want.dtype or got.ndim != want.ndim or \
+                        got.shape[:2] + got.shape[3:] != want.shape[:2] + want.shape[3:]:
+                    raise Stale(f"its layer {i} holds an array of shape {got.shape} and dtype "
+                                f"{got.dtype}, this model's has {want.shape[:2]} (positions) "
+                                f"{want.shape[3:]} and {want.dtype}")
+                state.append((key, got))
+            elif got.ndim != 0 or not mx.issubdtype(got.dtype, mx.integer):
+                raise Stale(f"its layer {i}'s entry {key} is not a number")
+            else:
+                state.append((key, got.item()))
+        restored = type(made).from_state(tree_unflatten(state))
+        if any(getattr(restored, k) != getattr(made, k) for k in SETTINGS if hasattr(made, k)):
+            raise Stale(f"its layer {i} is a {kinds[i]} of other settings than this run's")
+        keys = restored.keys[0] if isinstance(restored.keys, (list, tuple)) else restored.keys
+        held = min(restored.offset, getattr(restored, "max_size", restored.offset))
+        if restored.offset != len(cached) or keys.shape[2] < held \
+                or not 0 <= getattr(restored, "_idx", 0) <= keys.shape[2]:
+            raise Stale(f"its layer {i} holds {keys.shape[2]} positions at offset "
+                        f"{restored.offset}, for {len(cached)} tokens")
+        finite += [mx.isfinite(a[:, :, :held]).all() for _, a in state
+                   if isinstance(a, mx.array) and mx.issubdtype(a.dtype, mx.floating)]
+        cache.append(restored)
+    if not mx.stack(finite).all().item():
+        raise Stale("its keys or values hold NaN or infinite values")
+    return cache, cached
+
+
+def save(path, cache, model, model_id, tokens):
     """Write the cache, cut back to the prompt `tokens` (a generation leaves its own tokens in it),
-    atomically. Returns False (nothing written) when the cache cannot be cut back (a rotating cache
-    that has wrapped around)."""
+    with the model's fingerprint (loader.fingerprint), atomically. Returns False (nothing written)
+    when the cache cannot be cut back (a rotating cache that has wrapped around)."""
     path = check_path(path)
     extra = cache[0].offset - len(tokens)
     if extra > 0 and not all(c.is_trimmable() for c in cache):
         return False
     for c in cache:
         c.trim(extra)
+    meta = {"model": model_id, "tokens": json.dumps(list(tokens)),
+            "kv_bits": str(getattr(cache[0], "bits", None))}
+    if getattr(model, "fingerprint", None) is not None:
+        meta["fingerprint"] = model.fingerprint
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}{SUFFIX}")
     try:
-        save_prompt_cache(str(tmp), cache, {"model": model_id, "tokens": json.dumps(list(tokens)),
-                                            "kv_bits": str(kv_bits)})
+        save_prompt_cache(str(tmp), cache, meta)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
