@@ -113,6 +113,16 @@ BAD = [  # (what, request bytes, status, the field the error names)
     ("presence_penalty above 2", completion(presence_penalty=2.5), 400, "presence_penalty"),
     ("frequency_penalty NaN", completion(frequency_penalty=float("nan")), 400, "frequency_penalty"),
     ("repetition_penalty 0", completion(repetition_penalty=0), 400, "repetition_penalty"),
+    ("repetition_penalty 2**63", completion(repetition_penalty=2**63), 400, "repetition_penalty"),
+    ("repetition_penalty 1e-320", completion(repetition_penalty=1e-320), 400, "repetition_penalty"),
+    ("top_k 2**63", completion(top_k=2**63, temperature=1), 400, "top_k"),
+    ("top_k the vocabulary's size", completion(top_k=49152, temperature=1), 400, "top_k"),
+    ("temperature 1e999 (infinite)",
+     request("POST", "/v1/completions", b'{"prompt": "Hi", "temperature": 1e999}'), 400,
+     "temperature"),
+    ("logit_bias Infinity",
+     request("POST", "/v1/completions", b'{"prompt": "Hi", "logit_bias": {"5": Infinity}}'), 400,
+     "logit_bias"),
     ("logit_bias key not a token id", completion(logit_bias={"a": 1}), 400, "logit_bias"),
     ("logit_bias above 100", completion(logit_bias={"5": 101}), 400, "logit_bias"),
     ("logit_bias key of 5000 digits", completion(logit_bias={"9" * 5000: 1}), 400, "logit_bias"),
@@ -138,6 +148,21 @@ def test_bad_request_gets_its_status_and_the_next_good_one_succeeds(server, what
     assert got == status and headers["content-type"] == "application/json", (what, body)
     assert body["error"]["message"] and body["error"]["param"] == param, body
     assert_good(server)
+
+
+def test_numbers_the_engine_cannot_take_are_400s_naming_their_range(server):
+    """A number the engine cannot take (a top_k beyond the vocabulary, a penalty beyond what a float
+    holds) is a 400 naming the accepted range, never reaching the engine, whose sampling goes on; a
+    temperature too small for half precision decodes greedily."""
+    for fields, accepted in ((dict(top_k=49152, temperature=1), "from 0 to 49151"),
+                             (dict(repetition_penalty=2**63), "from 0.01 to 100")):
+        status, _, body = exchange(server, completion(**fields))
+        assert status == 400 and accepted in body["error"]["message"], body
+    status, _, body = exchange(server, completion(temperature=1, seed=1, max_tokens=4))
+    assert status == 200 and body["usage"]["completion_tokens"] == 4, body
+    greedy = exchange(server, completion(max_tokens=4))[2]["choices"][0]["text"]
+    tiny = exchange(server, completion(temperature=1e-320, max_tokens=4))[2]
+    assert tiny["choices"][0]["text"] == greedy
 
 
 def test_a_body_shorter_than_its_content_length_gets_408(server):

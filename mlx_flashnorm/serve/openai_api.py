@@ -15,6 +15,13 @@ from .requests import Generation
 
 MAX_LOGPROBS = 20  # top_logprobs (chat) and logprobs (completions) at most
 MAX_STOPS = 16
+# a temperature below this decodes greedily: sampling scales the log-probabilities by
+# 1/temperature in the model's dtype, which in float16 overflows beyond 65504 (vLLM takes those
+# below 1e-5 as greedy)
+MIN_TEMPERATURE = 1e-4
+# repetition_penalty's range: the logits are divided (or multiplied) by it in the model's dtype;
+# an integer beyond 64 bits is a C++ exception in MLX, a number that rounds to 0 there makes NaNs
+PENALTY_RANGE = (0.01, 100)
 # the log-probability written for -inf (JSON has no infinities; OpenAI writes this)
 UNSURE = -9999.0
 DECODE_CONTEXT = 4  # prompt tokens decoded before the first generated one (its leading space)
@@ -187,19 +194,24 @@ def parse_call(body, chat, tokenizer, context, vocab, defaults):
                  else len(v) <= MAX_STOPS and all(isinstance(s, str) and s for s in v),
                  f"a non-empty string or a list of at most {MAX_STOPS} of them")
     options = field(body, "stream_options", dict, {}, need="an object")
+    temp = float(number(body, "temperature", defaults["temp"], lambda v: 0 <= v <= 2,
+                        "a number from 0 to 2"))
+    low, high = PENALTY_RANGE
+    penalty = number(body, "repetition_penalty", None, lambda v: low <= v <= high,
+                     f"a number from {low} to {high} (1 is off)")
     generation = Generation(
         tokens, max_tokens,
         seed=field(body, "seed", int, None, lambda v: 0 <= v <= MAX_SEED,
                    f"an integer from 0 to {MAX_SEED}"),
-        temp=number(body, "temperature", defaults["temp"], lambda v: 0 <= v <= 2,
-                    "a number from 0 to 2"),
+        temp=temp if temp >= MIN_TEMPERATURE else 0.0,
         top_p=number(body, "top_p", defaults["top_p"], lambda v: 0 < v <= 1,
                      "a number above 0 and at most 1"),
-        top_k=field(body, "top_k", int, defaults["top_k"], lambda v: v >= 0,
-                    "an integer >= 0 (0 is off)"),
+        # (mlx-lm's top-k filter takes fewer than the vocabulary's tokens: beyond, it raises
+        # inside a compiled function, and the random state it shares is left broken)
+        top_k=field(body, "top_k", int, defaults["top_k"], lambda v: 0 <= v < vocab,
+                    f"an integer from 0 to {vocab - 1} (0 is off)"),
         min_p=number(body, "min_p", 0.0, lambda v: 0 <= v <= 1, "a number from 0 to 1 (0 is off)"),
-        repetition_penalty=number(body, "repetition_penalty", None, lambda v: v > 0,
-                                  "a number above 0"),
+        repetition_penalty=penalty and float(penalty),
         presence_penalty=number(body, "presence_penalty", None, lambda v: -2 <= v <= 2,
                                 "a number from -2 to 2"),
         frequency_penalty=number(body, "frequency_penalty", None, lambda v: -2 <= v <= 2,
