@@ -175,6 +175,24 @@ def test_a_body_shorter_than_its_content_length_gets_408(server):
     assert_good(server)
 
 
+PARTIAL_HEADS = [(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept: */", "inside a header"),
+                 (b"POST /v1/completions HTTP/1.1\r\n", "after the request line"),
+                 (b"POST /v1/comp", "inside the request line")]
+
+
+@pytest.mark.parametrize("partial", [p for p, _ in PARTIAL_HEADS], ids=[w for _, w in PARTIAL_HEADS])
+def test_unfinished_headers_get_408(server, partial):
+    """A client that sends part of its request's head and waits gets a 408 with a JSON error once
+    --timeout has passed, then the close."""
+    with connect(server) as sock:
+        tic = time.perf_counter()
+        sock.sendall(partial)
+        status, headers, body = read_answer(sock)
+    assert status == 408 and headers["content-type"] == "application/json", body
+    assert "did not arrive" in body["error"]["message"] and time.perf_counter() - tic > TIMEOUT - 0.5
+    assert_good(server)
+
+
 def test_slow_headers_are_cut_off(server):
     """A client sending its headers a byte at a time gets 408 after --timeout, however long it goes on."""
     sock = connect(server)

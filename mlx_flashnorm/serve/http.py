@@ -7,9 +7,10 @@ the tokens that come back, which one thread reads for every answer (streaming.St
 streamed one's events itself.
 
 Under load: at most the worker's slots plus max_queue requests are taken at once, the rest get 503
-with Retry-After; a request (headers and body) must arrive within `timeout` seconds and be at most
-max_body bytes; a client that hangs up, streaming or not, is noticed within streaming.POLL seconds
-(a streamed one also at its next write) and its request dropped by the worker at its next step."""
+with Retry-After; a request (headers and body) must arrive within `timeout` seconds (else 408, a
+request cut off in its head too) and be at most max_body bytes; a client that hangs up, streaming
+or not, is noticed within streaming.POLL seconds (a streamed one also at its next write) and its
+request dropped by the worker at its next step."""
 import hmac
 import json
 import select
@@ -136,6 +137,7 @@ class Handler(BaseHTTPRequestHandler):
     server: Server
     default_request_version = "HTTP/1.0"  # a malformed request line still gets a status line
     allowed_origin = None  # the request's Origin, once --cors-origin allowed it
+    late = False  # the request did not arrive in time (set by the Reaper)
 
     def setup(self):
         self.timeout = self.server.io_timeout  # on every socket operation
@@ -145,6 +147,9 @@ class Handler(BaseHTTPRequestHandler):
 
     def handle_one_request(self):
         self.server.reaper.watch(self)
+        # the reaper ends a late request head, which then gets its 408: a socket timeout of the
+        # same length would close the connection without one (this one is a backstop)
+        self.connection.settimeout(2 * self.server.io_timeout)
         try:
             super().handle_one_request()
         except ConnectionError:  # the client left before its request was read or answered
@@ -153,10 +158,20 @@ class Handler(BaseHTTPRequestHandler):
             self.server.reaper.release(self)
 
     def parse_request(self):
-        if not super().parse_request():
-            return False
+        """http.server's, reading the headers; a head that did not all arrive in time gets 408."""
+        try:
+            if self.late and not self.raw_requestline.endswith(b"\n"):
+                # cut off inside its request line: nothing of it to parse
+                self.command, self.request_version = None, self.default_request_version
+                self.requestline = self.raw_requestline.decode("latin-1")
+                self.send_error(408)
+                return False
+            if not super().parse_request():
+                return False
+        finally:
+            self.connection.settimeout(self.server.io_timeout)
         if self.late:  # the headers did not all arrive in time
-            self.fail(self.timed_out())
+            self.send_error(408)
             return False
         return True
 
@@ -187,9 +202,10 @@ class Handler(BaseHTTPRequestHandler):
 
     def send_error(self, code, message=None, explain=None):
         """http.server's own errors (a malformed request line or header, an unknown method) in
-        JSON."""
+        JSON; a 408 for a head the reaper cut off (what it holds may be malformed for that)."""
         self.close_connection = True
-        self.fail(HTTPError(code, message or HTTPStatus(code).phrase))
+        self.fail(self.timed_out() if self.late
+                  else HTTPError(code, message or HTTPStatus(code).phrase))
 
     def check_origin(self):
         """A page in a browser sends its Origin: refused unless --cors-origin allows it."""
