@@ -10,7 +10,9 @@ import time
 import openai
 import pytest
 
+from mlx_flashnorm.serve import http
 from mlx_flashnorm.serve.batch_worker import BatchWorker
+from mlx_flashnorm.serve.requests import Ticket, Token
 from mlx_flashnorm.server import Server
 from mlx_flashnorm.serve.serial import SerialWorker
 
@@ -307,6 +309,59 @@ def test_cross_origin_requests_need_cors_origin(server):
     status, headers, _ = exchange(server, preflight.replace(b"Host:", f"Origin: {other}\r\nHost:".encode()))
     assert status == 403 and "access-control-allow-origin" not in headers
     assert exchange(server, preflight)[0] == 204  # OPTIONS without an Origin: the allowed methods
+
+
+class GatedWorker:
+    """A stand-in worker (requests.py's interface): each request's tokens (the ids of " a b c d")
+    come once `release` is set, none for a cancelled one."""
+    slots, context_length, vocab_size = 4, 2048, 49152
+
+    def __init__(self, tokenizer):
+        self.ids, self.release, self.tickets = tokenizer.encode(" a b c d"), threading.Event(), []
+
+    def submit(self, generation):
+        ticket = Ticket(generation)
+        self.tickets.append(ticket)
+        threading.Thread(target=self.answer, args=(ticket,), daemon=True).start()
+        return ticket
+
+    def answer(self, ticket):
+        self.release.wait()
+        for i, t in enumerate(self.ids):
+            if ticket.cancelled:
+                return
+            ticket.put(Token(t, "length" if i == len(self.ids) - 1 else None))
+        ticket.put(None)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_a_client_that_half_closes_after_its_request_is_answered(smollm2, monkeypatch, stream):
+    """A client that shuts its sending side once its request is sent (shutdown(SHUT_WR)) is still
+    reading: seen by the server's looks for clients gone while its request waits, it gets its whole
+    answer."""
+    looks, gone = [], http.Handler.client_gone
+    monkeypatch.setattr(http.Handler, "client_gone",
+                        lambda self: looks.append(gone(self)) or looks[-1])
+    worker = GatedWorker(smollm2[1])
+    with (serving(Server(None, smollm2[1], "gated", port=0, worker=worker)) as gated,
+          connect(gated) as sock):
+        sock.sendall(request("POST", "/v1/completions", json.dumps(
+            {"prompt": "Hello", "max_tokens": 4, "stream": stream}).encode(), key=None))
+        sock.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + 60
+        # the server has looked at the half-closed client, probed it and looked again
+        while len(looks) < 3 and not (worker.tickets and worker.tickets[0].cancelled):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        worker.release.set()
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    assert data.startswith(b"HTTP/1.0 200 OK\r\n"), data
+    body = data.partition(b"\r\n\r\n")[2]
+    text = ("".join(json.loads(e[6:])["choices"][0]["text"] for e in body.decode().split("\n\n")
+                    if e.startswith("data: {")) if stream else json.loads(body)["choices"][0]["text"])
+    assert text == " a b c d" and (body.endswith(b"data: [DONE]\n\n") or not stream)
 
 
 class FailingWorker(SerialWorker):

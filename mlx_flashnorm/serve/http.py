@@ -21,7 +21,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from .openai_api import Answer, HTTPError, Transcript, bad, parse_call, parse_json
-from .streaming import Stream, Streamer, event
+from .streaming import SHUT, Stream, Streamer, event
 
 RETRY_AFTER = 1  # seconds, in a 503's Retry-After
 MAX_BODY = 2**20  # bytes: a prompt filling a 128k-token context is about 0.5 MB of JSON
@@ -138,6 +138,7 @@ class Handler(BaseHTTPRequestHandler):
     default_request_version = "HTTP/1.0"  # a malformed request line still gets a status line
     allowed_origin = None  # the request's Origin, once --cors-origin allowed it
     late = False  # the request did not arrive in time (set by the Reaper)
+    written_ahead = b""  # the answer's first bytes, written by the Streamer as a probe
 
     def setup(self):
         self.timeout = self.server.io_timeout  # on every socket operation
@@ -183,6 +184,15 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Access-Control-Allow-Origin", self.allowed_origin)
             self.send_header("Vary", "Origin")
         super().end_headers()
+
+    def flush_headers(self):
+        """http.server's, less the bytes written ahead."""
+        if self.written_ahead and getattr(self, "_headers_buffer", None):
+            head = b"".join(self._headers_buffer)
+            assert head.startswith(self.written_ahead)
+            self._headers_buffer = [head[len(self.written_ahead):]]
+            self.written_ahead = b""
+        super().flush_headers()
 
     def send_json(self, status, obj, headers=()):
         body = json.dumps(obj).encode()
@@ -314,9 +324,11 @@ class Handler(BaseHTTPRequestHandler):
         try:
             transcript = Transcript(self.server.tokenizer, call)
             answer = Answer(call, self.server.tokenizer, self.server.model_id)
+            ahead = f"{self.protocol_version} ".encode()  # every status line's beginning
             (self.stream if call.stream else self.whole)(Stream(self.connection, self.client_gone,
                                                                  ticket, transcript, answer,
-                                                                 whole=not call.stream))
+                                                                 whole=not call.stream,
+                                                                 ahead=ahead))
         except ClientGone:
             pass
         finally:
@@ -324,9 +336,19 @@ class Handler(BaseHTTPRequestHandler):
             self.server.done()
 
     def client_gone(self):
-        """The client closed its connection: its socket reads as at the end of the stream."""
+        """True once the client is gone (its connection reset, or in error); streaming.SHUT once
+        it has sent its end (its socket reads as ended): it closed its connection, or only its
+        sending side, reading on (a write tells); else False. Read while the socket does not
+        block (the Streamer's)."""
         try:
-            return bool(self.poller.poll(0)) and self.connection.recv(1, socket.MSG_PEEK) == b""
+            events = self.poller.poll(0)
+            if not events:
+                return False
+            if events[0][1] & (select.POLLERR | select.POLLNVAL):
+                return True
+            return SHUT if self.connection.recv(1, socket.MSG_PEEK) == b"" else False
+        except BlockingIOError:
+            return False
         except OSError:
             return True
 
@@ -334,6 +356,7 @@ class Handler(BaseHTTPRequestHandler):
         """The answer in one piece, once the server's Streamer has read all its tokens."""
         if not self.server.streamer.run(stream):
             raise ClientGone()
+        self.written_ahead = stream.written_ahead
         if stream.failed is not None:  # nothing checked before should get here
             return self.fail(HTTPError(500, f"generation failed: {stream.failed}"))
         try:

@@ -8,7 +8,14 @@ bench/RESULTS.md, "Serving"). Here the worker's puts wake the one thread, which 
 ticket's waiting tokens at once (a stream that fell behind sends them as one event), writes
 without blocking (what a full socket does not take waits for the next round), and every POLL
 seconds looks for clients that left. A client that left, or whose socket has taken nothing for
-`timeout` seconds, has its request cancelled: the worker drops it at its next step."""
+`timeout` seconds, has its request cancelled: the worker drops it at its next step.
+
+A client that sent its end (its socket reads as ended) has closed its connection, or only its
+sending side (shutdown(SHUT_WR) once its request is sent), and reads on: only a write tells, which
+a closed one's system answers with a reset. So it is written a probe (PROBE, a comment that event
+readers skip; for an answer in one piece the first bytes of its status line, which its handler
+then leaves out) and looked at every round for POLL seconds more: gone once its socket reports
+the reset (or an error), or a write fails."""
 import json
 import socket
 import threading
@@ -17,6 +24,9 @@ import time
 from .openai_api import HTTPError
 
 POLL = 0.1  # seconds between looks for clients that left (and between tries of a full socket)
+# a Stream's left() for a client that sent its end: it closed, or half-closed and reads on
+SHUT = "shut"
+PROBE = b":\n\n"  # a server-sent-event comment
 
 
 def event(obj):
@@ -27,11 +37,15 @@ class Stream:
     """One answer: its connection (a streamed one's headers sent), ticket, transcript and answer;
     whole: an answer in one piece, which its handler writes once the stream is finished."""
 
-    def __init__(self, connection, left, ticket, transcript, answer, whole=False):
-        # left(): whether the client closed its connection
+    def __init__(self, connection, left, ticket, transcript, answer, whole=False, ahead=b""):
+        # left(): whether the client is gone (True), there (False), or has sent its end (SHUT)
         self.connection, self.left = connection, left
         self.ticket, self.transcript, self.answer = ticket, transcript, answer
         self.whole = whole  # no events: the text, finish and entries kept for one answer at the end
+        # a whole answer's first bytes (whatever its status), which a probe writes ahead (none: a
+        # whole answer's client is not probed)
+        self.ahead, self.written_ahead = ahead, b""
+        self.probed = None  # when a client that sent its end was written a probe
         self.text, self.finish, self.entries, self.failed = "", None, [], None
         self.out = bytearray()  # events not yet taken by the socket
         self.finished = False  # the last event is in out
@@ -73,6 +87,15 @@ class Stream:
         self.failed, self.finished = error, True
         if not self.whole:
             self.out += event(HTTPError(500, f"generation failed: {error}").body())
+
+    def look(self, now):
+        """Whether the client is still there (left()); one that sent its end is probed once."""
+        state = self.left()
+        if state is SHUT and self.probed is None:
+            self.probed = now
+            self.written_ahead = self.ahead if self.whole else b""
+            self.out += self.ahead if self.whole else PROBE
+        return not state or state is SHUT
 
     def flush(self, now, timeout):
         """Write what the socket takes without waiting; False once the client is gone."""
@@ -137,7 +160,11 @@ class Streamer:
                 except Exception as e:  # one answer's failure (its text, JSON) ends it alone
                     s.fail(e)
                 try:
-                    ok = s.flush(now, self.timeout) and not (look and not s.out and s.left())
+                    ok = s.flush(now, self.timeout)
+                    # (a probed client's answer to the probe comes within a round or a few)
+                    probing = s.probed is not None and now - s.probed < POLL
+                    if ok and not s.out and not s.finished and (look or probing):
+                        ok = s.look(now) and s.flush(now, self.timeout)
                 except Exception:
                     ok = False
                 if not ok or s.finished and not s.out:
