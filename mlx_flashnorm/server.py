@@ -63,6 +63,11 @@ def arg_parser():
     p.add_argument("--cors-origin", action="append", metavar="ORIGIN",
                    help="let web pages of ORIGIN (e.g. http://localhost:3000; * for any) call the "
                         "server; repeatable (unset: requests from web pages are refused)")
+    p.add_argument("--allowed-host", action="append", metavar="NAME",
+                   help="a host name clients may reach the server by (their requests' Host "
+                        "header); a name other than these, localhost and --host's gets 421 (an "
+                        "address passes), against DNS rebinding by web pages; repeatable; * for "
+                        "any")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait while the worker is busy; beyond, 503 with "
                         "Retry-After")
@@ -119,6 +124,7 @@ def main(argv=None):
                         args.temp, args.top_p, args.top_k, warm=wants_warmup(args),
                         api_key=args.api_key or os.environ.get(API_KEY_VARIABLE) or None,
                         cors_origins=args.cors_origin or (), max_queue=args.max_queue,
+                        allowed_hosts=args.allowed_host or (),
                         max_body=args.max_body, timeout=args.timeout,
                         max_concurrent=args.max_concurrent, worker=worker)
     except OSError as e:  # (the server closed the worker)

@@ -311,6 +311,41 @@ def test_cross_origin_requests_need_cors_origin(server):
     assert exchange(server, preflight)[0] == 204  # OPTIONS without an Origin: the allowed methods
 
 
+def test_requests_must_name_the_server_in_host(server):
+    """A page of a DNS-rebinding attacker reaches the server under the attacker's name: a Host that
+    names neither an address, nor localhost, nor a name of --allowed-host gets 421 and a JSON error,
+    on every endpoint; an address or localhost, with any port or none, and a request without a Host
+    (HTTP/1.0) are answered; two Host headers are a 400."""
+    for host in ("evil.example", "evil.example:8080", "127.0.0.1.evil.example", "localhost.evil"):
+        for data in (request("GET", "/health", Host=host), request("GET", "/v1/models", Host=host),
+                     completion().replace(b"Host: 127.0.0.1", f"Host: {host}".encode()),
+                     request("OPTIONS", "/v1/models", Host=host)):
+            status, headers, body = exchange(server, data)
+            assert status == 421 and headers["content-type"] == "application/json", (host, body)
+            message = body["error"]["message"]
+            assert host.partition(":")[0] in message and "--allowed-host" in message
+    for host in ("127.0.0.1", "127.0.0.1:9000", "localhost", "LOCALHOST.:1", "[::1]:80",
+                 "app.localhost", "10.1.2.3"):
+        assert exchange(server, request("GET", "/health", Host=host))[0] == 200, host
+    assert exchange(server, b"GET /health HTTP/1.0\r\n\r\n")[0] == 200
+    status, _, body = exchange(server, b"GET /health HTTP/1.1\r\nHost: localhost\r\n"
+                                       b"Host: evil.example\r\n\r\n")
+    assert status == 400 and "Host" in body["error"]["message"]
+    assert_good(server)
+
+
+def test_allowed_host_names_a_host_to_answer_for(smollm2):
+    """--allowed-host NAME (repeatable; any case, a trailing dot or not) answers requests naming it;
+    --allowed-host * answers any."""
+    for allowed, good, refused in ((["MyHost.lan.", "other.lan"], ["myhost.lan:8080", "other.lan"],
+                                    ["evil.lan"]), (["*"], ["evil.lan"], [])):
+        with serving(Server(None, smollm2[1], "gated", port=0, worker=GatedWorker(smollm2[1]),
+                            allowed_hosts=allowed)) as gated:
+            for host in good + refused:
+                status = exchange(gated, request("GET", "/health", Host=host))[0]
+                assert status == (421 if host in refused else 200), host
+
+
 class GatedWorker:
     """A stand-in worker (requests.py's interface): each request's tokens (the ids of " a b c d")
     come once `release` is set, none for a cancelled one."""

@@ -12,6 +12,7 @@ request cut off in its head too) and be at most max_body bytes; a client that ha
 or not, is noticed within streaming.POLL seconds (a streamed one also at its next write) and its
 request dropped by the worker at its next step."""
 import hmac
+import ipaddress
 import json
 import select
 import socket
@@ -27,6 +28,25 @@ RETRY_AFTER = 1  # seconds, in a 503's Retry-After
 MAX_BODY = 2**20  # bytes: a prompt filling a 128k-token context is about 0.5 MB of JSON
 # seconds: a body of unknown length has ended when none of it comes for this long
 DRAIN_PAUSE = 0.2
+
+
+def host_name(value):
+    """The name a Host header's value gives: without its port, an IPv6 address without its
+    brackets, in lower case, without a trailing dot."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        name = value[1:].partition("]")[0]
+    else:
+        name = value.rpartition(":")[0] if ":" in value else value
+    return name.rstrip(".")
+
+
+def is_address(name):
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return False
 
 
 class ClientGone(Exception):
@@ -82,19 +102,22 @@ class Server(ThreadingHTTPServer):
 
     def __init__(self, worker, tokenizer, model_id, host="127.0.0.1", port=8080, max_tokens=256,
                  temp=0.0, top_p=1.0, top_k=0, *, api_key=None, cors_origins=(), max_queue=64,
-                 max_body=MAX_BODY, timeout=30.0):
+                 max_body=MAX_BODY, timeout=30.0, allowed_hosts=()):
         """worker: what generates (requests.py's interface, with the model's context_length and
         vocab_size, which the requests are checked against); it is closed with the server.
         max_tokens, temp, top_p, top_k: the defaults of requests that leave them out.
         api_key: requests must send it as a Bearer token; cors_origins: the web origins whose pages
         may call the server ("*": any); max_queue: requests waiting beyond the worker's slots;
         max_body: bytes; timeout: seconds for a request to arrive, and for any one socket
-        operation."""
+        operation; allowed_hosts: the names (besides addresses, localhost and host's name) that
+        requests may give in their Host header ("*": any: Handler.check_host)."""
         self.worker = worker
         super().__init__((host, port), Handler)
         self.tokenizer, self.model_id = tokenizer, model_id
         self.defaults = dict(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k)
         self.api_key, self.cors_origins = api_key, set(cors_origins)
+        self.allowed_hosts = {host_name(h) for h in allowed_hosts} | (
+            {host_name(host)} if host and not is_address(host) else set())
         self.max_queue, self.max_body, self.io_timeout = max_queue, max_body, timeout
         self.created = int(time.time())
         self.lock, self.active = threading.Lock(), 0
@@ -217,6 +240,26 @@ class Handler(BaseHTTPRequestHandler):
         self.fail(self.timed_out() if self.late
                   else HTTPError(code, message or HTTPStatus(code).phrase))
 
+    def check_host(self):
+        """The Host header must name this server (421 otherwise): a page of a DNS-rebinding
+        attacker, its name turned to this machine's address, reaches the server under the
+        attacker's name, which the browser sends. An address (no page can turn one into another),
+        localhost or a name under .localhost (browsers keep those to this machine), or a name of
+        host or allowed_hosts passes, with any port (a tunnel or forwarded port changes it); so
+        does a request without a Host (HTTP/1.0: not a browser's)."""
+        hosts = self.headers.get_all("Host", [])
+        if len(hosts) > 1:
+            raise HTTPError(400, "a request has one Host header, not several")
+        if not hosts:
+            return
+        name, allowed = host_name(hosts[0]), self.server.allowed_hosts
+        if not ("*" in allowed or name in allowed or name == "localhost"
+                or name.endswith(".localhost") or is_address(name)):
+            raise HTTPError(421, f"this server does not answer for {name!r} (the Host header): "
+                                 "only for its addresses, localhost and the names of --host and "
+                                 f"--allowed-host (start it with --allowed-host {name} to answer "
+                                 "for that name)")
+
     def check_origin(self):
         """A page in a browser sends its Origin: refused unless --cors-origin allows it."""
         origin = self.headers.get("Origin")
@@ -237,6 +280,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_OPTIONS(self):
         try:
+            self.check_host()
             self.check_origin()
         except HTTPError as e:
             return self.fail(e)
@@ -252,6 +296,7 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         path = self.path.rstrip("/")
         try:
+            self.check_host()
             self.check_origin()
             if path == "/health":
                 return self.send_json(200, self.server.health())
@@ -308,6 +353,7 @@ class Handler(BaseHTTPRequestHandler):
         chat = self.path.rstrip("/") == "/v1/chat/completions"
         try:
             body = self.read_body()  # first: an answer with bytes left unread could be lost (drain)
+            self.check_host()
             if not chat and self.path.rstrip("/") != "/v1/completions":
                 raise HTTPError(404, f"no such endpoint: POST {self.path}")
             self.check_origin()
