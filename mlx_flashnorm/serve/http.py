@@ -102,7 +102,7 @@ class Server(ThreadingHTTPServer):
 
     def __init__(self, worker, tokenizer, model_id, host="127.0.0.1", port=8080, max_tokens=256,
                  temp=0.0, top_p=1.0, top_k=0, *, api_key=None, cors_origins=(), max_queue=64,
-                 max_body=MAX_BODY, timeout=30.0, allowed_hosts=()):
+                 max_body=MAX_BODY, timeout=30.0, allowed_hosts=(), parse_special=False):
         """worker: what generates (requests.py's interface, with the model's context_length and
         vocab_size, which the requests are checked against); it is closed with the server.
         max_tokens, temp, top_p, top_k: the defaults of requests that leave them out.
@@ -110,12 +110,14 @@ class Server(ThreadingHTTPServer):
         may call the server ("*": any); max_queue: requests waiting beyond the worker's slots;
         max_body: bytes; timeout: seconds for a request to arrive, and for any one socket
         operation; allowed_hosts: the names (besides addresses, localhost and host's name) that
-        requests may give in their Host header ("*": any: Handler.check_host)."""
+        requests may give in their Host header ("*": any: Handler.check_host); parse_special:
+        special tokens' text in chat messages is parsed as the tokens (openai_api.chat_tokens)."""
         self.worker = worker
         super().__init__((host, port), Handler)
         self.tokenizer, self.model_id = tokenizer, model_id
         self.defaults = dict(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k)
         self.api_key, self.cors_origins = api_key, set(cors_origins)
+        self.parse_special = parse_special
         self.allowed_hosts = {host_name(h) for h in allowed_hosts} | (
             {host_name(host)} if host and not is_address(host) else set())
         self.max_queue, self.max_body, self.io_timeout = max_queue, max_body, timeout
@@ -126,7 +128,8 @@ class Server(ThreadingHTTPServer):
         self.limits = (worker.context_length, worker.vocab_size)
 
     def call(self, body, chat):
-        return parse_call(body, chat, self.tokenizer, *self.limits, self.defaults)
+        return parse_call(body, chat, self.tokenizer, *self.limits, self.defaults,
+                          self.parse_special)
 
     def admit(self, generation):
         """The worker's Ticket for generation, or a 503 when the worker's slots and the queue are

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field as dataclass_field
 
 from jinja2 import TemplateError
 
-from ..decoding import MAX_SEED
+from ..decoding import MAX_SEED, encode_chat
 from .requests import Generation
 
 MAX_LOGPROBS = 20  # top_logprobs (chat) and logprobs (completions) at most
@@ -96,7 +96,9 @@ def message_text(content):
     raise bad("a message's 'content' must be a string or a list of text parts", "messages")
 
 
-def chat_tokens(body, tokenizer):
+def chat_tokens(body, tokenizer, parse_special=False):
+    """The chat's prompt token ids (decoding.encode_chat: a special token's text in a message is
+    text, unless parse_special)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty list of messages", "messages")
@@ -111,7 +113,7 @@ def chat_tokens(body, tokenizer):
     if not tokenizer.has_chat_template:
         raise bad("this model has no chat template: use /v1/completions")
     try:
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        return encode_chat(tokenizer, messages, parse_special)
     except (TemplateError, ValueError, TypeError) as e:
         raise bad(f"the model's chat template refused the messages: {e}", "messages")
 
@@ -152,9 +154,10 @@ class Call:
     text_offset: int = 0
 
 
-def parse_call(body, chat, tokenizer, context, vocab, defaults):
+def parse_call(body, chat, tokenizer, context, vocab, defaults, parse_special=False):
     """The Call of a request body (parse_json's), or a 400 naming the field at fault. defaults:
-    max_tokens, temp, top_p, top_k for the fields a request leaves out; context: the model's."""
+    max_tokens, temp, top_p, top_k for the fields a request leaves out; context: the model's;
+    parse_special: a chat's messages parsed for special tokens' text (chat_tokens)."""
     if unknown := sorted(k for k in body if k not in FIELDS[chat] and body[k] is not None):
         raise bad(f"'{unknown[0]}' is not supported by this server", unknown[0])
     field(body, "model", str, need="a string")
@@ -163,7 +166,7 @@ def parse_call(body, chat, tokenizer, context, vocab, defaults):
           "1: one choice per request (send n requests instead)")
     field(body, "echo", bool, False, lambda v: not v, "false: echoing the prompt is not supported")
     if chat:
-        tokens, offset = chat_tokens(body, tokenizer), 0
+        tokens, offset = chat_tokens(body, tokenizer, parse_special), 0
     else:
         tokens, prompt = completion_tokens(body, tokenizer, vocab)
         offset = len(prompt)
