@@ -94,6 +94,30 @@ def test_shared_prefix_is_not_prefilled_again(server, client, smollm2):
     assert text3 == generate(model, tokenizer, c, max_tokens=8)
 
 
+def test_usage_counts_the_prompt_tokens_the_cache_gave(server, client):
+    """usage.prompt_tokens_details.cached_tokens (mlx_lm.server's) is the prompt tokens the prompt
+    cache gave (those the engine did not compute), in an answer in one piece and a stream's last
+    chunk, on chats and completions."""
+    engine = server.worker.engine
+    for i, stream in enumerate((False, True, False)):
+        before = engine.prefilled
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Say {i}."}]
+        if stream:
+            usage = list(client.chat.completions.create(
+                model="smol", messages=messages, max_tokens=2, stream=True,
+                stream_options={"include_usage": True}))[-1].usage
+        else:
+            usage = client.chat.completions.create(model="smol", messages=messages,
+                                                   max_tokens=2).usage
+        cached = usage.prompt_tokens_details.cached_tokens
+        assert cached == usage.prompt_tokens - (engine.prefilled - before), (i, usage)
+        assert cached > 30 or i == 0  # the system prompt, after the first
+    before = engine.prefilled
+    usage = client.completions.create(model="smol", prompt=SYSTEM + " Go on.", max_tokens=2).usage
+    computed = engine.prefilled - before
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - computed
+
+
 def test_a_stream_behind_the_worker_catches_up_in_one_event(server, client, monkeypatch):
     """A stream that fell behind the batch (the streamer held up 1 s before its first tokens) sends
     the tokens waiting as one event: fewer events than tokens, the same text and log-probabilities

@@ -410,7 +410,8 @@ class Handler(BaseHTTPRequestHandler):
             return self.fail(HTTPError(500, f"generation failed: {stream.failed}"))
         try:
             self.send_json(200, stream.answer.whole(stream.text, stream.finish, stream.entries,
-                                                    stream.transcript.count))
+                                                    stream.transcript.count,
+                                                    stream.transcript.cached))
         except OSError as e:
             raise ClientGone() from e
 

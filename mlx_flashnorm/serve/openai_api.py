@@ -259,6 +259,7 @@ class Transcript:
         self.seen = len(self.window)
         self.counted = None  # that text, once decoded (until begin and seen move)
         self.text, self.sent, self.count = "", 0, 0
+        self.cached = 0  # prompt tokens that came from the prompt cache (the first token says)
         self.pending = []  # Entries not yet sent
 
     def decode_next(self, token_id, last):
@@ -286,6 +287,7 @@ class Transcript:
         """(piece, finish_reason, entries) for the client on one requests.Token: finish_reason is
         None until the end, "stop" (an end-of-sequence token or a stop string) or "length"."""
         finish = token.finish_reason
+        self.cached = token.cached or self.cached
         if finish == "stop":  # an end-of-sequence token: neither text nor counted
             self.text += self.flush()
         else:
@@ -350,16 +352,18 @@ class Answer:
             return chat_logprobs(self.tokenizer, entries)
         return completion_logprobs(self.tokenizer, entries, self.call.text_offset)
 
-    def usage(self, tokens):
+    def usage(self, tokens, cached=0):
+        """tokens generated; cached: the prompt's tokens from the prompt cache (mlx_lm.server's
+        prompt_tokens_details)."""
         prompt = len(self.call.generation.tokens)
         return {"prompt_tokens": prompt, "completion_tokens": tokens,
-                "total_tokens": prompt + tokens}
+                "total_tokens": prompt + tokens, "prompt_tokens_details": {"cached_tokens": cached}}
 
-    def whole(self, text, finish, entries, tokens):
+    def whole(self, text, finish, entries, tokens, cached=0):
         choice = {"index": 0, "finish_reason": finish, "logprobs": self.logprobs(entries)}
         choice.update({"message": {"role": "assistant", "content": text}} if self.call.chat
                       else {"text": text})
-        return dict(self.head, choices=[choice], usage=self.usage(tokens))
+        return dict(self.head, choices=[choice], usage=self.usage(tokens, cached))
 
     def chunk(self, text, finish, entries, role=None):
         if not self.call.chat:
@@ -371,7 +375,7 @@ class Answer:
                   "logprobs": self.logprobs(entries) if entries else None}
         return dict(self.head, object="chat.completion.chunk", choices=[choice])
 
-    def usage_chunk(self, tokens):
+    def usage_chunk(self, tokens, cached=0):
         return dict(self.head,
                     object="chat.completion.chunk" if self.call.chat else "text_completion",
-                    choices=[], usage=self.usage(tokens))
+                    choices=[], usage=self.usage(tokens, cached))

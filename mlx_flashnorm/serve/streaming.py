@@ -78,7 +78,8 @@ class Stream:
             self.out += event(answer.chunk(text, finish, entries))
         if finish or ended:
             if answer.call.include_usage:
-                self.out += event(answer.usage_chunk(self.transcript.count))
+                self.out += event(answer.usage_chunk(self.transcript.count,
+                                                     self.transcript.cached))
             self.out += b"data: [DONE]\n\n"
             self.finished = True
 
