@@ -167,6 +167,27 @@ def test_numbers_the_engine_cannot_take_are_400s_naming_their_range(server):
     assert tiny["choices"][0]["text"] == greedy
 
 
+IGNORED = dict(store=False, metadata={"app": "test"}, service_tier="auto", user="u-1",
+               parallel_tool_calls=True, prompt_cache_key="k", safety_identifier="s-1")
+
+
+def test_fields_that_change_nothing_are_accepted(server):
+    """The fields OpenAI clients send that change nothing here (as mlx_lm.server ignores them) are
+    accepted, through the official client too, each type-checked; a completion takes `user`."""
+    for name, value in IGNORED.items():
+        assert exchange(server, chat(**{name: value}))[0] == 200, name
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    client = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=120)
+    answer = client.chat.completions.create(model="smol", max_tokens=1, **IGNORED,
+                                            messages=[{"role": "user", "content": "Hi"}])
+    assert answer.usage.completion_tokens == 1
+    assert client.completions.create(model="smol", prompt="Hi", max_tokens=1, user="u").usage
+    for name, value in (("store", "yes"), ("metadata", "app"), ("service_tier", 1),
+                        ("parallel_tool_calls", "no"), ("prompt_cache_key", 2)):
+        status, _, body = exchange(server, chat(**{name: value}))
+        assert status == 400 and body["error"]["param"] == name, body
+
+
 def test_a_body_shorter_than_its_content_length_gets_408(server):
     with connect(server) as sock:
         tic = time.perf_counter()

@@ -29,7 +29,11 @@ DECODE_CONTEXT = 4  # prompt tokens decoded before the first generated one (its 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
           "stream_options", "n", "logprobs", "presence_penalty", "frequency_penalty",
           "repetition_penalty", "logit_bias", "user"}
-FIELDS = {True: COMMON | {"messages", "max_completion_tokens", "top_logprobs"},  # chat
+# a chat's fields that change nothing here, OpenAI's bookkeeping (mlx_lm.server ignores them too;
+# parallel_tool_calls matters only with tools, which are refused): checked for their type alone
+IGNORED = {"store": bool, "metadata": dict, "service_tier": str, "parallel_tool_calls": bool,
+           "prompt_cache_key": str, "safety_identifier": str}
+FIELDS = {True: COMMON | set(IGNORED) | {"messages", "max_completion_tokens", "top_logprobs"},
           False: COMMON | {"prompt", "echo"}}  # completions
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                500: "server_error", 503: "server_error"}
@@ -162,6 +166,9 @@ def parse_call(body, chat, tokenizer, context, vocab, defaults, parse_special=Fa
         raise bad(f"'{unknown[0]}' is not supported by this server", unknown[0])
     field(body, "model", str, need="a string")
     field(body, "user", str, need="a string")
+    needs = {bool: "true or false", dict: "an object", str: "a string"}
+    for name, kind in IGNORED.items() if chat else ():
+        field(body, name, kind, need=needs[kind])
     field(body, "n", int, 1, lambda v: v == 1,
           "1: one choice per request (send n requests instead)")
     field(body, "echo", bool, False, lambda v: not v, "false: echoing the prompt is not supported")
