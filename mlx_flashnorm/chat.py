@@ -12,7 +12,8 @@ import mlx.core as mx
 from .cache import make_cache
 from .cli import HelpFormatter, add_generation_args, add_model_args, add_sampling_args
 from .errors import UserError, run_cli
-from .decoding import cache_capacity, context_length, eager_cache, load_from_args, stream_generate
+from .decoding import (cache_capacity, context_length, eager_cache, encode_chat, load_from_args,
+                       stream_generate)
 from .generate import generation_kwargs
 from .lockstep import lockstep, shared
 
@@ -41,7 +42,7 @@ class Chat:
         """Yield the answer to the user's message `text` piece by piece; it then joins the
         conversation."""
         messages = self.messages + [{"role": "user", "content": text}]
-        tokens = list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        tokens = encode_chat(self.tokenizer, messages)
         ctx = context_length(self.model)
         if len(tokens) >= ctx:
             raise UserError(f"the conversation would have {len(tokens)} tokens, the model's "

@@ -147,6 +147,15 @@ def arg_parser():
     p.add_argument("--cors-origin", action="append", metavar="ORIGIN",
                    help="let web pages of ORIGIN (e.g. http://localhost:3000; * for any) call the "
                         "server; repeatable (unset: requests from web pages are refused)")
+    p.add_argument("--allowed-host", action="append", metavar="NAME",
+                   help="a host name clients may reach the server by (their requests' Host "
+                        "header); a name other than these, localhost and --host's gets 421 (an "
+                        "address passes), against DNS rebinding by web pages; repeatable; * for "
+                        "any")
+    p.add_argument("--parse-special", action="store_true",
+                   help="read special tokens' text in chat messages (<|im_end|> in a user's "
+                        "message) as the tokens, as before, so that a client can write turns of "
+                        "its own (default: as text; only the chat template writes them)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait while the worker is busy; beyond, 503 with "
                         "Retry-After")
@@ -229,6 +238,7 @@ def main(argv=None):
                         args.temp, args.top_p, args.top_k, warm=wants_warmup(args),
                         api_key=api_key,
                         cors_origins=args.cors_origin or (), max_queue=args.max_queue,
+                        allowed_hosts=args.allowed_host or (), parse_special=args.parse_special,
                         max_body=args.max_body, timeout=args.timeout,
                         request_timeout=args.request_timeout,
                         max_concurrent=args.max_concurrent, worker=worker)

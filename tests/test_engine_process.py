@@ -187,18 +187,27 @@ def test_load_errors_are_one_line():
 
 def test_plain_tokens_cross_the_pipe_as_tuples():
     """The child's deliver sends a token without log-probabilities as (id, finish) (a Token pickles
-    ten times slower), one with them as its Token, and None after a request's last, dropping its
-    ticket; the requests above read both back as Tokens."""
-    child = SimpleNamespace(outbox=[], tickets={7: "plain", 8: "rich"})
-    plain = SimpleNamespace(ticket=SimpleNamespace(key=7, generation=Generation([1], 4)))
-    rich = SimpleNamespace(ticket=SimpleNamespace(key=8, generation=Generation([1], 4, top_logprobs=1)))
+    ten times slower), one with them, or a request's first (which tells how much of its prompt was
+    cached), as its Token, and None after a request's last, dropping its ticket; the requests above
+    read both back as Tokens."""
+    child = SimpleNamespace(outbox=[], tickets={7: "plain", 8: "rich", 9: "first"})
+    plain = SimpleNamespace(ticket=SimpleNamespace(key=7, generation=Generation([1], 4)),
+                            generated=[3, 5])
+    rich = SimpleNamespace(ticket=SimpleNamespace(key=8, generation=Generation([1], 4,
+                                                                               top_logprobs=1)),
+                           generated=[0, 0], cached=3)
+    first = SimpleNamespace(ticket=SimpleNamespace(key=9, generation=Generation([1, 2, 3], 4)),
+                            generated=[4], cached=2)
     logits = mx.array([[0.0, 1.0, 2.0], [2.0, 1.0, 0.0]])
     step = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     PipedWorker.deliver(child, [Event(plain, 5, step, 0, None), Event(rich, 0, step, 1, "length")])
-    assert child.tickets == {7: "plain"}
+    assert child.tickets == {7: "plain", 9: "first"}
     PipedWorker.deliver(child, [Event(plain, 9, step, 0, "stop")])
     assert child.outbox[:1] == [(7, (5, None))] and child.outbox[2:] == [(8, None), (7, (9, "stop")), (7, None)]
     key, token = child.outbox[1]
     assert key == 8 and isinstance(token, Token) and (token.id, token.finish_reason) == (0, "length")
     assert token.top_logprobs[0][0] == 0 and abs(token.logprob - step[1, 0].item()) < 1e-6
-    assert child.tickets == {}
+    assert child.tickets == {9: "first"}
+    PipedWorker.deliver(child, [Event(first, 4, step, 0, None)])
+    key, token = child.outbox[-1]
+    assert key == 9 and isinstance(token, Token) and (token.id, token.cached) == (4, 2)

@@ -137,7 +137,8 @@ def test_each_bad_request_gets_400_and_the_next_good_one_succeeds(server):
         assert answer["error"]["message"] and answer["error"]["param"] == param, body[:80]
         status, answer = post(server, "/v1/completions", b'{"prompt": "Hello", "max_tokens": 1}')
         assert status == 200 and answer["usage"] == {"prompt_tokens": 1, "completion_tokens": 1,
-                                                     "total_tokens": 2}
+                                                     "total_tokens": 2,
+                                                     "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_bad_request_through_the_client(client):

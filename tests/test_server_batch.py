@@ -94,28 +94,64 @@ def test_shared_prefix_is_not_prefilled_again(server, client, smollm2):
     assert text3 == generate(model, tokenizer, c, max_tokens=8)
 
 
+def test_usage_counts_the_prompt_tokens_the_cache_gave(server, client):
+    """usage.prompt_tokens_details.cached_tokens (mlx_lm.server's) is the prompt tokens the prompt
+    cache gave (those the engine did not compute), in an answer in one piece and a stream's last
+    chunk, on chats and completions."""
+    engine = server.worker.engine
+    for i, stream in enumerate((False, True, False)):
+        before = engine.prefilled
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Say {i}."}]
+        if stream:
+            usage = list(client.chat.completions.create(
+                model="smol", messages=messages, max_tokens=2, stream=True,
+                stream_options={"include_usage": True}))[-1].usage
+        else:
+            usage = client.chat.completions.create(model="smol", messages=messages,
+                                                   max_tokens=2).usage
+        cached = usage.prompt_tokens_details.cached_tokens
+        assert cached == usage.prompt_tokens - (engine.prefilled - before), (i, usage)
+        assert cached > 30 or i == 0  # the system prompt, after the first
+    before = engine.prefilled
+    usage = client.completions.create(model="smol", prompt=SYSTEM + " Go on.", max_tokens=2).usage
+    computed = engine.prefilled - before
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - computed
+
+
 def test_a_stream_behind_the_worker_catches_up_in_one_event(server, client, monkeypatch):
-    """A stream that fell behind the batch (the streamer held up 1 s before its first tokens) sends
-    the tokens waiting as one event: fewer events than tokens, the same text and log-probabilities
-    as the answer in one piece."""
-    from mlx_flashnorm.serve import streaming
+    """A stream that fell behind the batch (the streamer held at its first look at the ticket until
+    the worker has put all its tokens, however long they take) sends the tokens waiting as one
+    event: fewer events than tokens, the same text and log-probabilities as the answer in one
+    piece."""
+    from mlx_flashnorm.serve import requests, streaming
 
-    advance, held = streaming.Stream.advance, []
+    ask = dict(model="smol", messages=[{"role": "user", "content": COUNTING}], max_tokens=12,
+               logprobs=True)
+    whole = client.chat.completions.create(**ask)
+    ended, held = threading.Event(), []
+    put, advance = requests.Ticket.put, streaming.Stream.advance
 
-    def slow_first(self):
+    def noting_the_end(self, item):
+        put(self, item)
+        if item is None:  # the worker is done with the request: all its tokens are on the ticket
+            ended.set()
+
+    def held_first(self):
         if not held:
-            held.append(time.sleep(1.0))
+            held.append(ended.wait(300))
         return advance(self)
 
-    ask = dict(model="smol", messages=[{"role": "user", "content": COUNTING}], max_tokens=12, logprobs=True)
-    whole = client.chat.completions.create(**ask)
-    monkeypatch.setattr(streaming.Stream, "advance", slow_first)
-    chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+    monkeypatch.setattr(requests.Ticket, "put", noting_the_end)
+    monkeypatch.setattr(streaming.Stream, "advance", held_first)
+    chunks = list(client.chat.completions.create(**ask, stream=True,
+                                                 stream_options={"include_usage": True}))
     content = [c for c in chunks if c.choices and c.choices[0].delta.content]
-    assert held and 1 <= len(content) < 12  # one on a GPU: all 12 are waiting once the hold ends
-    assert "".join(c.choices[0].delta.content for c in content) == whole.choices[0].message.content
-    entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
-    assert [(e.token, e.logprob) for e in entries] == [(e.token, e.logprob) for e in whole.choices[0].logprobs.content]
+    assert held == [True] and len(content) == 1  # all 12 were waiting once the hold ended
+    assert content[0].choices[0].delta.content == whole.choices[0].message.content
+    entries = [e for c in chunks if c.choices and c.choices[0].logprobs
+               for e in c.choices[0].logprobs.content]
+    assert ([(e.token, e.logprob) for e in entries]
+            == [(e.token, e.logprob) for e in whole.choices[0].logprobs.content])
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 12
 
 

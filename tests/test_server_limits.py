@@ -10,7 +10,9 @@ import time
 import openai
 import pytest
 
+from mlx_flashnorm.serve import http
 from mlx_flashnorm.serve.batch_worker import BatchWorker
+from mlx_flashnorm.serve.requests import Ticket, Token
 from mlx_flashnorm.server import Server
 from mlx_flashnorm.serve.serial import SerialWorker
 
@@ -113,6 +115,16 @@ BAD = [  # (what, request bytes, status, the field the error names)
     ("presence_penalty above 2", completion(presence_penalty=2.5), 400, "presence_penalty"),
     ("frequency_penalty NaN", completion(frequency_penalty=float("nan")), 400, "frequency_penalty"),
     ("repetition_penalty 0", completion(repetition_penalty=0), 400, "repetition_penalty"),
+    ("repetition_penalty 2**63", completion(repetition_penalty=2**63), 400, "repetition_penalty"),
+    ("repetition_penalty 1e-320", completion(repetition_penalty=1e-320), 400, "repetition_penalty"),
+    ("top_k 2**63", completion(top_k=2**63, temperature=1), 400, "top_k"),
+    ("top_k the vocabulary's size", completion(top_k=49152, temperature=1), 400, "top_k"),
+    ("temperature 1e999 (infinite)",
+     request("POST", "/v1/completions", b'{"prompt": "Hi", "temperature": 1e999}'), 400,
+     "temperature"),
+    ("logit_bias Infinity",
+     request("POST", "/v1/completions", b'{"prompt": "Hi", "logit_bias": {"5": Infinity}}'), 400,
+     "logit_bias"),
     ("logit_bias key not a token id", completion(logit_bias={"a": 1}), 400, "logit_bias"),
     ("logit_bias above 100", completion(logit_bias={"5": 101}), 400, "logit_bias"),
     ("logit_bias key of 5000 digits", completion(logit_bias={"9" * 5000: 1}), 400, "logit_bias"),
@@ -140,6 +152,42 @@ def test_bad_request_gets_its_status_and_the_next_good_one_succeeds(server, what
     assert_good(server)
 
 
+def test_numbers_the_engine_cannot_take_are_400s_naming_their_range(server):
+    """A number the engine cannot take (a top_k beyond the vocabulary, a penalty beyond what a float
+    holds) is a 400 naming the accepted range, never reaching the engine, whose sampling goes on; a
+    temperature too small for half precision decodes greedily."""
+    for fields, accepted in ((dict(top_k=49152, temperature=1), "from 0 to 49151"),
+                             (dict(repetition_penalty=2**63), "from 0.01 to 100")):
+        status, _, body = exchange(server, completion(**fields))
+        assert status == 400 and accepted in body["error"]["message"], body
+    status, _, body = exchange(server, completion(temperature=1, seed=1, max_tokens=4))
+    assert status == 200 and body["usage"]["completion_tokens"] == 4, body
+    greedy = exchange(server, completion(max_tokens=4))[2]["choices"][0]["text"]
+    tiny = exchange(server, completion(temperature=1e-320, max_tokens=4))[2]
+    assert tiny["choices"][0]["text"] == greedy
+
+
+IGNORED = dict(store=False, metadata={"app": "test"}, service_tier="auto", user="u-1",
+               parallel_tool_calls=True, prompt_cache_key="k", safety_identifier="s-1")
+
+
+def test_fields_that_change_nothing_are_accepted(server):
+    """The fields OpenAI clients send that change nothing here (as mlx_lm.server ignores them) are
+    accepted, through the official client too, each type-checked; a completion takes `user`."""
+    for name, value in IGNORED.items():
+        assert exchange(server, chat(**{name: value}))[0] == 200, name
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    client = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=120)
+    answer = client.chat.completions.create(model="smol", max_tokens=1, **IGNORED,
+                                            messages=[{"role": "user", "content": "Hi"}])
+    assert answer.usage.completion_tokens == 1
+    assert client.completions.create(model="smol", prompt="Hi", max_tokens=1, user="u").usage
+    for name, value in (("store", "yes"), ("metadata", "app"), ("service_tier", 1),
+                        ("parallel_tool_calls", "no"), ("prompt_cache_key", 2)):
+        status, _, body = exchange(server, chat(**{name: value}))
+        assert status == 400 and body["error"]["param"] == name, body
+
+
 def test_a_body_shorter_than_its_content_length_gets_408(server):
     with connect(server) as sock:
         tic = time.perf_counter()
@@ -147,6 +195,24 @@ def test_a_body_shorter_than_its_content_length_gets_408(server):
         status, _, body = read_answer(sock)
     assert status == 408 and "did not arrive" in body["error"]["message"]
     assert TIMEOUT - 0.5 < time.perf_counter() - tic < TIMEOUT + 5
+    assert_good(server)
+
+
+PARTIAL_HEADS = [(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept: */", "inside a header"),
+                 (b"POST /v1/completions HTTP/1.1\r\n", "after the request line"),
+                 (b"POST /v1/comp", "inside the request line")]
+
+
+@pytest.mark.parametrize("partial", [p for p, _ in PARTIAL_HEADS], ids=[w for _, w in PARTIAL_HEADS])
+def test_unfinished_headers_get_408(server, partial):
+    """A client that sends part of its request's head and waits gets a 408 with a JSON error once
+    --timeout has passed, then the close."""
+    with connect(server) as sock:
+        tic = time.perf_counter()
+        sock.sendall(partial)
+        status, headers, body = read_answer(sock)
+    assert status == 408 and headers["content-type"] == "application/json", body
+    assert "did not arrive" in body["error"]["message"] and time.perf_counter() - tic > TIMEOUT - 0.5
     assert_good(server)
 
 
@@ -264,6 +330,94 @@ def test_cross_origin_requests_need_cors_origin(server):
     status, headers, _ = exchange(server, preflight.replace(b"Host:", f"Origin: {other}\r\nHost:".encode()))
     assert status == 403 and "access-control-allow-origin" not in headers
     assert exchange(server, preflight)[0] == 204  # OPTIONS without an Origin: the allowed methods
+
+
+def test_requests_must_name_the_server_in_host(server):
+    """A page of a DNS-rebinding attacker reaches the server under the attacker's name: a Host that
+    names neither an address, nor localhost, nor a name of --allowed-host gets 421 and a JSON error,
+    on every endpoint; an address or localhost, with any port or none, and a request without a Host
+    (HTTP/1.0) are answered; two Host headers are a 400."""
+    for host in ("evil.example", "evil.example:8080", "127.0.0.1.evil.example", "localhost.evil"):
+        for data in (request("GET", "/health", Host=host), request("GET", "/v1/models", Host=host),
+                     completion().replace(b"Host: 127.0.0.1", f"Host: {host}".encode()),
+                     request("OPTIONS", "/v1/models", Host=host)):
+            status, headers, body = exchange(server, data)
+            assert status == 421 and headers["content-type"] == "application/json", (host, body)
+            message = body["error"]["message"]
+            assert host.partition(":")[0] in message and "--allowed-host" in message
+    for host in ("127.0.0.1", "127.0.0.1:9000", "localhost", "LOCALHOST.:1", "[::1]:80",
+                 "app.localhost", "10.1.2.3"):
+        assert exchange(server, request("GET", "/health", Host=host))[0] == 200, host
+    assert exchange(server, b"GET /health HTTP/1.0\r\n\r\n")[0] == 200
+    status, _, body = exchange(server, b"GET /health HTTP/1.1\r\nHost: localhost\r\n"
+                                       b"Host: evil.example\r\n\r\n")
+    assert status == 400 and "Host" in body["error"]["message"]
+    assert_good(server)
+
+
+def test_allowed_host_names_a_host_to_answer_for(smollm2):
+    """--allowed-host NAME (repeatable; any case, a trailing dot or not) answers requests naming it;
+    --allowed-host * answers any."""
+    for allowed, good, refused in ((["MyHost.lan.", "other.lan"], ["myhost.lan:8080", "other.lan"],
+                                    ["evil.lan"]), (["*"], ["evil.lan"], [])):
+        with serving(Server(None, smollm2[1], "gated", port=0, worker=GatedWorker(smollm2[1]),
+                            allowed_hosts=allowed)) as gated:
+            for host in good + refused:
+                status = exchange(gated, request("GET", "/health", Host=host))[0]
+                assert status == (421 if host in refused else 200), host
+
+
+class GatedWorker:
+    """A stand-in worker (requests.py's interface): each request's tokens (the ids of " a b c d")
+    come once `release` is set, none for a cancelled one."""
+    slots, context_length, vocab_size = 4, 2048, 49152
+
+    def __init__(self, tokenizer):
+        self.ids, self.release, self.tickets = tokenizer.encode(" a b c d"), threading.Event(), []
+
+    def submit(self, generation):
+        ticket = Ticket(generation)
+        self.tickets.append(ticket)
+        threading.Thread(target=self.answer, args=(ticket,), daemon=True).start()
+        return ticket
+
+    def answer(self, ticket):
+        self.release.wait()
+        for i, t in enumerate(self.ids):
+            if ticket.cancelled:
+                return
+            ticket.put(Token(t, "length" if i == len(self.ids) - 1 else None))
+        ticket.put(None)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_a_client_that_half_closes_after_its_request_is_answered(smollm2, monkeypatch, stream):
+    """A client that shuts its sending side once its request is sent (shutdown(SHUT_WR)) is still
+    reading: seen by the server's looks for clients gone while its request waits, it gets its whole
+    answer."""
+    looks, gone = [], http.Handler.client_gone
+    monkeypatch.setattr(http.Handler, "client_gone",
+                        lambda self: looks.append(gone(self)) or looks[-1])
+    worker = GatedWorker(smollm2[1])
+    with (serving(Server(None, smollm2[1], "gated", port=0, worker=worker)) as gated,
+          connect(gated) as sock):
+        sock.sendall(request("POST", "/v1/completions", json.dumps(
+            {"prompt": "Hello", "max_tokens": 4, "stream": stream}).encode(), key=None))
+        sock.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + 60
+        # the server has looked at the half-closed client, probed it and looked again
+        while len(looks) < 3 and not (worker.tickets and worker.tickets[0].cancelled):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        worker.release.set()
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    assert data.startswith(b"HTTP/1.0 200 OK\r\n"), data
+    body = data.partition(b"\r\n\r\n")[2]
+    text = ("".join(json.loads(e[6:])["choices"][0]["text"] for e in body.decode().split("\n\n")
+                    if e.startswith("data: {")) if stream else json.loads(body)["choices"][0]["text"])
+    assert text == " a b c d" and (body.endswith(b"data: [DONE]\n\n") or not stream)
 
 
 class FailingWorker(SerialWorker):

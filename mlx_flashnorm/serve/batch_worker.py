@@ -56,7 +56,7 @@ class BatchWorker:
         """Each step's Events to their tickets, a request's None after its last."""
         for e in events:
             ticket = e.request.ticket
-            self.put(ticket, token_of(e, ticket.generation.top_logprobs))
+            self.put(ticket, event_token(e))
             if e.finish_reason:
                 self.put(ticket, None)
 
@@ -103,6 +103,15 @@ class BatchWorker:
                 ticket = self.inbox.get(timeout=wait) if wait > 0 else self.inbox.get_nowait()
         except queue.Empty:
             pass
+
+
+def event_token(e):
+    """The Token of Event e (token_of, as its request asked); a request's first carries how many of
+    its prompt tokens came from the prompt cache."""
+    t = token_of(e, e.request.ticket.generation.top_logprobs)
+    if len(e.request.generated) == 1:
+        t.cached = e.request.cached
+    return t
 
 
 def warmup(engine, prompt=16, steps=3):

@@ -31,8 +31,8 @@ from multiprocessing.connection import Connection
 
 from ..decoding import context_length, load_from_args
 from ..errors import UserError
-from .batch_worker import BatchWorker
-from .requests import Ticket, Token, token_of
+from .batch_worker import BatchWorker, event_token
+from .requests import Ticket, Token
 
 CLOSE_TIMEOUT = 30  # seconds the child may take to stop once asked
 RESTARTS = 3  # times a dead child is replaced (the server's --engine-restarts)
@@ -228,13 +228,13 @@ class PipedWorker(BatchWorker):
     def deliver(self, events):
         """As BatchWorker's, a token without log-probabilities as the tuple (id, finish_reason):
         pickled in a fraction of a Token's time, both ways, and made without one (a Token a row
-        and step cost the step's host work: bench/RESULTS.md, "Host work of the batched step")."""
+        and step cost the step's host work: bench/RESULTS.md, "Host work of the batched step");
+        a request's first as its Token, which carries how much of the prompt was cached."""
         out = self.outbox
         for e in events:
             ticket = e.request.ticket
-            top = ticket.generation.top_logprobs
-            out.append((ticket.key, (e.token, e.finish_reason) if top is None
-                        else token_of(e, top)))
+            plain = ticket.generation.top_logprobs is None and len(e.request.generated) > 1
+            out.append((ticket.key, (e.token, e.finish_reason) if plain else event_token(e)))
             if e.finish_reason:
                 out.append((ticket.key, None))
                 self.tickets.pop(ticket.key, None)

@@ -8,10 +8,12 @@ streamed one's events itself. Beside the API: the chat page (page.py) at GET /, 
 POST /tokenize, /detokenize and /apply-template (tokenizer_api.py).
 
 Under load: at most the worker's slots plus max_queue requests are taken at once, the rest get 503
-with Retry-After; a request (headers and body) must arrive within `timeout` seconds and be at most
-max_body bytes; a client that hangs up, streaming or not, is noticed within streaming.POLL seconds
-(a streamed one also at its next write) and its request dropped by the worker at its next step."""
+with Retry-After; a request (headers and body) must arrive within `timeout` seconds (else 408, a
+request cut off in its head too) and be at most max_body bytes; a client that hangs up, streaming
+or not, is noticed within streaming.POLL seconds (a streamed one also at its next write) and its
+request dropped by the worker at its next step."""
 import hmac
+import ipaddress
 import json
 import select
 import socket
@@ -22,12 +24,31 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from . import page, tokenizer_api
 from .openai_api import Answer, HTTPError, Transcript, bad, parse_call, parse_json
-from .streaming import Stream, Streamer, event
+from .streaming import SHUT, Stream, Streamer, event
 
 RETRY_AFTER = 1  # seconds, in a 503's Retry-After
 MAX_BODY = 2**20  # bytes: a prompt filling a 128k-token context is about 0.5 MB of JSON
 # seconds: a body of unknown length has ended when none of it comes for this long
 DRAIN_PAUSE = 0.2
+
+
+def host_name(value):
+    """The name a Host header's value gives: without its port, an IPv6 address without its
+    brackets, in lower case, without a trailing dot."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        name = value[1:].partition("]")[0]
+    else:
+        name = value.rpartition(":")[0] if ":" in value else value
+    return name.rstrip(".")
+
+
+def is_address(name):
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return False
 
 
 class ClientGone(Exception):
@@ -83,19 +104,26 @@ class Server(ThreadingHTTPServer):
 
     def __init__(self, worker, tokenizer, model_id, host="127.0.0.1", port=8080, max_tokens=256,
                  temp=0.0, top_p=1.0, top_k=0, *, api_key=None, cors_origins=(), max_queue=64,
-                 max_body=MAX_BODY, timeout=30.0, request_timeout=None):
+                 max_body=MAX_BODY, timeout=30.0, request_timeout=None, allowed_hosts=(),
+                 parse_special=False):
         """worker: what generates (requests.py's interface, with the model's context_length and
         vocab_size, which the requests are checked against); it is closed with the server.
         max_tokens, temp, top_p, top_k: the defaults of requests that leave them out.
         api_key: requests must send it as a Bearer token; cors_origins: the web origins whose pages
         may call the server ("*": any); max_queue: requests waiting beyond the worker's slots;
         max_body: bytes; timeout: seconds for a request to arrive, and for any one socket
-        operation; request_timeout: seconds a request may run once taken (None: no limit)."""
+        operation; request_timeout: seconds a request may run once taken (None: no limit);
+        allowed_hosts: the names (besides addresses, localhost and host's name) that requests may
+        give in their Host header ("*": any: Handler.check_host); parse_special: special tokens'
+        text in chat messages is parsed as the tokens (openai_api.chat_tokens)."""
         self.worker = worker
         super().__init__((host, port), Handler)
         self.tokenizer, self.model_id = tokenizer, model_id
         self.defaults = dict(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k)
         self.api_key, self.cors_origins = api_key, set(cors_origins)
+        self.parse_special = parse_special
+        self.allowed_hosts = {host_name(h) for h in allowed_hosts} | (
+            {host_name(host)} if host and not is_address(host) else set())
         self.max_queue, self.max_body, self.io_timeout = max_queue, max_body, timeout
         self.created = int(time.time())
         self.lock, self.active = threading.Lock(), 0
@@ -105,7 +133,8 @@ class Server(ThreadingHTTPServer):
         self.limits = (worker.context_length, worker.vocab_size)
 
     def call(self, body, chat):
-        return parse_call(body, chat, self.tokenizer, *self.limits, self.defaults)
+        return parse_call(body, chat, self.tokenizer, *self.limits, self.defaults,
+                          self.parse_special)
 
     def admit(self, generation):
         """The worker's Ticket for generation, or a 503 when the worker's slots and the queue are
@@ -153,6 +182,8 @@ class Handler(BaseHTTPRequestHandler):
     server: Server
     default_request_version = "HTTP/1.0"  # a malformed request line still gets a status line
     allowed_origin = None  # the request's Origin, once --cors-origin allowed it
+    late = False  # the request did not arrive in time (set by the Reaper)
+    written_ahead = b""  # the answer's first bytes, written by the Streamer as a probe
 
     def setup(self):
         self.timeout = self.server.io_timeout  # on every socket operation
@@ -162,6 +193,9 @@ class Handler(BaseHTTPRequestHandler):
 
     def handle_one_request(self):
         self.server.reaper.watch(self)
+        # the reaper ends a late request head, which then gets its 408: a socket timeout of the
+        # same length would close the connection without one (this one is a backstop)
+        self.connection.settimeout(2 * self.server.io_timeout)
         try:
             super().handle_one_request()
         except ConnectionError:  # the client left before its request was read or answered
@@ -170,10 +204,20 @@ class Handler(BaseHTTPRequestHandler):
             self.server.reaper.release(self)
 
     def parse_request(self):
-        if not super().parse_request():
-            return False
+        """http.server's, reading the headers; a head that did not all arrive in time gets 408."""
+        try:
+            if self.late and not self.raw_requestline.endswith(b"\n"):
+                # cut off inside its request line: nothing of it to parse
+                self.command, self.request_version = None, self.default_request_version
+                self.requestline = self.raw_requestline.decode("latin-1")
+                self.send_error(408)
+                return False
+            if not super().parse_request():
+                return False
+        finally:
+            self.connection.settimeout(self.server.io_timeout)
         if self.late:  # the headers did not all arrive in time
-            self.fail(self.timed_out())
+            self.send_error(408)
             return False
         return True
 
@@ -185,6 +229,15 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Access-Control-Allow-Origin", self.allowed_origin)
             self.send_header("Vary", "Origin")
         super().end_headers()
+
+    def flush_headers(self):
+        """http.server's, less the bytes written ahead."""
+        if self.written_ahead and getattr(self, "_headers_buffer", None):
+            head = b"".join(self._headers_buffer)
+            assert head.startswith(self.written_ahead)
+            self._headers_buffer = [head[len(self.written_ahead):]]
+            self.written_ahead = b""
+        super().flush_headers()
 
     def send_json(self, status, obj, headers=()):
         body = json.dumps(obj).encode()
@@ -213,9 +266,30 @@ class Handler(BaseHTTPRequestHandler):
 
     def send_error(self, code, message=None, explain=None):
         """http.server's own errors (a malformed request line or header, an unknown method) in
-        JSON."""
+        JSON; a 408 for a head the reaper cut off (what it holds may be malformed for that)."""
         self.close_connection = True
-        self.fail(HTTPError(code, message or HTTPStatus(code).phrase))
+        self.fail(self.timed_out() if self.late
+                  else HTTPError(code, message or HTTPStatus(code).phrase))
+
+    def check_host(self):
+        """The Host header must name this server (421 otherwise): a page of a DNS-rebinding
+        attacker, its name turned to this machine's address, reaches the server under the
+        attacker's name, which the browser sends. An address (no page can turn one into another),
+        localhost or a name under .localhost (browsers keep those to this machine), or a name of
+        host or allowed_hosts passes, with any port (a tunnel or forwarded port changes it); so
+        does a request without a Host (HTTP/1.0: not a browser's)."""
+        hosts = self.headers.get_all("Host", [])
+        if len(hosts) > 1:
+            raise HTTPError(400, "a request has one Host header, not several")
+        if not hosts:
+            return
+        name, allowed = host_name(hosts[0]), self.server.allowed_hosts
+        if not ("*" in allowed or name in allowed or name == "localhost"
+                or name.endswith(".localhost") or is_address(name)):
+            raise HTTPError(421, f"this server does not answer for {name!r} (the Host header): "
+                                 "only for its addresses, localhost and the names of --host and "
+                                 f"--allowed-host (start it with --allowed-host {name} to answer "
+                                 "for that name)")
 
     def check_origin(self):
         """A page in a browser sends its Origin: refused unless --cors-origin allows it."""
@@ -237,6 +311,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_OPTIONS(self):
         try:
+            self.check_host()
             self.check_origin()
         except HTTPError as e:
             return self.fail(e)
@@ -252,6 +327,7 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         path = self.path.rstrip("/")
         try:
+            self.check_host()
             self.check_origin()
             if path == "/health":
                 return self.send_json(*self.server.health())
@@ -311,6 +387,7 @@ class Handler(BaseHTTPRequestHandler):
         utility = tokenizer_api.ROUTES.get(self.path.rstrip("/"))
         try:
             body = self.read_body()  # first: an answer with bytes left unread could be lost (drain)
+            self.check_host()
             if not chat and utility is None and self.path.rstrip("/") != "/v1/completions":
                 raise HTTPError(404, f"no such endpoint: POST {self.path}")
             self.check_origin()
@@ -330,9 +407,11 @@ class Handler(BaseHTTPRequestHandler):
         try:
             transcript = Transcript(self.server.tokenizer, call)
             answer = Answer(call, self.server.tokenizer, self.server.model_id)
+            ahead = f"{self.protocol_version} ".encode()  # every status line's beginning
             (self.stream if call.stream else self.whole)(Stream(self.connection, self.client_gone,
                                                                  ticket, transcript, answer,
-                                                                 whole=not call.stream))
+                                                                 whole=not call.stream,
+                                                                 ahead=ahead))
         except ClientGone:
             pass
         finally:
@@ -340,9 +419,19 @@ class Handler(BaseHTTPRequestHandler):
             self.server.done()
 
     def client_gone(self):
-        """The client closed its connection: its socket reads as at the end of the stream."""
+        """True once the client is gone (its connection reset, or in error); streaming.SHUT once
+        it has sent its end (its socket reads as ended): it closed its connection, or only its
+        sending side, reading on (a write tells); else False. Read while the socket does not
+        block (the Streamer's)."""
         try:
-            return bool(self.poller.poll(0)) and self.connection.recv(1, socket.MSG_PEEK) == b""
+            events = self.poller.poll(0)
+            if not events:
+                return False
+            if events[0][1] & (select.POLLERR | select.POLLNVAL):
+                return True
+            return SHUT if self.connection.recv(1, socket.MSG_PEEK) == b"" else False
+        except BlockingIOError:
+            return False
         except OSError:
             return True
 
@@ -350,11 +439,13 @@ class Handler(BaseHTTPRequestHandler):
         """The answer in one piece, once the server's Streamer has read all its tokens."""
         if not self.server.streamer.run(stream):
             raise ClientGone()
+        self.written_ahead = stream.written_ahead
         if stream.failed is not None:  # (a limit, or nothing checked before)
             return self.fail(stream.error)
         try:
             self.send_json(200, stream.answer.whole(stream.text, stream.finish, stream.entries,
-                                                    stream.transcript.count))
+                                                    stream.transcript.count,
+                                                    stream.transcript.cached))
         except OSError as e:
             raise ClientGone() from e
 

@@ -10,11 +10,18 @@ from dataclasses import dataclass, field as dataclass_field
 
 from jinja2 import TemplateError
 
-from ..decoding import MAX_SEED
+from ..decoding import MAX_SEED, encode_chat
 from .requests import Generation
 
 MAX_LOGPROBS = 20  # top_logprobs (chat) and logprobs (completions) at most
 MAX_STOPS = 16
+# a temperature below this decodes greedily: sampling scales the log-probabilities by
+# 1/temperature in the model's dtype, which in float16 overflows beyond 65504 (vLLM takes those
+# below 1e-5 as greedy)
+MIN_TEMPERATURE = 1e-4
+# repetition_penalty's range: the logits are divided (or multiplied) by it in the model's dtype;
+# an integer beyond 64 bits is a C++ exception in MLX, a number that rounds to 0 there makes NaNs
+PENALTY_RANGE = (0.01, 100)
 # the log-probability written for -inf (JSON has no infinities; OpenAI writes this)
 UNSURE = -9999.0
 DECODE_CONTEXT = 4  # prompt tokens decoded before the first generated one (its leading space)
@@ -22,7 +29,11 @@ DECODE_CONTEXT = 4  # prompt tokens decoded before the first generated one (its 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
           "stream_options", "n", "logprobs", "presence_penalty", "frequency_penalty",
           "repetition_penalty", "logit_bias", "user"}
-FIELDS = {True: COMMON | {"messages", "max_completion_tokens", "top_logprobs"},  # chat
+# a chat's fields that change nothing here, OpenAI's bookkeeping (mlx_lm.server ignores them too;
+# parallel_tool_calls matters only with tools, which are refused): checked for their type alone
+IGNORED = {"store": bool, "metadata": dict, "service_tier": str, "parallel_tool_calls": bool,
+           "prompt_cache_key": str, "safety_identifier": str}
+FIELDS = {True: COMMON | set(IGNORED) | {"messages", "max_completion_tokens", "top_logprobs"},
           False: COMMON | {"prompt", "echo"}}  # completions
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                500: "server_error", 503: "server_error", 504: "server_error"}
@@ -89,8 +100,9 @@ def message_text(content):
     raise bad("a message's 'content' must be a string or a list of text parts", "messages")
 
 
-def chat_tokens(body, tokenizer, tokenize=True):
-    """The prompt's token ids (tokenize=False: its text) of a chat request's messages."""
+def chat_tokens(body, tokenizer, parse_special=False, tokenize=True):
+    """The chat's prompt token ids (decoding.encode_chat: a special token's text in a message is
+    text, unless parse_special); tokenize=False: the template rendered, its text."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty list of messages", "messages")
@@ -105,9 +117,10 @@ def chat_tokens(body, tokenizer, tokenize=True):
     if not tokenizer.has_chat_template:
         raise bad("this model has no chat template: use /v1/completions")
     try:
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                               tokenize=tokenize)
-        return list(prompt) if tokenize else prompt
+        if not tokenize:
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 tokenize=False)
+        return encode_chat(tokenizer, messages, parse_special)
     except (TemplateError, ValueError, TypeError) as e:
         raise bad(f"the model's chat template refused the messages: {e}", "messages")
 
@@ -148,18 +161,22 @@ class Call:
     text_offset: int = 0
 
 
-def parse_call(body, chat, tokenizer, context, vocab, defaults):
+def parse_call(body, chat, tokenizer, context, vocab, defaults, parse_special=False):
     """The Call of a request body (parse_json's), or a 400 naming the field at fault. defaults:
-    max_tokens, temp, top_p, top_k for the fields a request leaves out; context: the model's."""
+    max_tokens, temp, top_p, top_k for the fields a request leaves out; context: the model's;
+    parse_special: a chat's messages parsed for special tokens' text (chat_tokens)."""
     if unknown := sorted(k for k in body if k not in FIELDS[chat] and body[k] is not None):
         raise bad(f"'{unknown[0]}' is not supported by this server", unknown[0])
     field(body, "model", str, need="a string")
     field(body, "user", str, need="a string")
+    needs = {bool: "true or false", dict: "an object", str: "a string"}
+    for name, kind in IGNORED.items() if chat else ():
+        field(body, name, kind, need=needs[kind])
     field(body, "n", int, 1, lambda v: v == 1,
           "1: one choice per request (send n requests instead)")
     field(body, "echo", bool, False, lambda v: not v, "false: echoing the prompt is not supported")
     if chat:
-        tokens, offset = chat_tokens(body, tokenizer), 0
+        tokens, offset = chat_tokens(body, tokenizer, parse_special), 0
     else:
         tokens, prompt = completion_tokens(body, tokenizer, vocab)
         offset = len(prompt)
@@ -192,19 +209,24 @@ def parse_call(body, chat, tokenizer, context, vocab, defaults):
                  else len(v) <= MAX_STOPS and all(isinstance(s, str) and s for s in v),
                  f"a non-empty string or a list of at most {MAX_STOPS} of them")
     options = field(body, "stream_options", dict, {}, need="an object")
+    temp = float(number(body, "temperature", defaults["temp"], lambda v: 0 <= v <= 2,
+                        "a number from 0 to 2"))
+    low, high = PENALTY_RANGE
+    penalty = number(body, "repetition_penalty", None, lambda v: low <= v <= high,
+                     f"a number from {low} to {high} (1 is off)")
     generation = Generation(
         tokens, max_tokens,
         seed=field(body, "seed", int, None, lambda v: 0 <= v <= MAX_SEED,
                    f"an integer from 0 to {MAX_SEED}"),
-        temp=number(body, "temperature", defaults["temp"], lambda v: 0 <= v <= 2,
-                    "a number from 0 to 2"),
+        temp=temp if temp >= MIN_TEMPERATURE else 0.0,
         top_p=number(body, "top_p", defaults["top_p"], lambda v: 0 < v <= 1,
                      "a number above 0 and at most 1"),
-        top_k=field(body, "top_k", int, defaults["top_k"], lambda v: v >= 0,
-                    "an integer >= 0 (0 is off)"),
+        # (mlx-lm's top-k filter takes fewer than the vocabulary's tokens: beyond, it raises
+        # inside a compiled function, and the random state it shares is left broken)
+        top_k=field(body, "top_k", int, defaults["top_k"], lambda v: 0 <= v < vocab,
+                    f"an integer from 0 to {vocab - 1} (0 is off)"),
         min_p=number(body, "min_p", 0.0, lambda v: 0 <= v <= 1, "a number from 0 to 1 (0 is off)"),
-        repetition_penalty=number(body, "repetition_penalty", None, lambda v: v > 0,
-                                  "a number above 0"),
+        repetition_penalty=penalty and float(penalty),
         presence_penalty=number(body, "presence_penalty", None, lambda v: -2 <= v <= 2,
                                 "a number from -2 to 2"),
         frequency_penalty=number(body, "frequency_penalty", None, lambda v: -2 <= v <= 2,
@@ -249,6 +271,7 @@ class Transcript:
         self.seen = len(self.window)
         self.counted = None  # that text, once decoded (until begin and seen move)
         self.text, self.sent, self.count = "", 0, 0
+        self.cached = 0  # prompt tokens that came from the prompt cache (the first token says)
         self.pending = []  # Entries not yet sent
 
     def decode_next(self, token_id, last):
@@ -276,6 +299,7 @@ class Transcript:
         """(piece, finish_reason, entries) for the client on one requests.Token: finish_reason is
         None until the end, "stop" (an end-of-sequence token or a stop string) or "length"."""
         finish = token.finish_reason
+        self.cached = token.cached or self.cached
         if finish == "stop":  # an end-of-sequence token: neither text nor counted
             self.text += self.flush()
         else:
@@ -340,16 +364,18 @@ class Answer:
             return chat_logprobs(self.tokenizer, entries)
         return completion_logprobs(self.tokenizer, entries, self.call.text_offset)
 
-    def usage(self, tokens):
+    def usage(self, tokens, cached=0):
+        """tokens generated; cached: the prompt's tokens from the prompt cache (mlx_lm.server's
+        prompt_tokens_details)."""
         prompt = len(self.call.generation.tokens)
         return {"prompt_tokens": prompt, "completion_tokens": tokens,
-                "total_tokens": prompt + tokens}
+                "total_tokens": prompt + tokens, "prompt_tokens_details": {"cached_tokens": cached}}
 
-    def whole(self, text, finish, entries, tokens):
+    def whole(self, text, finish, entries, tokens, cached=0):
         choice = {"index": 0, "finish_reason": finish, "logprobs": self.logprobs(entries)}
         choice.update({"message": {"role": "assistant", "content": text}} if self.call.chat
                       else {"text": text})
-        return dict(self.head, choices=[choice], usage=self.usage(tokens))
+        return dict(self.head, choices=[choice], usage=self.usage(tokens, cached))
 
     def chunk(self, text, finish, entries, role=None):
         if not self.call.chat:
@@ -361,7 +387,7 @@ class Answer:
                   "logprobs": self.logprobs(entries) if entries else None}
         return dict(self.head, object="chat.completion.chunk", choices=[choice])
 
-    def usage_chunk(self, tokens):
+    def usage_chunk(self, tokens, cached=0):
         return dict(self.head,
                     object="chat.completion.chunk" if self.call.chat else "text_completion",
-                    choices=[], usage=self.usage(tokens))
+                    choices=[], usage=self.usage(tokens, cached))

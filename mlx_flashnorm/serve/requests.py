@@ -68,6 +68,8 @@ class Token:
     finish_reason: Optional[str] = None  # "stop" (an end-of-sequence token), "length", or None
     logprob: Optional[float] = None  # when the Generation asked for log-probabilities
     top_logprobs: list = field(default_factory=list)  # [(id, logprob)], likeliest first
+    # on a request's first token: its prompt tokens that came from the prompt cache (not computed)
+    cached: int = 0
 
 
 class Ticket:

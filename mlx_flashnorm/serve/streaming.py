@@ -11,7 +11,14 @@ seconds looks for clients that left. A client that left, or whose socket has tak
 `timeout` seconds, has its request cancelled: the worker drops it at its next step; so has one
 running past `request_timeout` seconds, answered 504, and, as the server stops, one that had no
 token yet (drain()) or any one (stop()), answered 503: a streamed one with an error event, then
-[DONE]."""
+[DONE].
+
+A client that sent its end (its socket reads as ended) has closed its connection, or only its
+sending side (shutdown(SHUT_WR) once its request is sent), and reads on: only a write tells, which
+a closed one's system answers with a reset. So it is written a probe (PROBE, a comment that event
+readers skip; for an answer in one piece the first bytes of its status line, which its handler
+then leaves out) and looked at every round for POLL seconds more: gone once its socket reports
+the reset (or an error), or a write fails."""
 import json
 import socket
 import threading
@@ -20,6 +27,9 @@ import time
 from .openai_api import HTTPError
 
 POLL = 0.1  # seconds between looks for clients that left (and between tries of a full socket)
+# a Stream's left() for a client that sent its end: it closed, or half-closed and reads on
+SHUT = "shut"
+PROBE = b":\n\n"  # a server-sent-event comment
 
 
 def event(obj):
@@ -30,11 +40,15 @@ class Stream:
     """One answer: its connection (a streamed one's headers sent), ticket, transcript and answer;
     whole: an answer in one piece, which its handler writes once the stream is finished."""
 
-    def __init__(self, connection, left, ticket, transcript, answer, whole=False):
-        # left(): whether the client closed its connection
+    def __init__(self, connection, left, ticket, transcript, answer, whole=False, ahead=b""):
+        # left(): whether the client is gone (True), there (False), or has sent its end (SHUT)
         self.connection, self.left = connection, left
         self.ticket, self.transcript, self.answer = ticket, transcript, answer
         self.whole = whole  # no events: the text, finish and entries kept for one answer at the end
+        # a whole answer's first bytes (whatever its status), which a probe writes ahead (none: a
+        # whole answer's client is not probed)
+        self.ahead, self.written_ahead = ahead, b""
+        self.probed = None  # when a client that sent its end was written a probe
         self.text, self.finish, self.entries, self.failed = "", None, [], None
         self.error = None  # the HTTPError answering failed
         self.began = False  # a token came
@@ -71,7 +85,8 @@ class Stream:
             self.out += event(answer.chunk(text, finish, entries))
         if finish or ended:
             if answer.call.include_usage:
-                self.out += event(answer.usage_chunk(self.transcript.count))
+                self.out += event(answer.usage_chunk(self.transcript.count,
+                                                     self.transcript.cached))
             self.out += b"data: [DONE]\n\n"
             self.finished = True
 
@@ -83,6 +98,15 @@ class Stream:
                       else HTTPError(500, f"generation failed: {error}"))
         if not self.whole:
             self.out += event(self.error.body()) + b"data: [DONE]\n\n"
+
+    def look(self, now):
+        """Whether the client is still there (left()); one that sent its end is probed once."""
+        state = self.left()
+        if state is SHUT and self.probed is None:
+            self.probed = now
+            self.written_ahead = self.ahead if self.whole else b""
+            self.out += self.ahead if self.whole else PROBE
+        return not state or state is SHUT
 
     def flush(self, now, timeout):
         """Write what the socket takes without waiting; False once the client is gone."""
@@ -176,7 +200,11 @@ class Streamer:
                     s.ticket.cancel()
                     s.fail(error)
                 try:
-                    ok = s.flush(now, self.timeout) and not (look and not s.out and s.left())
+                    ok = s.flush(now, self.timeout)
+                    # (a probed client's answer to the probe comes within a round or a few)
+                    probing = s.probed is not None and now - s.probed < POLL
+                    if ok and not s.out and not s.finished and (look or probing):
+                        ok = s.look(now) and s.flush(now, self.timeout)
                 except Exception:
                     ok = False
                 if not ok or s.finished and not s.out:
