@@ -389,6 +389,8 @@ class Answer:
         return dict(self.head, choices=[choice], usage=self.usage(tokens))
 
     def chunk(self, text, finish, entries, role=None):
+        """A streamed chunk of text (None: a chat with tools holds it back: it may begin a
+        call)."""
         if not self.call.chat:
             choice = {"index": 0, "text": text, "finish_reason": finish,
                       "logprobs": self.logprobs(entries)}
@@ -401,6 +403,8 @@ class Answer:
         delta = {"role": role, "content": text} if role else ({"content": text} if text else {})
         if calls:
             delta["tool_calls"] = calls
+        if self.calls is not None and not (delta or finish or entries):
+            return None  # text held back (it may begin a call)
         choice = {"index": 0, "delta": delta, "finish_reason": finish,
                   "logprobs": self.logprobs(entries) if entries else None}
         return dict(self.head, object="chat.completion.chunk", choices=[choice])

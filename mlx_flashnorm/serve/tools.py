@@ -17,6 +17,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from .. import constraints
 from .structured import NAME, FormatError, schema_grammar
 
 SYSTEM = ("You can call functions. To call one, reply with only\n<tool_call>\n"
@@ -53,8 +54,8 @@ class Tools:
         schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
         call = f"%json {json.dumps(schema)}"
         if self.family == "llama":
-            return f"start: {call}\n"
-        return f'start: "{OPEN}\\n" call "\\n{CLOSE}"\ncall: {call}\n'
+            return constraints.lark_grammar(f"start: {call}\n")
+        return constraints.lark_grammar(f'start: "{OPEN}\\n" call "\\n{CLOSE}"\ncall: {call}\n')
 
     def messages(self, messages):
         """(messages, kwargs) for apply_chat_template."""
