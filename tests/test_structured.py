@@ -9,7 +9,7 @@ import jsonschema
 import openai
 import pytest
 
-from mlx_flashnorm import generate as generate_command
+from mlx_flashnorm.generate import main as generate_main
 from mlx_flashnorm.constraints import JSON_OBJECT, Constraint, check, schema_grammar
 from mlx_flashnorm.decoding import encode_prompt, stream_generate
 from mlx_flashnorm.serve.batch_worker import BatchWorker
@@ -77,12 +77,12 @@ def make(tokenizer, model):
 def test_generate_json_schema_file(smollm2, tmp_path):
     path = tmp_path / "schema.json"
     path.write_text(json.dumps(SCHEMA))
-    r = in_process(generate_command.main, "--prompt", PERSON, "--json-schema", str(path),
+    r = in_process(generate_main, "--prompt", PERSON, "--json-schema", str(path),
                    "--max-tokens", "80", "--norm", "rms")
     assert r.returncode == 0, r.stderr
     jsonschema.validate(json.loads(r.stdout.split("=" * 10)[0]), SCHEMA)
     path.write_text('{"type": "objekt"}')
-    r = in_process(generate_command.main, "--prompt", PERSON, "--json-schema", str(path))
+    r = in_process(generate_main, "--prompt", PERSON, "--json-schema", str(path))
     assert r.returncode != 0 and "not a JSON schema" in r.stderr
 
 
@@ -156,7 +156,7 @@ def test_a_named_tool_call_streams_its_name_then_its_arguments(client):
     ("response_format", {"type": "json_schema", "json_schema": {"name": "x",
                                                                 "schema": {"type": "objekt"}}},
      "not a JSON schema"),
-    ("response_format", {"type": "json_schema", "json_schema": {"schema": {}}}, "'name'"),
+    ("response_format", {"type": "json_schema", "json_schema": {"schema": {}}}, ".name' must be"),
     ("tools", {"type": "function"}, "non-empty list"),
     ("tools", [{"type": "function", "function": {"description": "no name"}}], "name"),
     ("tools", [{"type": "retrieval"}], "'type': 'function'"),

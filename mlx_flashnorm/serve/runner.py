@@ -20,6 +20,7 @@ class Queued(NamedTuple):
     rows: list
     tokens: mx.array
     logprobs: mx.array
+    constrained: list = ()  # its rows under a grammar [(slot, request)], drawn by settle
 
 
 def queue_step(s, live):
@@ -28,10 +29,14 @@ def queue_step(s, live):
     # a row fed its prompt samples nothing
     rows = [(i, r) for i, r in live if not s.feeding(i)] if s.feed else live
     raw = sampled = False
+    constrained = []
     for i, r in rows:
         r.queued += 1
         raw = raw or bool(r.logits_processors)
-        sampled = sampled or not (r.greedy or r.constraint)
+        if r.constraint is not None:
+            constrained.append((i, r))
+        else:
+            sampled = sampled or not r.greedy
     out, tokens = s.decode(logits=raw)
     logprobs = out
     if raw:
@@ -47,14 +52,16 @@ def queue_step(s, live):
                 r.seen = mx.concatenate([r.seen, tokens[i:i + 1].astype(r.seen.dtype)])
     s.tokens = tokens
     mx.async_eval(tokens, logprobs)
-    return Queued(rows, tokens, logprobs)
+    return Queued(rows, tokens, logprobs, constrained)
 
 
 def settle(s, step):
     """Draw the tokens of a queued step's rows under a grammar (still in the batch), each from its
     masked log-probabilities, into the step's tokens (the next step's input); their grammars have
     taken every token before (the step before was read). Returns the step."""
-    rows = [(i, r) for i, r in step.rows if r.constraint is not None and r.slot is not None]
+    if not step.constrained:
+        return step
+    rows = [(i, r) for i, r in step.constrained if r.slot is not None]
     if not rows:
         return step
     drawn = []
