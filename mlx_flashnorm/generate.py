@@ -34,9 +34,9 @@ def arg_parser():
                         "the part this prompt shares with it are prefilled), and save this "
                         "prompt's")
     p.add_argument("--json-schema", metavar="FILE",
-                   help="the answer is JSON text that this JSON schema (a file) accepts: each token "
-                        "is drawn from those the schema allows next (llguidance), and the "
-                        "generation ends where the JSON text does")
+                   help="the answer is JSON text that this JSON schema (a file) accepts: each "
+                        "token is drawn from those the schema allows next (llguidance), and "
+                        "the generation ends where the JSON text does")
     return p
 
 
