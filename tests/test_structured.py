@@ -14,7 +14,9 @@ from mlx_flashnorm.constraints import JSON_OBJECT, Constraint, check, schema_gra
 from mlx_flashnorm.decoding import encode_prompt, stream_generate
 from mlx_flashnorm.serve.batch_worker import BatchWorker
 from mlx_flashnorm.serve.engine import BatchEngine
+from mlx_flashnorm.serve.requests import Generation
 from mlx_flashnorm.serve.sequence import Request
+from mlx_flashnorm.serve.serial import stream_tokens
 from mlx_flashnorm.serve.tools import Tools, ToolCalls
 from mlx_flashnorm.server import Server
 
@@ -68,6 +70,17 @@ def test_json_schema_alone_and_in_a_batch_beside_free_rows(smollm2):
             assert r.generated[-1] in stop  # the JSON text ended the row
             jsonschema.validate(json.loads(tokenizer.decode(r.generated[:-1])), SCHEMA)
     assert expected[0] != expected[1]
+
+
+def test_the_serial_worker_follows_the_grammar(smollm2):
+    """The one-request worker (--max-concurrent 1) hands a Generation's grammar to decoding."""
+    model, tokenizer = smollm2
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}},
+              "required": ["answer"], "additionalProperties": False}
+    g = Generation(encode_prompt(tokenizer, "2+2 as JSON?"), 20, grammar=schema_grammar(schema))
+    tokens = list(stream_tokens(model, tokenizer, g))
+    assert tokens[-1].finish_reason == "stop"
+    jsonschema.validate(json.loads(tokenizer.decode([t.id for t in tokens[:-1]])), schema)
 
 
 def make(tokenizer, model):
@@ -127,7 +140,7 @@ def test_tool_round_trip_with_the_openai_client(client):
     assert call.id.startswith("call_")
     jsonschema.validate(json.loads(call.function.arguments),
                         WEATHER[0]["function"]["parameters"])
-    messages += [choice.message.model_dump(exclude_none=True),
+    messages += [choice.message,  # as the client returned it
                  {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 21}'}]
     r = client.chat.completions.create(model="smol", messages=messages, tools=WEATHER,
                                        tool_choice="none", max_tokens=16)
