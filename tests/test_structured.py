@@ -83,6 +83,22 @@ def test_the_serial_worker_follows_the_grammar(smollm2):
     jsonschema.validate(json.loads(tokenizer.decode([t.id for t in tokens[:-1]])), schema)
 
 
+def test_a_lone_row_under_a_grammar_on_the_one_request_step(smollm2):
+    """A batch of one row runs the one-request compiled step (Slots.solo): the same tokens."""
+    model, tokenizer = smollm2
+    tokens = encode_prompt(tokenizer, "2+2 as JSON?")
+    grammar = schema_grammar({"type": "object", "properties": {"sum": {"type": "integer"}}})
+    engine = BatchEngine(model)
+    r = Request(tokens, 20, stop_tokens=frozenset(tokenizer.eos_token_ids),
+                constraint=Constraint(grammar, tokenizer, model.args.vocab_size))
+    engine.add(r)
+    engine.step()
+    assert engine.solo
+    while engine.busy:
+        engine.step()
+    assert r.generated == alone(model, tokenizer, tokens, 20, grammar=grammar)
+
+
 def make(tokenizer, model):
     return Constraint(schema_grammar(SCHEMA), tokenizer, model.args.vocab_size)
 
