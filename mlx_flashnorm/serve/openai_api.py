@@ -110,11 +110,15 @@ def chat_tokens(body, tokenizer, tools=None):
                        and m[k] is not None):
         raise bad(f"a message's '{extra[0]}' is not supported (only 'role', 'content', "
                   "'tool_calls' and 'tool_call_id')", "messages")
-    check_messages(messages)
+    try:
+        check_messages(messages)
+    except FormatError as e:
+        raise bad(str(e), e.param)
+    # (an assistant's calls may come without content)
     messages = [dict({k: m[k] for k in ("tool_calls", "tool_call_id") if m.get(k) is not None},
-                     role=m["role"],
-                     content=message_text(m.get("content", "") if m.get("content") is not None
-                                          or not m.get("tool_calls") else ""))
+                     role=m["role"], content=message_text(
+                         "" if m.get("content") is None and m.get("tool_calls")
+                         else m.get("content", "")))
                 for m in messages]
     if not tokenizer.has_chat_template:
         raise bad("this model has no chat template: use /v1/completions")
@@ -168,6 +172,22 @@ class Call:
     tools: object = None  # tools.Tools: a chat's tools, its answer's text parsed for calls
 
 
+def shape(body, chat, tokenizer):
+    """(grammar, tools): the grammar the answer follows (response_format's, or a forced tool
+    call's; None: free), and a chat's tools.Tools (None without)."""
+    try:
+        grammar = response_format(body)
+        tools = parse_tools(body, template(tokenizer)) if chat else None
+        if tools is not None and tools.forced:
+            if grammar is not None:
+                raise FormatError("'response_format' and a 'tool_choice' that forces a call "
+                                  "cannot both shape the answer", "response_format")
+            grammar = tools.grammar()
+    except FormatError as e:
+        raise bad(str(e), e.param)
+    return grammar, tools
+
+
 def parse_call(body, chat, tokenizer, context, vocab, defaults):
     """The Call of a request body (parse_json's), or a 400 naming the field at fault. defaults:
     max_tokens, temp, top_p, top_k for the fields a request leaves out; context: the model's."""
@@ -178,19 +198,10 @@ def parse_call(body, chat, tokenizer, context, vocab, defaults):
     field(body, "n", int, 1, lambda v: v == 1,
           "1: one choice per request (send n requests instead)")
     field(body, "echo", bool, False, lambda v: not v, "false: echoing the prompt is not supported")
-    try:
-        grammar = response_format(body)
-        tools = parse_tools(body, template(tokenizer)) if chat else None
-        if tools is not None and tools.forced:
-            if grammar is not None:
-                raise FormatError("'response_format' and a 'tool_choice' that forces a call "
-                                  "cannot both shape the answer", "response_format")
-            grammar = tools.grammar()
-        if chat:
-            tokens, offset = chat_tokens(body, tokenizer, tools), 0
-    except FormatError as e:
-        raise bad(str(e), e.param)
-    if not chat:
+    grammar, tools = shape(body, chat, tokenizer)
+    if chat:
+        tokens, offset = chat_tokens(body, tokenizer, tools), 0
+    else:
         tokens, prompt = completion_tokens(body, tokenizer, vocab)
         offset = len(prompt)
     where = "messages" if chat else "prompt"
