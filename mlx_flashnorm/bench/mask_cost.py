@@ -6,9 +6,10 @@ For each grammar (any JSON object, a JSON schema with enums, arrays and nesting,
 call) a fixed text it accepts is tokenized and replayed --reps times through a fresh
 constraints.Constraint: per token, llguidance's mask alone (its bitmask computed), the whole of
 Constraint.allowed() (the bitmask unpacked into an MLX boolean array) and accept(token). Prints
-the median and 90th percentile of each in microseconds (and the mask's slowest), and the one-time cost of llguidance's
-tokenizer and of a grammar's matcher. The mask is computed while the device runs the step (see
-serve/runner.py), so it costs a step nothing where it takes less than the step."""
+the median and 90th percentile of each in microseconds (and the mask's slowest), and the
+one-time cost of llguidance's tokenizer and of a grammar's matcher. The mask is computed while
+the device runs the step (serve/runner.py), so it costs a step nothing where it takes less than
+the step."""
 import argparse
 import json
 import statistics
