@@ -14,7 +14,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-from . import forms
+from . import constraints, forms
 from .cache import StaticKVCache, make_cache
 from .chat_template import set_chat_template
 from .errors import UserError
@@ -121,7 +121,7 @@ def compiled_decode(model, logits=False):
 
 
 def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048, compiled=None,
-                  cache=None, logits_processors=()):
+                  cache=None, logits_processors=(), constraint=None):
     """Yield (token, logprobs) one at a time. The next step is queued on the device
     (async_eval) before the current token is handed to the caller.
 
@@ -139,7 +139,14 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
     cache: a cache from make_cache that already holds earlier tokens (a chat's previous turns):
     only `prompt` is prefilled after them. Compiled, it must be a StaticKVCache with room for
     prompt + max_tokens more positions. Once the generator ends or is closed the cache holds
-    every token fed to the model (its offset counts them: the last token yielded may be missing)."""
+    every token fed to the model (its offset counts them: the last token yielded may be missing).
+
+    constraint: a token mask that depends on the tokens generated (constraints.Constraint: a
+    grammar), with mask(logprobs) (the refused tokens at -inf) and accept(token): each token is
+    drawn from the masked log-probabilities (those yielded are the model's, unmasked). The mask of
+    token n+1 needs token n on the host: step n+1's forward pass is queued before token n is read
+    (as without one), and its sampling after, so the host computes the mask while the device runs
+    the forward pass."""
     sampler = sampler or make_sampler(0.0)
     if compiled is None:
         compiled = forms.compiled_decode() and (cache is None
@@ -161,13 +168,16 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
         for process in logits_processors:
             logits = process(seen, logits)
         logprobs = logits if normalized else logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        y = sampler(logprobs)
+        y = sampler(logprobs if constraint is None else constraint.mask(logprobs))
         if logits_processors:
             seen = mx.concatenate([seen, y.astype(seen.dtype)])
         return y, logprobs.squeeze(0)
 
+    def eager_forward(tokens):
+        return model(tokens[None], cache=cache)[:, -1, :], False
+
     def eager_step(tokens):
-        return pick(model(tokens[None], cache=cache)[:, -1, :])
+        return pick(*eager_forward(tokens))
 
     # Prefill all but the last prompt token in chunks (bounding the attention scratch memory).
     # Only the cache is evaluated, so the logits of those positions are never computed.
@@ -179,23 +189,29 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
     # The last prompt token goes through the decode step too: compiled, that is one replay, not a
     # second eager forward pass for Python to build (bench/RESULTS.md, "Prefill"); but a
     # one-token prompt into an empty cache runs eagerly, which allocates the buffers.
-    first = eager_step(prompt) if compiled and cache[0].keys is None else None
+    first = eager_forward(prompt) if compiled and cache[0].keys is None else None
 
     if not compiled:
-        step = eager_step
+        forward = eager_forward
     else:
         decode = compiled_decode(model, logits=bool(logits_processors))
         offset, kv = decode_offset(cache[0].offset), [c.state for c in cache]
         for c in cache:  # the buffers now live in kv alone, so each step can update them in place
             c.keys = c.values = None
 
-        def step(y):
+        def forward(y):
             nonlocal offset, kv
             out, offset, kv = decode(y.astype(mx.uint32), offset, kv)  # one trace: samplers' dtype
-            return pick(out, normalized=not logits_processors)
+            return out, not logits_processors
+
+    def step(y):
+        return pick(*forward(y))
 
     try:
-        y, logprobs = first or step(prompt)
+        if constraint is not None:
+            yield from constrained(forward, pick, first or forward(prompt), max_tokens, constraint)
+            return
+        y, logprobs = pick(*first) if first else step(prompt)
         mx.async_eval(y, logprobs)
         for n in range(max_tokens):
             if n + 1 < max_tokens:
@@ -208,6 +224,24 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
         if compiled:  # hand the buffers back, for a caller that keeps the cache
             for c, (k, v) in zip(cache, kv):
                 c.keys, c.values, c.offset = k, v, position(offset).item()
+
+
+def constrained(forward, pick, out, max_tokens, constraint):
+    """generate_step's loop under a constraint: out, the first forward pass's (logits,
+    normalized); each token picked from the masked log-probabilities once the one before it is
+    read, the next forward pass queued before that read."""
+    y, logprobs = pick(*out)
+    mx.async_eval(y, logprobs)
+    for n in range(max_tokens):
+        if n + 1 < max_tokens:
+            out = forward(y)
+            mx.async_eval(out[0])
+        token = y.item()
+        constraint.accept(token)
+        yield token, logprobs
+        if n + 1 < max_tokens:
+            y, logprobs = pick(*out)  # the mask, on the host, while the device runs out
+            mx.async_eval(y, logprobs)
 
 
 WARMUP_PROMPT = 16  # tokens: prefill runs MLX's multi-token kernels, not only its 1-token ones
@@ -329,7 +363,7 @@ def _encode_within(encode, piece, newline):
     return ids[len(newline):] if ids[:len(newline)] == newline else encode(piece)
 
 
-def encode_chat(tokenizer, messages, parse_special=False):
+def encode_chat(tokenizer, messages, parse_special=False, **template_args):
     """Token ids of messages ({"role", "content"} strings) through the tokenizer's chat template,
     with the generation prompt. A special token's text in a message (`<|im_end|>` in a user's
     content) is ordinary text, its text's ids in place of the token's, so that only the template
@@ -337,16 +371,19 @@ def encode_chat(tokenizer, messages, parse_special=False):
     rendered with each such text between two markers (a private-use character in no message); the
     text outside them is tokenized as before, the marked texts as text (as transformers'
     apply_chat_template(sanitize_control_tokens=True) does, on any template and version).
-    parse_special: the text parsed for special tokens too, as the tokenizer parses any text."""
+    parse_special: the text parsed for special tokens too, as the tokenizer parses any text.
+    template_args: the template's other arguments (tools=)."""
     specials = {} if parse_special else special_tokens(tokenizer)
     pattern = _pattern(tuple(specials))
     strings = [v for m in messages for v in m.values() if isinstance(v, str)]
     if pattern is None or not any(pattern.search(v) for v in strings):
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                  **template_args))
     mark = next(c for c in map(chr, range(0xE000, 0xF900)) if not any(c in v for v in strings))
     marked = [{k: pattern.sub(lambda t: mark + t[0] + mark, v) if isinstance(v, str) else v
                for k, v in m.items()} for m in messages]
-    text = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False,
+                                         **template_args)
     # [text, marked, text, marked, ..., text]; a marker the template parted from its pair: None
     pieces = re.split(f"{mark}({pattern.pattern}){mark}|{mark}", text)
 
@@ -404,7 +441,7 @@ def check_ids(ids, vocab):
 def stream_generate(model, tokenizer, prompt, max_tokens=256, temp=0.0, top_p=1.0, top_k=0,
                     seed=None, chat_template=True, prefill_step=512, cache=None, min_p=0.0,
                     logits_processors=(), system_prompt=None, max_kv_size=None, kv_bits=None,
-                    kv_group_size=64, sampler=None):
+                    kv_group_size=64, sampler=None, json_schema=None, grammar=None):
     """Yield a Response per generated token; prompt is a string or a list of token ids.
     cache: a cache list holding earlier tokens, to continue after them (generate_step): a
     StaticKVCache list, or mlx-lm caches (eager_cache), which decode eagerly. max_kv_size, kv_bits:
@@ -412,7 +449,9 @@ def stream_generate(model, tokenizer, prompt, max_tokens=256, temp=0.0, top_p=1.
     logits_processors: as generate_step takes them (make_processors builds a repetition penalty).
     sampler: as mlx-lm takes it (mlx_lm.sample_utils.make_sampler's result, or any function of
     the (1, vocabulary) log-probabilities giving the (1,) token), in place of temp, top_p, top_k
-    and min_p."""
+    and min_p. json_schema: a JSON schema (a dict or its JSON text) the generated text follows
+    (constrained decoding: the generation ends where the JSON text does); grammar: an llguidance
+    grammar (constraints.py) instead."""
     check_limits(max_tokens, seed)
     if sampler is None:
         sampler = make_sampler_for(temp, top_p, top_k, min_p)
@@ -420,6 +459,7 @@ def stream_generate(model, tokenizer, prompt, max_tokens=256, temp=0.0, top_p=1.
         raise UserError("pass either a sampler or temp, top_p, top_k and min_p, not both")
     elif not callable(sampler):
         raise UserError(f"sampler must be a function of the log-probabilities, not {sampler!r}")
+    constraint = make_constraint(tokenizer, model.args.vocab_size, json_schema, grammar)
     if cache is None and (max_kv_size is not None or kv_bits is not None):
         cache = eager_cache(model, max_kv_size, kv_bits, kv_group_size)
     tokens = encode_prompt(tokenizer, prompt, chat_template, system_prompt,
@@ -439,7 +479,7 @@ def stream_generate(model, tokenizer, prompt, max_tokens=256, temp=0.0, top_p=1.
     prompt_tps = 0.0
     n = 0
     steps = generate_step(mx.array(tokens), model, sampler, max_tokens, prefill_step, cache=cache,
-                          logits_processors=logits_processors)
+                          logits_processors=logits_processors, constraint=constraint)
     with closing(steps):  # closed at once, so that a kept cache gets its buffers back
         for n, (token, logprobs) in enumerate(steps, 1):
             if n == 1:
@@ -456,6 +496,23 @@ def stream_generate(model, tokenizer, prompt, max_tokens=256, temp=0.0, top_p=1.
                            mx.get_peak_memory() / 1e9, finish, logprobs)
             if finish:
                 break
+
+
+def make_constraint(tokenizer, vocab, json_schema=None, grammar=None):
+    """The constraints.Constraint of a JSON schema or an llguidance grammar (None for neither); a
+    UserError for a schema or grammar that is not valid."""
+    if json_schema is not None and grammar is not None:
+        raise UserError("pass a JSON schema or a grammar, not both")
+    if json_schema is None and grammar is None:
+        return None
+    try:
+        grammar = grammar if json_schema is None else constraints.schema_grammar(json_schema)
+        if error := constraints.check(grammar):
+            raise ValueError(error)
+        return constraints.Constraint(grammar, tokenizer, vocab)
+    except ValueError as e:
+        raise UserError(f"the {'grammar' if json_schema is None else 'JSON schema'} is not valid: "
+                        f"{e}")
 
 
 def generate(model, tokenizer, prompt, max_tokens=256, verbose=False, **kwargs) -> str:

@@ -1,7 +1,9 @@
 """The `generate` command line: one prompt, its text streamed to the terminal."""
 import argparse
+import json
 import sys
 
+from . import constraints
 from .cli import HelpFormatter, add_generation_args, add_model_args, add_sampling_args
 from .decoding import (eager_cache, encode_prompt, load_from_args, make_processors,
                        make_sampler_for, stream_generate)
@@ -31,7 +33,29 @@ def arg_parser():
                    help="reuse the KV cache of an earlier prompt saved here (only the tokens after "
                         "the part this prompt shares with it are prefilled), and save this "
                         "prompt's")
+    p.add_argument("--json-schema", metavar="FILE",
+                   help="the answer is JSON text that this JSON schema (a file) accepts: each "
+                        "token is drawn from those the schema allows next (llguidance), and "
+                        "the generation ends where the JSON text does")
     return p
+
+
+def json_schema(path):
+    """The JSON schema in a --json-schema file, checked; a UserError naming what is wrong."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            schema = json.load(f)
+    except OSError as e:
+        raise UserError(f"cannot read --json-schema {path}: {e.strerror}")
+    except ValueError as e:
+        raise UserError(f"--json-schema {path} is not JSON: {e}")
+    try:
+        error = constraints.check(constraints.schema_grammar(schema))
+    except ValueError as e:
+        error = str(e)
+    if error:
+        raise UserError(f"--json-schema {path} is not a JSON schema this command takes: {error}")
+    return schema
 
 
 def generation_kwargs(args):
@@ -53,6 +77,8 @@ def main(argv=None):
         raise UserError("the prompt is empty; pass some text with --prompt" +
                         (" (standard input was empty)" if args.prompt == "-" else ""))
     kwargs = generation_kwargs(args)
+    if args.json_schema:
+        kwargs["json_schema"] = json_schema(args.json_schema)
     if args.prompt_cache_file:
         prompt_cache.check_path(args.prompt_cache_file)
     model, tokenizer = load_from_args(args)

@@ -132,7 +132,7 @@ BAD = [  # (what, request bytes, status, the field the error names)
     ("an empty prompt", completion(prompt=""), 400, "prompt"),
     ("chat: top_logprobs without logprobs", chat(top_logprobs=2), 400, "top_logprobs"),
     ("chat: logprobs not a boolean", chat(logprobs=3), 400, "logprobs"),
-    ("chat: tools", chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    ("chat: tools not functions", chat(tools=[{"type": "function"}]), 400, "tools"),
     ("chat: a message's tool_calls", request("POST", "/v1/chat/completions", json.dumps(
         {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}]}).encode()), 400, "messages"),
     ("text/plain body", request("POST", "/v1/completions", b'{"prompt": "Hello"}', content_type="text/plain"), 415, None),

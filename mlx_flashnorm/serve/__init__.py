@@ -1,9 +1,9 @@
 """The serving engine behind the `server` command, one job a module.
 
 HTTP side (never imports the engine side): `http` (the transport and its limits), `openai_api`
-(the request and answer forms), `streaming` (every answer's tokens read on one thread), `page`
-(the chat page at /, its files in page/), `tokenizer_api` (llama-server's /tokenize, /detokenize,
-/apply-template).
+(the request and answer forms), `structured` (response_format), `tools` (tool calls), `streaming`
+(every answer's tokens read on one thread), `page` (the chat page at /, its files in page/),
+`tokenizer_api` (llama-server's /tokenize, /detokenize, /apply-template).
 Between them: `requests` (Generation, Token, Ticket: what crosses the engine's edges).
 Engine side: `serial` (one request at a time; the lockstep followers under mlx.launch),
 `batch_worker` (the batch engine on a thread of its own), `engine_process` (that worker in a child

@@ -32,7 +32,7 @@ class BatchWorker:
         self.context_length, self.vocab_size = context_length(model), model.args.vocab_size
         cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
         self.engine = BatchEngine(model, max_batch, prefill_step, cache, feed_wait=FEED_WAIT)
-        self.stop_tokens = frozenset(tokenizer.eos_token_ids)
+        self.tokenizer, self.stop_tokens = tokenizer, frozenset(tokenizer.eos_token_ids)
         self.inbox = queue.Queue()
         self.cancels = False  # a ticket was cancelled since the last look (set from any thread)
         serve_on_thread(model, self._serve, (lambda: warmup(self.engine)) if warm else None)
@@ -63,7 +63,8 @@ class BatchWorker:
     def request(self, ticket):
         g = ticket.generation
         return Request(g.tokens, g.max_tokens, g.temp, g.top_p, g.top_k, g.min_p, g.seed,
-                       self.stop_tokens, g.logits_processors(), ticket=ticket)
+                       self.stop_tokens, g.logits_processors(), ticket=ticket,
+                       constraint=g.constraint(self.tokenizer, self.vocab_size))
 
     def flush(self):
         """After each round of put(): nothing here (a worker that sends its tokens on sends

@@ -30,7 +30,8 @@ once the engine idles (_release).
 Pipelining, as generate_step: step n+1 is queued (mx.async_eval) before step n's tokens are read,
 its input the tokens step n samples on the device. A row that finishes at step n is noticed when
 step n is read, so step n+1 computed one token too many for it (thrown away); a newcomer joins the
-step queued after it was prefilled.
+step queued after it was prefilled. A row under a grammar draws each token a step late, once the
+step before is read (runner.settle), so the step stays queued ahead for every row.
 
 Exactness: every row's result is the one-request computation (a norm's deferred 1/RMS is per row),
 up to the summation order of a batched matmul and of attention over the whole capacity (masked
@@ -51,7 +52,7 @@ from mlx_lm.models.cache import KVCache
 from .. import forms
 from ..decoding import context_length
 from .prompt_cache import common_prefix
-from .runner import queue_step
+from .runner import queue_step, settle
 from .sequence import Event, Request
 from .slots import Slots, bucket, kv_layout, needed_capacity, one_row_cache, rows_of
 
@@ -164,12 +165,14 @@ class BatchEngine:
         # (the rows' host work is per row: once a step)
         live = self.slots.live() if self.slots is not None else []
         if self.pending is None and live:
-            self.pending = queue_step(self.slots, live)
+            self.pending = settle(self.slots, queue_step(self.slots, live))
         if self.pending is None:
             return []
         more = any(r.queued < r.max_tokens for _, r in live)
         ahead = queue_step(self.slots, live) if more else None
         events = self._read(self.pending)
+        if ahead is not None:  # rows under a grammar: their masks while the device runs ahead
+            ahead = settle(self.slots, ahead)
         self.pending = ahead if (left := self.rows) else None
         now = time.perf_counter()
         if self.read_at is not None and calls == self.prefill_calls:
@@ -420,6 +423,8 @@ class BatchEngine:
             r.generated.append(t)
             finish = "stop" if t in r.stop_tokens else ("length" if len(r.generated) >= r.max_tokens
                                                         else None)
+            if r.constraint is not None and not finish:
+                r.constraint.accept(t)
             events.append(Event(r, t, logprobs, i, finish))
             if finish:
                 leaving.append(r)

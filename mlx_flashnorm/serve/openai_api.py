@@ -12,6 +12,8 @@ from jinja2 import TemplateError
 
 from ..decoding import MAX_SEED, encode_chat
 from .requests import Generation
+from .structured import FormatError, response_format
+from .tools import ToolCalls, Tools, check_messages, family, parse_tools
 
 MAX_LOGPROBS = 20  # top_logprobs (chat) and logprobs (completions) at most
 MAX_STOPS = 16
@@ -28,12 +30,13 @@ DECODE_CONTEXT = 4  # prompt tokens decoded before the first generated one (its 
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
           "stream_options", "n", "logprobs", "presence_penalty", "frequency_penalty",
-          "repetition_penalty", "logit_bias", "user"}
-# a chat's fields that change nothing here, OpenAI's bookkeeping (mlx_lm.server ignores them too;
-# parallel_tool_calls matters only with tools, which are refused): checked for their type alone
-IGNORED = {"store": bool, "metadata": dict, "service_tier": str, "parallel_tool_calls": bool,
-           "prompt_cache_key": str, "safety_identifier": str}
-FIELDS = {True: COMMON | set(IGNORED) | {"messages", "max_completion_tokens", "top_logprobs"},
+          "repetition_penalty", "logit_bias", "user", "response_format"}
+# a chat's fields that change nothing here, OpenAI's bookkeeping (mlx_lm.server ignores them too):
+# checked for their type alone
+IGNORED = {"store": bool, "metadata": dict, "service_tier": str, "prompt_cache_key": str,
+           "safety_identifier": str}
+FIELDS = {True: COMMON | set(IGNORED) | {"messages", "max_completion_tokens", "top_logprobs",
+                                         "tools", "tool_choice", "parallel_tool_calls"},
           False: COMMON | {"prompt", "echo"}}  # completions
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                500: "server_error", 503: "server_error", 504: "server_error"}
@@ -100,27 +103,50 @@ def message_text(content):
     raise bad("a message's 'content' must be a string or a list of text parts", "messages")
 
 
-def chat_tokens(body, tokenizer, parse_special=False, tokenize=True):
-    """The chat's prompt token ids (decoding.encode_chat: a special token's text in a message is
-    text, unless parse_special); tokenize=False: the template rendered, its text."""
+def template(tokenizer):
+    """The chat template's source ("" for none)."""
+    t = getattr(tokenizer, "chat_template", None)
+    return t if isinstance(t, str) else ""
+
+
+def chat_tokens(body, tokenizer, tools=None, parse_special=False, tokenize=True):
+    """The prompt's token ids: the messages (and tools: tools.Tools) through the chat template
+    (decoding.encode_chat: a special token's text in a message is text, unless parse_special);
+    tokenize=False: the template rendered, its text."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty list of messages", "messages")
     if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
         raise bad("each message must be an object with a 'role' string", "messages")
     if extra := sorted(k for m in messages for k in m
-                       if k not in ("role", "content") and m[k] is not None):
-        raise bad(f"a message's '{extra[0]}' is not supported (only 'role' and 'content')",
-                  "messages")
-    messages = [{"role": m["role"], "content": message_text(m.get("content", ""))}
+                       if k not in ("role", "content", "tool_calls", "tool_call_id")
+                       and m[k] is not None):
+        raise bad(f"a message's '{extra[0]}' is not supported (only 'role', 'content', "
+                  "'tool_calls' and 'tool_call_id')", "messages")
+    try:
+        check_messages(messages)
+    except FormatError as e:
+        raise bad(str(e), e.param)
+    # (an assistant's calls may come without content)
+    messages = [dict({k: m[k] for k in ("tool_calls", "tool_call_id") if m.get(k) is not None},
+                     role=m["role"], content=message_text(
+                         "" if m.get("content") is None and m.get("tool_calls")
+                         else m.get("content", "")))
                 for m in messages]
     if not tokenizer.has_chat_template:
         raise bad("this model has no chat template: use /v1/completions")
+    extra = {}
+    if tools is not None:
+        messages, extra = tools.messages(messages)
+    elif any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        # a chat about calls made earlier, no tools offered now
+        t = template(tokenizer)
+        messages, _ = Tools([], "none", family(t), "tools" in t).messages(messages)
     try:
         if not tokenize:
             return tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                 tokenize=False)
-        return encode_chat(tokenizer, messages, parse_special)
+                                                 tokenize=False, **extra)
+        return encode_chat(tokenizer, messages, parse_special, **extra)
     except (TemplateError, ValueError, TypeError) as e:
         raise bad(f"the model's chat template refused the messages: {e}", "messages")
 
@@ -159,6 +185,23 @@ class Call:
     stop: list = dataclass_field(default_factory=list)
     # completions' log-probabilities: where the completion starts in prompt + it
     text_offset: int = 0
+    tools: object = None  # tools.Tools: a chat's tools, its answer's text parsed for calls
+
+
+def shape(body, chat, tokenizer):
+    """(grammar, tools): the grammar the answer follows (response_format's, or a forced tool
+    call's; None: free), and a chat's tools.Tools (None without)."""
+    try:
+        grammar = response_format(body)
+        tools = parse_tools(body, template(tokenizer)) if chat else None
+        if tools is not None and tools.forced:
+            if grammar is not None:
+                raise FormatError("'response_format' and a 'tool_choice' that forces a call "
+                                  "cannot both shape the answer", "response_format")
+            grammar = tools.grammar()
+    except FormatError as e:
+        raise bad(str(e), e.param)
+    return grammar, tools
 
 
 def parse_call(body, chat, tokenizer, context, vocab, defaults, parse_special=False):
@@ -175,8 +218,9 @@ def parse_call(body, chat, tokenizer, context, vocab, defaults, parse_special=Fa
     field(body, "n", int, 1, lambda v: v == 1,
           "1: one choice per request (send n requests instead)")
     field(body, "echo", bool, False, lambda v: not v, "false: echoing the prompt is not supported")
+    grammar, tools = shape(body, chat, tokenizer)
     if chat:
-        tokens, offset = chat_tokens(body, tokenizer, parse_special), 0
+        tokens, offset = chat_tokens(body, tokenizer, tools, parse_special), 0
     else:
         tokens, prompt = completion_tokens(body, tokenizer, vocab)
         offset = len(prompt)
@@ -231,10 +275,11 @@ def parse_call(body, chat, tokenizer, context, vocab, defaults, parse_special=Fa
                                 "a number from -2 to 2"),
         frequency_penalty=number(body, "frequency_penalty", None, lambda v: -2 <= v <= 2,
                                  "a number from -2 to 2"),
-        logit_bias=logit_bias(body, vocab), top_logprobs=top)
+        logit_bias=logit_bias(body, vocab), top_logprobs=top, grammar=grammar)
     return Call(chat, generation, stream=field(body, "stream", bool, False, need="true or false"),
                 include_usage=field(options, "include_usage", bool, False, need="true or false"),
-                stop=[stop] if isinstance(stop, str) else stop, text_offset=offset)
+                stop=[stop] if isinstance(stop, str) else stop, text_offset=offset,
+                tools=tools if tools is not None and tools.choice != "none" else None)
 
 
 def decode(tokenizer, ids):
@@ -352,6 +397,8 @@ class Answer:
 
     def __init__(self, call, tokenizer, model_id):
         self.call, self.tokenizer = call, tokenizer
+        # a chat with tools: its text split into content and calls
+        self.calls = ToolCalls(call.tools) if call.tools is not None else None
         chat = call.chat
         self.head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                      "object": "chat.completion" if chat else "text_completion",
@@ -372,17 +419,34 @@ class Answer:
                 "total_tokens": prompt + tokens, "prompt_tokens_details": {"cached_tokens": cached}}
 
     def whole(self, text, finish, entries, tokens, cached=0):
+        message = {"role": "assistant", "content": text}
+        if self.calls is not None:
+            content, _ = self.calls.feed(text, last=True)
+            if self.calls.calls:
+                message = {"role": "assistant", "content": content or None,
+                           "tool_calls": self.calls.calls}
+                finish = "tool_calls" if finish == "stop" else finish
         choice = {"index": 0, "finish_reason": finish, "logprobs": self.logprobs(entries)}
-        choice.update({"message": {"role": "assistant", "content": text}} if self.call.chat
-                      else {"text": text})
+        choice.update({"message": message} if self.call.chat else {"text": text})
         return dict(self.head, choices=[choice], usage=self.usage(tokens, cached))
 
     def chunk(self, text, finish, entries, role=None):
+        """A streamed chunk of text (None: a chat with tools holds it back: it may begin a
+        call)."""
         if not self.call.chat:
             choice = {"index": 0, "text": text, "finish_reason": finish,
                       "logprobs": self.logprobs(entries)}
             return dict(self.head, choices=[choice])
+        calls = []
+        if self.calls is not None and not role:
+            text, calls = self.calls.feed(text, last=finish is not None)
+            if self.calls.calls and finish == "stop":
+                finish = "tool_calls"
         delta = {"role": role, "content": text} if role else ({"content": text} if text else {})
+        if calls:
+            delta["tool_calls"] = calls
+        if self.calls is not None and not (delta or finish or entries):
+            return None  # text held back (it may begin a call)
         choice = {"index": 0, "delta": delta, "finish_reason": finish,
                   "logprobs": self.logprobs(entries) if entries else None}
         return dict(self.head, object="chat.completion.chunk", choices=[choice])

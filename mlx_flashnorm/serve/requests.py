@@ -16,6 +16,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import make_logits_processors
 
+from ..constraints import Constraint
 from ..lockstep import broadcast
 from ..shard import world
 
@@ -37,6 +38,8 @@ class Generation:
     logit_bias: Optional[dict] = None  # token id -> added to its logit
     # None: no log-probabilities; k: the chosen token's and k likeliest
     top_logprobs: Optional[int] = None
+    # an llguidance grammar the tokens follow (constraints.py: a JSON schema, a tool call), checked
+    grammar: Optional[str] = None
 
     @classmethod
     def shared(cls, generation=None):
@@ -60,6 +63,10 @@ class Generation:
         return make_logits_processors(self.logit_bias, self.repetition_penalty,
                                       presence_penalty=self.presence_penalty,
                                       frequency_penalty=self.frequency_penalty)
+
+    def constraint(self, tokenizer, vocab):
+        """The constraints.Constraint of its grammar (None without one)."""
+        return None if self.grammar is None else Constraint(self.grammar, tokenizer, vocab)
 
 
 @dataclass

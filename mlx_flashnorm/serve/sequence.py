@@ -22,6 +22,9 @@ class Request:
     seed: Optional[int] = None
     stop_tokens: frozenset = frozenset()  # ids that end it with finish "stop" (EOS)
     logits_processors: list = field(default_factory=list)  # mlx-lm's: f(tokens, logits) -> logits
+    # a grammar its tokens follow (constraints.Constraint: mask, accept), sampled a step late
+    # (runner.settle)
+    constraint: object = None
     generated: List[int] = field(default_factory=list)
     cached: int = 0  # prompt tokens taken from the prompt cache
     # set by the caller (a stop string, a client gone): it leaves at the next step

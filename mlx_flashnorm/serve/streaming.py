@@ -81,8 +81,9 @@ class Stream:
             self.text, self.finish, self.entries = self.text + text, finish, self.entries + entries
             self.finished = bool(finish or ended)
             return
-        if text or finish or entries:
-            self.out += event(answer.chunk(text, finish, entries))
+        # (None: text a chat's tool calls hold back)
+        if (text or finish or entries) and (chunk := answer.chunk(text, finish, entries)):
+            self.out += event(chunk)
         if finish or ended:
             if answer.call.include_usage:
                 self.out += event(answer.usage_chunk(self.transcript.count,

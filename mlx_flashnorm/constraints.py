@@ -1,0 +1,99 @@
+"""Constrained decoding: a grammar (a JSON schema, any JSON object, a Lark grammar) that every
+generated token must follow, through llguidance.
+
+A grammar is llguidance's grammar text (`schema_grammar`, `JSON_OBJECT`, `lark_grammar`), checked
+by `check` without a tokenizer (the server's 400). A `Constraint` is one generation's state of it:
+`allowed()` the tokens the grammar takes next (a boolean mask over the model's vocabulary,
+computed on the host), `accept(token)` after each generated token. Where the grammar is complete
+only the end-of-sequence tokens are allowed, so a finished JSON text ends the generation; a stop
+token is allowed only where the grammar accepts.
+
+llguidance's tokenizer is built once per tokenizer from its Hugging Face fast tokenizer (the
+GGUF's tokenizer is one) and kept on it: the first constrained request pays for that."""
+import json
+import threading
+
+import llguidance
+import llguidance.hf
+import mlx.core as mx
+import numpy as np
+
+JSON_OBJECT = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+_LOCK = threading.Lock()
+
+
+def schema_grammar(schema):
+    """The grammar of the JSON texts that a JSON schema (a dict, or its JSON text) accepts; a
+    ValueError for a text that is not JSON."""
+    if isinstance(schema, str):
+        schema = json.loads(schema)
+    return llguidance.LLMatcher.grammar_from_json_schema(schema)
+
+
+def lark_grammar(lark):
+    """The grammar of a Lark grammar's text (llguidance's dialect: `%json {schema}` inside it)."""
+    return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+def check(grammar):
+    """What is wrong with a grammar ("" if nothing), without a tokenizer."""
+    return llguidance.LLMatcher.validate_grammar(grammar)
+
+
+def hf_tokenizer(tokenizer):
+    """The Hugging Face tokenizer inside mlx-lm's TokenizerWrapper (or the one given)."""
+    return getattr(tokenizer, "_tokenizer", tokenizer)
+
+
+def ll_tokenizer(tokenizer, vocab):
+    """llguidance's tokenizer for `tokenizer` (mlx-lm's or Hugging Face's) over a vocabulary of
+    `vocab` ids (the model's logits), its end-of-sequence tokens mlx-lm's eos_token_ids; built once
+    and kept on the tokenizer."""
+    with _LOCK:
+        kept = getattr(tokenizer, "_llguidance", None)
+        if kept is None or kept[0] != vocab:
+            eos = sorted(getattr(tokenizer, "eos_token_ids", None) or ()) or None
+            kept = (vocab, llguidance.hf.from_tokenizer(hf_tokenizer(tokenizer), n_vocab=vocab,
+                                                        eos_token=eos))
+            tokenizer._llguidance = kept
+        return kept[1]
+
+
+class Constraint:
+    """One generation under a grammar: allowed() the tokens it takes next, accept(token) each
+    token generated. A grammar the matcher cannot build raises ValueError."""
+
+    def __init__(self, grammar, tokenizer, vocab):
+        self.vocab = vocab
+        self.matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer, vocab), grammar, log_level=0)
+        if self.matcher.is_error():
+            raise ValueError(f"the grammar is not valid: {self.matcher.get_error()}")
+        self.eos = sorted(getattr(tokenizer, "eos_token_ids", None) or ())
+        self.words = np.zeros(-(-vocab // 32), np.int32)  # llguidance's bitmask, a bit per token
+
+    def allowed(self):
+        """(vocab,) booleans: the tokens the grammar takes next. A matcher that failed (a limit of
+        llguidance's) allows only the end-of-sequence tokens, ending the generation."""
+        m = self.matcher
+        if not m.is_error():
+            m.unsafe_compute_mask_ptr(self.words.ctypes.data, self.words.nbytes)
+        if m.is_error():
+            bits = np.zeros(self.vocab, bool)
+            bits[[t for t in self.eos if t < self.vocab]] = True
+        else:
+            bits = np.unpackbits(self.words.view(np.uint8), bitorder="little")[:self.vocab]
+        return mx.array(bits.astype(bool))
+
+    def mask(self, logprobs):
+        """logprobs (1, vocab) with the tokens the grammar refuses at -inf."""
+        return mx.where(self.allowed(), logprobs, mx.array(-mx.inf, logprobs.dtype))
+
+    def accept(self, token):
+        """The grammar takes a generated token (an end-of-sequence token ends it)."""
+        self.matcher.consume_token(token)
+
+    @property
+    def done(self):
+        """Whether the grammar takes nothing more but the end of the sequence."""
+        return self.matcher.is_stopped()
+

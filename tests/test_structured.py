@@ -1,0 +1,237 @@
+"""Structured output and tool calls on the embedded SmolLM2: a JSON schema's answer parses and
+validates, greedy and seeded, alone (decoding's one-request path) and in a batch beside free rows,
+whose tokens stay those of their unconstrained answers; the server's response_format and tools
+(a forced call, a streamed one, the openai client's round trip, the 400s); generate --json-schema;
+the tool-call text parser on every split of its text."""
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from mlx_flashnorm.generate import main as generate_main
+from mlx_flashnorm.constraints import JSON_OBJECT, Constraint, check, schema_grammar
+from mlx_flashnorm.decoding import encode_prompt, stream_generate
+from mlx_flashnorm.serve.batch_worker import BatchWorker
+from mlx_flashnorm.serve.engine import BatchEngine
+from mlx_flashnorm.serve.requests import Generation
+from mlx_flashnorm.serve.sequence import Request
+from mlx_flashnorm.serve.serial import stream_tokens
+from mlx_flashnorm.serve.tools import Tools, ToolCalls
+from mlx_flashnorm.server import Server
+
+from conftest import in_process, openai_client, serving
+
+SCHEMA = {"type": "object", "additionalProperties": False,
+          "required": ["name", "color", "tags", "home"],
+          "properties": {"name": {"type": "string", "pattern": "^[A-Z][a-z]{1,9}$"},
+                         "color": {"enum": ["red", "green", "blue"]},
+                         "tags": {"type": "array", "maxItems": 2,
+                                  "items": {"type": "string", "pattern": "^[a-z]{1,8}$"}},
+                         "home": {"type": "object", "additionalProperties": False,
+                                  "required": ["city"],
+                                  "properties": {"city": {"type": "string",
+                                                          "pattern": "^[A-Z][a-z]{1,9}$"}}}}}
+PERSON = "Describe a person as JSON: name, favourite color, tags, home city."
+FREE = "What is the capital of France?"
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"type": "string", "maxLength": 20}}}}}]
+
+
+def alone(model, tokenizer, tokens, max_tokens, **kw):
+    return [r.token for r in stream_generate(model, tokenizer, tokens, max_tokens, **kw)]
+
+
+def test_json_schema_alone_and_in_a_batch_beside_free_rows(smollm2):
+    """Greedy and seeded rows under the schema, beside greedy and seeded free rows: each row's
+    tokens are its one-request tokens, the schema rows' text valid JSON of the schema."""
+    model, tokenizer = smollm2
+    person, free = encode_prompt(tokenizer, PERSON), encode_prompt(tokenizer, FREE)
+    stop = frozenset(tokenizer.eos_token_ids)
+    rows = [(person, 80, dict(temp=0.0), True), (person, 80, dict(temp=0.8, seed=7), True),
+            (free, 8, dict(temp=0.0), False), (free, 8, dict(temp=0.9, seed=3), False)]
+    expected = [alone(model, tokenizer, p, n, json_schema=SCHEMA if c else None, **kw)
+                for p, n, kw, c in rows]
+    engine = BatchEngine(model)
+    requests = [Request(p, n, stop_tokens=stop, **kw,
+                        constraint=make(tokenizer, model) if c else None) for p, n, kw, c in rows]
+    for r in requests:
+        engine.add(r)
+    most = 0
+    while engine.busy:
+        engine.step()
+        most = max(most, len(engine.rows))
+    assert most == 4
+    for r, want, (_, _, _, constrained) in zip(requests, expected, rows):
+        assert r.generated == want
+        if constrained:
+            assert r.generated[-1] in stop  # the JSON text ended the row
+            jsonschema.validate(json.loads(tokenizer.decode(r.generated[:-1])), SCHEMA)
+    assert expected[0] != expected[1]
+
+
+def test_the_serial_worker_follows_the_grammar(smollm2):
+    """The one-request worker (--max-concurrent 1) hands a Generation's grammar to decoding."""
+    model, tokenizer = smollm2
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}},
+              "required": ["answer"], "additionalProperties": False}
+    g = Generation(encode_prompt(tokenizer, "2+2 as JSON?"), 20, grammar=schema_grammar(schema))
+    tokens = list(stream_tokens(model, tokenizer, g))
+    assert tokens[-1].finish_reason == "stop"
+    jsonschema.validate(json.loads(tokenizer.decode([t.id for t in tokens[:-1]])), schema)
+
+
+def test_a_lone_row_under_a_grammar_on_the_one_request_step(smollm2):
+    """A batch of one row runs the one-request compiled step (Slots.solo): the same tokens."""
+    model, tokenizer = smollm2
+    tokens = encode_prompt(tokenizer, "2+2 as JSON?")
+    grammar = schema_grammar({"type": "object", "properties": {"sum": {"type": "integer"}}})
+    engine = BatchEngine(model)
+    r = Request(tokens, 20, stop_tokens=frozenset(tokenizer.eos_token_ids),
+                constraint=Constraint(grammar, tokenizer, model.args.vocab_size))
+    engine.add(r)
+    engine.step()
+    assert engine.solo
+    while engine.busy:
+        engine.step()
+    assert r.generated == alone(model, tokenizer, tokens, 20, grammar=grammar)
+
+
+def make(tokenizer, model):
+    return Constraint(schema_grammar(SCHEMA), tokenizer, model.args.vocab_size)
+
+
+def test_generate_json_schema_file(smollm2, tmp_path):
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(SCHEMA))
+    r = in_process(generate_main, "--prompt", PERSON, "--json-schema", str(path),
+                   "--max-tokens", "80", "--norm", "rms")
+    assert r.returncode == 0, r.stderr
+    jsonschema.validate(json.loads(r.stdout.split("=" * 10)[0]), SCHEMA)
+    path.write_text('{"type": "objekt"}')
+    r = in_process(generate_main, "--prompt", PERSON, "--json-schema", str(path))
+    assert r.returncode != 0 and "not a JSON schema" in r.stderr
+
+
+@pytest.fixture(scope="module")
+def server(smollm2):
+    with serving(Server(*smollm2, "smol", port=0, worker=BatchWorker(*smollm2))) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai_client(server)
+
+
+def test_response_formats_over_http(client):
+    ask = [{"role": "user", "content": 'Return a JSON object with the key "answer" holding the '
+                                       "sum 2+2."}]
+    r = client.chat.completions.create(model="smol", messages=ask, max_tokens=40,
+                                       response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}},
+              "required": ["answer"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model="smol", messages=ask, max_tokens=20, temperature=0.7, seed=1,
+        response_format={"type": "json_schema", "json_schema": {"name": "sum", "schema": schema,
+                                                                "strict": True}})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+
+
+def test_tool_round_trip_with_the_openai_client(client):
+    """A forced call, its result sent back, the final answer: the embedded model's call is
+    valid."""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.chat.completions.create(model="smol", messages=messages, tools=WEATHER,
+                                       tool_choice="required", max_tokens=40)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments),
+                        WEATHER[0]["function"]["parameters"])
+    messages += [choice.message,  # as the client returned it
+                 {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 21}'}]
+    r = client.chat.completions.create(model="smol", messages=messages, tools=WEATHER,
+                                       tool_choice="none", max_tokens=16)
+    assert r.choices[0].message.content and not r.choices[0].message.tool_calls
+
+
+def test_a_named_tool_call_streams_its_name_then_its_arguments(client):
+    stream = client.chat.completions.create(
+        model="smol", messages=[{"role": "user", "content": "Weather in Rome?"}], tools=WEATHER,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=40,
+        stream=True)
+    deltas, finish = [], None
+    for chunk in stream:
+        deltas += chunk.choices[0].delta.tool_calls or []
+        finish = chunk.choices[0].finish_reason or finish
+    head, pieces = deltas[0], deltas[1:]
+    assert head.id.startswith("call_") and head.type == "function"
+    assert head.function.name == "get_weather" and head.function.arguments == ""
+    assert len(pieces) > 1 and all(d.index == 0 and d.id is None for d in pieces)
+    assert "city" in json.loads("".join(d.function.arguments for d in pieces))
+    assert finish == "tool_calls"
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("response_format", {"type": "yaml"}, "'yaml' is not supported"),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x",
+                                                                "schema": {"type": "objekt"}}},
+     "not a JSON schema"),
+    ("response_format", {"type": "json_schema", "json_schema": {"schema": {}}}, ".name' must be"),
+    ("tools", {"type": "function"}, "non-empty list"),
+    ("tools", [{"type": "function", "function": {"description": "no name"}}], "name"),
+    ("tools", [{"type": "retrieval"}], "'type': 'function'"),
+    ("tool_choice", {"type": "function", "function": {"name": "nope"}}, "not one of 'tools'"),
+    ("tool_choice", "always", "'tool_choice' must be"),
+])
+def test_bad_fields_get_400_naming_the_problem(client, field, value, says):
+    body = {"tools": WEATHER} if field == "tool_choice" else {}
+    body[field] = value
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smol", max_tokens=1, extra_body=body,
+                                       messages=[{"role": "user", "content": "hi"}])
+    assert says in e.value.body["message"] and e.value.body["param"] == field
+
+
+TOOLS = Tools([{"name": "get_weather"}], "auto", "hermes", False)
+
+
+def split(text, size, tools=TOOLS):
+    calls, content, deltas = ToolCalls(tools), "", []
+    for k in range(0, len(text), size):
+        c, d = calls.feed(text[k:k + size], last=k + size >= len(text))
+        content, deltas = content + c, deltas + d
+    return content, deltas, calls.calls
+
+
+@pytest.mark.parametrize("size", range(1, 9))
+def test_tool_call_text_parsed_on_every_split(size):
+    text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa}ris", '
+            '"days": [1, {"a": "]"}]}}\n</tool_call>')
+    content, deltas, calls = split(text, size)
+    assert content == "" and len(calls) == 1
+    assert deltas[0]["function"] == {"name": "get_weather", "arguments": ""}
+    arguments = "".join(d["function"]["arguments"] for d in deltas[1:])
+    assert arguments == calls[0]["function"]["arguments"]
+    assert json.loads(arguments) == {"city": "Pa}ris", "days": [1, {"a": "]"}]}
+    assert split("Just text, <b>no</b> call.", size)[:2] == ("Just text, <b>no</b> call.", [])
+    unknown = '<tool_call>{"name": "nope", "arguments": {}}</tool_call>'
+    assert split(unknown, size)[0] == unknown
+    llama = Tools([{"name": "get_weather"}], "auto", "llama", False)
+    _, _, calls = split('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}',
+                        size, llama)
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+
+
+def test_a_forced_call_grammar_is_a_valid_grammar():
+    tools = Tools([WEATHER[0]["function"], {"name": "now"}], "required", "hermes", False)
+    assert check(tools.grammar()) == ""
+    assert check(JSON_OBJECT) == ""
