@@ -170,14 +170,18 @@ def test_the_page_is_served_without_the_key_and_the_endpoints_need_it(keyed):
 
 def test_the_page_s_own_origin_is_allowed_others_are_not(server):
     """The page's calls carry the server's own origin; a site whose DNS name points at this
-    machine (DNS rebinding) sends its own name as the Host and is refused."""
+    machine (DNS rebinding) sends its own name as the Host and is refused: by the Host check
+    (421, before the origin is looked at), and another origin on the server's own address by
+    the origin check (403)."""
     port = server.server_address[1]
     for host in (f"127.0.0.1:{port}", f"localhost:{port}"):
         status, headers, _ = call(server, "POST", "/tokenize", {"content": "x"}, Host=host,
                                   Origin=f"http://{host}")
         assert status == 200 and "Access-Control-Allow-Origin" not in headers
-    for host, origin in ((f"evil.example:{port}", f"http://evil.example:{port}"),
-                         (f"127.0.0.1:{port}", "http://127.0.0.1:3000"),
+    status, _, body = call(server, "POST", "/tokenize", {"content": "x"},
+                           Host=f"evil.example:{port}", Origin=f"http://evil.example:{port}")
+    assert status == 421 and "evil.example" in body["error"]["message"]
+    for host, origin in ((f"127.0.0.1:{port}", "http://127.0.0.1:3000"),
                          (f"127.0.0.1:{port}", f"https://127.0.0.1:{port}")):
         status, _, body = call(server, "POST", "/tokenize", {"content": "x"}, Host=host,
                                Origin=origin)
