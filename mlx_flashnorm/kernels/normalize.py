@@ -1,7 +1,9 @@
 """The fused residual add + RMSNorm/LayerNorm kernel (the norm modules' kernel, mlx_flashnorm.nn):
-o = c/sqrt(d) * (p or p - mean(p)) / sigma * w + b with p = x + residual, in one launch; its source
-(one body in CUDA spelling, respelled for Metal), launcher, plain-MLX fallback (compose, on
-mx.fast.rms_norm / layer_norm) and self-check (CHECK)."""
+o = c/sqrt(d) * (p or p - mean(p)) / sigma * w + b with p = x + residual, in one launch, rounded
+to the input's dtype where the fallback rounds it (so that a model's one-row step and its batched
+rows, which take the fallback, round alike); its source (one body in CUDA spelling, respelled for
+Metal), launcher, plain-MLX fallback (compose, on mx.fast.rms_norm / layer_norm) and self-check
+(CHECK)."""
 import math
 from functools import lru_cache
 
