@@ -1,7 +1,9 @@
 """The fused residual add + RMSNorm/LayerNorm kernel (the norm modules' kernel, mlx_flashnorm.nn):
-o = c/sqrt(d) * (p or p - mean(p)) / sigma * w + b with p = x + residual, in one launch; its source
-(one body in CUDA spelling, respelled for Metal), launcher, plain-MLX fallback (compose, on
-mx.fast.rms_norm / layer_norm) and self-check (CHECK)."""
+o = c/sqrt(d) * (p or p - mean(p)) / sigma * w + b with p = x + residual, in one launch, rounded
+to the input's dtype where the fallback rounds it (so that a model's one-row step and its batched
+rows, which take the fallback, round alike); its source (one body in CUDA spelling, respelled for
+Metal), launcher, plain-MLX fallback (compose, on mx.fast.rms_norm / layer_norm) and self-check
+(CHECK)."""
 import math
 from functools import lru_cache
 
@@ -90,12 +92,18 @@ _BODY = """
   for (int k = 0; k < PER; ++k) ss += v[k] * v[k];
   const float inv =
       rsqrtf(fnorm_block_sum(ss, buf, tid, block / 32) / D + __int_as_float(EPS_BITS));
-  const float scale = __int_as_float(SCALE_BITS) * inv;
+  const float scale = __int_as_float(SCALE_BITS);
   #pragma unroll
   for (int k = 0; k < PER; ++k) {
     const int i = tid + k * block;
     if (i < D) {
-      o[base + i] = fn_cast<T>(v[k] * scale{mul_w}{add_b});
+      // rounded as the composition rounds it (mx.fast.rms_norm / layer_norm, then the weight and
+      // the bias as values of T): the normalized value in T, times the weight (times scale) in T,
+      // plus the bias in T
+      float t = fn_f(fn_cast<T>(v[k] * inv));
+      {mul_w}
+      {add_b}
+      o[base + i] = fn_cast<T>(t);
     }
   }
 """
@@ -105,6 +113,10 @@ _LOAD_P = "t = fn_f(x[base + i]);"
 _LOAD_P_RES = """const T tp = fn_cast<T>(fn_f(x[base + i]) + fn_f(res[base + i]));
       p[base + i] = tp;
       t = fn_f(tp);"""
+# The weight times scale rounded to T (the composition's w * scale; w itself at scale 1), or without
+# a weight the scale as a value of T (the composition's o * scale); nothing at scale 1.
+_MUL_W = "t = fn_f(fn_cast<T>(t * fn_f(fn_cast<T>(fn_f(w[i]) * scale))));"
+_MUL_SCALE = "if (scale != 1.0f) t = fn_f(fn_cast<T>(t * fn_f(fn_cast<T>(scale))));"
 _CENTER = """const float mean = fnorm_block_sum(s, buf, tid, block / 32) / D;
   #pragma unroll
   for (int k = 0; k < PER; ++k) v[k] = (tid + k * block < D) ? v[k] - mean : 0.0f;"""
@@ -115,8 +127,8 @@ def kernel(backend, has_res, has_w, has_b, center):
     """The launcher of one variant (which inputs it has, centered or not) for backend's header."""
     source = (_BODY.replace("{load_p}", _LOAD_P_RES if has_res else _LOAD_P)
               .replace("{center}", _CENTER if center else "")
-              .replace("{mul_w}", " * fn_f(w[i])" if has_w else "")
-              .replace("{add_b}", " + fn_f(b[i])" if has_b else ""))
+              .replace("{mul_w}", _MUL_W if has_w else _MUL_SCALE)
+              .replace("{add_b}", "t = fn_f(fn_cast<T>(t + fn_f(b[i])));" if has_b else ""))
     inputs = ["x"] + ["res"] * has_res + ["w"] * has_w + ["b"] * has_b
     outputs = ["o"] + ["p"] * has_res
     flags = "".join(f for f, on in zip("rwbc", (has_res, has_w, has_b, center)) if on)

@@ -338,7 +338,8 @@ def _reference(x, offset, layers, caches, gains, qk_gains, theta, eps, factor, q
     """decode_layers in plain MLX (float32 arithmetic, rounded to x's dtype where the kernel rounds),
     over the whole cache with a mask, so that an array position (a compiled step) works: the
     fallback and the self-check's yardstick. norm: the mode (NORMS); rms and none round as the
-    model's own layers do (each linear's output, RMSNorm's, RoPE's and SwiGLU's steps in T)."""
+    model's own layers do (each linear's output, RMSNorm's, RoPE's and SwiGLU's steps, its sigmoid's
+    too, in T)."""
     f32, T = mx.float32, x.dtype
     K, D = x.shape[-1], theta.shape[0] * 2
     per = layer_sizes(layers, n_heads, n_kv_heads)
@@ -349,6 +350,10 @@ def _reference(x, offset, layers, caches, gains, qk_gains, theta, eps, factor, q
 
     def normed(v, w, e):  # RMSNorm as mx.fast.rms_norm rounds it
         return rnd(rnd(v * mx.rsqrt((v * v).mean(-1, keepdims=True) + e)) * w)
+
+    def sigmoid(g):  # as MLX's CUDA Sigmoid computes it in T (whole_step.cuh's fn_sigmoid)
+        y = rnd(1 / rnd(1 + rnd(mx.exp(mx.abs(g)))))
+        return mx.where(g < 0, y, rnd(1 - y))
 
     def pre(v, k):  # a matvec's input: p times the gain (flash), RMSNorm(p) (rms), p (none)
         if norm == "rms":
@@ -403,7 +408,7 @@ def _reference(x, offset, layers, caches, gains, qk_gains, theta, eps, factor, q
             xs = s2 / P2
         else:
             gate, up = rnd(gate), rnd(up)
-            a = rnd(rnd(gate * rnd(mx.sigmoid(gate))) * up)
+            a = rnd(rnd(gate * sigmoid(gate)) * up)
             xs = one
         h = rnd(_qmm(a, *down, group_size, bits))
     return h.astype(T).reshape(x.shape), xs.reshape(x.shape[:-1] + (1,)), p.astype(T).reshape(x.shape), out

@@ -3,7 +3,8 @@
 //   device  the device functions both kernels' headers hold: the grid barrier (fn_grid_sync,
 //           fn_grid_exit), an attention head's splits merged (fn_merged), the one-row
 //           matvec's input row (fn_put, fn_chunk_sums), block sum (fn_block_sum) and packed row
-//           (fn_qrow), and RMSNorm's value as the rms mode's layers round it (fn_normed)
+//           (fn_qrow), and RMSNorm's value and SwiGLU as the rms mode's layers round them
+//           (fn_normed, fn_sigmoid, fn_swiglu)
 //   layer   layer l's arrays read from the block's pointer table, and its sizes (query and kv
 //           heads, FFN width: HQ, HKV, I, KO, NQKV) from the layer table `lt` (step.layer_table)
 //           (the bodies' {{LAYER}} line); HQM, HKVM and IM (the sizes table) are the widest
@@ -17,8 +18,9 @@
 // The norm mode NORM (step.NORMS; the sizes table): 0 flash (1/RSSe deferred past the matvecs,
 // the gains on their inputs, QK-norm's gains in RoPE's tables), 1 rms (RMSNorm before each
 // matvec, weights multiplied into its input, as the model's own layers round it: the q/k/v and
-// gate/up outputs in T, QK-norm on them, the softmax scale (factor) on the rounded q), 2 none (no
-// norm: the residual add alone). In rms and none s and P are 1.
+// gate/up outputs in T, QK-norm on them, the softmax scale (factor) on the rounded q, SwiGLU's
+// sigmoid in T as MLX computes it: fn_swiglu), 2 none (no norm: the residual add alone). In rms
+// and none s and P are 1.
 // @piece device
 __device__ inline void fn_grid_sync(unsigned int* bar, unsigned int target) {
   // every block of the grid arrives before any leaves (all blocks are resident: one per SM);
@@ -86,17 +88,33 @@ __device__ inline float fn_block_sum(float v, float* red) {
 }
 template <typename T>
 __device__ inline float fn_normed(float v, float r, float w) {
-  // RMSNorm's value as MLX computes it (mx.fast.rms_norm): v times its 1/RMS rounded to T, times
-  // the weight w (a value of T) rounded to T
+  // RMSNorm's value as MLX computes it (mx.fast.rms_norm, and the norm modules' fused kernel,
+  // kernels/normalize.py): v times its 1/RMS rounded to T, times the weight w (a value of T)
+  // rounded to T
   return fn_f(fn_cast<T>(fn_f(fn_cast<T>(v * r)) * w));
+}
+template <typename T> __device__ inline float fn_exp_in(float v) { return expf(v); }
+template <> __device__ inline float fn_exp_in<__half>(float v) {
+  return __half2float(hexp(__float2half(v)));
+}
+template <> __device__ inline float fn_exp_in<__nv_bfloat16>(float v) {
+  return __bfloat162float(hexp(__float2bfloat16(v)));
+}
+template <typename T>
+__device__ inline float fn_sigmoid(float g) {
+  // sigmoid(g) (g a value of T) as MLX's CUDA Sigmoid computes it in T: e = exp(|g|) (hexp, as
+  // cuda::std::exp takes a half type), y = 1 / (1 + e), g < 0 ? y : 1 - y, each step rounded to T
+  const float e = fn_exp_in<T>(fabsf(g));
+  const float y = fn_f(fn_cast<T>(1.0f / fn_f(fn_cast<T>(1.0f + e))));
+  return g < 0.0f ? y : fn_f(fn_cast<T>(1.0f - y));
 }
 template <typename T>
 __device__ inline float fn_swiglu(float gate, float up) {
-  // silu(gate) * up as the rms and none modes' layers round it: gate and up in T (the matvec's
-  // outputs), the sigmoid, its product with gate, and that times up, each rounded to T
+  // silu(gate) * up as the rms and none modes' layers round it (mlx_lm's swiglu, gate * sigmoid
+  // then times up, each a T value): gate and up in T (the matvec's outputs), the sigmoid
+  // (fn_sigmoid), its product with gate, and that times up, each rounded to T
   const float g = fn_f(fn_cast<T>(gate)), u = fn_f(fn_cast<T>(up));
-  const float sg = fn_f(fn_cast<T>(1.0f / (1.0f + expf(-g))));
-  return fn_f(fn_cast<T>(fn_f(fn_cast<T>(g * sg)) * u));
+  return fn_f(fn_cast<T>(fn_f(fn_cast<T>(g * fn_sigmoid<T>(g))) * u));
 }
 template <typename T, int BITS>
 __device__ inline float fn_qrow(const unsigned int* w, const T* sc, const T* bi, long row, int nc,
@@ -162,7 +180,6 @@ __device__ inline float fn_qrow(const unsigned int* w, const T* sc, const T* bi,
         const bool in_tables = NORM == 0 && qk_norm, normed = NORM != 0 && qk_norm;
         const float* gq = qkg + (long(l) * 2 + (is_q ? 0 : 1)) * 2 * D;
         const float fpos = float(pos), mul = NORM == 0 ? inv : 1.0f;
-        const float qscale = NORM == 0 ? 1.0f : factor;  // rms, none: the softmax scale on q
         for (int i = lane; i < D / 2; i += 32) {
           const int j = i + D / 2;
           float ri = __ldcg(r + i), rj = __ldcg(r + j);
@@ -172,19 +189,22 @@ __device__ inline float fn_qrow(const unsigned int* w, const T* sc, const T* bi,
           const float pi = in_tables ? gq[D + i] : 1.0f, pj = in_tables ? gq[D + j] : 1.0f;
           const T yi = fn_cast<T>(mul * (ri * gi * cs - rj * pi * sn)),
                   yj = fn_cast<T>(mul * (rj * gj * cs + ri * pj * sn));
-          if (is_q) { qsh[vi][i] = fn_f(yi) * qscale; qsh[vi][j] = fn_f(yj) * qscale; }
+          if (is_q) { qsh[vi][i] = fn_f(yi); qsh[vi][j] = fn_f(yj); }
           else { kc[at + i] = yi; kc[at + j] = yj; }
         }
       }
       __syncthreads();
-      // softmax(q k) v over [lo, hi): the scale is in q and k already (Sec. 3); exp2 domain
+      // softmax(q k) v over [lo, hi), exp2 domain: flash, the scale in q and k already (Sec. 3);
+      // rms, none: the rounded q times the softmax scale's product with log2(e), as the layers'
+      // decode attention (kernels/attention.py) scales it
       const int grp = lane / LPR, sub = lane % LPR;
+      const float qmul = NORM == 0 ? 1.4426950408889634f : factor * 1.4426950408889634f;
       float qv[GQ][EPL], acc[GQ][EPL], m[GQ], lz[GQ];
       #pragma unroll
       for (int h = 0; h < GQ; ++h) {
         #pragma unroll
         for (int e = 0; e < EPL; ++e) {
-          qv[h][e] = qsh[h][sub * EPL + e] * 1.4426950408889634f;
+          qv[h][e] = qsh[h][sub * EPL + e] * qmul;
           acc[h][e] = 0.0f;
         }
         m[h] = -1e30f;
