@@ -22,6 +22,7 @@ from mlx.utils import tree_flatten
 
 from mlx_flashnorm.bench import decode
 from mlx_flashnorm.errors import run_cli
+from mlx_flashnorm.serve.serial import SerialWorker
 
 # The files whose tests take longest on the CI machine (a `--durations` run), run first: under
 # xdist's loadfile the files are handed out in collection order, so a long file collected last
@@ -251,3 +252,18 @@ def load_folder(folder):
     from mlx_flashnorm import loader
 
     return loader.build_model(loader.read_config(folder), loader.read_safetensors(folder), progress=False)
+
+
+class CountingWorker(SerialWorker):
+    """The server's worker, keeping how many tokens it generated for each request (made[i]: the
+    i-th request's, so far)."""
+
+    def __init__(self, *args, **kwargs):
+        self.made = []
+        super().__init__(*args, **kwargs)
+
+    def stream(self, generation):
+        self.made.append(0)
+        for token in super().stream(generation):
+            self.made[-1] += 1
+            yield token

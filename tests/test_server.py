@@ -20,28 +20,12 @@ from mlx_flashnorm.decoding import generate, generate_step
 from mlx_flashnorm.serve.openai_api import Call, Transcript
 from mlx_flashnorm.server import Server
 from mlx_flashnorm.serve.requests import Generation, Token
-from mlx_flashnorm.serve.serial import SerialWorker
 
-from conftest import count_traces, openai_client, serving
+from conftest import CountingWorker, count_traces, openai_client, serving
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 GERMANY = [{"role": "user", "content": "What is the capital of Germany?"}]
 COUNTING = "1, 2, 3, 4,"  # SmolLM2 counts on for as long as it may
-
-
-class CountingWorker(SerialWorker):
-    """The server's worker, keeping how many tokens it generated for each request (made[i]: the
-    i-th request's, so far)."""
-
-    def __init__(self, *args, **kwargs):
-        self.made = []
-        super().__init__(*args, **kwargs)
-
-    def stream(self, generation):
-        self.made.append(0)
-        for token in super().stream(generation):
-            self.made[-1] += 1
-            yield token
 
 
 @pytest.fixture(scope="module")

@@ -18,26 +18,12 @@ import pytest
 from mlx_flashnorm.serve.serial import SerialWorker
 from mlx_flashnorm.server import Server
 
-from conftest import serving
+from conftest import CountingWorker, serving
 
 KEY = "page-test-key"
 WAIT = 120_000  # ms: the longest a browser test waits for one condition
 DRAGON = "Write a long story about a dragon who learns to read."  # greedy SmolLM2 goes on and on
 FRANCE = "What is the capital of France?"
-
-
-class CountingWorker(SerialWorker):
-    """The server's worker, keeping how many tokens it generated for each request."""
-
-    def __init__(self, *args, **kwargs):
-        self.made = []
-        super().__init__(*args, **kwargs)
-
-    def stream(self, generation):
-        self.made.append(0)
-        for token in super().stream(generation):
-            self.made[-1] += 1
-            yield token
 
 
 @pytest.fixture(scope="module")
