@@ -1,27 +1,29 @@
-"""decode_rows: kernels.decode_layers for a batch, B rows each at its own position (the batched server's step,
-batch_cache.RowsKVCache), in one persistent CUDA launch of NW warps a block (WARPS).
+"""decode_rows: kernels.decode_layers for a batch, B rows each at its own position (the batched
+server's step, batch_cache.RowsKVCache), in one persistent CUDA launch of NW warps a block (WARPS).
 
-The one-row kernel's phases (step.py) with every matvec on the tensor cores: a block takes a tile of 16 weight
-rows, its warps split the input into spans of 32 values (mma m16n8k8 in tf32, G input rows at once), and their
-partial sums are added in a fixed order. A packed 4- or 8-bit value is exact in tf32 and each input is split into
-two tf32 parts, so a product keeps 21 bits or more; the sum's order is the mma's, not the one-row kernel's (the
-batched step's tokens are the one-request tokens where no two logits are within float32 rounding: the GPU tests
-check it). A row's output does not depend on the other rows (each mma column is its own row), so a request
-decodes alike at any batch size. Rows go in passes (launch_plan); a matvec phase's items, (pass, tile), are spread
-over the grid, item i of pass i % passes, so a block's next item (i + grid) keeps its input rows. The rows between
-phases live in device memory as T (the one-row kernel rounds them there); o_proj's and down_proj's stores add their
-outputs to the residual stream (down_proj's times its deferred scale) once; each row's 1/RSSe and deferred scale
-are written by the block of its pass's first tile. A phase waits for its rows' loads: 16 bytes a load, several in
-flight, and under them a tile's first span (weights, scales, biases: a load from device memory each phase waited
-for after its rows) and, in passes of 8 rows, the norms' gains; gate/up's two tiles give their spans to the warps
-from opposite ends, so that each warp takes about as many (the CUDA: cuda/rows.cu).
-Attention is split over (row, kv head,
-split of positions), capped so that the batch's items about fill the grid once; a row's splits are merged in a
-phase of their own, which a batch of one split a row skips (its blocks write their outputs). Its plain-MLX
-reference runs step._reference row by row.
+The one-row kernel's phases (step.py) with every matvec on the tensor cores: a block takes a tile of
+16 weight rows, its warps split the input into spans of 32 values (mma m16n8k8 in tf32, G input rows
+at once), and their partial sums are added in a fixed order. A packed 4- or 8-bit value is exact in
+tf32 and each input is split into two tf32 parts, so a product keeps 21 bits or more; the sum's
+order is the mma's, not the one-row kernel's (the batched step's tokens are the one-request tokens
+where no two logits are within float32 rounding: the GPU tests check it). A row's output does not
+depend on the other rows (each mma column is its own row), so a request decodes alike at any batch
+size. Rows go in passes (launch_plan); a matvec phase's items, (pass, tile), are spread over the
+grid, item i of pass i % passes, so a block's next item (i + grid) keeps its input rows. The rows
+between phases live in device memory as T (the one-row kernel rounds them there); o_proj's and
+down_proj's stores add their outputs to the residual stream (down_proj's times its deferred scale)
+once; each row's 1/RSSe and deferred scale are written by the block of its pass's first tile. A
+phase waits for its rows' loads: 16 bytes a load, several in flight, and under them a tile's first
+span (weights, scales, biases: a load from device memory each phase waited for after its rows) and,
+in passes of 8 rows, the norms' gains; gate/up's two tiles give their spans to the warps from
+opposite ends, so that each warp takes about as many (the CUDA: cuda/rows.cu). Attention is split
+over (row, kv head, split of positions), capped so that the batch's items about fill the grid once;
+a row's splits are merged in a phase of their own, which a batch of one split a row skips (its
+blocks write their outputs). Its plain-MLX reference runs step._reference row by row.
 
-On CUDA (sm_80 on) it runs only after its self-check (CHECK) passed; the GPU tests in tests/test_step_kernel.py
-check it against the reference and against one-request decoding (bench/RESULTS.md, "GPU tests")."""
+On CUDA (sm_80 on) it runs only after its self-check (CHECK) passed; the GPU tests in
+tests/test_step_kernel.py check it against the reference and against one-request decoding
+(bench/RESULTS.md, "GPU tests")."""
 from functools import lru_cache
 from pathlib import Path
 
@@ -33,7 +35,8 @@ from . import step
 BMAX = step.MAX_ROWS
 GMAX = 16  # rows per pass, at most (bench/RESULTS.md, "The batched step": passes of 32 were slower)
 WARPS = 12  # NW, a block's warps (bench/RESULTS.md, "The batched step": 8, 12 and 16 compared)
-SHARED_MAX = 160 * 1024  # dynamic shared bytes a launch asks for at most (and within step.shared_limit)
+# dynamic shared bytes a launch asks for at most (and within step.shared_limit)
+SHARED_MAX = 160 * 1024
 CUDA = Path(__file__).parent / "cuda"  # rows.cu and whole_step.cuh (a copy of this file: beside it)
 SIZES = step.SIZES + (("B", "int"),)  # dims: the one-row kernel's, then the rows
 
@@ -45,10 +48,12 @@ def source(layers):
 
 
 def rows_per_pass(B, xa, xi, limit=SHARED_MAX):
-    """(G, GD, IC): the rows one matvec pass takes, 8 or 16 (GMAX; the tensor cores' groups of 8): 16 beyond 16
-    rows where the dynamic shared memory (limit) holds it, else 8 (at 16 rows two passes of 8 fill more of the grid
-    than one of 16: 1.7 against 2.0 ms a step, H100): G for the inputs of xa values (K or HQ * D), GD (at most G)
-    for down_proj's xi (I), IC values at a time (all, or the fewest chunks of multiples of 32 that fit); or None."""
+    """(G, GD, IC): the rows one matvec pass takes, 8 or 16 (GMAX; the tensor cores' groups of 8):
+    16 beyond 16 rows where the dynamic shared memory (limit) holds it, else 8 (at 16 rows two
+    passes of 8 fill more of the grid than one of 16 and take a shorter step: bench/RESULTS.md,
+    "The batched step"): G for the inputs of xa values (K or HQ * D), GD (at most G) for
+    down_proj's xi (I), IC values at a time (all, or the fewest chunks of multiples of 32 that
+    fit); or None."""
     if dynamic_bytes(8, 8, xa, 32) > limit:
         return None
     G = 8
@@ -65,25 +70,28 @@ def rows_per_pass(B, xa, xi, limit=SHARED_MAX):
 
 
 def gate_up_rows(B, G, GD, xa, IC, limit=SHARED_MAX):
-    """GU, gate/up's rows per pass: 16 where G is 8, the batch has more and the shared memory holds them, else G
-    (passes of 32 made a 64-row step slower: bench/RESULTS.md, "The batched step")."""
+    """GU, gate/up's rows per pass: 16 where G is 8, the batch has more and the shared memory holds
+    them, else G (passes of 32 made a 64-row step slower: bench/RESULTS.md, "The batched step")."""
     return 16 if G == 8 and B > 8 and dynamic_bytes(16, GD, xa, IC) <= limit else G
 
 
 def dynamic_bytes(G, GD, xa, xi):
-    """Dynamic shared memory: G input rows of xa values (or GD of xi), padded by 4; two tiles' partial sums."""
+    """Dynamic shared memory: G input rows of xa values (or GD of xi), padded by 4; two tiles'
+    partial sums."""
     return 4 * (max(G * (xa + 4), GD * (xi + 4)) + 2 * WARPS * (G // 8) * 128)
 
 
 def shared_bytes(G, GD, GU, xa, xi, D, GQ, L):
-    """dynamic_bytes (GU rows: G or more), at least 48004 where it and static_bytes pass 48 KB (step.shared_bytes)."""
+    """dynamic_bytes (GU rows: G or more), at least 48004 where it and static_bytes pass 48 KB
+    (step.shared_bytes)."""
     dynamic = dynamic_bytes(GU, GD, xa, xi)
     return max(dynamic, 48004) if dynamic + static_bytes(G, GU, D, GQ, L) > 48 * 1024 else dynamic
 
 
 def static_bytes(G, GU, D, GQ, L):
     """The body's static shared arrays."""
-    return 4 * 8 * (G + GU) + 2 * 4 * BMAX + 4 * (BMAX + 1) + 8 * 14 * L + 4 * GQ * (D * (1 + WARPS) + 2 * WARPS)
+    return (4 * 8 * (G + GU) + 2 * 4 * BMAX + 4 * (BMAX + 1) + 8 * 14 * L
+            + 4 * GQ * (D * (1 + WARPS) + 2 * WARPS))
 
 
 @lru_cache(maxsize=None)
@@ -92,21 +100,24 @@ def rows_kernel(layers):
                        *source(layers))
 
 
-def decode_rows(x, positions, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads, n_kv_heads,
-                group_size, bits, norm="flash"):
-    """step.decode_layers for B rows (x: (B, 1, K), positions: (B,) int32, caches (B, kv heads, capacity, D)
-    per layer; norm: the mode, step.NORMS): one launch where step.supported says it runs and its
-    plan fits the GPU, else the reference."""
-    K, D, I, _, HQ, HKV, _ = step.sizes(x, layers, theta, n_heads, n_kv_heads)  # the widest layer's
-    plan = (step.supported(x, layers, caches, n_heads, n_kv_heads, group_size, bits, name="decode_rows")
+def decode_rows(x, positions, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads,
+                n_kv_heads, group_size, bits, norm="flash"):
+    """step.decode_layers for B rows (x: (B, 1, K), positions: (B,) int32, caches (B, kv heads,
+    capacity, D) per layer; norm: the mode, step.NORMS): one launch where step.supported says it
+    runs and its plan fits the GPU, else the reference."""
+    # I, HQ and HKV: the widest layer's
+    K, D, I, _, HQ, HKV, _ = step.sizes(x, layers, theta, n_heads, n_kv_heads)
+    plan = (step.supported(x, layers, caches, n_heads, n_kv_heads, group_size, bits,
+                           name="decode_rows")
             and launch_plan(x.shape[0], K, I, D, HQ, HKV, len(layers)))
     if not plan:
-        return reference(x, positions, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads,
-                         n_kv_heads, group_size, bits, norm=norm)
+        return reference(x, positions, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps,
+                         n_heads, n_kv_heads, group_size, bits, norm=norm)
     template, work, shared = plan
-    return step.launch(rows_kernel(len(layers)), x, positions.astype(mx.int32), layers, caches, gains, qk_gains, theta,
-                       eps, factor, qk_eps, n_heads, n_kv_heads, group_size, bits, work=work,
-                       shared_memory=shared, fields=SIZES, template=template, norm=norm)
+    return step.launch(rows_kernel(len(layers)), x, positions.astype(mx.int32), layers, caches,
+                       gains, qk_gains, theta, eps, factor, qk_eps, n_heads, n_kv_heads,
+                       group_size, bits, work=work, shared_memory=shared, fields=SIZES,
+                       template=template, norm=norm)
 
 
 def launch_plan(B, K, I, D, n_heads, n_kv_heads, L):
@@ -124,7 +135,8 @@ def launch_plan(B, K, I, D, n_heads, n_kv_heads, L):
     if shared + static_bytes(G, GU, D, GQ, L) > step.shared_limit():
         return None
     floats = B * ((n_heads + 2 * n_kv_heads) * D + n_heads * step.SMAX * (D + 2) + 3)
-    work = -(-floats // 4) * 4 + B * (2 * K + n_heads * D + I)  # the T rows after the floats, as if of 4 bytes
+    # the T rows after the floats, as if of 4 bytes
+    work = -(-floats // 4) * 4 + B * (2 * K + n_heads * D + I)
     return [("G", G), ("GD", GD), ("GU", GU), ("IC", IC), ("NW", WARPS)], work, shared
 
 
@@ -134,7 +146,8 @@ def reference(x, positions, layers, caches, *args, norm="flash"):
                             [(k[b:b + 1], v[b:b + 1]) for k, v in caches], *args, norm=norm)
             for b in range(x.shape[0])]
     y, ys, p = (mx.concatenate([o[i] for o in outs]) for i in range(3))
-    kv = [tuple(mx.concatenate([o[3][l][j] for o in outs]) for j in range(2)) for l in range(len(layers))]
+    kv = [tuple(mx.concatenate([o[3][l][j] for o in outs]) for j in range(2))
+          for l in range(len(layers))]
     return y, ys, p, kv
 
 

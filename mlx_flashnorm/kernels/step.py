@@ -1,12 +1,12 @@
 """decode_layers: every decoder layer of a Llama-family stack for one decode row in one CUDA launch.
 
 A decode step of a small model is bound by launches, not by memory: reading SmolLM2-135M's
-weights on an H100 takes a fraction of the host work of the per-sublayer kernels' launches
-(norm_qkv_rope, decode_attention, o_proj, gate_up, down_proj, several a layer: bench/RESULTS.md,
-"Against llama.cpp"). Here one persistent kernel runs all layers: its
-blocks (one per SM, all resident) meet at a grid-wide barrier between the phases of a layer, and
-FlashNorm makes each norm free inside the matvec after it (Sec. 5): every block recomputes the
-residual add and 1/RSSe of the row it reads (a few KB) instead of waiting for another launch.
+weights takes a fraction of the host work of the per-sublayer kernels' launches (norm_qkv_rope,
+decode_attention, o_proj, gate_up, down_proj, several a layer: bench/RESULTS.md, "Launches per
+step"). Here one persistent kernel runs all layers: its blocks (one per SM, all resident) meet at a
+grid-wide barrier between the phases of a layer, and FlashNorm makes each norm free inside the
+matvec after it (Sec. 5): every block recomputes the residual add and 1/RSSe of the row it reads
+(a few KB) instead of waiting for another launch.
 
 Per layer, between barriers:
   1. p = x * xs + r (the residual stream), s = 1/RSSe(p); the q/k/v rows of p * g (raw)
@@ -107,7 +107,8 @@ def shared_bytes(K, xmax, bits, D, GQ, L, total=False):
     only then does MLX raise the kernel's limit (cuFuncSetAttribute), without which the launch
     is refused. total: that and the static arrays."""
     dynamic = 4 * (K + xmax + xmax // (4 * 32 // bits))
-    static = 4 * 8 + 8 * 14 * L + 4 * GQ * D * (1 + 8) + 4 * 2 * 8 * GQ  # red, tab, qsh + sacc, sm + sl
+    # red, tab, qsh + sacc, sm + sl
+    static = 4 * 8 + 8 * 14 * L + 4 * GQ * D * (1 + 8) + 4 * 2 * 8 * GQ
     asked = max(dynamic, 48004) if dynamic + static > 48 * 1024 else dynamic
     return asked + static if total else asked
 
@@ -115,8 +116,7 @@ def shared_bytes(K, xmax, bits, D, GQ, L, total=False):
 @lru_cache(maxsize=None)
 def shared_limit():
     """The shared memory a block may use, static and dynamic together: the GPU's opt-in maximum
-    (227 KB on Hopper, 163 KB on an A100, 99 KB on sm_86 and sm_89); Hopper's where it cannot be
-    asked."""
+    (it differs by architecture); Hopper's 227 KB where it cannot be asked."""
     return _device_attribute(97) or 227 * 1024
 
 
@@ -190,9 +190,10 @@ def supported(x, layers, caches, n_heads, n_kv_heads, group_size, bits, name="de
     decode_layers' shared memory within what the GPU gives a block (shared_limit; decode_rows fits
     its passes to it: rows.launch_plan)."""
     B = x.shape[0]
-    if not (use_decode_layers(name) and x.ndim == 3 and x.shape[1] == 1 and (B == 1 if name == "decode_layers" else
-                                                                             B <= MAX_ROWS)
-            and x.dtype in (mx.float16, mx.bfloat16, mx.float32) and bits in (4, 8) and 0 < len(layers) <= MAX_LAYERS):
+    if not (use_decode_layers(name) and x.ndim == 3 and x.shape[1] == 1
+            and (B == 1 if name == "decode_layers" else B <= MAX_ROWS)
+            and x.dtype in (mx.float16, mx.bfloat16, mx.float32) and bits in (4, 8)
+            and 0 < len(layers) <= MAX_LAYERS):
         return False
     K, D = x.shape[-1], caches[0][0].shape[-1]
     per = layer_sizes(layers, n_heads, n_kv_heads)
@@ -215,7 +216,8 @@ def supported(x, layers, caches, n_heads, n_kv_heads, group_size, bits, name="de
         shapes = [(K * bits // 32, hq * D + 2 * hkv * D), (hq * D * bits // 32, K),
                   (K * bits // 32, 2 * I), (I * bits // 32, K)]
         for (w, s, b), (width, rows) in zip(mats, shapes):
-            if w.dtype != mx.uint32 or w.shape != (rows, width) or s.dtype != x.dtype or b.dtype != x.dtype:
+            if (w.dtype != mx.uint32 or w.shape != (rows, width) or s.dtype != x.dtype
+                    or b.dtype != x.dtype):
                 return False
         if (k.dtype != x.dtype or v.dtype != x.dtype or k.shape != v.shape
                 or k.shape[:2] != (B, hkv)):
@@ -224,8 +226,8 @@ def supported(x, layers, caches, n_heads, n_kv_heads, group_size, bits, name="de
     return all(sum(m[i][j].size for m in layers) < 2**31 for i in range(4) for j in range(3))
 
 
-def decode_layers(x, offset, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads, n_kv_heads,
-                  group_size, bits, norm="flash"):
+def decode_layers(x, offset, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads,
+                  n_kv_heads, group_size, bits, norm="flash"):
     """Every layer of a Llama-family stack for one decode row x (the embedding, (1, 1, K)):
     (y, ys, p, caches) where y * ys is the last down_proj's output (its scale deferred), p the
     residual stream, and caches the (k, v) buffers with this position written.
@@ -238,11 +240,11 @@ def decode_layers(x, offset, layers, caches, gains, qk_gains, theta, eps, factor
     norm: the mode (NORMS), which says what gains, qk_gains and factor are; in rms and none ys is 1
     and y + p the last layer's output (no scale deferred)."""
     if not supported(x, layers, caches, n_heads, n_kv_heads, group_size, bits):
-        return _reference(x, offset, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads,
-                          n_kv_heads, group_size, bits, norm)
+        return _reference(x, offset, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps,
+                          n_heads, n_kv_heads, group_size, bits, norm)
     K, D, I, xmax, HQ, HKV, GQ = sizes(x, layers, theta, n_heads, n_kv_heads)
-    return launch(step_kernel(len(layers)), x, position_array(offset), layers, caches, gains, qk_gains, theta, eps,
-                  factor, qk_eps, n_heads, n_kv_heads, group_size, bits,
+    return launch(step_kernel(len(layers)), x, position_array(offset), layers, caches, gains,
+                  qk_gains, theta, eps, factor, qk_eps, n_heads, n_kv_heads, group_size, bits,
                   work=(HQ + 2 * HKV) * D + HQ * SMAX * (D + 2) + K + I,
                   shared_memory=shared_bytes(K, xmax, bits, D, GQ, len(layers)), norm=norm)
 
@@ -329,23 +331,24 @@ def launch(kernel, x, positions, layers, caches, gains, qk_gains, theta, eps, fa
 
 def _qmm(x, w, s, b, group_size, bits):
     f32 = mx.float32
-    return mx.quantized_matmul(x[None], w, s.astype(f32), b.astype(f32), transpose=True, group_size=group_size,
-                               bits=bits)[0]
+    return mx.quantized_matmul(x[None], w, s.astype(f32), b.astype(f32), transpose=True,
+                               group_size=group_size, bits=bits)[0]
 
 
-def _reference(x, offset, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads, n_kv_heads,
-               group_size, bits, norm="flash"):
-    """decode_layers in plain MLX (float32 arithmetic, rounded to x's dtype where the kernel rounds),
-    over the whole cache with a mask, so that an array position (a compiled step) works: the
-    fallback and the self-check's yardstick. norm: the mode (NORMS); rms and none round as the
-    model's own layers do (each linear's output, RMSNorm's, RoPE's and SwiGLU's steps, its sigmoid's
-    too, in T)."""
+def _reference(x, offset, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads,
+               n_kv_heads, group_size, bits, norm="flash"):
+    """decode_layers in plain MLX (float32 arithmetic, rounded to x's dtype where the kernel
+    rounds), over the whole cache with a mask, so that an array position (a compiled step) works:
+    the fallback and the self-check's yardstick. norm: the mode (NORMS); rms and none round as the
+    model's own layers do (each linear's output, RMSNorm's, RoPE's and SwiGLU's steps, its
+    sigmoid's too, in T)."""
     f32, T = mx.float32, x.dtype
     K, D = x.shape[-1], theta.shape[0] * 2
     per = layer_sizes(layers, n_heads, n_kv_heads)
     flash = norm == "flash"
     pos = offset if isinstance(offset, int) else position_array(offset)[:1].reshape(())
-    pow2 = (lambda v: mx.power(2.0, mx.floor(mx.log2(v)))) if T != f32 else (lambda v: mx.array(1.0))
+    pow2 = ((lambda v: mx.power(2.0, mx.floor(mx.log2(v)))) if T != f32
+            else (lambda v: mx.array(1.0)))
     rnd = lambda v: v.astype(T).astype(f32)
 
     def normed(v, w, e):  # RMSNorm as mx.fast.rms_norm rounds it
@@ -394,7 +397,8 @@ def _reference(x, offset, layers, caches, gains, qk_gains, theta, eps, factor, q
         if not flash:
             q = q * factor  # the softmax scale on the rounded q
         at = (mx.arange(kc.shape[2]) == pos)[None, None, :, None]  # the new position's row
-        kc, vc = mx.where(at, k.astype(T)[None, :, None], kc), mx.where(at, v.astype(T)[None, :, None], vc)
+        kc, vc = (mx.where(at, k.astype(T)[None, :, None], kc),
+                  mx.where(at, v.astype(T)[None, :, None], vc))
         out.append((kc, vc))
         scores = q.reshape(HKV, GQ, D) @ kc[0].astype(f32).transpose(0, 2, 1)  # (HKV, GQ, capacity)
         scores = mx.where(mx.arange(kc.shape[2]) <= pos, scores, -mx.inf)
@@ -411,7 +415,8 @@ def _reference(x, offset, layers, caches, gains, qk_gains, theta, eps, factor, q
             a = rnd(rnd(gate * sigmoid(gate)) * up)
             xs = one
         h = rnd(_qmm(a, *down, group_size, bits))
-    return h.astype(T).reshape(x.shape), xs.reshape(x.shape[:-1] + (1,)), p.astype(T).reshape(x.shape), out
+    return (h.astype(T).reshape(x.shape), xs.reshape(x.shape[:-1] + (1,)),
+            p.astype(T).reshape(x.shape), out)
 
 
 def _random_stack(L, K, HQ, HKV, D, I, C, pos, seed):
@@ -419,10 +424,13 @@ def _random_stack(L, K, HQ, HKV, D, I, C, pos, seed):
     def quantized(rows, cols, s):
         return mx.quantize(rand((rows, cols), s, scale=0.05), 64, 4)
 
-    layers = [(quantized((HQ + 2 * HKV) * D, K, seed + 10 * l), quantized(K, HQ * D, seed + 10 * l + 1),
-               quantized(2 * I, K, seed + 10 * l + 2), quantized(K, I, seed + 10 * l + 3)) for l in range(L)]
+    layers = [(quantized((HQ + 2 * HKV) * D, K, seed + 10 * l),
+               quantized(K, HQ * D, seed + 10 * l + 1),
+               quantized(2 * I, K, seed + 10 * l + 2), quantized(K, I, seed + 10 * l + 3))
+              for l in range(L)]
     mask = (mx.arange(C) < pos)[None, None, :, None]
-    caches = [tuple(mx.where(mask, rand((1, HKV, C, D), seed + 10 * l + 4 + j), 0) for j in range(2))
+    caches = [tuple(mx.where(mask, rand((1, HKV, C, D), seed + 10 * l + 4 + j), 0)
+                    for j in range(2))
               for l in range(L)]
     return layers, caches
 
@@ -443,9 +451,11 @@ def check_stacks(rows, pos, seed):
 
 
 def check_tables(L, K, D):
-    """The self-checks' RoPE angles, pre-norm gains (about trained models' 16) and QK-norm tables."""
+    """The self-checks' RoPE angles, pre-norm gains (about trained models' 16) and QK-norm
+    tables."""
     theta = mx.exp(-mx.arange(D // 2, dtype=mx.float32) * 0.3)
-    return theta, 16 * (1 + 0.3 * rand((L, 2, K), 42, mx.float32)), 1 + 0.3 * rand((L, 2, 2, D), 43, mx.float32)
+    return (theta, 16 * (1 + 0.3 * rand((L, 2, K), 42, mx.float32)),
+            1 + 0.3 * rand((L, 2, 2, D), 43, mx.float32))
 
 
 def check_modes(L, K, D):
