@@ -200,6 +200,8 @@ def mode_line(mode):
     if mode == PRIMITIVES:
         return "RMSNorm on the layer loop (MLX's primitives and the norm kernel)"
     norm = mode.removesuffix(EAGER).removesuffix(SUBLAYER)
+    if norm not in NORM_MODES:  # a peer's rows added to the report (llama_bench)
+        return "llama.cpp's llama-bench on the same GGUF file" if mode == "llama.cpp" else mode
     what = {"rms": "RMSNorm (1/RMS and the norm weights applied before each matvec)",
             "flash": "FlashNorm (norm weights folded or kept on the input, 1/RMS after the matvec)",
             "none": "no normalization (a speed ceiling)"}[norm]

@@ -31,12 +31,12 @@ DECODE_CONTEXT = 4  # prompt tokens decoded before the first generated one (its 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
           "stream_options", "n", "logprobs", "presence_penalty", "frequency_penalty",
           "repetition_penalty", "logit_bias", "user", "response_format"}
-# a chat's fields that change nothing here, OpenAI's bookkeeping (mlx_lm.server ignores them too):
-# checked for their type alone
-IGNORED = {"store": bool, "metadata": dict, "service_tier": str, "prompt_cache_key": str,
-           "safety_identifier": str}
+# a chat's fields that change nothing here, OpenAI's bookkeeping (mlx_lm.server ignores them too),
+# and parallel_tool_calls (a forced call makes one call: tools.py): checked for their type alone
+IGNORED = {"store": bool, "metadata": dict, "service_tier": str, "parallel_tool_calls": bool,
+           "prompt_cache_key": str, "safety_identifier": str}
 FIELDS = {True: COMMON | set(IGNORED) | {"messages", "max_completion_tokens", "top_logprobs",
-                                         "tools", "tool_choice", "parallel_tool_calls"},
+                                         "tools", "tool_choice"},
           False: COMMON | {"prompt", "echo"}}  # completions
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                500: "server_error", 503: "server_error", 504: "server_error"}
