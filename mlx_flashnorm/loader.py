@@ -200,6 +200,8 @@ def build_model(config, weights, progress=True, source="config.json", weights_so
     except ValueError as e:
         raise UserError(f"{source}: {str(e).splitlines()[0]}")
     given, weights = weights, model.sanitize(weights)
+    if config.get("flash_norm") is True:
+        weights = weightless_norms(model, weights, source)
     validate.weights(weights, weights_source)
     validate.quantization(config, weights, source)
     if "quantization" in config:
@@ -216,6 +218,27 @@ def build_model(config, weights, progress=True, source="config.json", weights_so
     model.eval()  # inference: norms skip their training-only custom VJP (mlx_flashnorm.nn)
     model.config = config
     return model
+
+
+def weightless_norms(model, weights, source="config.json"):
+    """weights of a checkpoint whose config says "flash_norm": true (folded by make_weightless or
+    by others: the Hub's weightless-rmsnorm tag), with each norm FlashNorm folds
+    (flashnorm.folded_norms) given as gain 1 where the file leaves it out (a weight of 0 for a
+    norm with offset 1, as Gemma's). A norm given with another gain is a UserError: the checkpoint
+    claims to be folded and is not. Folding a gain of 1 changes nothing, so such a checkpoint then
+    loads as any other and computes the same function."""
+    dtype = next((v.dtype for v in weights.values() if v.dtype in validate.FLOAT_DTYPES),
+                 mx.float32)
+    weights = dict(weights)
+    for name, norm in flashnorm.folded_norms(model):
+        offset = getattr(norm, "offset", 0.0)
+        if name not in weights:
+            weights[name] = mx.full(norm.weight.shape, 1.0 - offset, dtype)
+        elif not mx.all(weights[name].astype(mx.float32) + offset == 1.0).item():
+            raise UserError(f"{source} says flash_norm true (norm weights folded), but tensor "
+                            f"'{name}' is not all {1.0 - offset:g}: the checkpoint is not folded; "
+                            "remove flash_norm from config.json or fold it (convert --flashnorm)")
+    return weights
 
 
 def _materialize(model, progress):

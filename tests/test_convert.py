@@ -158,3 +158,84 @@ def test_convert_refuses_to_quantize_a_quantized_checkpoint(tmp_path):
     r = in_process(main, "--flashnorm", "-q", "--out", str(tmp_path / "out"))
     assert r.returncode == 2 and r.stderr.startswith("error: ") and "already quantized" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and list(tmp_path.iterdir()) == []
+
+
+FOLDED_TOL = 1e-5  # max |folded - original| / max |original| of the logits, float32
+
+
+def _logits(folder, norm, tokens):
+    model = loader.load(folder, norm=norm, dtype="float32", progress=False)[0]
+    return model(tokens)
+
+
+def _rewrite(src, dst, edit):
+    """A copy of checkpoint folder src at dst with its weights passed through edit(name, array)
+    (None drops the tensor)."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    weights = mx.load(str(dst / "model.safetensors"))
+    kept = {k: w for k, w in ((k, edit(k, v)) for k, v in weights.items()) if w is not None}
+    mx.save_safetensors(str(dst / "model.safetensors"), kept, metadata={"format": "pt"})
+    return dst
+
+
+def test_flash_norm_checkpoint_round_trip(tmp_path, tiny_llama_dir):
+    """convert --flashnorm marks its output "flash_norm": true (norm tensors kept as ones); it
+    loads without a second fold, in norm rms and flash, with the original's logits; so does the
+    same checkpoint without norm tensors (the Hub's weightless-rmsnorm form); one whose config
+    says flash_norm but whose norms are not ones is a one-line error."""
+    from mlx_flashnorm.convert import main
+    from mlx_flashnorm.errors import UserError
+
+    out = tmp_path / "tiny-flash"
+    main(["--model", str(tiny_llama_dir), "--flashnorm", "--out", str(out), "--dtype", "float32"])
+    assert json.loads((out / "config.json").read_text())["flash_norm"] is True
+    norms = {k: v for k, v in mx.load(str(out / "model.safetensors")).items() if "norm" in k}
+    assert len(norms) == 2 * 2 + 1
+    assert all(mx.array_equal(v, mx.ones_like(v)) for v in norms.values())
+    tokens = mx.array([[1, 5, 300, 7, 42, 9000, 12]])
+    for norm in ("rms", "flash"):  # each form against the original in the same form
+        ref = _logits(tiny_llama_dir, norm, tokens)
+        assert rel(ref, _logits(out, norm, tokens)) < FOLDED_TOL, norm
+    bare = _rewrite(out, tmp_path / "tiny-bare", lambda k, v: None if "norm" in k else v)
+    assert not any("norm" in k for k in mx.load(str(bare / "model.safetensors")))
+    for norm in ("rms", "flash"):
+        assert mx.array_equal(_logits(bare, norm, tokens), _logits(out, norm, tokens)), norm
+    bad = _rewrite(out, tmp_path / "tiny-bad",
+                   lambda k, v: v * 1.5 if k.endswith("model.norm.weight") else v)
+    with pytest.raises(UserError) as e:
+        loader.load(bad, norm="rms", progress=False)
+    msg = str(e.value)
+    assert "\n" not in msg and "flash_norm" in msg and "model.norm.weight" in msg
+    assert str(bad / "config.json") in msg
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3", "openelm"])
+def test_flash_norm_checkpoint_other_architectures(tmp_path, name):
+    """Qwen 3 and OpenELM (QK-norms kept) and Gemma 3 (offset norms: gain 1 is a weight of 0, the
+    post-norms kept): make_weightless + export, then the same with the folded norms left out of
+    the file, give the original's logits (each norm form against the original in that form)."""
+    from conftest import GEMMA3, QWEN3, TINY_OPENELM
+
+    config = {"qwen3": QWEN3, "gemma3": GEMMA3, "openelm": TINY_OPENELM}[name]
+    arch, args = loader.model_args(config)
+    model = arch.Model(args)
+    model.load_weights(list(random_weights(model, seed=3).items()))
+    model.config = config
+    tokens = mx.array([[1, 5, 300, 7, 42, 100, 12]])
+    original = export(model, None, tmp_path / name)
+    folded = {name for name, _ in flashnorm.folded_norms(model)}
+    flashnorm.make_weightless(model)
+    out = export(model, None, tmp_path / f"{name}-flash")
+    assert json.loads((out / "config.json").read_text())["flash_norm"] is True
+    bare = _rewrite(out, tmp_path / f"{name}-bare", lambda k, v: None if k in folded else v)
+
+    def build(folder, norm):
+        m = loader.build_model(loader.read_config(folder), loader.read_safetensors(folder),
+                               progress=False)
+        return loader.prepare(m, norm=norm)(tokens)
+
+    for norm in ("rms", "flash"):  # each form against the original in the same form
+        assert rel(build(original, norm), build(out, norm)) < FOLDED_TOL, norm
+        assert mx.array_equal(build(bare, norm), build(out, norm)), norm

@@ -58,13 +58,13 @@ from .paper import (DyTLinear, FlashDyT, FlashGLU, FlashLayerNormLinear, FlashRe
                     merge_mean_centering)
 
 __all__ = ["apply", "remove_norms", "decode_stack", "stack_weights", "unstack", "make_weightless",
-           "mapping", "Mapping", "Pair", "NoNorm", "HEADS", "DEFAULT_HEAD", "FlashAttention",
-           "FlashQKNormAttention", "FlashSwiGLU", "FlashGeGLU", "FlashFusedSwiGLU", "FlashHead",
-           "TiedFlashHead", "Deferred", "DeferredLinear", "DeferredNorm", "Pending",
-           "QuantizedDeferredLinear", "deferred", "fold_weight", "norm_gain", "norm_weight",
-           "rss_scale", "weightless", "DyTLinear", "FlashDyT", "FlashGLU", "FlashLayerNormLinear",
-           "FlashReLUFFN", "merge_mean_centering", "apply_rope", "permute_gain", "rope_frequencies",
-           "rope_tables", "rotate"]
+           "folded_norms", "mapping", "Mapping", "Pair", "NoNorm", "HEADS", "DEFAULT_HEAD",
+           "FlashAttention", "FlashQKNormAttention", "FlashSwiGLU", "FlashGeGLU",
+           "FlashFusedSwiGLU", "FlashHead", "TiedFlashHead", "Deferred", "DeferredLinear",
+           "DeferredNorm", "Pending", "QuantizedDeferredLinear", "deferred", "fold_weight",
+           "norm_gain", "norm_weight", "rss_scale", "weightless", "DyTLinear", "FlashDyT",
+           "FlashGLU", "FlashLayerNormLinear", "FlashReLUFFN", "merge_mean_centering", "apply_rope",
+           "permute_gain", "rope_frequencies", "rope_tables", "rotate"]
 
 HEADS = ("scale", "untie")
 DEFAULT_HEAD = "scale"
@@ -103,6 +103,17 @@ def mapping(model):
         raise UserError(f"FlashNorm has no mapping for model type '{model.args.model_type}' "
                         "(its model file states no FLASHNORM)")
     return spec
+
+
+def folded_norms(model):
+    """(parameter path, norm) of every norm whose weights FlashNorm folds away: each block's
+    pre-norms of the Mapping's pairs and the final norm (not QK-norms, not the kept norms). A
+    weightless checkpoint (make_weightless) stores these with effective gain 1."""
+    spec = mapping(model)
+    paths = {id(m): p for p, m in model.named_modules()}
+    norms = [getattr(layer, pair.norm) for layer in model.layers for pair in spec.pairs]
+    norms.append(getattr(model, spec.trunk).norm)
+    return [(f"{paths[id(n)]}.weight", n) for n in norms]
 
 
 def _check_full_precision(model):
@@ -205,7 +216,8 @@ def make_weightless(model):
     every pre-norm's weights folded into the linears it feeds and set to 1; the final norm folded
     into the LM head, untying a tied embedding (a head copy is written). QK-norm weights are not
     foldable into a linear (a per-head RMS sits between) and are kept. Returns the model; its
-    config says the head is untied. Quantizing this form afterwards quantizes W*g, which costs
+    config says the head is untied and "flash_norm": true (the mark others' loaders read, and
+    loader.build_model checks). Quantizing this form afterwards quantizes W*g, which costs
     quality at low bits (bench/RESULTS.md, "Perplexity"); a stock loader has no place for the gain
     on the activations, so an export has no other choice."""
     spec = mapping(model)
@@ -219,5 +231,7 @@ def make_weightless(model):
         setattr(model.args, spec.tie_key, False)
         model.config = dict(model.config, **{spec.tie_key: False})
     weightless(trunk.norm, [model.lm_head])
+    if hasattr(model, "config"):
+        model.config = dict(model.config, flash_norm=True)
     mx.eval(model.parameters())
     return model
