@@ -4,19 +4,25 @@ step's row-parallel sums pair the ranks' operations one to one.
 
 The logits are the same on every rank (each sum is), and shard.connect seeded every rank's random
 generator alike, so the ranks sample the same tokens; lockstep() checks that after each token.
-What only rank 0 knows is handed on with broadcast(): a chat's input lines (shared), a server's
-requests (serve.requests.Generation.shared; the server then takes one request at a time, its
-batching worker keeps no lockstep). Outside `mlx.launch -n N` (N > 1) every function here is the
-plain single-process behaviour."""
+What only rank 0 knows is handed on with broadcast(): a chat's input lines (shared), each step's
+plan of the server's batch (serve/lockstep_worker.py), with a check that the ranks computed alike.
+A rank that stops answering leaves the others waiting in a sum that has no timeout of its own: a
+Watchdog ends the wait. Outside `mlx.launch -n N` (N > 1) every function here is the plain
+single-process behaviour."""
 import json
 import os
 import sys
+import threading
+import time
 from contextlib import closing
 
 import mlx.core as mx
 import numpy as np
 
 from .shard import world
+
+DIVERGED = ("the tensor-parallel ranks generated different tokens: their sampling diverged (a "
+            "random state that is not shared)")
 
 
 def leads():
@@ -37,14 +43,22 @@ def _from_leader(values):
     return mx.distributed.all_sum(values if leads() else mx.zeros_like(values), group=world())
 
 
-def broadcast(obj=None):
-    """rank 0's obj (anything JSON writes) on every rank; the followers pass nothing."""
+def broadcast(obj=None, check=0):
+    """rank 0's obj (anything JSON writes; None: nothing past one small exchange) on every rank;
+    the followers pass nothing. check: a number below 2**31 that every rank computed alike (a
+    digest of its tokens), exchanged in that small step: where the ranks' differ every rank raises
+    RuntimeError, so none waits on another."""
     if world() is None:
         return obj
-    data = json.dumps(obj).encode() if leads() else b""
-    n = _from_leader(mx.array([len(data)], mx.int32)).item()
+    data = json.dumps(obj).encode() if leads() and obj is not None else b""
+    head = np.array(mx.distributed.all_gather(mx.array([[len(data), check]], mx.int32),
+                                              group=world()))
+    if (head[:, 1] != head[0, 1]).any():
+        raise RuntimeError(DIVERGED)
+    if not head[0, 0]:
+        return None
     values = (mx.array(np.frombuffer(data, np.uint8).astype(np.int32)) if leads()
-              else mx.zeros((n,), mx.int32))
+              else mx.zeros((int(head[0, 0]),), mx.int32))
     return json.loads(np.array(_from_leader(values)).astype(np.uint8).tobytes())
 
 
@@ -70,8 +84,7 @@ def _agree(token, stop):
     state = np.array(mx.distributed.all_gather(mx.array([[token, int(stop and leads())]], mx.int32),
                                                group=world()))
     if (state[:, 0] != state[0, 0]).any():
-        raise RuntimeError("the tensor-parallel ranks generated different tokens: their sampling "
-                           "diverged (a random state that is not shared)")
+        raise RuntimeError(DIVERGED)
     return bool(state[0, 1])
 
 
@@ -92,3 +105,35 @@ def lockstep(responses):
                 stop = True
             if _agree(r.token, stop) or r.finish_reason is not None:
                 break
+
+
+class Watchdog:
+    """Calls expired(limit) once, on a thread of its own, where the next beat() did not come within
+    the `limit` seconds the last one gave: a rank waiting in a sum for a rank that is gone waits
+    for ever (MLX's ring backend reports a lost peer to a sum under way at most: the next one
+    waits; NCCL's wait has no end either). stop() disarms it."""
+
+    def __init__(self, expired):
+        self.expired, self.due, self.limit, self.stopped = expired, float("inf"), None, False
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def beat(self, limit):
+        self.due, self.limit = time.monotonic() + limit, limit
+
+    def stop(self):
+        self.stopped = True
+
+    def _watch(self):
+        while not self.stopped:
+            left = self.due - time.monotonic()
+            if left <= 0:
+                return self.expired(self.limit)
+            time.sleep(min(left, 1.0))
+
+
+def abandon(message):
+    """Exit at once with status 1, message on standard error: a rank out of step may have a thread
+    waiting in a sum that cannot be cancelled, on which a normal exit would wait or abort."""
+    print(message, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)

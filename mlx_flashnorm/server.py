@@ -6,9 +6,10 @@ continuous batching, with a prompt cache of --prompt-cache-size MB, in a process
 serve/engine_process); --max-concurrent 1 serves one request at a time on the compiled one-request
 path (serve/serial.SerialWorker: our fused kernels where they run, no prompt cache).
 
-Under `mlx.launch -n N` the model is split over the N processes (shard.py): rank 0 serves, one
-request at a time (SerialWorker hands each to the other ranks, whose serial.follow() generates it
-in lockstep), and the other ranks listen on no port.
+Under `mlx.launch -n N` the model is split over the N processes (shard.py): every rank runs the
+batch engine (serve/lockstep_worker: rank 0 serves and plans each step, the other ranks, which
+listen on no port, take the same steps); a rank that stops answering ends the server with an error
+(--rank-timeout).
 
 As a service: SIGTERM or SIGINT drains the server (Server.drain, within --drain-timeout) and it
 exits 0; an engine process that dies is started again (--engine-restarts; past them the server
@@ -26,12 +27,13 @@ from pathlib import Path
 from .cli import HelpFormatter, add_model_args, add_sampling_args
 from .decoding import load_from_args, make_sampler_for, wants_warmup
 from .errors import UserError, run_cli
-from .lockstep import leads
+from .lockstep import abandon, leads
 from .serve import http
 from .serve.batch_worker import BatchWorker
 from .serve.engine_process import RESTARTS, EngineProcess
+from .serve.lockstep_worker import RANK_TIMEOUT, STEP_TIMEOUTS, LockstepWorker
 from .serve.openai_api import HTTPError
-from .serve.serial import SerialWorker, follow
+from .serve.serial import SerialWorker
 from .shard import world
 
 API_KEY_VARIABLE = "MLX_FLASHNORM_API_KEY"
@@ -188,6 +190,11 @@ def arg_parser():
                    help="seconds a request may run once taken, waiting and generating; beyond, it "
                         "is stopped and answered 504 (streamed: an error event, then [DONE]) "
                         "(unset: no limit)")
+    p.add_argument("--rank-timeout", type=float, default=RANK_TIMEOUT, metavar="SECONDS",
+                   help="under mlx.launch: seconds a rank waits for the others between two steps "
+                        f"(where they meet within milliseconds), or {STEP_TIMEOUTS} times as long "
+                        "within a step (a long prompt's chunk, a first compile), before it takes "
+                        "one for gone: the server then exits with an error")
     add_model_args(p)
     add_sampling_args(p)
     return p
@@ -202,6 +209,9 @@ def main(argv=None):
     if args.request_timeout is not None and not 0 < args.request_timeout < float("inf"):
         raise UserError(f"--request-timeout must be a number of seconds above 0, not "
                         f"{args.request_timeout:g}")
+    if not 0 < args.rank_timeout < float("inf"):
+        raise UserError(f"--rank-timeout must be a number of seconds above 0, not "
+                        f"{args.rank_timeout:g}")
     if args.engine_restarts < 0 or not 0 <= args.drain_timeout < float("inf"):
         raise UserError("--engine-restarts and --drain-timeout must be at least 0")
     if args.max_concurrent < 1 or not args.prompt_cache_size >= 0 or args.prefill_step_size < 1:
@@ -214,24 +224,25 @@ def main(argv=None):
             print(f"warning: listening on {args.host}, beyond this machine, with no API key: "
                   f"anyone who reaches it can use the server (set --api-key or "
                   f"{API_KEY_VARIABLE})", file=sys.stderr, flush=True)
-    if world() is not None and args.max_concurrent != 1:  # the batched worker keeps no lockstep
-        if leads():
-            print("note: under mlx.launch the server generates one request at a time "
-                  "(--max-concurrent 1)", file=sys.stderr)
-        args.max_concurrent = 1
-    if world() is None and args.max_concurrent > 1:  # the batch engine in a process of its own
-        worker = EngineProcess(args, wants_warmup(args), args.max_concurrent,
-                               int(args.prompt_cache_size * 2**20), args.prefill_step_size,
-                               args.engine_restarts)
+    batch = (wants_warmup(args), args.max_concurrent, int(args.prompt_cache_size * 2**20),
+             args.prefill_step_size)
+    if world() is not None:  # every rank steps the batch engine, in lockstep (the ranks are the
+        # processes: no engine process of its own)
+        model, tokenizer = load_from_args(args, warm=False)  # the worker thread warms up
+        if not leads():  # rank 0 serves, this rank takes its steps, until rank 0's worker closes
+            # (its last plan), not on Ctrl-C itself: an interrupt taken between two collectives
+            # would leave rank 0 waiting on a rank gone
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            if (fatal := LockstepWorker(model, tokenizer, *batch, args.rank_timeout).wait()):
+                abandon(f"error: rank {world().rank()}: {fatal}")
+            return
+        worker = LockstepWorker(model, tokenizer, *batch, args.rank_timeout)
+    elif args.max_concurrent > 1:  # the batch engine in a process of its own
+        worker = EngineProcess(args, *batch, args.engine_restarts)
         model, tokenizer = None, worker.tokenizer
     else:
         worker = None
         model, tokenizer = load_from_args(args, warm=False)  # the worker thread warms up
-    if not leads():  # under mlx.launch: rank 0 serves, this rank generates its requests with it
-        # and ends when rank 0's worker closes (its last broadcast), not on Ctrl-C itself: an
-        # interrupt taken between two collectives would leave rank 0 broadcasting to a rank gone
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        return follow(model, tokenizer, warm=wants_warmup(args))
     model_id = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
     try:
         server = Server(model, tokenizer, model_id, args.host, args.port, args.max_tokens,
@@ -268,9 +279,11 @@ def main(argv=None):
         # a second Ctrl-C must not cut the close short: under mlx.launch it ends the other ranks
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         server.server_close()
-    if server.stopped is not None and server.stopped.fatal:
-        sys.exit(f"error: {server.stopped} (--engine-restarts {args.engine_restarts}): the server "
-                 "stops")
+    # (the worker may have failed while a signal drained the server)
+    if (fatal := getattr(server.worker, "fatal", None)) is not None:
+        if world() is not None:
+            abandon(f"error: rank 0: {fatal}: the server stops")
+        sys.exit(f"error: {fatal} (--engine-restarts {args.engine_restarts}): the server stops")
 
 
 if __name__ == "__main__":

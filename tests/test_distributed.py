@@ -7,7 +7,9 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
@@ -262,38 +264,131 @@ def ask(client):
                                           max_tokens=5).choices[0].message.content
 
 
+def ranks(launcher):
+    """{rank: pid} of the processes an mlx.launch process started (Linux)."""
+    pids = {int(c) for task in Path(f"/proc/{launcher.pid}/task").iterdir()
+            for c in (task / "children").read_text().split()}
+    return {int(dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0")
+                     if "=" in v)["MLX_RANK"]): pid for pid in pids}
+
+
+def serve_launched(n, *args):
+    """`server` under mlx.launch -n n on any free port: (launcher, its API's URL)."""
+    server = popen_launch(n, "-m", "mlx_flashnorm.server", "--port", "0", *args,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    line = server.stdout.readline()
+    if not line.startswith("serving "):
+        os.killpg(server.pid, signal.SIGKILL)
+        raise AssertionError(line + server.communicate()[1])
+    return server, line.split()[-1]
+
+
+def gone(pids, seconds=30):
+    """Whether every process of pids has ended (and been reaped) within seconds."""
+    end = time.monotonic() + seconds
+    while any(Path(f"/proc/{pid}").exists() for pid in pids):
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def test_server_and_chat_under_mlx_launch(checkpoints, tmp_path):
-    """`server` under mlx.launch -n 2: rank 0 serves (the other rank listens nowhere), a greedy
-    answer is one process's, a streamed request whose client hangs up after its first chunk stops
-    both ranks' generation (the next request is answered as before), and Ctrl-C ends every rank
-    quietly. `chat` under -n 2: rank 0 reads the lines and prints the replies once, as one process
-    does."""
+    """`server` under mlx.launch -n 2 (the batch engine on both ranks): rank 0 serves (the other
+    rank listens nowhere), a greedy answer is one process's, and Ctrl-C to rank 0 (SIGINT) ends
+    every rank with status 0 (mlx.launch warns of any other) and no error. `chat` under -n 2: rank
+    0 reads the lines and prints the replies once, as one process does."""
     folder = checkpoints["llama"]
     model, tok = load(folder, distributed=False)
     with serving(Server(model, tok, "m", port=0, max_concurrent=1)) as alone:  # one process's answer
         want = ask(openai_client(alone))
-    server = popen_launch(2, "-m", "mlx_flashnorm.server", "--model", str(folder), "--port", "0",
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    server, url = serve_launched(2, "--model", str(folder))
     try:
-        line = server.stdout.readline()
-        assert line.startswith("serving "), line + server.stderr.read()
-        url = line.split()[-1]
+        pids = ranks(server)
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
         assert ask(client) == want
-        stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "w3"}],
-                                                max_tokens=50, stream=True)
-        next(iter(stream))
-        stream.close()  # hangs up: rank 0 stops, and rank 1 with it
-        assert ask(client) == want
         assert urllib.request.urlopen(url.replace("/v1", "/health"), timeout=30).status == 200
-    finally:
-        os.killpg(server.pid, signal.SIGINT)  # Ctrl-C in a terminal reaches every process
+        os.kill(pids[0], signal.SIGINT)
         _, err = server.communicate(timeout=60)
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.communicate()
         server.close_input()
-    assert "mlx_flashnorm" not in err, err[-3000:]  # no traceback of ours (mlx.launch prints its own)
+    assert server.returncode == 0 and gone(pids.values()), err[-3000:]
+    assert "SIGINT: stopping" in err and "WARN" not in err and "Traceback" not in err, err[-3000:]
+    assert "terminate called" not in err, err[-3000:]  # (no thread of MLX's left to abort the exit)
 
     chat = Chat(model, tok, max_tokens=5)
     want = "".join(f"{''.join(chat.reply(line))}\n" for line in ("w1 w2", "w3"))
     two = run_launch(2, "-m", "mlx_flashnorm.chat", "--model", str(folder), "-m", "5", stdin="w1 w2\nw3\n/exit\n")
     assert two.returncode == 0, two.stderr[-2000:]
     assert two.stdout == want
+
+
+# the eight clients' prompts (a token or two each: the steps that feed a late prompt cost as much
+# as those that generate), completed greedily in TOKENS tokens each (none stops sooner)
+PROMPTS = ["Paris", "Python", "Water", "Music", "Once upon", "Winter", "Football", "Dogs"]
+TOKENS = 4
+RANK_TIMEOUT = 10  # the launched server's --rank-timeout (a step may take 10 times as long)
+
+
+def streamed(client, prompt, max_tokens=TOKENS):
+    """A greedy streamed completion: (its text, its finish reason)."""
+    text, finish = [], None
+    for chunk in client.completions.create(model="m", prompt=prompt, max_tokens=max_tokens,
+                                           stream=True):
+        if chunk.choices:
+            text.append(chunk.choices[0].text)
+            finish = chunk.choices[0].finish_reason or finish
+    return "".join(text), finish
+
+
+def hang_up(client):
+    """A long streamed completion whose client leaves after its first token."""
+    stream = client.completions.create(model="m", prompt="Summer", max_tokens=200,
+                                       stream=True)
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            break
+    stream.close()
+
+
+def test_batching_server_over_three_processes(smollm2):
+    """The batching server under mlx.launch -n 3 (the embedded SmolLM2: 9 heads, a third a rank):
+    eight concurrent streaming clients get, token for token, the greedy answers of one process's
+    server, while a ninth hangs up after its first token (its row leaves every rank's batch: the
+    ranks stay in step, and the next request is answered alike); then a rank killed (SIGKILL):
+    the server ends within --rank-timeout and a margin, rank 0 with status 1 and a one-line error,
+    no rank left running."""
+    with serving(Server(*smollm2, "m", port=0, max_concurrent=8)) as alone:
+        client = openai_client(alone)
+        with ThreadPoolExecutor(8) as pool:
+            want = list(pool.map(lambda q: streamed(client, q), PROMPTS))
+    assert all(finish == "length" for _, finish in want), want  # (every answer runs all the steps)
+    server, url = serve_launched(3, "--norm", "rms", "--rank-timeout", str(RANK_TIMEOUT))
+    try:
+        pids = ranks(server)
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=300)
+        with ThreadPoolExecutor(9) as pool:
+            left = pool.submit(hang_up, client)
+            got = list(pool.map(lambda q: streamed(client, q), PROMPTS))
+            left.result()
+        assert got == want
+        assert streamed(client, PROMPTS[0]) == want[0]
+        os.kill(pids[2], signal.SIGKILL)
+        killed = time.monotonic()
+        _, err = server.communicate(timeout=RANK_TIMEOUT + 60)
+        took = time.monotonic() - killed
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.communicate()
+        server.close_input()
+    assert took < RANK_TIMEOUT + 30 and gone(pids.values()), err[-3000:]
+    # (mlx.launch itself exits 0 whatever its ranks did: their exits are in its warnings)
+    assert "Node with rank 2 exited with code -9" in err, err[-3000:]
+    assert "Node with rank 0 exited with code 1" in err, err[-3000:]
+    (error,) = [line for line in err.splitlines() if line.startswith("error: rank 0: ")]
+    assert error.endswith("the server stops"), err[-3000:]
+    assert "Traceback" not in err and "terminate called" not in err, err[-3000:]

@@ -26,6 +26,8 @@ class BatchWorker:
     for `gap`, at most `most` in all, so that a burst's requests prefill in one call rather than the
     first alone and the rest behind it (bench/RESULTS.md, "Serving")."""
 
+    idle_wait = None  # seconds an idle engine waits for a request at most (None: for ever)
+
     def __init__(self, model, tokenizer, warm=False, max_batch=32, prompt_cache_bytes=0,
                  prefill_step=2048, gather=(0.002, 0.02)):
         self.slots, self.gather = max_batch, gather
@@ -74,24 +76,35 @@ class BatchWorker:
         while True:
             self._admit(block=not self.engine.busy)
             if self.cancels:  # (a look at every request adds to each step's host work, per row)
-                self.cancels = False
-                for r in self.engine.requests():
-                    r.cancelled = r.cancelled or r.ticket.cancelled
-            try:
-                events = self.engine.step()
-            except Exception as e:  # a failed step fails every request in flight, not the thread
-                for r in self.engine.requests():
-                    self.put(r.ticket, e)
-                self.engine.clear()
-                events = []
-            self.deliver(events)
+                self._cancel()
+            self.deliver(self._step())
             self.flush()
 
-    def _admit(self, block):
-        """Move submitted tickets into the engine (if block, waiting for one, then its burst:
-        gather)."""
+    def _cancel(self):
+        """Mark the requests whose tickets were cancelled, to leave at the next step; returns
+        them."""
+        self.cancels = False
+        gone = [r for r in self.engine.requests() if not r.cancelled and r.ticket.cancelled]
+        for r in gone:
+            r.cancelled = True
+        return gone
+
+    def _step(self):
+        """The engine's step() and its Events; a failed step fails every request in flight, not
+        the thread."""
         try:
-            ticket = self.inbox.get(block=block)
+            return self.engine.step()
+        except Exception as e:
+            for r in self.engine.requests():
+                self.put(r.ticket, e)
+            self.engine.clear()
+            return []
+
+    def _admit(self, block):
+        """Move submitted tickets into the engine (if block, waiting for one, for at most
+        idle_wait seconds, then its burst: gather)."""
+        try:
+            ticket = self.inbox.get(block=block, timeout=self.idle_wait)
             gap, most = self.gather if block else (0, 0)
             end = time.monotonic() + most
             while True:

@@ -7,9 +7,8 @@ Ticket`, and tokens put on the ticket as they come. The HTTP side counts request
 its queue limit, cancels the ticket of a client that hangs up, and turns tokens into text, stop
 strings and log-probabilities itself."""
 import queue
-import random
 import threading
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Optional
 
 import mlx.core as mx
@@ -17,8 +16,6 @@ import numpy as np
 from mlx_lm.sample_utils import make_logits_processors
 
 from ..constraints import Constraint
-from ..lockstep import broadcast
-from ..shard import world
 
 
 @dataclass
@@ -40,22 +37,6 @@ class Generation:
     top_logprobs: Optional[int] = None
     # an llguidance grammar the tokens follow (constraints.py: a JSON schema, a tool call), checked
     grammar: Optional[str] = None
-
-    @classmethod
-    def shared(cls, generation=None):
-        """Rank 0's generation on every rank (lockstep.broadcast; None once rank 0's worker closes);
-        the followers pass nothing. Rank 0 draws a seed for a request without one (each process,
-        and each thread, has its own random state); alone, the generation as it is."""
-        if world() is None:
-            return generation
-        if generation is not None and generation.seed is None:
-            generation = replace(generation, seed=random.SystemRandom().randrange(2**63))
-        d = broadcast(None if generation is None else asdict(generation))
-        if d is None:
-            return None
-        if d["logit_bias"] is not None:  # JSON made its token ids strings
-            d["logit_bias"] = {int(k): v for k, v in d["logit_bias"].items()}
-        return cls(**d)
 
     def logits_processors(self):
         """mlx-lm's processors for the penalties and logit bias (each penalty over the last 20

@@ -1,9 +1,6 @@
 """The one-request worker: SerialWorker generates the server's requests one at a time on the
-compiled one-request path (requests.py's worker interface).
-
-Under `mlx.launch -n N` (a tensor-parallel model, shard.py) rank 0 serves with a SerialWorker, which
-hands each request to the other ranks (lockstep.broadcast); each of them runs follow(), generating
-the same requests step for step (lockstep.lockstep), until rank 0's worker closes."""
+compiled one-request path (requests.py's worker interface). (Under `mlx.launch` every rank runs the
+batch engine instead: lockstep_worker.py.)"""
 import queue
 import threading
 from contextlib import closing
@@ -12,9 +9,7 @@ import mlx.core as mx
 
 from ..decoding import context_length, stream_generate, warmup
 from ..loader import materialize
-from ..lockstep import lockstep
-from ..shard import world
-from .requests import Generation, Ticket, token_of
+from .requests import Ticket, token_of
 
 
 def serve_on_thread(model, serve, warm_up=None):
@@ -51,7 +46,6 @@ class SerialWorker:
         self.model, self.tokenizer = model, tokenizer
         self.context_length, self.vocab_size = context_length(model), model.args.vocab_size
         self.queue = queue.Queue()
-        self.closed = threading.Event()
         serve_on_thread(model, self._serve, (lambda: warmup(model)) if warm else None)
 
     def submit(self, generation):
@@ -59,12 +53,9 @@ class SerialWorker:
         self.queue.put(ticket)
         return ticket
 
-    def close(self, timeout=30):
-        """Stop the worker after the request it generates; under mlx.launch the other ranks'
-        follow() ends too (waited for up to timeout seconds)."""
+    def close(self):
+        """Stop the worker after the request it generates."""
         self.queue.put(None)
-        if world() is not None:
-            self.closed.wait(timeout)
 
     def stream(self, g):
         """Yield g's Tokens: the request's whole generation, on the worker thread."""
@@ -74,12 +65,11 @@ class SerialWorker:
         while True:
             ticket = self.queue.get()
             if ticket is None:
-                Generation.shared(None)
-                return self.closed.set()
+                return
             if ticket.cancelled:
                 continue
             try:
-                with closing(self.stream(Generation.shared(ticket.generation))) as stream:
+                with closing(self.stream(ticket.generation)) as stream:
                     for token in stream:
                         if ticket.cancelled:
                             break
@@ -92,24 +82,11 @@ class SerialWorker:
 
 
 def stream_tokens(model, tokenizer, g):
-    """Yield Generation g's Tokens (under mlx.launch in lockstep with the other ranks: a consumer
-    that stops stops them all)."""
-    with closing(lockstep(stream_generate(model, tokenizer, g.tokens, g.max_tokens, temp=g.temp,
-                                          top_p=g.top_p, top_k=g.top_k, min_p=g.min_p, seed=g.seed,
-                                          logits_processors=g.logits_processors(),
-                                          grammar=g.grammar))) as responses:
+    """Yield Generation g's Tokens."""
+    with closing(stream_generate(model, tokenizer, g.tokens, g.max_tokens, temp=g.temp,
+                                 top_p=g.top_p, top_k=g.top_k, min_p=g.min_p, seed=g.seed,
+                                 logits_processors=g.logits_processors(),
+                                 grammar=g.grammar)) as responses:
         for r in responses:
             yield token_of(r, g.top_logprobs)
 
-
-def follow(model, tokenizer, warm=False):
-    """A follower rank of a server under mlx.launch: rank 0's warm-up (warm) and then each request
-    its SerialWorker hands on, generated in lockstep with it, until that worker closes."""
-    if warm:
-        warmup(model)
-    while (g := Generation.shared()) is not None:
-        try:
-            for _ in stream_tokens(model, tokenizer, g):
-                pass
-        except Exception:  # rank 0 failed alike and answered its client with the error: go on
-            pass

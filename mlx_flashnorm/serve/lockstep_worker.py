@@ -1,0 +1,170 @@
+"""The server's batch engine under `mlx.launch -n N` (a tensor-parallel model, shard.py): the same
+BatchEngine on every rank, stepped in lockstep.
+
+Rank 0 serves: its LockstepWorker is the server's BatchWorker, and before each engine step it hands
+the other ranks the step's plan (lockstep.broadcast): the requests it admitted (their Generations,
+each with a sampling seed: rank 0 draws one for a request without), those that left (cancelled:
+a client gone, a stop string, a timeout), and what the engine's own choices read that is not the
+same on every rank (the fastest recent step's period, which decides which newcomers are fed
+through the decode steps). Every other rank's LockstepWorker takes the plan and runs the same
+engine step on its shard: the engine's other choices (prefill groups, slots, buckets, the prompt
+cache) follow from the same requests in the same order, every sharded linear's sum pairs the ranks'
+operations one to one, and the logits are the same on every rank, so each request's seeded sampler
+draws the same tokens everywhere; a digest of each step's tokens rides on the next plan's exchange
+and every rank raises where they differ (no exchange added). A step with nothing new exchanges
+8 bytes a rank. A rank waiting in a sum keeps a core busy (MLX's ring backend polls its sockets),
+so an idle engine does not wait for a request there: every rank sleeps IDLE_TICK seconds after
+each idle step, and a request that finds the engine idle waits for the next tick.
+
+Clean ends: rank 0's close() sends a last plan that ends every rank's loop. A rank that dies leaves
+the others waiting in a sum (or, at times, failing in it): a Watchdog on every rank ends the wait
+where a plan's exchange (the ranks meet there within milliseconds) takes `timeout` seconds, or a
+step (a long prompt's chunk, a first compile) STEP_TIMEOUTS times that. Either way the worker is
+`fatal`: rank 0 fails every request in flight with the reason, and the server exits with it on one
+line, as each other rank does with its own (lockstep.abandon: a thread may be left waiting in a
+sum)."""
+import itertools
+import random
+import threading
+import time
+import zlib
+from dataclasses import asdict, replace
+
+import numpy as np
+
+from ..lockstep import Watchdog, broadcast, leads
+from .batch_worker import BatchWorker
+from .requests import Generation, Ticket
+
+IDLE_TICK = 0.05  # seconds every rank sleeps after an idle step: the wait of a request that
+# finds the engine idle, at most, against a core kept polling by each rank waiting in the next sum
+RANK_TIMEOUT = 30.0  # seconds a rank waits for the others' plan exchange (the server's default)
+STEP_TIMEOUTS = 10  # a step may take this many times as long (a first compile on a CPU took
+# tens of seconds: bench/RESULTS.md, "Tensor parallelism")
+
+
+class LockstepWorker(BatchWorker):
+    """A BatchWorker on every rank of mlx.launch (requests.py's worker interface on rank 0; the
+    other ranks submit nothing: wait() for their end). timeout: seconds a plan's exchange may take
+    (a step STEP_TIMEOUTS times as long) before the other ranks are taken for gone (the server's
+    --rank-timeout); the rest as BatchWorker's."""
+
+    def __init__(self, model, tokenizer, warm=False, max_batch=32, prompt_cache_bytes=0,
+                 prefill_step=2048, timeout=RANK_TIMEOUT):
+        self.timeout = timeout
+        self.idle_wait = 0  # (rank 0's _admit takes a burst waiting, never waits for one)
+        self.keys, self.added, self.live = itertools.count(), [], {}  # live: key -> Request
+        self.digest = 0  # of the last step's tokens
+        self.closing, self.done = False, threading.Event()
+        self.fatal = self.problem = None  # why the ranks stopped; problem: the server's 503 reason
+        super().__init__(model, tokenizer, warm, max_batch, prompt_cache_bytes, prefill_step)
+
+    def close(self):
+        """Stop every rank after this step (rank 0; returns once the plan went, or the ranks
+        failed)."""
+        self.closing = True
+        self.wait()
+
+    def wait(self):
+        """(the other ranks) Until rank 0 closes, or the ranks fail: returns fatal."""
+        self.done.wait()
+        return self.fatal
+
+    def request(self, ticket):
+        """(rank 0) The engine's Request for ticket, its generation (with a seed drawn where it has
+        none) added to the next plan under a new key."""
+        g = ticket.generation
+        if g.seed is None:
+            ticket.generation = g = replace(g, seed=random.SystemRandom().randrange(2**63))
+        ticket.key = next(self.keys)
+        r = super().request(ticket)
+        self.added.append([ticket.key, asdict(g)])
+        return r
+
+    def _serve(self):
+        self.watchdog = Watchdog(lambda limit: self._fail(
+            f"the tensor-parallel ranks did not answer in {limit:g} s (--rank-timeout "
+            f"{self.timeout:g}): a rank is gone or stalled"))
+        try:
+            while self._round():
+                pass
+        except Exception as e:  # a collective failed: a rank is gone (or the ranks diverged)
+            self._fail(f"the tensor-parallel ranks lost each other: {e}")
+        finally:
+            self.watchdog.stop()
+            self.done.set()
+        # this thread never ends: as it would, MLX frees the functions it compiled (kept per
+        # thread), which takes the interpreter's lock, and where the interpreter is exiting by then
+        # (the process ends once done is set) that aborts the process
+        threading.Event().wait()
+
+    def _round(self):
+        """One plan exchanged and, unless it closes, one engine step; False once closed."""
+        self.watchdog.beat(self.timeout)
+        if leads():
+            self._admit(block=not self.engine.busy)
+            gone = self._cancel() if self.cancels else []
+            plan = {}
+            if self.added:
+                plan["add"], self.added = self.added, []
+            if gone:
+                plan["cancel"] = [r.ticket.key for r in gone]
+            if self.engine.waiting:  # (BatchEngine.feedable reads the periods)
+                plan["fastest"] = min(self.engine.periods, default=None)
+            if self.closing:
+                plan["close"] = True
+            broadcast(plan or None, self.digest)
+        else:
+            plan = broadcast(None, self.digest) or {}
+            self._follow(plan)
+        if plan.get("close"):
+            return False
+        idle = not self.engine.busy  # (the same on every rank, the plan taken)
+        self.watchdog.beat(STEP_TIMEOUTS * self.timeout)
+        events = self._step()
+        if leads():
+            self.deliver(events)
+        for e in events:
+            if e.finish_reason:
+                self.live.pop(e.request.ticket.key, None)
+        if not self.engine.busy:
+            self.live.clear()  # (requests that failed)
+        self.digest = zlib.crc32(np.array([(e.request.ticket.key, e.token) for e in events],
+                                          np.int64).tobytes()) & 0x7FFFFFFF
+        if idle:
+            time.sleep(IDLE_TICK)
+        return True
+
+    def _follow(self, plan):
+        """(the other ranks) Take rank 0's plan as rank 0 took it."""
+        for key, g in plan.get("add", ()):
+            if g["logit_bias"] is not None:  # JSON made its token ids strings
+                g["logit_bias"] = {int(k): v for k, v in g["logit_bias"].items()}
+            ticket = Ticket(Generation(**g))
+            ticket.key = key
+            try:  # (what fails here failed on rank 0 alike, and was answered there)
+                self.engine.add(r := super().request(ticket))
+                self.live[key] = r
+            except Exception:
+                pass
+        for key in plan.get("cancel", ()):
+            if (r := self.live.pop(key, None)) is not None:  # (else out of step: the digest says)
+                r.cancelled = True
+        if "fastest" in plan:
+            self.engine.periods.clear()
+            if plan["fastest"] is not None:
+                self.engine.periods.append(plan["fastest"])
+
+    def _fail(self, reason):
+        """The ranks are out of step for good: every request in flight fails with reason, the
+        server takes no more (problem) and stops (fatal)."""
+        if self.fatal is not None:
+            return
+        self.fatal = self.problem = reason
+        if leads():
+            error = RuntimeError(reason)
+            for r in self.engine.requests():
+                self.put(r.ticket, error)
+            while not self.inbox.empty():
+                self.put(self.inbox.get(), error)
+        self.done.set()
