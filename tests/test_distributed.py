@@ -275,7 +275,8 @@ def ranks(launcher):
 def serve_launched(n, *args):
     """`server` under mlx.launch -n n on any free port: (launcher, its API's URL)."""
     server = popen_launch(n, "-m", "mlx_flashnorm.server", "--port", "0", *args,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True)
     line = server.stdout.readline()
     if not line.startswith("serving "):
         os.killpg(server.pid, signal.SIGKILL)

@@ -60,10 +60,13 @@ class LockstepWorker(BatchWorker):
         super().__init__(model, tokenizer, warm, max_batch, prompt_cache_bytes, prefill_step)
 
     def close(self):
-        """Stop every rank after this step (rank 0; returns once the plan went, or the ranks
-        failed)."""
+        """Stop every rank after this step (rank 0): returns once the plan went, the ranks failed,
+        or `timeout` seconds passed (a rank stuck in a step: those left are ended by the
+        launcher, or by their watchdogs, once rank 0 is gone)."""
         self.closing = True
-        self.wait()
+        if not self.done.wait(self.timeout):
+            self._fail(f"the tensor-parallel ranks did not take the close in {self.timeout:g} s "
+                       "(--rank-timeout): a rank is gone or stalled")
 
     def wait(self):
         """(the other ranks) Until rank 0 closes, or the ranks fail: returns fatal."""
