@@ -21,8 +21,8 @@ import numpy as np
 
 from .shard import world
 
-DIVERGED = ("the tensor-parallel ranks generated different tokens: their sampling diverged (a "
-            "random state that is not shared)")
+DIVERGED = ("the tensor-parallel ranks generated different tokens: they do not share a random "
+            "state, or a step's plan")
 
 
 def leads():

@@ -328,7 +328,8 @@ def test_server_and_chat_under_mlx_launch(checkpoints, tmp_path):
 
 
 # the eight clients' prompts (a token or two each: the steps that feed a late prompt cost as much
-# as those that generate), completed greedily in TOKENS tokens each (none stops sooner)
+# as those that generate), completed greedily in TOKENS tokens each (none stops sooner, and none
+# of those tokens is a near tie: the ranks' sums add in another order than one process's)
 PROMPTS = ["Paris", "Python", "Water", "Music", "Once upon", "Winter", "Football", "Dogs"]
 TOKENS = 4
 RANK_TIMEOUT = 10  # the launched server's --rank-timeout (a step may take 10 times as long)
@@ -346,8 +347,9 @@ def streamed(client, prompt, max_tokens=TOKENS):
 
 
 def hang_up(client):
-    """A long streamed completion whose client leaves after its first token."""
-    stream = client.completions.create(model="m", prompt="Summer", max_tokens=200,
+    """A long streamed completion, sampled with no seed (rank 0 draws one for every rank), whose
+    client leaves after its first token."""
+    stream = client.completions.create(model="m", prompt="Summer", max_tokens=200, temperature=1.0,
                                        stream=True)
     for chunk in stream:
         if chunk.choices and chunk.choices[0].text:
@@ -358,8 +360,9 @@ def hang_up(client):
 def test_batching_server_over_three_processes(smollm2):
     """The batching server under mlx.launch -n 3 (the embedded SmolLM2: 9 heads, a third a rank):
     eight concurrent streaming clients get, token for token, the greedy answers of one process's
-    server, while a ninth hangs up after its first token (its row leaves every rank's batch: the
-    ranks stay in step, and the next request is answered alike); then a rank killed (SIGKILL):
+    server, while a ninth, sampled, hangs up after its first token (its row leaves every rank's
+    batch: the ranks stay in step, which each step's token digest checks, and the next request is
+    answered alike); then a rank killed (SIGKILL) while the server idles:
     the server ends within --rank-timeout and a margin, rank 0 with status 1 and a one-line error,
     no rank left running."""
     with serving(Server(*smollm2, "m", port=0, max_concurrent=8)) as alone:

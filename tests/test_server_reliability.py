@@ -228,6 +228,16 @@ def server_command(*args, env=None):
         return in_process(main, "--model", "/nowhere/model.gguf", "--max-concurrent", "1", *args)
 
 
+def test_a_rank_timeout_out_of_range_is_a_one_line_error():
+    """--rank-timeout (mlx.launch's bound on a rank's wait for the others) above 0 and finite."""
+    for bad in ("0", "-1", "inf", "nan"):
+        r = server_command("--rank-timeout", bad)
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.startswith("error: --rank-timeout must be a number of seconds above 0"), \
+            r.stderr
+        assert len(r.stderr.splitlines()) == 1
+
+
 def test_the_port_is_checked_before_the_model_loads():
     """A port out of range, or one another socket listens on, is a one-line error before the model
     loads (the model, nowhere, is not what it names)."""

@@ -91,8 +91,8 @@ class LockstepWorker(BatchWorker):
         try:
             while self._round():
                 pass
-        except Exception as e:  # a collective failed: a rank is gone (or the ranks diverged)
-            self._fail(f"the tensor-parallel ranks lost each other: {e}")
+        except Exception as e:  # a collective failed (a rank is gone), or the ranks diverged
+            self._fail(f"the tensor-parallel ranks are out of step: {e}")
         finally:
             self.watchdog.stop()
             self.done.set()
