@@ -491,20 +491,24 @@ def test_gate_up_rows():
 def test_rows_plans_fit_the_gpus_shared_memory(monkeypatch, limit):
     """decode_rows' passes fit the shared memory the GPU gives a block (its dynamic and static arrays
     together) at every batch size, or there is no plan (decode_rows then runs its reference):
-    SmolLM2's shape has one on each GPU, a 4096-wide one (8 rows of 4096 floats) on Hopper only."""
+    SmolLM2's and Gemma 3 270M's shapes (head size 256: the attention's values in the matvecs'
+    space, at least as large) have one on each GPU, a 4096-wide one (8 rows of 4096 floats) from
+    the A100's on."""
     from mlx_flashnorm.kernels import rows
 
     monkeypatch.setattr(step, "shared_limit", lambda: limit)
-    for K, I, HQ, HKV, D, L in ((576, 1536, 9, 3, 64, 30), (4096, 14336, 32, 8, 128, 32)):
+    for K, I, HQ, HKV, D, L in ((576, 1536, 9, 3, 64, 30), (4096, 14336, 32, 8, 128, 32),
+                                (640, 2048, 4, 1, 256, 18)):
         for B in (2, 9, 17, 32, 64):
             plan = rows.launch_plan(B, K, I, D, HQ, HKV, L)
-            assert (plan is None) == (K == 4096 and limit < 227 * 1024)
+            assert (plan is None) == (K == 4096 and limit < 163 * 1024)
             if plan is None:
                 continue
             template, _, shared = plan
             t = dict(template)
             assert shared + rows.static_bytes(t["G"], t["GU"], D, HQ // HKV, L) <= limit, (K, B, t)
             assert shared >= rows.dynamic_bytes(t["GU"], t["GD"], max(K, HQ * D), t["IC"])
+            assert shared >= 4 * rows.WARPS * HQ // HKV * D
         if limit == 99 * 1024 and K == 576:  # the 32-row pass of 16 down_proj rows (123 KB) does not fit
             assert dict(rows.launch_plan(32, K, I, D, HQ, HKV, L)[0])["GD"] == 8
 
@@ -706,8 +710,9 @@ def test_launches_take_each_layers_sizes(monkeypatch):
     """OpenELM's layer-wise scaling through both launches (stubbed as in
     test_launches_pass_every_array): each kind's arrays of different shapes flattened one after
     another into one input, the layer table after the sizes fields of dims (each layer's 12
-    offsets, query heads, kv heads, FFN width), the sizes fields and the work buffer the widest
-    layer's; a stack whose query heads per kv head differ between layers is refused."""
+    offsets, query heads, kv heads, FFN width, sliding window, RoPE angles' offset), the sizes
+    fields and the work buffer the widest layer's; a stack whose query heads per kv head differ
+    between layers is refused."""
     from mlx_flashnorm.kernels import rows
 
     calls = []
@@ -746,12 +751,13 @@ def test_launches_take_each_layers_sizes(monkeypatch):
         dims = call["inputs"][2].tolist()
         named = dict(zip([n for n, _ in fields], dims))
         assert (named["HQM"], named["HKVM"], named["IM"], named["XMAX"]) == (8, 2, 384, 512)
-        lt = dims[len(fields):len(fields) + 45]
+        lt = dims[len(fields):]
         sizes = [a.size for m in layers for t in m for a in t]
-        for l in range(3):
-            assert lt[15 * l + 12:15 * l + 15] == [HQ[l], HKV[l], I[l]]
+        assert len(lt) == 17 * 3
+        for l in range(3):  # no sliding window, one table of RoPE angles
+            assert lt[17 * l + 12:17 * l + 17] == [HQ[l], HKV[l], I[l], 0, 0]
             offsets = [sum(sizes[12 * j + k] for j in range(l)) for k in range(12)]
-            assert lt[15 * l:15 * l + 12] == offsets
+            assert lt[17 * l:17 * l + 12] == offsets
         if B == 1:  # q/k/v rows, the splits' partial states, o_proj's and SwiGLU's outputs
             work = (8 + 2 * 2) * D + 8 * step.SMAX * (D + 2) + K + 384
             assert call["output_shapes"][3] == (work,)
