@@ -155,17 +155,17 @@ def reference(x, positions, layers, caches, *args, **kwargs):
 
 def check_decode_rows():
     """Three rows at positions 40, 5 and 17 of the one-row check's stacks (step.check_stacks: layers
-    alike and of their own sizes), each mode (step.check_modes)."""
-    L, K, D = 2, 256, 64
+    alike, of their own sizes, Gemma 3's form), each mode (step.check_modes)."""
+    L, K = 2, 256
     positions = mx.array([40, 5, 17], mx.int32)
-    theta = step.check_tables(L, K, D)[0]
     x = rand((3, 1, K), 44)
     out = []
-    for layers, caches, HQ, HKV in step.check_stacks(3, 41, 40):
-        for gains, qk_gains, factor, qk_eps, norm in step.check_modes(L, K, D):
+    for layers, caches, HQ, HKV, theta, form in step.check_stacks(3, 41, 40):
+        modes = step.check_modes(L, K, theta.shape[-1] * 2, form["gelu"])
+        for gains, qk_gains, factor, qk_eps, norm in modes:
             kv = [tuple(mx.array(a) + 0 for a in c) for c in caches]
             y, ys, p, kv = decode_rows(x, positions, layers, kv, gains, qk_gains, theta, 1e-5,
-                                       factor, qk_eps, HQ, HKV, 64, 4, norm=norm)
+                                       factor, qk_eps, HQ, HKV, 64, 4, norm=norm, **form)
             out += [y, ys, p] + [mx.take_along_axis(a, positions.reshape(3, 1, 1, 1), axis=2)
                                  for c in kv for a in c]
     return out

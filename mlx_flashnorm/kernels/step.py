@@ -480,18 +480,26 @@ def _random_stack(L, K, HQ, HKV, D, I, C, pos, seed):
 
 
 def check_stacks(rows, pos, seed):
-    """The self-checks' two stacks, (layers, caches for `rows` rows, n_heads, n_kv_heads) each: two
-    layers alike (4 query heads, 2 kv heads, FFN width 384) and two of their own sizes as
-    OpenELM's (4 and 8 query heads, 2 and 4 kv heads, FFN widths 128 and 384; the same query heads
-    per kv head, so the same compiled variant), caches filled up to pos."""
+    """The self-checks' three stacks, (layers, caches for `rows` rows, n_heads, n_kv_heads, theta,
+    form) each, form the keyword arguments past `norm` (windows, gelu): two layers alike (4 query
+    heads, 2 kv heads, FFN width 384) and two of their own sizes as OpenELM's (4 and 8 query
+    heads, 2 and 4 kv heads, FFN widths 128 and 384; the same query heads per kv head, so the same
+    compiled variant), head size 64; and Gemma 3's form (check_modes' post-norms), two layers of
+    head size 256 (4 query heads, 1 kv head, FFN width 384), the first of a sliding window of 16
+    positions, RoPE angles of their own, GeGLU; caches filled up to pos."""
     K, D, C = 256, 64, 64
     alike = _random_stack(2, K, 4, 2, D, 384, C, pos, seed)
     own = [_random_stack(1, K, hq, hq // 2, D, i, C, pos, seed + 50 + l)
            for l, (hq, i) in enumerate(((4, 128), (8, 384)))]
     own = ([m for s in own for m in s[0]], [c for s in own for c in s[1]])
+    gemma = _random_stack(2, K, 4, 1, 256, 384, C, pos, seed + 70)
     many = lambda caches: [tuple(mx.concatenate([a, a[:, :, ::-1], a][:rows]) for a in c)
                            for c in caches]
-    return [(alike[0], many(alike[1]), 4, 2), (own[0], many(own[1]), [4, 8], [2, 4])]
+    theta, llama = check_tables(2, K, D)[0], dict(windows=None, gelu=False)
+    angles = mx.stack([mx.exp(-mx.arange(128, dtype=mx.float32) * c) for c in (0.07, 0.11)])
+    return [(alike[0], many(alike[1]), 4, 2, theta, llama),
+            (own[0], many(own[1]), [4, 8], [2, 4], theta, llama),
+            (gemma[0], many(gemma[1]), 4, 1, angles, dict(windows=[16, None], gelu=True))]
 
 
 def check_tables(L, K, D):
@@ -502,29 +510,37 @@ def check_tables(L, K, D):
             1 + 0.3 * rand((L, 2, 2, D), 43, mx.float32))
 
 
-def check_modes(L, K, D):
+def check_modes(L, K, D, post=False):
     """The self-checks' variants, (gains, qk_gains, factor, qk_eps, norm) each: flash with Sec. 3
-    and Sec. 4 (QK-norm), rms without and with QK-norm (weights of float16 values about 1), none."""
+    and Sec. 4 (QK-norm), rms without and with QK-norm (weights of float16 values about 1), none;
+    post (Gemma 3's): flash and rms with QK-norm and the post-norms' gains after the pre-norms',
+    none."""
     _, gains, qk = check_tables(L, K, D)
-    w = (1 + 0.3 * rand((L, 2, K), 44, mx.float32)).astype(mx.float16).astype(mx.float32)
-    wq = (1 + 0.3 * rand((L, 2, 2, D), 45, mx.float32)).astype(mx.float16).astype(mx.float32)
+    half = lambda shape, seed: (1 + 0.3 * rand(shape, seed, mx.float32)).astype(
+        mx.float16).astype(mx.float32)
+    w, wq = half((L, 2, K), 44), half((L, 2, 2, D), 45)
+    if post:
+        wp = half((L, 2, K), 46)
+        return [(mx.concatenate([gains, wp], 1), qk, D**-0.25, 1e-6, "flash"),
+                (mx.concatenate([w, wp], 1), wq, D**-0.5, 1e-6, "rms"),
+                (None, None, D**-0.5, 0.0, "none")]
     return [(gains, None, D**-0.25, 0.0, "flash"), (gains, qk, D**-0.25, 1e-6, "flash"),
             (w, None, D**-0.5, 0.0, "rms"), (w, wq, D**-0.5, 1e-6, "rms"),
             (None, None, D**-0.5, 0.0, "none")]
 
 
 def check_decode_layers():
-    """Two layers, 41 positions (two splits a kv head), each mode (check_modes), layers alike and
-    of their own sizes (check_stacks)."""
-    L, K, D, pos = 2, 256, 64, 40
-    theta = check_tables(L, K, D)[0]
+    """Two layers, 41 positions (two splits a kv head), each mode (check_modes) of each stack
+    (check_stacks: layers alike, of their own sizes, Gemma 3's form)."""
+    L, K, pos = 2, 256, 40
     x = rand((1, 1, K), 41)
     out = []
-    for layers, caches, HQ, HKV in check_stacks(1, pos, 40):
-        for gains, qk_gains, factor, qk_eps, norm in check_modes(L, K, D):
+    for layers, caches, HQ, HKV, theta, form in check_stacks(1, pos, 40):
+        modes = check_modes(L, K, theta.shape[-1] * 2, form["gelu"])
+        for gains, qk_gains, factor, qk_eps, norm in modes:
             kv = [tuple(mx.array(a) for a in c) for c in caches]
             y, ys, p, kv = decode_layers(x, pos, layers, kv, gains, qk_gains, theta, 1e-5, factor,
-                                         qk_eps, HQ, HKV, 64, 4, norm=norm)
+                                         qk_eps, HQ, HKV, 64, 4, norm=norm, **form)
             out += [y, ys, p] + [a[..., pos, :] for c in kv for a in c]
     return out
 
