@@ -102,9 +102,9 @@ def random_weights(model, seed=0, scale=0.02, uniform=False):
 
 
 def random_model(config, norm, bits=None):
-    """A model of config with random weights, prepared with norm (mlx_flashnorm.loader.prepare; bits:
-    quantized, groups of 64): the weights larger than a checkpoint's (scale 0.2) spread the logits
-    out, so greedy picks are decisive."""
+    """A model of config with random weights, prepared with norm (mlx_flashnorm.loader.prepare;
+    bits: quantized, groups of 64): the weights larger than a checkpoint's (scale 0.2) spread the
+    logits out, so greedy picks are decisive."""
     from mlx_flashnorm.loader import build_model, model_args, prepare
 
     arch, args = model_args(config)

@@ -65,8 +65,9 @@ def greedy(model, steps=12, compiled=None):
     return [t for t, _ in out], mx.stack([lp for _, lp in out])
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("bits", [4, 8])
+# Gemma's form at 4 bits alone: the others' 8-bit runs cover the kernels' other width
+@pytest.mark.parametrize("name,bits", [(n, b) for n in CONFIGS for b in (4, 8)
+                                       if n != "gemma3" or b == 4])
 @pytest.mark.parametrize("norm", NORMS)
 def test_reference_matches_the_blocks(monkeypatch, name, bits, norm):
     """The compiled decode step through decode_layers' plain-MLX reference (its spec read from the
@@ -234,9 +235,11 @@ def mode_tables(L, K, D, dtype, seed, post=False):
     w = (1 + 0.3 * build.rand((L, 2, K), seed + 2, mx.float32)).astype(dtype).astype(mx.float32)
     wq = (1 + 0.3 * build.rand((L, 2, 2, D), seed + 3, mx.float32)).astype(dtype).astype(mx.float32)
     if post:
-        wp = (1 + 0.3 * build.rand((L, 2, K), seed + 4, mx.float32)).astype(dtype).astype(mx.float32)
+        wp = (1 + 0.3 * build.rand((L, 2, K), seed + 4, mx.float32)).astype(dtype)
+        wp = wp.astype(mx.float32)
         return [(mx.concatenate([gains, wp], 1), qk, D**-0.25, 1e-6, "flash"),
-                (mx.concatenate([w, wp], 1), wq, D**-0.5, 1e-6, "rms"), (None, None, D**-0.5, 0.0, "none")]
+                (mx.concatenate([w, wp], 1), wq, D**-0.5, 1e-6, "rms"),
+                (None, None, D**-0.5, 0.0, "none")]
     return [(gains, None, D**-0.25, 0.0, "flash"), (gains, qk, D**-0.25, 1e-6, "flash"),
             (w, None, D**-0.5, 0.0, "rms"), (w, wq, D**-0.5, 1e-6, "rms"),
             (None, None, D**-0.5, 0.0, "none")]
@@ -487,7 +490,8 @@ def real_stack_matches_reference(model, dtype):
             at = mx.array(positions, mx.int32)
             got = rows.decode_rows(x, at, caches=fresh, windows=windows, **spec)
             want = rows.reference(x, at, caches=caches, windows=windows, **spec)
-        pairs = list(zip(got[:3], want[:3])) + [(a, b) for g, w in zip(got[3], want[3]) for a, b in zip(g, w)]
+        pairs = list(zip(got[:3], want[:3]))
+        pairs += [(a, b) for g, w in zip(got[3], want[3]) for a, b in zip(g, w)]
         for a, b in pairs:
             a, b = a.astype(mx.float32), b.astype(mx.float32)
             assert (mx.abs(a - b).max() <= tol * mx.abs(b).max()).item(), (name, spec["norm"])
