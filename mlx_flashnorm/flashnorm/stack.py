@@ -159,8 +159,9 @@ def _per_layer(thetas):
 def _flash_spec(layers, names):
     """_spec's settings for FlashNorm's blocks (DeferredNorm pre-norms fused into their
     consumers, FlashAttention or FlashQKNormAttention, a late-scaled FlashSwiGLU or FlashGeGLU;
-    Gemma's: DeferredNorms its post-norms' own residual add reads, the model's post-norms, an FFN
-    applying its own scale before the post-norm)."""
+    Gemma's: DeferredNorms apply() leaves unfused beside kept norms, keeping their gains (the
+    post-norms' go in the same array), the model's post-norms, an FFN applying its own scale
+    before the post-norm)."""
     attn, ffn = layers[0][names[1]], layers[0][names[3]]
     if not isinstance(attn, (FlashAttention, FlashQKNormAttention)) or names[2][0] not in attn:
         return None

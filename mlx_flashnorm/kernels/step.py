@@ -16,6 +16,10 @@ Per layer, between barriers:
   3. the splits merged, o_proj
   4. p2 = o + p, s2 = 1/RSSe(p2), gate/up rows of p2 * g2, SwiGLU with the up scale deferred
   5. down_proj; its deferred scale s2 (over the power of two P) goes to the next layer's add
+Gemma 3's blocks (POST): phases 1 and 4 first put the row they read (down_proj's output times its
+scale, o_proj's) through its post-norm, a whole-row reduction every block makes (the last layer's
+post-feedforward norm is the caller's); GeGLU in place of SwiGLU; a sliding-window layer attends
+to its last positions only, with its own RoPE angles.
 CUDA only: the per-sublayer kernels stay the form Metal runs (no grid-wide barrier there).
 Its plain-MLX reference (_reference) is the fallback and the self-check's yardstick (CHECK)."""
 import ctypes
