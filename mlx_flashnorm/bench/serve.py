@@ -196,19 +196,20 @@ def load_round(port, clients, rounds, max_tokens, tag, temperature=0.0):
 
 
 def engine_round(model, tokenizer, clients, rounds, max_tokens, tag, temperature=0.0):
-    """load_round's requests fed to a BatchEngine as the server's (server.MAX_CONCURRENT rows,
-    its prompt cache and prefill step), warmed up; timed from the first request added. A token's
-    time is that of the engine step that read it."""
+    """load_round's requests fed to a BatchEngine as the server's (its rows and KV budget by
+    default, batch_worker.kv_limits, its prompt cache and prefill step), warmed up; timed from the
+    first request added. A token's time is that of the engine step that read it."""
     from ..decoding import context_length
-    from ..serve.batch_worker import warmup
+    from ..serve.batch_worker import kv_limits, warmup
     from ..serve.engine import FEED_WAIT, BatchEngine
     from ..serve.openai_api import parse_call
     from ..serve.prompt_cache import PromptCache
     from ..serve.sequence import Request
-    from ..server import MAX_CONCURRENT, PREFILL_STEP, PROMPT_CACHE_MB
+    from ..server import PREFILL_STEP, PROMPT_CACHE_MB
 
-    engine = BatchEngine(model, MAX_CONCURRENT, PREFILL_STEP, PromptCache(PROMPT_CACHE_MB * 2**20),
-                         feed_wait=FEED_WAIT)
+    rows, budget, _ = kv_limits(model)
+    engine = BatchEngine(model, rows, PREFILL_STEP, PromptCache(PROMPT_CACHE_MB * 2**20),
+                         feed_wait=FEED_WAIT, kv_budget=budget)
     warmup(engine)
     stops = frozenset(tokenizer.eos_token_ids)
     defaults = dict(max_tokens=max_tokens, temp=0.0, top_p=1.0, top_k=0)
