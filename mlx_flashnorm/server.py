@@ -233,8 +233,8 @@ def main(argv=None):
                         f"{args.request_timeout:g}")
     if args.engine_restarts < 0 or not 0 <= args.drain_timeout < float("inf"):
         raise UserError("--engine-restarts and --drain-timeout must be at least 0")
-    if ((args.max_concurrent or 1) < 1 or not args.prompt_cache_size >= 0
-            or args.prefill_step_size < 1):
+    if ((args.max_concurrent is not None and args.max_concurrent < 1)
+            or not args.prompt_cache_size >= 0 or args.prefill_step_size < 1):
         raise UserError("--max-concurrent and --prefill-step-size must be at least 1 and "
                         "--prompt-cache-size (MB) at least 0")
     if args.kv_budget is not None:

@@ -44,8 +44,16 @@ def client(server):
     return openai_client(server)
 
 
-def test_default_worker_batches():
-    assert Server.__init__.__kwdefaults__["max_concurrent"] == 32
+def test_default_worker_batches(smollm2):
+    """The default worker batches as many rows as the default KV budget holds, at most MAX_ROWS."""
+    from mlx_flashnorm.serve.batch_worker import MAX_ROWS, kv_limits
+
+    server = Server(*smollm2, "smol", port=0)
+    try:
+        assert isinstance(server.worker, BatchWorker) and server.max_queue is None
+        assert server.worker.slots == kv_limits(smollm2[0])[0] and 32 < server.worker.slots <= MAX_ROWS
+    finally:
+        server.server_close()
 
 
 def test_concurrent_requests_get_their_single_answers(server, client, smollm2):

@@ -38,14 +38,19 @@ class BatchWorker:
                  prefill_step=2048, gather=(0.002, 0.02), kv_budget=None):
         self.gather = gather
         self.context_length, self.vocab_size = context_length(model), model.args.vocab_size
-        self.slots, budget, self.kv_tokens = kv_limits(model, max_batch, kv_budget)
-        cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
-        self.engine = BatchEngine(model, self.slots, prefill_step, cache, feed_wait=FEED_WAIT,
-                                  kv_budget=budget)
         self.tokenizer, self.stop_tokens = tokenizer, frozenset(tokenizer.eos_token_ids)
         self.inbox = queue.Queue()
         self.cancels = False  # a ticket was cancelled since the last look (set from any thread)
-        serve_on_thread(model, self._serve, (lambda: warmup(self.engine)) if warm else None)
+
+        def start():  # (kv_limits reads the cache's layout off a model call: on the thread)
+            self.slots, budget, self.kv_tokens = kv_limits(model, max_batch, kv_budget)
+            cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
+            self.engine = BatchEngine(model, self.slots, prefill_step, cache, feed_wait=FEED_WAIT,
+                                      kv_budget=budget)
+            if warm:
+                warmup(self.engine)
+
+        serve_on_thread(model, self._serve, start)
 
     def submit(self, generation):
         return self.enqueue(Ticket(generation))

@@ -212,9 +212,9 @@ class PipedWorker(BatchWorker):
     """The child's BatchWorker: its tickets carry the server's keys, and their tokens go back over
     the pipe, one message per engine step (flush)."""
 
-    def __init__(self, conn, *args):
+    def __init__(self, conn, *args, **kwargs):
         self.conn, self.outbox, self.tickets = conn, [], {}  # tickets: by key, until finished
-        super().__init__(*args)
+        super().__init__(*args, **kwargs)
 
     def submit(self, generation, key):
         ticket = self.tickets[key] = Ticket(generation)
