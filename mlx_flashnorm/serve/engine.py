@@ -443,8 +443,8 @@ class BatchEngine:
         self.joining = []
 
     def _set_aside(self, s, ran=False):
-        """Keep slots s, which the batch left, for the next wave (spare: Slots.vacate) where they fit
-        kv_budget beside the batch's; else what they kept goes to the prompt cache."""
+        """Keep slots s, which the batch left, for the next wave (spare: Slots.vacate) where they
+        fit kv_budget beside the batch's; else what they kept goes to the prompt cache."""
         if self.kv_budget is not None and s.nbytes + self.slots.nbytes > self.kv_budget:
             s.store(self.prompt_cache)
             return

@@ -70,7 +70,8 @@ class EngineProcess:
 
     def _start(self):
         """Start a child and hand it the setup; its reply ("ready", tokenizer, context length, vocab
-        size, slots, kv_tokens) once it has loaded. A load error is raised (a UserError where the child died)."""
+        size, slots, kv_tokens) once it has loaded. A load error is raised (a UserError where the
+        child died)."""
         here, there = socket.socketpair()
         with there:
             self.process = process = subprocess.Popen(
