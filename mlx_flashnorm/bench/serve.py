@@ -137,13 +137,13 @@ def llama_server_command(binary, gguf, port, slots, max_tokens):
 def check_llama_server(binary, model):
     """--llama-server's binary, found (a path or a name on PATH), checked before anything runs: it
     runs the embedded GGUF, so --model must be unset."""
+    if model is not None:
+        raise UserError("--llama-server runs llama.cpp on the embedded SmolLM2 GGUF, from which "
+                        "the other servers' MLX folder is written: leave --model unset")
     found = shutil.which(binary)
     if found is None:
         raise UserError(f"{binary}: no such executable; --llama-server takes the path of "
                         "llama.cpp's llama-server")
-    if model is not None:
-        raise UserError("--llama-server runs llama.cpp on the embedded SmolLM2 GGUF, from which "
-                        "the other servers' MLX folder is written: leave --model unset")
     return found
 
 
