@@ -881,14 +881,14 @@ def small_vocab():
     return random_model(dict(TINY_LLAMA, vocab_size=512, max_position_embeddings=256), "flash")
 
 
-def test_batched_greedy_equals_single_at_64_rows(small_vocab, monkeypatch):
+def test_batched_greedy_equals_single_at_64_rows(small_vocab):
     """64 rows: 56 requests at step 0, 8 joining at step 2 while the others decode (fed their
     prompts), all 64 decoding together, rows leaving from step 3 on (max_tokens 3 to 12) and 16
     more arriving at step 5, who wait for the rows that leave (max_batch 64). Each request gets its
     one-request tokens and log-probabilities. Then the same requests under a KV budget of 16 rows:
     at most 16 decode together (the slots, and those set aside, within the budget at every step),
     the others wait, and every request's tokens are the same."""
-    from mlx_flashnorm.serve.slots import Slots, kv_layout, token_bytes
+    from mlx_flashnorm.serve.slots import kv_layout, token_bytes
 
     model = small_vocab
     n = 80
