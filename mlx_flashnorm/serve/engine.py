@@ -216,8 +216,11 @@ class BatchEngine:
                 self.slots.store(self.prompt_cache)
                 self._renumber(self.slots.moved(s))  # with what they kept
             self.spare = None
-        taken = self.rows + [f.request for f in self.filling] + [j.request for j in self.joining]
-        count, longest = len(taken), max(map(need, taken), default=0)
+        count = longest = 0
+        if self.waiting:  # (a step with none waiting adds no host work per row)
+            taken = (self.rows + [f.request for f in self.filling]
+                     + [j.request for j in self.joining])
+            count, longest = len(taken), max(map(need, taken), default=0)
         while (self.waiting and count < self.max_batch
                and self._fits(count + 1, max(longest, need(self.waiting[0])))):
             r = self.waiting.popleft()
