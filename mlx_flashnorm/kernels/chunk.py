@@ -139,7 +139,7 @@ def decode_chunk(prev, offset, steps, layers, caches, gains, qk_gains, theta, ep
         out.append(tokens)
         return four
 
-    # the work buffer: decode_layers' (step.decode_layers), then the argmax's value and token a block
+    # the work buffer: decode_layers' (step.decode_layers), then each block's largest logit, token
     work = (HQ + 2 * HKV) * D + HQ * step.SMAX * (D + 2) + K + I + 2 * step.sm_count()
     caches = step.launch(kernel, x, position_array(offset), layers, caches, gains, qk_gains, theta,
                          eps, factor, qk_eps, n_heads, n_kv_heads, group_size, bits, work=work,
