@@ -10,13 +10,14 @@ import pytest
 
 from mlx_flashnorm import chunked, forms, load
 from mlx_flashnorm.bench import decode as decode_bench
+from mlx_flashnorm.bench.cli import main as bench_main
 from mlx_flashnorm.cache import make_cache
 from mlx_flashnorm.decoding import (cache_capacity, generate_step, make_processors,
                                     make_sampler_for, stream_generate)
 from mlx_flashnorm.kernels import build, chunk, step
 from mlx_flashnorm.loader import build_model, model_args, prepare
 
-from conftest import GEMMA3, QWEN2, TINY_LLAMA, random_model, random_weights
+from conftest import GEMMA3, QWEN2, TINY_LLAMA, in_process, random_model, random_weights
 from test_step_kernel import CONFIGS, CUDA, NONE_SCALE, tie_bound
 
 STEPS = 4  # tokens a launch in these tests: 11 tokens are the first, then chunks of 4, 4 and 2
@@ -165,6 +166,13 @@ def test_bench_runs_chunks_and_one_launch_a_token(launches):
     assert launches == [4, 1]
 
 
+def test_bench_chunk_steps_checked(tmp_path):
+    """The bench's --chunk-steps (chunked.STEPS for its runs) takes 1 to 64: else a one-line
+    error before any model loads."""
+    r = in_process(bench_main, "--tiny", "--out", str(tmp_path), "--chunk-steps", "0")
+    assert r.returncode == 2 and "--chunk-steps takes 1 to 64, not 0" in r.stderr
+
+
 def test_models_without_a_chunk_form_are_refused():
     """Only the Llama family's and OpenELM's structure (embedding, blocks, final norm, head) has a
     chunk form, with quantized blocks the whole-step kernel computes: Gemma 3 (its embeddings
@@ -253,6 +261,8 @@ def test_kernel_matches_reference(dtype, monkeypatch):
     tol = {mx.float32: 1e-3, mx.float16: 1e-2, mx.bfloat16: 5e-2}[dtype]
     logits = []
     got = chunk.check_decode_chunk()
+    assert "decode_chunk" not in forms.DISABLED  # the kernel ran, not its reference
+    assert any(name == "fn_decode_chunk" for name, _ in build.VARIANTS)
     want = chunk.check_decode_chunk(functools.partial(chunk.reference, logits=logits))
     for m in range(5):  # each mode: its tokens, then 4 caches' rows (2 layers, k and v)
         tokens, expected = got[5 * m].tolist(), want[5 * m].tolist()
