@@ -29,9 +29,10 @@ from . import step
 K_MIN = 4  # tokens come back in 16 bytes at least (MLX keeps 8 bytes or less in a managed page)
 # the chunk's own sizes and flags (cdims, in order: build.pack, build.declare): the head's rows, the
 # embedding's and the head's group size and bits, whether the final norm has gains (hg: flash's
-# gain, rms's weights) and its epsilon
+# gain, rms's weights) and its epsilon, and where its scratch begins in the work buffer (after
+# decode_layers': step.work_size)
 FIELDS = (("V", "int"), ("EGS", "int"), ("EBITS", "int"), ("HGS", "int"), ("HBITS", "int"),
-          ("has_hg", "bool"), ("heps", "float"))
+          ("has_hg", "bool"), ("heps", "float"), ("WORK", "int"))
 # the inputs before decode_layers' (which the chunk takes but for its input row x, made here):
 # the first step's token, the steps to run, cdims, the embedding's and the head's arrays, hg
 OWN = ["prev", "steps", "cdims", "ew", "es", "eb", "hw", "hsc", "hbi", "hg"]
@@ -124,8 +125,9 @@ def decode_chunk(prev, offset, steps, layers, caches, gains, qk_gains, theta, ep
     (ew, es, eb, egs, ebits), (hw, hs, hb, hgs, hbits) = embedding, head
     x = _row(ew.shape[-1] * 32 // ebits, es.dtype)
     K, D, I, xmax, HQ, HKV, GQ = step.sizes(x, layers, theta, n_heads, n_kv_heads)
+    work = step.work_size(K, D, I, HQ, HKV)
     dims = pack(FIELDS, dict(V=hw.shape[0], EGS=egs, EBITS=ebits, HGS=hgs, HBITS=hbits,
-                             has_hg=head_gain is not None, heps=head_eps))
+                             has_hg=head_gain is not None, heps=head_eps, WORK=work))
     own = [prev.reshape(-1), position_array(steps), constant(mx.int32, *dims), ew, es, eb, hw, hs,
            hb, constant(mx.float32, 0.0) if head_gain is None else head_gain]
     out = []
@@ -139,10 +141,10 @@ def decode_chunk(prev, offset, steps, layers, caches, gains, qk_gains, theta, ep
         out.append(tokens)
         return four
 
-    # the work buffer: decode_layers' (step.decode_layers), then each block's largest logit, token
-    work = (HQ + 2 * HKV) * D + HQ * step.SMAX * (D + 2) + K + I + 2 * step.sm_count()
+    # the work buffer: decode_layers', then each block's largest logit and its token
     caches = step.launch(kernel, x, position_array(offset), layers, caches, gains, qk_gains, theta,
-                         eps, factor, qk_eps, n_heads, n_kv_heads, group_size, bits, work=work,
+                         eps, factor, qk_eps, n_heads, n_kv_heads, group_size, bits,
+                         work=work + 2 * step.sm_count(),
                          shared_memory=shared_bytes(K, xmax, bits, D, GQ, len(layers)),
                          norm=norm)[3]
     return out[0], caches

@@ -250,8 +250,13 @@ def decode_layers(x, offset, layers, caches, gains, qk_gains, theta, eps, factor
     K, D, I, xmax, HQ, HKV, GQ = sizes(x, layers, theta, n_heads, n_kv_heads)
     return launch(step_kernel(len(layers)), x, position_array(offset), layers, caches, gains,
                   qk_gains, theta, eps, factor, qk_eps, n_heads, n_kv_heads, group_size, bits,
-                  work=(HQ + 2 * HKV) * D + HQ * SMAX * (D + 2) + K + I,
+                  work=work_size(K, D, I, HQ, HKV),
                   shared_memory=shared_bytes(K, xmax, bits, D, GQ, len(layers)), norm=norm)
+
+
+def work_size(K, D, I, HQ, HKV):
+    """decode_layers' work buffer, in floats (step.cu's raw, part, obuf and abuf)."""
+    return (HQ + 2 * HKV) * D + HQ * SMAX * (D + 2) + K + I
 
 
 def sizes(x, layers, theta, n_heads, n_kv_heads):

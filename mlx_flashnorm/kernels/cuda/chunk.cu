@@ -38,7 +38,7 @@ __device__ inline bool fn_better(float v, int id, float best, int best_id) {
   {{FIELDS}}
   const int PERH = 32 / HBITS, CWH = 4 * PERH, NCH = K / CWH;  // the head's words and chunks
   float* erow = xsum + XMAX / 16;  // K: the step's input row (xsum is sized for 8-bit chunks)
-  float* amax = abuf + IM;         // NB: each block's largest logit
+  float* amax = work + WORK;       // NB: each block's largest logit (after decode_layers' work)
   int* aid = reinterpret_cast<int*>(amax + NB);  // NB: its token
   __shared__ float wmax[NW];
   __shared__ int wid[NW], token;
@@ -69,7 +69,7 @@ __device__ inline bool fn_better(float v, int id, float best, int best_id) {
     // the head's rows: each logit rounded to T (flash: times s / P, rounded again), a warp's
     // largest kept (its rows ascend: the first of equal ones), then the block's
     const float fscale = NORM == 0 ? fs / FP : 1.0f;
-    float best = __int_as_float(0xff800000);  // -inf
+    float best = -__int_as_float(0x7f800000);  // -inf
     int bid = V;                              // none yet
     for (int row = gwarp; row < V; row += TW) {
       const float a = HBITS == 8
@@ -89,7 +89,7 @@ __device__ inline bool fn_better(float v, int id, float best, int best_id) {
     }
     fn_grid_sync(bar, target += NB);  // every block's largest
     if (threadIdx.x == 0) {  // the same token in every block (one order over the same values)
-      best = __int_as_float(0xff800000);
+      best = -__int_as_float(0x7f800000);
       bid = V;
       for (int b = 0; b < NB; ++b) {
         const float v = __ldcg(amax + b);
