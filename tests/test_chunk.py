@@ -250,6 +250,21 @@ def agree_until_tie(got, want, lps, dtype):
     return len(want)
 
 
+def ties(model, prompt, steps, dtype):
+    """Greedy tokens in chunks against one step at a time for `steps` tokens after prompt: where
+    they part, at a tie (agree_until_tie), the comparison goes on after the prompt grown by the
+    tokens agreed on and one step at a time's; the number of ties."""
+    count, done = 0, 0
+    while done < steps:
+        want, lps, _ = decode(model, prompt, steps - done)
+        got, _, _ = decode(model, prompt, steps - done, with_logprobs=False)
+        n = agree_until_tie(got, want, lps, dtype)
+        if n == len(want):
+            return count
+        count, done, prompt = count + 1, done + n + 1, prompt + want[:n + 1]
+    return count
+
+
 @pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
 def test_kernel_matches_reference(dtype, monkeypatch):
@@ -283,17 +298,12 @@ def test_kernel_matches_reference(dtype, monkeypatch):
 @pytest.mark.parametrize("norm", ["flash", "rms", "none"])
 def test_kernel_decodes_like_one_step_at_a_time(queued, name, dtype, norm):
     """With the kernel (chunks of chunked.STEPS), a random model's greedy tokens (Llama, its
-    untied head, Qwen 3, OpenELM; each norm mode; half precision) are one step at a time's, up to a
-    tie (agree_until_tie), at least 2/3 of them; after a short prompt and after 400 tokens."""
+    untied head, Qwen 3, OpenELM; each norm mode; half precision) are one step at a time's but at
+    ties (ties: at most 3 in 80 tokens), after a short prompt and after 400 tokens."""
     model = quantized(MODELS[name], norm, dtype)
-    compared = 0
-    for n in (8, 400):
-        prompt = prompt_of(model, n)
-        want, lps, _ = decode(model, prompt, 40)
-        got, _, _ = decode(model, prompt, 40, with_logprobs=False)
-        compared += agree_until_tie(got, want, lps, dtype)
+    count = sum(ties(model, prompt_of(model, n), 40, dtype) for n in (8, 400))
     assert queued and "decode_chunk" not in forms.DISABLED  # chunked, its self-check passed
-    assert compared >= 2 * 80 // 3, compared
+    assert count <= 3, count
 
 
 @pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")
@@ -301,19 +311,16 @@ def test_kernel_decodes_like_one_step_at_a_time(queued, name, dtype, norm):
 @pytest.mark.parametrize("norm", ["flash", "rms", "none"])
 def test_kernel_on_real_weights(queued, dtype, norm):
     """SmolLM2 (the shipped Q4_1 GGUF: 8-bit tied embedding, 4-bit layers): 48 greedy tokens in
-    chunks equal one step at a time's up to a tie (agree_until_tie), at least 2/3 of them, after a
-    chat prompt and after 1800 tokens of Pride and Prejudice; the kernel ran (its variant
-    launched, its self-check passed)."""
+    chunks are one step at a time's but at ties (ties: at most 2 in 96), after a chat prompt and
+    after 1800 tokens of Pride and Prejudice; the kernel ran (its variant launched, its self-check
+    passed)."""
     from pathlib import Path
 
     model, tok = load(None, norm=norm, dtype=dtype, progress=False)
     text = (Path(__file__).parent / "data" / "pride_and_prejudice_ch1-3.txt").read_text()
-    compared = 0
-    for prompt in (tok.encode("The capital of France is Paris. The capital of Germany is"),
-                   tok.encode(text)[:1800]):
-        want, lps, _ = decode(model, prompt, 48)
-        got, _, _ = decode(model, prompt, 48, with_logprobs=False)
-        compared += agree_until_tie(got, want, lps, getattr(mx, dtype))
+    prompts = (tok.encode("The capital of France is Paris. The capital of Germany is"),
+               tok.encode(text)[:1800])
+    count = sum(ties(model, list(prompt), 48, getattr(mx, dtype)) for prompt in prompts)
     assert queued and "decode_chunk" not in forms.DISABLED
     assert any(name == "fn_decode_chunk" for name, _ in build.VARIANTS)
-    assert compared >= 2 * 96 // 3, compared
+    assert count <= 2, count
