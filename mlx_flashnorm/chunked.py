@@ -46,8 +46,11 @@ class Compiled:
 
     def runs(self, kv):
         """Whether the chunk kernel runs here for the caches kv, after its self-check (on first
-        use: kernels.check.LAZY); where it does not, a request takes one step at a time."""
-        if self.spec is None or not kernels.use_decode_layers("decode_chunk"):
+        use: kernels.check.LAZY); where it does not, a request takes one step at a time. Not
+        checked where decode_layers, whose body it runs, is off: the check would compare the
+        fallback with itself, and its pass is kept on disk."""
+        if self.spec is None or not all(map(kernels.use_decode_layers,
+                                            ("decode_chunk", "decode_layers"))):
             return False
         kernels.self_check(["decode_chunk"])
         return chunk_supported(self.spec, kv, STEPS)

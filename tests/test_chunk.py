@@ -8,12 +8,12 @@ import functools
 import mlx.core as mx
 import pytest
 
-from mlx_flashnorm import chunked, forms, load
+from mlx_flashnorm import chunked, forms, kernels, load
 from mlx_flashnorm.bench import decode as decode_bench
 from mlx_flashnorm.bench.cli import main as bench_main
 from mlx_flashnorm.cache import make_cache
-from mlx_flashnorm.decoding import (cache_capacity, generate_step, make_processors,
-                                    make_sampler_for, stream_generate)
+from mlx_flashnorm.decoding import (cache_capacity, compiled_decode, generate_step,
+                                    make_processors, make_sampler_for, stream_generate)
 from mlx_flashnorm.kernels import build, chunk, step
 from mlx_flashnorm.loader import build_model, model_args, prepare
 
@@ -187,7 +187,9 @@ def test_models_without_a_chunk_form_are_refused():
 def test_disabled_by_name(monkeypatch):
     """With the CUDA backend (stood in for), the kernel takes a model's spec and caches, and not
     where it is disabled (MLX_FLASHNORM_DISABLE=decode_chunk, or decode_layers, whose body it
-    runs: forms.DISABLED) or where its caches are of another dtype."""
+    runs: forms.DISABLED) or where its caches are of another dtype; a request asks for its
+    self-check only where both are on (with decode_layers off the check would pass comparing the
+    fallback with itself, and a pass is kept on disk)."""
     model = quantized(MODELS["openelm"], "flash")
     spec = chunked.spec(model)
     cache = make_cache(model, 1024)
@@ -200,6 +202,12 @@ def test_disabled_by_name(monkeypatch):
         with forms.without(name):
             assert not chunked.chunk_supported(spec, kv, 8)
     assert not chunked.chunk_supported(spec, [(k.astype(mx.float16), v) for k, v in kv], 8)
+    checked = []
+    monkeypatch.setattr(kernels, "self_check", lambda names=None: checked.append(names) or True)
+    compiled = compiled_decode(model, chunk=True)
+    with forms.without("decode_layers"):
+        assert not compiled.runs(kv) and not checked
+    assert compiled.runs(kv) and checked == [["decode_chunk"]]
 
 
 def test_self_check_argmaxes_are_decisive():
