@@ -29,17 +29,20 @@ def parts(model):
 
 
 def spec(model):
-    """decode_chunk's arguments for model (flashnorm's chunk_spec), or None."""
+    """decode_chunk's arguments for model (flashnorm's chunk_spec) with k = STEPS (read once: a
+    compiled chunk step keeps its k), or None."""
     found = parts(model)
-    return None if found is None else chunk_spec(*found)
+    found = found and chunk_spec(*found)
+    return found and dict(found, k=STEPS)
 
 
 class Compiled:
     """A model's compiled chunk step, fn(y, offset, kv, steps) -> (tokens, offset, kv) (made by
-    decoding.compiled_decode over forward), and its spec (None: the model has no chunk form)."""
+    decoding.compiled_decode over forward), its spec (None: the model has no chunk form) and k,
+    the most steps a launch."""
 
     def __init__(self, spec, fn):
-        self.spec, self.fn = spec, fn
+        self.spec, self.fn, self.k = spec, fn, spec["k"] if spec else STEPS
 
     def __call__(self, *args):
         return self.fn(*args)
@@ -53,13 +56,13 @@ class Compiled:
                                             ("decode_chunk", "decode_layers"))):
             return False
         kernels.self_check(["decode_chunk"])
-        return chunk_supported(self.spec, kv, STEPS)
+        return chunk_supported(self.spec, kv)
 
 
 def forward(spec, y, cache, steps):
-    """The compiled chunk step's work: `steps` (at most STEPS) greedy tokens after y over the
+    """The compiled chunk step's work: `steps` (at most spec's k) greedy tokens after y over the
     static caches `cache` (flashnorm's decode_chunk)."""
-    return decode_chunk(spec, y, cache, steps, STEPS)
+    return decode_chunk(spec, y, cache, steps)
 
 
 class Run:
@@ -77,7 +80,7 @@ class Run:
         none is left."""
         if left <= 0:
             return None
-        count = min(STEPS, left)
+        count = min(self.decode.k, left)
         tokens, self.offset, self.kv = self.decode(y.astype(mx.uint32), self.offset, self.kv,
                                                    kernels.constant(mx.int32, count))
         mx.async_eval(tokens)
@@ -85,7 +88,7 @@ class Run:
 
     def tokens(self, y, max_tokens):
         """Yield (token, None) for y, the first token (its step queued), then for the
-        max_tokens - 1 after it, STEPS a launch; each chunk is queued before the one before it is
+        max_tokens - 1 after it, k a launch; each chunk is queued before the one before it is
         read (a slice of it would be read after the next one), so the device runs while the host
         streams."""
         taken = 0

@@ -197,11 +197,11 @@ def test_disabled_by_name(monkeypatch):
     kv = [c.state for c in cache]
     monkeypatch.setattr(forms, "use_gpu", lambda name=None: name not in forms.DISABLED)
     monkeypatch.setattr(step, "gpu_backend", lambda: "cuda")
-    assert chunked.chunk_supported(spec, kv, 8)
+    assert chunked.chunk_supported(spec, kv)
     for name in ("decode_chunk", "decode_layers"):
         with forms.without(name):
-            assert not chunked.chunk_supported(spec, kv, 8)
-    assert not chunked.chunk_supported(spec, [(k.astype(mx.float16), v) for k, v in kv], 8)
+            assert not chunked.chunk_supported(spec, kv)
+    assert not chunked.chunk_supported(spec, [(k.astype(mx.float16), v) for k, v in kv])
     checked = []
     monkeypatch.setattr(kernels, "self_check", lambda names=None: checked.append(names) or True)
     compiled = compiled_decode(model, chunk=True)

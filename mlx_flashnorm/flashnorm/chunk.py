@@ -54,23 +54,24 @@ def chunk_spec(embedding, layers, norm, head):
                 head_gain=gain, head_eps=0.0 if mode == "none" else norm.eps)
 
 
-def chunk_supported(spec, kv, k):
-    """Whether the kernel itself runs chunk_spec's spec over the caches kv ((k, v) per layer) for
-    up to k steps (kernels.decode_chunk_supported; else decode_chunk runs its reference)."""
+def chunk_supported(spec, kv):
+    """Whether the kernel itself runs spec (chunk_spec's, with k: the most steps a launch) over the
+    caches kv ((k, v) per layer) (kernels.decode_chunk_supported; else decode_chunk runs its
+    reference)."""
     return (spec["theta"].shape[0] * 2 == kv[0][0].shape[-1]
             and kernels.decode_chunk_supported(spec["layers"], kv, spec["n_heads"],
                                                spec["n_kv_heads"], spec["group_size"],
                                                spec["bits"], spec["embedding"], spec["head"],
-                                               spec["head_gain"], spec["norm"], k))
+                                               spec["head_gain"], spec["norm"], spec["k"]))
 
 
-def decode_chunk(spec, y, cache, steps, k):
-    """Up to k greedy decode steps (`steps`, an int32 array, says how many) after the token y ((1,)
-    uint32) over StaticKVCaches at an array offset (the compiled step's), the caches' new k and v
-    written: the steps' tokens (kernels.decode_chunk, or its reference where the kernel does not
-    run)."""
+def decode_chunk(spec, y, cache, steps):
+    """Up to spec's k greedy decode steps (`steps`, an int32 array, says how many) after the token y
+    ((1,) uint32) over StaticKVCaches at an array offset (the compiled step's), the caches' new k
+    and v written: the steps' tokens (kernels.decode_chunk, or its reference where the kernel does
+    not run)."""
     kv = [(c.keys, c.values) for c in cache]
-    tokens, kv = kernels.decode_chunk(y, cache[0].offset, steps, caches=kv, k=k, **spec)
+    tokens, kv = kernels.decode_chunk(y, cache[0].offset, steps, caches=kv, **spec)
     for c, (keys, values) in zip(cache, kv):
         c.keys, c.values = keys, values
     return tokens

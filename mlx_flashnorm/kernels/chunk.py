@@ -39,8 +39,10 @@ OWN = ["prev", "steps", "cdims", "ew", "es", "eb", "hw", "hsc", "hbi", "hg"]
 
 
 def input_names(layers):
+    """The kernel's inputs: OWN, then decode_layers' but its input row (made on the device: erow
+    in chunk.cu; the launcher drops it from step.launch's inputs)."""
     shared = step.input_names(layers)
-    assert shared[0] == "x"  # the step's input row: this kernel makes its own (chunk.cu: erow)
+    assert shared[0] == "x"
     return OWN + shared[1:]
 
 
