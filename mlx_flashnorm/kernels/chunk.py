@@ -191,24 +191,25 @@ def reference(prev, offset, steps, layers, caches, gains, qk_gains, theta, eps, 
     return mx.concatenate(tokens + [token] * (max(k, K_MIN) - k)), caches
 
 
-def check_decode_chunk(run=None):
+def check_decode_chunk(run=None, modes=slice(None, None, 2)):
     """Four steps after position 40 on the self-check's stack of two layers of their own sizes
-    (step.check_stacks), each mode (step.check_modes) with the final norm's gains of its kind; a
-    tied head (the 8-bit embedding, groups of 32) and an untied one (4-bit, groups of 64) in turn:
-    the tokens and the cache rows written. Its seeds give each argmax a margin far past half
-    precision's rounding (tests/test_chunk.py reads them from the reference's logits). run:
-    decode_chunk, or the reference with its logits."""
+    (step.check_stacks), in each norm mode (modes: of step.check_modes, those without QK-norm,
+    which decode_layers' check covers: two compiled variants, not three) with the final norm's
+    gains of its kind; a tied head (the 8-bit embedding, groups of 32) and an untied one (4-bit,
+    groups of 64) in turn: the tokens and the cache rows written. Its seeds give each argmax a
+    margin far past half precision's rounding (tests/test_chunk.py reads them from the
+    reference's logits). run: decode_chunk, or the reference with its logits."""
     run = run or decode_chunk
     L, K, D, V, pos, k = 2, 256, 64, 96, 40, 4
     theta = step.check_tables(L, K, D)[0]
     layers, caches, HQ, HKV = step.check_stacks(1, pos, 40)[1]
     # an embedding small beside the layers' outputs (else a tied head picks the input token again)
     embedding = (*mx.quantize(rand((V, K), 50, scale=0.1), 32, 8), 32, 8)
-    untied = (*mx.quantize(rand((V, K), 51, scale=0.05), 64, 4), 64, 4)
+    untied = (*mx.quantize(rand((V, K), 55, scale=0.05), 64, 4), 64, 4)
     gain = 16 * (1 + 0.3 * rand((K,), 48, mx.float32))
     weight = (1 + 0.3 * rand((K,), 49, mx.float32)).astype(mx.float16).astype(mx.float32)
     out = []
-    for i, (gains, qk, factor, qk_eps, norm) in enumerate(step.check_modes(L, K, D)):
+    for i, (gains, qk, factor, qk_eps, norm) in enumerate(step.check_modes(L, K, D)[modes]):
         kv = [tuple(mx.array(a) for a in c) for c in caches]
         tokens, kv = run(mx.array([3 + 7 * i], mx.uint32), pos, constant(mx.int32, k), layers, kv,
                          gains, qk, theta, 1e-5, factor, qk_eps, HQ, HKV, 64, 4, embedding,
