@@ -103,7 +103,8 @@ def test_stop_inside_a_chunk_keeps_what_was_fed(launches):
     the chunk after, queued before it was read, is dropped: the cache's offset is the tokens fed
     up to the stop, as one step at a time leaves it, and a next turn on that cache (whose
     positions past the offset hold the dropped steps' k and v) decodes as it does there.
-    max_tokens of 1 and 2 launch no chunk and one of one step."""
+    max_tokens of 1 and 2 launch no chunk and one of one step; a one-token prompt (its first
+    token from the eager pass that makes the caches) goes on in chunks alike."""
     model = quantized(MODELS["llama"], "flash")
     prompt, turn = prompt_of(model), prompt_of(model, 5, seed=6)
     cache, want_cache = (make_cache(model, 1024) for _ in range(2))
@@ -119,6 +120,11 @@ def test_stop_inside_a_chunk_keeps_what_was_fed(launches):
     assert decode(model, prompt, 1, with_logprobs=False)[0] == decode(model, prompt, 1)[0]
     assert decode(model, prompt, 2, with_logprobs=False)[0] == decode(model, prompt, 2)[0]
     assert launches == [1]
+    # a one-token prompt into an empty cache: its first token from the eager pass, then chunks
+    (got, _, cache), (want, _, want_cache) = (decode(model, prompt[:1], 7, **kwargs)
+                                              for kwargs in (dict(with_logprobs=False), {}))
+    assert got == want and cache[0].offset == want_cache[0].offset == 7
+    assert launches == [1, 4, 2]
 
 
 def test_stream_stops_at_a_stop_token_inside_a_chunk(launches, monkeypatch, smollm2):
