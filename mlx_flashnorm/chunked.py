@@ -12,7 +12,7 @@ from . import kernels
 from .flashnorm.chunk import chunk_spec, chunk_supported, decode_chunk
 from .models import llama, openelm
 
-STEPS = 8  # decode steps a launch, at most (bench/RESULTS.md: measured against others)
+STEPS = 8  # decode steps a launch, at most (the bench measures others: --chunk-steps)
 
 
 def parts(model):
