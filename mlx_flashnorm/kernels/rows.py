@@ -90,8 +90,8 @@ def shared_bytes(G, GD, GU, xa, xi, D, GQ, L):
 
 def static_bytes(G, GU, D, GQ, L):
     """The body's static shared arrays."""
-    return (4 * 8 * (G + GU) + 2 * 4 * BMAX + 4 * (BMAX + 1) + 8 * 14 * L
-            + 4 * GQ * (D * (1 + WARPS) + 2 * WARPS))
+    return (4 * 8 * (G + GU) + 2 * 4 * BMAX + 4 * (BMAX + 1)
+            + 8 * len(step.ARRAYS) * L + 4 * GQ * (D * (1 + WARPS) + 2 * WARPS))
 
 
 @lru_cache(maxsize=None)
@@ -153,17 +153,19 @@ def reference(x, positions, layers, caches, *args, norm="flash"):
 
 def check_decode_rows():
     """Three rows at positions 40, 5 and 17 of the one-row check's stacks (step.check_stacks: layers
-    alike and of their own sizes), each mode (step.check_modes)."""
+    alike, of their own sizes, with q/k/v biases, full precision), each in its modes
+    (step.check_modes)."""
     L, K, D = 2, 256, 64
     positions = mx.array([40, 5, 17], mx.int32)
     theta = step.check_tables(L, K, D)[0]
     x = rand((3, 1, K), 44)
     out = []
-    for layers, caches, HQ, HKV in step.check_stacks(3, 41, 40):
-        for gains, qk_gains, factor, qk_eps, norm in step.check_modes(L, K, D):
+    for layers, caches, HQ, HKV, bits, modes in step.check_stacks(3, 41, 40):
+        for i in modes:
+            gains, qk_gains, factor, qk_eps, norm = step.check_modes(L, K, D)[i]
             kv = [tuple(mx.array(a) + 0 for a in c) for c in caches]
             y, ys, p, kv = decode_rows(x, positions, layers, kv, gains, qk_gains, theta, 1e-5,
-                                       factor, qk_eps, HQ, HKV, 64, 4, norm=norm)
+                                       factor, qk_eps, HQ, HKV, 64, bits, norm=norm)
             out += [y, ys, p] + [mx.take_along_axis(a, positions.reshape(3, 1, 1, 1), axis=2)
                                  for c in kv for a in c]
     return out

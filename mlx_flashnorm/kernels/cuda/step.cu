@@ -26,7 +26,7 @@
   float* xin = pres + K;     // XMAX: the running matvec's input row
   float* xsum = xin + XMAX;  // XMAX / CW: its chunk sums
   __shared__ float red[NW];
-  __shared__ const void* tab[14 * NL];
+  __shared__ const void* tab[NA * NL];
   __shared__ float qsh[GQ][D], sm[NW][GQ], sl[NW][GQ], sacc[NW][GQ][D];
   // the layers' arrays: one pointer table per block
   {{TABLE}}
@@ -41,7 +41,7 @@
     if (S < 1) S = 1;
     const int chunk = (n + S - 1) / S;
     // 1. p = x * xs + r, s = 1/RSSe(p), the q/k/v rows of p * g (flash; rms: of RMSNorm(p),
-    // rounded to T; none: of p, rounded to T)
+    // rounded to T; none: of p, rounded to T), their bias added where they have one
     float ss = 0.0f;
     for (int i = threadIdx.x; i < K; i += blockDim.x) {
       const float t = l == 0 ? fn_f(x[i]) : fn_f(__ldcg(y + i)) * xs + pres[i];
@@ -51,7 +51,8 @@
       if (NORM != 1) fn_put(xin, i, has_g ? tp * g1[i] : tp, NCK, PER);
     }
     const float sum = fn_block_sum(ss, red);
-    const float s = NORM == 0 ? rsqrtf(sum + K * eps) : 1.0f;
+    const float s1 = NORM == 0 ? rsqrtf(sum + K * eps) : 1.0f;
+    const float s = qkv_bias ? 1.0f : s1;  // attention's: 1 where the rows took s1 (fn_qkv_out)
     const float P = prescale ? __int_as_float(__float_as_int(s) & 0x7f800000) : 1.0f;
     if (NORM == 1) {  // the values this thread wrote into pres
       const float r = rsqrtf(sum / K + eps);
@@ -61,7 +62,7 @@
     fn_chunk_sums(xin, xsum, NCK, CW);
     for (int row = gwarp; row < NQKV; row += TW) {
       const float a = fn_qrow<T, BITS>(wqkv, sqkv, bqkv, row, NCK, K / GS, GS, xin, xsum, lane);
-      if (lane == 0) raw[row] = NORM == 0 ? a : fn_f(fn_cast<T>(a));
+      if (lane == 0) raw[row] = fn_qkv_out<T, BITS>(a, cqkv, row, NORM, s1);
     }
     fn_grid_sync(bar, target += NB);
     // 2. RoPE, the cache write and attention: block (kv head, split of the positions)

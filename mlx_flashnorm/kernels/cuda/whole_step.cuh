@@ -2,11 +2,13 @@
 // (decode_rows, a batch) both take, in three pieces (build.pieces; step.compose composes them):
 //   device  the device functions both kernels' headers hold: the grid barrier (fn_grid_sync,
 //           fn_grid_exit), an attention head's splits merged (fn_merged), the one-row
-//           matvec's input row (fn_put, fn_chunk_sums), block sum (fn_block_sum) and packed row
-//           (fn_qrow), and RMSNorm's value and SwiGLU as the rms mode's layers round them
-//           (fn_normed, fn_sigmoid, fn_swiglu)
-//   layer   layer l's arrays read from the block's pointer table, and its sizes (query and kv
-//           heads, FFN width: HQ, HKV, I, KO, NQKV) from the layer table `lt` (step.layer_table)
+//           matvec's input row (fn_put, fn_chunk_sums), block sum (fn_block_sum) and matrix row
+//           (fn_qrow: packed, or full precision), RMSNorm's value and SwiGLU as the rms mode's
+//           layers round them (fn_normed, fn_sigmoid, fn_swiglu), and a q/k/v output with its
+//           bias (fn_qkv_out)
+//   layer   layer l's arrays read from the block's pointer table (NA a layer: step.table), and
+//           its sizes (query and kv heads, FFN width: HQ, HKV, I, KO, NQKV) from the layer table
+//           `lt` (LT a layer: step.layer_table)
 //           (the bodies' {{LAYER}} line); HQM, HKVM and IM (the sizes table) are the widest
 //           layer's, which size the work buffer
 //   attend  phase 2 of one (row, kv head, split of the positions), the bodies' {{ATTEND}} line:
@@ -21,6 +23,10 @@
 // gate/up outputs in T, QK-norm on them, the softmax scale (factor) on the rounded q, SwiGLU's
 // sigmoid in T as MLX computes it: fn_swiglu), 2 none (no norm: the residual add alone). In rms
 // and none s and P are 1.
+// The matrices are BITS-bit affine quantized (4 or 8: words of packed values, scales and biases
+// per group) or full precision (BITS 16 or 32, those of T: rows of T, no scales or biases). Where
+// q/k/v have a bias (qkv_bias, Qwen 2's) phase 1 adds it as the model's linears do (fn_qkv_out):
+// in flash after the deferred scale, so that attention's s and P are 1 then as well.
 // @piece device
 __device__ inline void fn_grid_sync(unsigned int* bar, unsigned int target) {
   // every block of the grid arrives before any leaves (all blocks are resident: one per SM);
@@ -120,10 +126,21 @@ template <typename T, int BITS>
 __device__ inline float fn_qrow(const unsigned int* w, const T* sc, const T* bi, long row, int nc,
                                 int gpr, int gs, const float* xin, const float* xsum, int lane) {
   // one row of an affine BITS-bit matrix (nc 16-byte chunks, gpr groups of gs values) times the
-  // shared input row: a group adds scale * (q . x) + bias * sum(x); lanes take the chunks in turn
-  constexpr int PER = 32 / BITS, MASK = (1 << BITS) - 1;
+  // shared input row: a group adds scale * (q . x) + bias * sum(x); lanes take the chunks in turn.
+  // Full precision (BITS those of T): a chunk is 16 / sizeof(T) values of T, no groups
+  constexpr int PER = 32 / BITS, MASK = BITS < 32 ? (1 << BITS) - 1 : -1;
   const uint4* wr = reinterpret_cast<const uint4*>(w) + row * nc;
   float a = 0.0f;
+  if constexpr (BITS >= 16) {
+    static_assert(BITS == 8 * sizeof(T), "full-precision weights are of T");
+    for (int c = lane; c < nc; c += 32) {
+      float v[4 * PER];
+      fn_unpack<T, 4 * PER>(__ldg(wr + c), v);
+      #pragma unroll
+      for (int e = 0; e < 4 * PER; ++e) a += v[e] * xin[e * nc + c];
+    }
+    return fn_warp_sum(a);
+  }
   for (int c = lane; c < nc; c += 32) {
     const uint4 q = __ldg(wr + c);
     const unsigned int qs[4] = {q.x, q.y, q.z, q.w};
@@ -139,18 +156,31 @@ __device__ inline float fn_qrow(const unsigned int* w, const T* sc, const T* bi,
   }
   return fn_warp_sum(a);
 }
+template <typename T, int BITS>
+__device__ inline float fn_qkv_out(float a, const T* c, int o, int norm, float s) {
+  // q/k/v output o (a, as summed) as phase 2 reads it: without a bias (c null), a (flash, its
+  // scale s deferred to attention) or a in T; with its linear's bias c[o] as the model's layers
+  // add it, the sum in T: flash, to a in T times s in T (DeferredLinear: the scale before the
+  // bias); rms and none, to a in T (nn.QuantizedLinear), or to a (full precision: nn.Linear's
+  // addmm rounds once)
+  if (!c) return norm == 0 ? a : fn_f(fn_cast<T>(a));
+  const float b = fn_f(c[o]), r = fn_f(fn_cast<T>(a));
+  if (norm == 0) return fn_f(fn_cast<T>(fn_f(fn_cast<T>(r * s)) + b));
+  return fn_f(fn_cast<T>((BITS >= 16 ? a : r) + b));
+}
 // @piece layer
-    const unsigned int* wqkv = (const unsigned int*)tab[14 * l];
-    const T* sqkv = (const T*)tab[14 * l + 1]; const T* bqkv = (const T*)tab[14 * l + 2];
-    const unsigned int* wo = (const unsigned int*)tab[14 * l + 3];
-    const T* so = (const T*)tab[14 * l + 4]; const T* bo = (const T*)tab[14 * l + 5];
-    const unsigned int* wgu = (const unsigned int*)tab[14 * l + 6];
-    const T* sgu = (const T*)tab[14 * l + 7]; const T* bgu = (const T*)tab[14 * l + 8];
-    const unsigned int* wd = (const unsigned int*)tab[14 * l + 9];
-    const T* sd = (const T*)tab[14 * l + 10]; const T* bd = (const T*)tab[14 * l + 11];
-    T* kc = (T*)tab[14 * l + 12];
-    T* vc = (T*)tab[14 * l + 13];
-    const int HQ = lt[15 * l + 12], HKV = lt[15 * l + 13], I = lt[15 * l + 14];
+    const unsigned int* wqkv = (const unsigned int*)tab[NA * l];
+    const T* sqkv = (const T*)tab[NA * l + 1]; const T* bqkv = (const T*)tab[NA * l + 2];
+    const unsigned int* wo = (const unsigned int*)tab[NA * l + 3];
+    const T* so = (const T*)tab[NA * l + 4]; const T* bo = (const T*)tab[NA * l + 5];
+    const unsigned int* wgu = (const unsigned int*)tab[NA * l + 6];
+    const T* sgu = (const T*)tab[NA * l + 7]; const T* bgu = (const T*)tab[NA * l + 8];
+    const unsigned int* wd = (const unsigned int*)tab[NA * l + 9];
+    const T* sd = (const T*)tab[NA * l + 10]; const T* bd = (const T*)tab[NA * l + 11];
+    const T* cqkv = qkv_bias ? (const T*)tab[NA * l + 12] : nullptr;  // q/k/v's bias (Qwen 2)
+    T* kc = (T*)tab[NA * l + 13];
+    T* vc = (T*)tab[NA * l + 14];
+    const int HQ = lt[LT * l + 13], HKV = lt[LT * l + 14], I = lt[LT * l + 15];
     const int KO = HQ * D, NQKV = (HQ + 2 * HKV) * D;
     const float* g1 = gains + long(l) * 2 * K;
     const float* g2 = g1 + K;
