@@ -52,7 +52,8 @@ def test_the_timed_launch_is_decode_rows_launch_with_room_for_the_stamps(monkeyp
     kernel = rows_phases.stamped_kernel(rows, L, "test")
     phases, total, plan = rows_phases.phase_times(rows, kernel, spec, B, 9, reps=2, capacity=C)
     template, work, shared = rows.launch_plan(B, K, I, D, HQ, HKV, L)
-    assert len(calls) == 3 and all(len(c["inputs"]) == 7 + 12 + 2 * L for c in calls)  # untimed, then reps
+    assert len(calls) == 3 and all(len(c["inputs"]) == 7 + len(step.STACKED) + 2 * L
+                               for c in calls)  # untimed, then reps
     assert calls[0]["output_shapes"][3] == (work + 2 * (2 + 6 * L),) and calls[0]["shared_memory"] == shared
     assert plan == dict(template) == {"G": 8, "GD": 8, "GU": 8, "IC": I, "NW": rows.WARPS}
     assert f"constexpr int WORK_ = {work};" in files[0] and files[0].count("ti_++") == 2 + 5 + 1

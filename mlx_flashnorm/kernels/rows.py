@@ -4,7 +4,8 @@ server's step, batch_cache.RowsKVCache), in one persistent CUDA launch of NW war
 The one-row kernel's phases (step.py) with every matvec on the tensor cores: a block takes a tile of
 16 weight rows, its warps split the input into spans of 32 values (mma m16n8k8 in tf32, G input rows
 at once), and their partial sums are added in a fixed order. A packed 4- or 8-bit value is exact in
-tf32 and each input is split into two tf32 parts, so a product keeps 21 bits or more; the sum's
+tf32, and so is a full-precision float16 or bfloat16 weight (a float32 one is split as an input
+is), and each input is split into two tf32 parts, so a product keeps 21 bits or more; the sum's
 order is the mma's, not the one-row kernel's (the batched step's tokens are the one-request tokens
 where no two logits are within float32 rounding: the GPU tests check it). A row's output does not
 depend on the other rows (each mma column is its own row), so a request decodes alike at any batch

@@ -310,7 +310,7 @@ def stacked(layers):
 def layer_views(stack, arrays):
     """Each layer's array of one kind as a view of its input (stacked): row l of a stack, else its
     span of the flat array, in the shape of `arrays` (the layers' own)."""
-    if stack.ndim == 3:
+    if stack.ndim == arrays[0].ndim + 1:
         return [stack[l] for l in range(len(arrays))]
     views, at = [], 0
     for a in arrays:
@@ -465,7 +465,7 @@ def _random_stack(L, K, HQ, HKV, D, I, C, pos, seed, bits=4, bias=False):
     filled up to pos."""
     def matrix(rows, cols, s):
         w = rand((rows, cols), s, scale=0.05)
-        return (w, None, None) if bits is None else mx.quantize(w, 64, bits)
+        return (w, None, None) if bits is None else tuple(mx.quantize(w, 64, bits))
 
     layers = [(matrix((HQ + 2 * HKV) * D, K, seed + 10 * l), matrix(K, HQ * D, seed + 10 * l + 1),
                matrix(2 * I, K, seed + 10 * l + 2), matrix(K, I, seed + 10 * l + 3))

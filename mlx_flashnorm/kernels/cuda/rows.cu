@@ -129,11 +129,14 @@ __device__ inline unsigned int fn_q_tf32(const unsigned int* q, int e) {
   // value e (0..7) of a thread's words, as a tf32 operand: a packed value (an exact float: 0 ..
   // 2^BITS - 1), a weight of T (BITS 16: float16 and bfloat16 values are exact in tf32), or a
   // float32 weight's high part (BITS 32: fn_tf32_lo is the rest)
-  if constexpr (BITS == 32) return q[e] & 0xffffe000u;
-  if constexpr (BITS == 16)
+  if constexpr (BITS == 32) {
+    return q[e] & 0xffffe000u;
+  } else if constexpr (BITS == 16) {
     return __float_as_uint(fn_from_bits<T>((q[e / 2] >> (16 * (e % 2))) & 0xffffu));
-  const unsigned int v = BITS == 4 ? (q[0] >> (4 * e)) & 15u : (q[e / 4] >> (8 * (e % 4))) & 255u;
-  return __float_as_uint(__uint_as_float(0x4b000000u | v) - 8388608.0f);
+  } else {
+    const unsigned int v = BITS == 4 ? (q[0] >> (4 * e)) & 15u : (q[e / 4] >> (8 * (e % 4))) & 255u;
+    return __float_as_uint(__uint_as_float(0x4b000000u | v) - 8388608.0f);
+  }
 }
 __device__ inline unsigned int fn_tf32_lo(unsigned int w) {
   // a float32's bits less its tf32 high part (fn_q_tf32), as a tf32 operand
@@ -171,15 +174,15 @@ __device__ inline fn_span<T, BITS> fn_span_at(const unsigned int* w, const T* sc
       f.q0[u] = a.x; f.q0[u + 1] = a.y; f.q0[u + 2] = a.z; f.q0[u + 3] = a.w;
       f.q1[u] = b.x; f.q1[u + 1] = b.y; f.q1[u + 2] = b.z; f.q1[u + 3] = b.w;
     }
-    return f;
+  } else {
+    #pragma unroll
+    for (int u = 0; u < WORDS; ++u) {
+      f.q0[u] = __ldg(w + (r0 * nrow + sp) * BITS + WORDS * tig + u);
+      f.q1[u] = __ldg(w + (r1 * nrow + sp) * BITS + WORDS * tig + u);
+    }
+    f.s0 = __ldg(sc + r0 * gpr + g); f.s1 = __ldg(sc + r1 * gpr + g);
+    f.c0 = __ldg(bi + r0 * gpr + g); f.c1 = __ldg(bi + r1 * gpr + g);
   }
-  #pragma unroll
-  for (int u = 0; u < WORDS; ++u) {
-    f.q0[u] = __ldg(w + (r0 * nrow + sp) * BITS + WORDS * tig + u);
-    f.q1[u] = __ldg(w + (r1 * nrow + sp) * BITS + WORDS * tig + u);
-  }
-  f.s0 = __ldg(sc + r0 * gpr + g); f.s1 = __ldg(sc + r1 * gpr + g);
-  f.c0 = __ldg(bi + r0 * gpr + g); f.c1 = __ldg(bi + r1 * gpr + g);
   return f;
 }
 __device__ inline int fn_tile_warp(int rot) {

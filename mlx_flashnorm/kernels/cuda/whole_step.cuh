@@ -128,7 +128,7 @@ __device__ inline float fn_qrow(const unsigned int* w, const T* sc, const T* bi,
   // one row of an affine BITS-bit matrix (nc 16-byte chunks, gpr groups of gs values) times the
   // shared input row: a group adds scale * (q . x) + bias * sum(x); lanes take the chunks in turn.
   // Full precision (BITS those of T): a chunk is 16 / sizeof(T) values of T, no groups
-  constexpr int PER = 32 / BITS, MASK = BITS < 32 ? (1 << BITS) - 1 : -1;
+  constexpr int PER = 32 / BITS;
   const uint4* wr = reinterpret_cast<const uint4*>(w) + row * nc;
   float a = 0.0f;
   if constexpr (BITS >= 16) {
@@ -139,20 +139,21 @@ __device__ inline float fn_qrow(const unsigned int* w, const T* sc, const T* bi,
       #pragma unroll
       for (int e = 0; e < 4 * PER; ++e) a += v[e] * xin[e * nc + c];
     }
-    return fn_warp_sum(a);
-  }
-  for (int c = lane; c < nc; c += 32) {
-    const uint4 q = __ldg(wr + c);
-    const unsigned int qs[4] = {q.x, q.y, q.z, q.w};
-    float d = 0.0f;
-    #pragma unroll
-    for (int u = 0; u < 4; ++u) {
+  } else {
+    constexpr int MASK = (1 << BITS) - 1;
+    for (int c = lane; c < nc; c += 32) {
+      const uint4 q = __ldg(wr + c);
+      const unsigned int qs[4] = {q.x, q.y, q.z, q.w};
+      float d = 0.0f;
       #pragma unroll
-      for (int j = 0; j < PER; ++j)
-        d += float((qs[u] >> (BITS * j)) & MASK) * xin[(u * PER + j) * nc + c];
+      for (int u = 0; u < 4; ++u) {
+        #pragma unroll
+        for (int j = 0; j < PER; ++j)
+          d += float((qs[u] >> (BITS * j)) & MASK) * xin[(u * PER + j) * nc + c];
+      }
+      const long g = row * gpr + c * 4 * PER / gs;
+      a += fn_f(sc[g]) * d + fn_f(bi[g]) * xsum[c];
     }
-    const long g = row * gpr + c * 4 * PER / gs;
-    a += fn_f(sc[g]) * d + fn_f(bi[g]) * xsum[c];
   }
   return fn_warp_sum(a);
 }
