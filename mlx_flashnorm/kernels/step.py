@@ -373,10 +373,11 @@ def _reference(x, offset, layers, caches, gains, qk_gains, theta, eps, factor, q
     rounds), over the whole cache with a mask, so that an array position (a compiled step) works:
     the fallback and the self-check's yardstick. norm: the mode (NORMS); rms and none round as the
     model's own layers do (each linear's output, RMSNorm's, RoPE's and SwiGLU's steps, its
-    sigmoid's too, in T). q/k/v's bias is added as the model's linears add it: flash, to the
-    output in T times the deferred scale in T (DeferredLinear), rms and none, to the output in T
-    (nn.QuantizedLinear) or to the exact output (full precision: nn.Linear's addmm rounds once),
-    the sum rounded to T."""
+    sigmoid's too, in T); flash keeps its 4- and 8-bit matvecs' outputs in float32, as Sec. 5's
+    fused kernels do, and rounds full-precision ones to T, as its (unfused) linears do. q/k/v's
+    bias is added as the model's linears add it: flash, to the output in T times the deferred
+    scale in T (DeferredLinear), rms and none, to the output in T (nn.QuantizedLinear) or to the
+    exact output (full precision: nn.Linear's addmm rounds once), the sum rounded to T."""
     f32, T = mx.float32, x.dtype
     K, D = x.shape[-1], theta.shape[0] * 2
     per = layer_sizes(layers, n_heads, n_kv_heads)
@@ -385,6 +386,9 @@ def _reference(x, offset, layers, caches, gains, qk_gains, theta, eps, factor, q
     pow2 = ((lambda v: mx.power(2.0, mx.floor(mx.log2(v)))) if T != f32
             else (lambda v: mx.array(1.0)))
     rnd = lambda v: v.astype(T).astype(f32)
+    # a matvec's output as the model's linear leaves it: in T, but for flash's 4- and 8-bit ones,
+    # kept in float32 as Sec. 5's fused kernels keep it (no fused kernel takes full precision)
+    out_of = (lambda v: v) if flash and not full else rnd
 
     def normed(v, w, e):  # RMSNorm as mx.fast.rms_norm rounds it
         return rnd(rnd(v * mx.rsqrt((v * v).mean(-1, keepdims=True) + e)) * w)
@@ -412,7 +416,7 @@ def _reference(x, offset, layers, caches, gains, qk_gains, theta, eps, factor, q
             c = c.astype(f32)
             raw = rnd(rnd(rnd(raw) * s) + c) if flash else rnd((raw if full else rnd(raw)) + c)
             s = one
-        raw = (raw if flash or c is not None else rnd(raw)).reshape(-1, D)
+        raw = (raw if c is not None else out_of(raw)).reshape(-1, D)
         P = pow2(s)
         q, k, v = raw[:HQ], raw[HQ:HQ + HKV], raw[HQ + HKV:]
         gq = gk = mx.ones((2, D))
@@ -444,14 +448,13 @@ def _reference(x, offset, layers, caches, gains, qk_gains, theta, eps, factor, q
         scores = mx.where(mx.arange(kc.shape[2]) <= pos, scores, -mx.inf)
         att = rnd((mx.softmax(scores, axis=-1) @ vc[0].astype(f32)).reshape(-1))
         p = rnd(rnd(_matvec(att, o, group_size, bits)) + p)
-        gate, up = mx.split(_matvec(pre(p, 1), gu, group_size, bits), 2)
+        gate, up = map(out_of, mx.split(_matvec(pre(p, 1), gu, group_size, bits), 2))
         if flash:
             s2 = mx.rsqrt((p * p).sum() + K * eps)
             P2 = pow2(s2)
             a = rnd(gate * s2 * mx.sigmoid(gate * s2) * up * P2)
             xs = s2 / P2
         else:
-            gate, up = rnd(gate), rnd(up)
             a = rnd(rnd(gate * sigmoid(gate)) * up)
             xs = one
         h = rnd(_matvec(a, down, group_size, bits))

@@ -108,9 +108,9 @@
       const float a0 = fn_qrow<T, BITS>(wgu, sgu, bgu, i, NCK, K / GS, GS, xin, xsum, lane);
       const float a1 = fn_qrow<T, BITS>(wgu, sgu, bgu, I + i, NCK, K / GS, GS, xin, xsum, lane);
       if (lane == 0) {
-        const float gt = a0 * s2;
-        abuf[i] = NORM == 0 ? fn_f(fn_cast<T>(gt / (1.0f + expf(-gt)) * a1 * P2))
-                            : fn_swiglu<T>(a0, a1);
+        const float g = fn_out<T, BITS>(a0, NORM), u = fn_out<T, BITS>(a1, NORM), gt = g * s2;
+        abuf[i] = NORM == 0 ? fn_f(fn_cast<T>(gt / (1.0f + expf(-gt)) * u * P2))
+                            : fn_swiglu<T>(g, u);
       }
     }
     xs = s2 / P2;

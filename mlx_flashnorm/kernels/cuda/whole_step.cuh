@@ -26,7 +26,8 @@
 // The matrices are BITS-bit affine quantized (4 or 8: words of packed values, scales and biases
 // per group) or full precision (BITS 16 or 32, those of T: rows of T, no scales or biases). Where
 // q/k/v have a bias (qkv_bias, Qwen 2's) phase 1 adds it as the model's linears do (fn_qkv_out):
-// in flash after the deferred scale, so that attention's s and P are 1 then as well.
+// in flash after the deferred scale, so that attention's s and P are 1 then as well. The q/k/v and
+// gate/up outputs are rounded to T as the model's linears round them (fn_out).
 // @piece device
 __device__ inline void fn_grid_sync(unsigned int* bar, unsigned int target) {
   // every block of the grid arrives before any leaves (all blocks are resident: one per SM);
@@ -158,13 +159,19 @@ __device__ inline float fn_qrow(const unsigned int* w, const T* sc, const T* bi,
   return fn_warp_sum(a);
 }
 template <typename T, int BITS>
+__device__ inline float fn_out(float a, int norm) {
+  // a matvec's output a as the model's linear leaves it: in T, but for flash's 4- and 8-bit
+  // matvecs, which keep it (its scale deferred) as Sec. 5's fused kernels do (norm_qkv_rope,
+  // gate_up); no fused kernel takes a full-precision linear
+  return norm == 0 && BITS < 16 ? a : fn_f(fn_cast<T>(a));
+}
+template <typename T, int BITS>
 __device__ inline float fn_qkv_out(float a, const T* c, int o, int norm, float s) {
-  // q/k/v output o (a, as summed) as phase 2 reads it: without a bias (c null), a (flash, its
-  // scale s deferred to attention) or a in T; with its linear's bias c[o] as the model's layers
-  // add it, the sum in T: flash, to a in T times s in T (DeferredLinear: the scale before the
-  // bias); rms and none, to a in T (nn.QuantizedLinear), or to a (full precision: nn.Linear's
-  // addmm rounds once)
-  if (!c) return norm == 0 ? a : fn_f(fn_cast<T>(a));
+  // q/k/v output o (a, as summed) as phase 2 reads it: without a bias (c null), fn_out's; with
+  // its linear's bias c[o] as the model's layers add it, the sum in T: flash, to a in T times s in
+  // T (DeferredLinear: the scale before the bias); rms and none, to a in T
+  // (nn.QuantizedLinear), or to a (full precision: nn.Linear's addmm rounds once)
+  if (!c) return fn_out<T, BITS>(a, norm);
   const float b = fn_f(c[o]), r = fn_f(fn_cast<T>(a));
   if (norm == 0) return fn_f(fn_cast<T>(fn_f(fn_cast<T>(r * s)) + b));
   return fn_f(fn_cast<T>((BITS >= 16 ? a : r) + b));
