@@ -148,7 +148,8 @@ def test_cuda_source_compiles(tmp_path):
                 (mx.float16, 4, 64, 8), (mx.bfloat16, 8, 128, 16)]
     for i, (T, bits, D, G) in enumerate(variants):
         types = [(T, 3), (mx.int32, 1), (mx.int32, 1), (mx.float32, 1), (mx.float32, 3), (mx.float32, 4),
-                 (mx.uint32, 1)] + [(mx.uint32, 3), (T, 3), (T, 3)] * 4 + [(T, 2)] + [(T, 4)] * 2 * L  # stacked
+                 (mx.uint32, 1)] + [(mx.uint32, 3), (T, 3), (T, 3)] * 4 + [(T, 2)]  # stacked
+        types += [(T, 4)] * 2 * L  # caches
         body, header = (step if G is None else rows).source(L)
         template = [("T", T), ("BITS", bits), ("D", D), ("GQ", 4), ("NL", L), ("SMAX", step.SMAX)]
         if G == 16:  # with the rows_phases probe's clock stamps (the same kernel, timed)
@@ -252,7 +253,8 @@ def random_stack(form, dtype, L, K, HQ, HKV, D, I, C, pos, seed):
     cast = lambda a: a if a is None or a.dtype == mx.uint32 else a.astype(dtype)
     layers = [tuple(tuple(map(cast, m)) if isinstance(m, tuple) else cast(m) for m in mats)
               for mats in layers]
-    return layers, [tuple(a.astype(dtype) for a in c) for c in caches], 8 * dtype.size if full else 4
+    caches = [tuple(a.astype(dtype) for a in c) for c in caches]
+    return layers, caches, 8 * dtype.size if full else 4
 
 
 @pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")
@@ -298,7 +300,8 @@ def test_rows_kernel_matches_reference(monkeypatch, dtype, tol, B, chunked, form
 
     L, K, HQ, HKV, D, I, C = 2, 256, 4, 2, 64, 384, 1024
     layers, caches, bits = random_stack(form, dtype, L, K, HQ, HKV, D, I, C, 700, 70)
-    caches = [tuple(mx.concatenate([a, a[:, :, ::-1], a] * (B // 3 + 1))[:B] for a in c) for c in caches]
+    caches = [tuple(mx.concatenate([a, a[:, :, ::-1], a] * (B // 3 + 1))[:B] for a in c)
+              for c in caches]
     positions = mx.array([(700, 30, 250)[b % 3] - b // 3 for b in range(B)], mx.int32)
     theta = mx.exp(-mx.arange(D // 2, dtype=mx.float32) * 0.3)
     x = build.rand((B, 1, K), 71).astype(dtype)
@@ -464,7 +467,7 @@ def test_kernel_on_real_weights(monkeypatch, dtype, norm, bits):
         m.setattr(forms, "DISABLED", forms.DISABLED | {"decode_layers"})
         model._compiled_decode = None
         want_tokens, want = decode()
-    if norm == "flash" and bits is None:  # full precision: as in test_kernel_decodes_like_the_blocks
+    if norm == "flash" and bits is None:  # bits 0: as test_kernel_decodes_like_the_blocks says
         assert tokens == want_tokens
     else:  # the model's own layers: equal up to a tie (agree_or_tie)
         agree_or_tie(tokens, got, want_tokens, want)
@@ -751,6 +754,17 @@ def test_blocks_without_concatenated_linears_keep_their_loop(norm):
     assert stack.stack_weights(model) is model and "_stacks" not in vars(model.layers[0])
 
 
+def test_stacks_only_what_the_layer_table_holds(monkeypatch):
+    """stack_weights leaves blocks that the kernels' layer table does not hold (kernels.table_fits:
+    here more than MAX_LAYERS layers) as they are, unstacked: a copy of a kind at load for
+    nothing; the same blocks within it are stacked."""
+    model = quantized_model("llama")
+    monkeypatch.setattr(step, "MAX_LAYERS", len(model.layers) - 1)
+    assert stack.stack_weights(model) is model and "_stacks" not in vars(model.layers[0])
+    monkeypatch.setattr(step, "MAX_LAYERS", len(model.layers))
+    assert stack.stack_weights(model) is model and "_stacks" in vars(model.layers[0])
+
+
 def test_launches_take_each_layers_sizes(monkeypatch):
     """OpenELM's layer-wise scaling (here with q/k/v biases, whose kind is flattened as well)
     through both launches (stubbed as in test_launches_pass_every_array): each kind's arrays of
@@ -774,7 +788,8 @@ def test_launches_take_each_layers_sizes(monkeypatch):
     K, D, C, HQ, HKV, I = 256, 64, 64, [4, 8, 4], [1, 2, 1], [128, 384, 256]
     layers, caches = [], []
     for l in range(3):
-        m, c, _ = random_stack("q4-bias", mx.float16, 1, K, HQ[l], HKV[l], D, I[l], C, 9, 90 + 10 * l)
+        m, c, _ = random_stack("q4-bias", mx.float16, 1, K, HQ[l], HKV[l], D, I[l], C, 9,
+                               90 + 10 * l)
         layers.append(m[0])
         caches.append(c[0])
     theta = mx.zeros((D // 2,))

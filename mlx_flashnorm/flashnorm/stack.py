@@ -88,10 +88,12 @@ def stack_weights(model):
     down_proj's; qkv's bias: KINDS) one array over the layers (kernels.stacked), each block's array
     a view of it (kernels.layer_views: no copy is kept), where decode_layers takes these blocks: a
     launch then takes one input a kind, not one a kind and layer (its host work grows with its
-    inputs). The same values: every other path reads the views as it read the arrays."""
+    inputs). The same values: every other path reads the views as it read the arrays. Blocks the
+    kernels' layer table does not hold (kernels.table_fits) are left as they are: stacking would
+    only cost a kind's copy of memory at load."""
     layers = getattr(model, "layers", None)
     spec = _spec(layers) if layers and isinstance(layers[0], nn.Module) else None
-    if spec is None:
+    if spec is None or not kernels.table_fits(spec["layers"]):
         return model
     names = block(layers[0])
     arrays, rows = kernels.stacked(spec["layers"]), []

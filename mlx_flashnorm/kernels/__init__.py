@@ -25,7 +25,7 @@ from .cpu import QuantizedEmbedding, QuantizedLinear, quantized_matmul, through_
 from .matvec import KMAX, fused_supported, gate_up, gated, norm_qkv_rope
 from .rope import rope_after_qkv, rope_after_qkv_supported
 from .step import (Layers, decode_layers, layer_arrays, layer_views, stacked,
-                   supported as decode_layers_supported, use_decode_layers)
+                   supported as decode_layers_supported, table_fits, use_decode_layers)
 from .rows import decode_rows
 
 __all__ = ["add_rss", "power_of_two_below", "scale_shape", "CHUNK", "SPLIT_ABOVE",
@@ -33,4 +33,5 @@ __all__ = ["add_rss", "power_of_two_below", "scale_shape", "CHUNK", "SPLIT_ABOVE
            "QuantizedEmbedding", "QuantizedLinear", "quantized_matmul", "through_quantized_matmul",
            "KMAX", "fused_supported", "gate_up", "gated", "norm_qkv_rope", "rope_after_qkv",
            "rope_after_qkv_supported", "Layers", "decode_layers", "layer_arrays", "layer_views",
-           "stacked", "decode_layers_supported", "use_decode_layers", "decode_rows"]
+           "stacked", "decode_layers_supported", "table_fits", "use_decode_layers",
+           "decode_rows"]

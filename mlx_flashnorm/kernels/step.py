@@ -30,7 +30,7 @@ from .build import HEADERS, constant, declare, fill, make_kernel, pack, pieces, 
 
 THREADS = 256  # 8 warps a block
 SMAX = 16  # attention splits per kv head, at most
-MAX_LAYERS = 36  # the pointer table's 14 a layer in static shared memory
+MAX_LAYERS = 36  # the pointer table's len(ARRAYS) a layer in static shared memory
 MAX_ROWS = 64  # rows of the batched form (rows.py), at most
 CUDA = Path(__file__).parent / "cuda"  # the kernels' CUDA: step.cu, rows.cu, whole_step.cuh
 
@@ -196,15 +196,16 @@ def supported(x, layers, caches, n_heads, n_kv_heads, group_size, bits, name="de
     group_size) or every one full precision (bits those of x's dtype: weights of that dtype, no
     scales or biases; group_size unused), of its own sizes (layer_sizes: heads and FFN width per
     layer; the query heads per kv head alike), qkv_proj's bias (of x's dtype) on every layer or on
-    none, each kind's arrays within int32 offsets, sizes in whole 16-byte chunks and groups
-    (decode_rows: spans of 32 values, tensor cores with tf32), head size 64 or 128, at most 8 query
-    heads per kv head; decode_layers' shared memory within what the GPU gives a block
-    (shared_limit; decode_rows fits its passes to it: rows.launch_plan)."""
+    none, at most MAX_LAYERS layers, each kind's arrays within int32 offsets (table_fits), sizes
+    in whole 16-byte chunks and groups (decode_rows: spans of 32 values, tensor cores with tf32),
+    head size 64 or 128, at most 8 query heads per kv head; decode_layers' shared memory within
+    what the GPU gives a block (shared_limit; decode_rows fits its passes to it:
+    rows.launch_plan)."""
     B, full = x.shape[0], bits == 8 * x.dtype.size
     if not (use_decode_layers(name) and x.ndim == 3 and x.shape[1] == 1
             and (B == 1 if name == "decode_layers" else B <= MAX_ROWS)
             and x.dtype in (mx.float16, mx.bfloat16, mx.float32) and (bits in (4, 8) or full)
-            and 0 < len(layers) <= MAX_LAYERS and all(len(m) in (4, 5) for m in layers)):
+            and layers and all(len(m) in (4, 5) for m in layers)):
         return False
     K, D = x.shape[-1], caches[0][0].shape[-1]
     per = layer_sizes(layers, n_heads, n_kv_heads)
@@ -239,9 +240,14 @@ def supported(x, layers, caches, n_heads, n_kv_heads, group_size, bits, name="de
         if (k.dtype != x.dtype or v.dtype != x.dtype or k.shape != v.shape
                 or k.shape[:2] != (B, hkv)):
             return False
-    # each kind's arrays together within the int32 offsets of the layer table
-    return all(sum(a.size for a in kind if a is not None) < 2**31
-               for kind in zip(*map(layer_arrays, layers)))
+    return table_fits(layers)
+
+
+def table_fits(layers):
+    """Whether the layer table holds these layers: at most MAX_LAYERS, each kind's arrays together
+    within its int32 offsets (a full-precision model of billions of parameters is not)."""
+    return len(layers) <= MAX_LAYERS and all(sum(a.size for a in kind if a is not None) < 2**31
+                                             for kind in zip(*map(layer_arrays, layers)))
 
 
 def decode_layers(x, offset, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads,
