@@ -392,9 +392,10 @@ def _reference(x, offset, layers, caches, gains, qk_gains, theta, eps, factor, q
     pow2 = ((lambda v: mx.power(2.0, mx.floor(mx.log2(v)))) if T != f32
             else (lambda v: mx.array(1.0)))
     rnd = lambda v: v.astype(T).astype(f32)
-    # a matvec's output as the model's linear leaves it: in T, but for flash's 4- and 8-bit ones,
-    # kept in float32 as Sec. 5's fused kernels keep it (no fused kernel takes full precision)
-    out_of = (lambda v: v) if flash and not full else rnd
+    # a matvec's output as the model's linear leaves it: in T (flash: as its input took the power
+    # of two P of its 1/RSSe, add_rss), but for flash's 4- and 8-bit ones, kept in float32 as
+    # Sec. 5's fused kernels keep it (no fused kernel takes full precision)
+    out_of = (lambda v, P: v) if flash and not full else (lambda v, P: rnd(v * P) / P)
 
     def normed(v, w, e):  # RMSNorm as mx.fast.rms_norm rounds it
         return rnd(rnd(v * mx.rsqrt((v * v).mean(-1, keepdims=True) + e)) * w)
@@ -417,13 +418,16 @@ def _reference(x, offset, layers, caches, gains, qk_gains, theta, eps, factor, q
         GQ = HQ // HKV
         p = rnd(h if xs is None else h * xs + p)
         s = mx.rsqrt((p * p).sum() + K * eps) if flash else one
-        raw = _matvec(pre(p, 0), qkv, group_size, bits)
-        if c is not None:  # flash: the rows take s before the bias, so attention applies it no more
-            c = c.astype(f32)
-            raw = rnd(rnd(rnd(raw) * s) + c) if flash else rnd((raw if full else rnd(raw)) + c)
-            s = one
-        raw = (raw if c is not None else out_of(raw)).reshape(-1, D)
         P = pow2(s)
+        raw = _matvec(pre(p, 0), qkv, group_size, bits)
+        if c is None:
+            raw = out_of(raw, P)
+        elif flash:  # the rows take s before the bias, so attention applies it no more
+            raw = rnd(rnd(rnd(raw * P) * (s / P)) + c.astype(f32))
+            s = P = one
+        else:
+            raw = rnd((raw if full else rnd(raw)) + c.astype(f32))
+        raw = raw.reshape(-1, D)
         q, k, v = raw[:HQ], raw[HQ:HQ + HKV], raw[HQ + HKV:]
         gq = gk = mx.ones((2, D))
         if not flash:
@@ -454,10 +458,10 @@ def _reference(x, offset, layers, caches, gains, qk_gains, theta, eps, factor, q
         scores = mx.where(mx.arange(kc.shape[2]) <= pos, scores, -mx.inf)
         att = rnd((mx.softmax(scores, axis=-1) @ vc[0].astype(f32)).reshape(-1))
         p = rnd(rnd(_matvec(att, o, group_size, bits)) + p)
-        gate, up = map(out_of, mx.split(_matvec(pre(p, 1), gu, group_size, bits), 2))
+        s2 = mx.rsqrt((p * p).sum() + K * eps) if flash else one
+        P2 = pow2(s2)
+        gate, up = (out_of(y, P2) for y in mx.split(_matvec(pre(p, 1), gu, group_size, bits), 2))
         if flash:
-            s2 = mx.rsqrt((p * p).sum() + K * eps)
-            P2 = pow2(s2)
             a = rnd(gate * s2 * mx.sigmoid(gate * s2) * up * P2)
             xs = s2 / P2
         else:

@@ -392,7 +392,8 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
                            acc, f1);
       fn_tile_store<NT>(acc, rb, rows, [&](int f, int n, float v) {
         const int o = tile * 16 + f;
-        raw[long(b0 + n) * NQKV + o] = fn_qkv_out<T, BITS>(v, cqkv, o, NORM, srow[b0 + n]);
+        raw[long(b0 + n) * NQKV + o] =
+            fn_qkv_out<T, BITS>(v, cqkv, o, NORM, srow[b0 + n], prow[b0 + n]);
       });
     }
     fn_grid_sync(bar, target += NB);
@@ -480,8 +481,8 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
       fn_tile<T, BITS, NTU>(wgu, sgu, bgu, I + tile * 16, K / 32, 0, K / 32, K / GS, GS, xin, XS,
                             acc, f2, NW / 2);
       fn_tile_store<NTU>(acc, rb, rows, [&](int f, int n, float v) {
-        const float up = fn_out<T, BITS>(v, NORM);
-        const float gt = fn_out<T, BITS>(fn_tile_get<NTU>(rb2, f, n), NORM) * srow[b0 + n];
+        const float P = prow[b0 + n], up = fn_out<T, BITS>(v, NORM, P);
+        const float gt = fn_out<T, BITS>(fn_tile_get<NTU>(rb2, f, n), NORM, P) * srow[b0 + n];
         abuf[long(b0 + n) * I + tile * 16 + f] =
             NORM == 0 ? fn_cast<T>(gt / (1.0f + expf(-gt)) * up * prow[b0 + n])
                       : fn_cast<T>(fn_swiglu<T>(gt, up));

@@ -52,8 +52,9 @@
     }
     const float sum = fn_block_sum(ss, red);
     const float s1 = NORM == 0 ? rsqrtf(sum + K * eps) : 1.0f;
-    const float s = qkv_bias ? 1.0f : s1;  // attention's: 1 where the rows took s1 (fn_qkv_out)
-    const float P = prescale ? __int_as_float(__float_as_int(s) & 0x7f800000) : 1.0f;
+    const float P1 = prescale ? __int_as_float(__float_as_int(s1) & 0x7f800000) : 1.0f;
+    // attention's: 1 where the rows took s1 with their bias (fn_qkv_out)
+    const float s = qkv_bias ? 1.0f : s1, P = qkv_bias ? 1.0f : P1;
     if (NORM == 1) {  // the values this thread wrote into pres
       const float r = rsqrtf(sum / K + eps);
       for (int i = threadIdx.x; i < K; i += blockDim.x)
@@ -62,7 +63,7 @@
     fn_chunk_sums(xin, xsum, NCK, CW);
     for (int row = gwarp; row < NQKV; row += TW) {
       const float a = fn_qrow<T, BITS>(wqkv, sqkv, bqkv, row, NCK, K / GS, GS, xin, xsum, lane);
-      if (lane == 0) raw[row] = fn_qkv_out<T, BITS>(a, cqkv, row, NORM, s1);
+      if (lane == 0) raw[row] = fn_qkv_out<T, BITS>(a, cqkv, row, NORM, s1, P1);
     }
     fn_grid_sync(bar, target += NB);
     // 2. RoPE, the cache write and attention: block (kv head, split of the positions)
@@ -108,7 +109,8 @@
       const float a0 = fn_qrow<T, BITS>(wgu, sgu, bgu, i, NCK, K / GS, GS, xin, xsum, lane);
       const float a1 = fn_qrow<T, BITS>(wgu, sgu, bgu, I + i, NCK, K / GS, GS, xin, xsum, lane);
       if (lane == 0) {
-        const float g = fn_out<T, BITS>(a0, NORM), u = fn_out<T, BITS>(a1, NORM), gt = g * s2;
+        const float g = fn_out<T, BITS>(a0, NORM, P2), u = fn_out<T, BITS>(a1, NORM, P2);
+        const float gt = g * s2;
         abuf[i] = NORM == 0 ? fn_f(fn_cast<T>(gt / (1.0f + expf(-gt)) * u * P2))
                             : fn_swiglu<T>(g, u);
       }

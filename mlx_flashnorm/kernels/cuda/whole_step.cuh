@@ -159,21 +159,22 @@ __device__ inline float fn_qrow(const unsigned int* w, const T* sc, const T* bi,
   return fn_warp_sum(a);
 }
 template <typename T, int BITS>
-__device__ inline float fn_out(float a, int norm) {
-  // a matvec's output a as the model's linear leaves it: in T, but for flash's 4- and 8-bit
-  // matvecs, which keep it (its scale deferred) as Sec. 5's fused kernels do (norm_qkv_rope,
+__device__ inline float fn_out(float a, int norm, float P) {
+  // a matvec's output a as the model's linear leaves it: in T (flash: as its input took the power
+  // of two P of its 1/RSSe, add_rss, so that it stays in T's range; 1 in rms and none), but for
+  // flash's 4- and 8-bit matvecs, which keep it as Sec. 5's fused kernels do (norm_qkv_rope,
   // gate_up); no fused kernel takes a full-precision linear
-  return norm == 0 && BITS < 16 ? a : fn_f(fn_cast<T>(a));
+  return norm == 0 && BITS < 16 ? a : fn_f(fn_cast<T>(a * P)) / P;
 }
 template <typename T, int BITS>
-__device__ inline float fn_qkv_out(float a, const T* c, int o, int norm, float s) {
+__device__ inline float fn_qkv_out(float a, const T* c, int o, int norm, float s, float P) {
   // q/k/v output o (a, as summed) as phase 2 reads it: without a bias (c null), fn_out's; with
-  // its linear's bias c[o] as the model's layers add it, the sum in T: flash, to a in T times s in
-  // T (DeferredLinear: the scale before the bias); rms and none, to a in T
+  // its linear's bias c[o] as the model's layers add it, the sum in T: flash, to the output in T
+  // (a P) times s / P in T (DeferredLinear: the scale before the bias); rms and none, to a in T
   // (nn.QuantizedLinear), or to a (full precision: nn.Linear's addmm rounds once)
-  if (!c) return fn_out<T, BITS>(a, norm);
-  const float b = fn_f(c[o]), r = fn_f(fn_cast<T>(a));
-  if (norm == 0) return fn_f(fn_cast<T>(fn_f(fn_cast<T>(r * s)) + b));
+  if (!c) return fn_out<T, BITS>(a, norm, P);
+  const float b = fn_f(c[o]), r = fn_f(fn_cast<T>(a * P));
+  if (norm == 0) return fn_f(fn_cast<T>(fn_f(fn_cast<T>(r * (s / P))) + b));
   return fn_f(fn_cast<T>((BITS >= 16 ? a : r) + b));
 }
 // @piece layer
