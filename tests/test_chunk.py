@@ -17,11 +17,13 @@ from mlx_flashnorm.decoding import (cache_capacity, compiled_decode, generate_st
 from mlx_flashnorm.kernels import build, chunk, step
 from mlx_flashnorm.loader import build_model, model_args, prepare
 
-from conftest import GEMMA3, QWEN2, TINY_LLAMA, in_process, random_model, random_weights
+from conftest import GEMMA3, TINY_LLAMA, in_process, random_model, random_weights
 from test_step_kernel import CONFIGS, CUDA, NONE_SCALE, tie_bound
 
 STEPS = 4  # tokens a launch in these tests: 11 tokens are the first, then chunks of 4, 4 and 2
-MODELS = dict(CONFIGS, **{"llama-untied": dict(CONFIGS["llama"], tie_word_embeddings=False)})
+# the kernel's shapes of the models with a chunk form (Gemma 3 has none)
+MODELS = dict({n: c for n, c in CONFIGS.items() if n != "gemma3"},
+              **{"llama-untied": dict(CONFIGS["llama"], tie_word_embeddings=False)})
 
 
 def quantized(config, norm, dtype=mx.float32):
@@ -78,13 +80,13 @@ def prompt_of(model, n=40, seed=5):
 
 
 @pytest.mark.parametrize("name,norm", [("llama", "flash"), ("llama-untied", "rms"),
-                                       ("llama-untied", "none"), ("qwen3", "rms"),
-                                       ("openelm", "flash")])
+                                       ("llama-untied", "none"), ("qwen2", "flash"),
+                                       ("qwen2", "rms"), ("qwen3", "rms"), ("openelm", "flash")])
 def test_chunks_decode_like_one_step_at_a_time(launches, name, norm):
     """The reference's chunks (k eager steps of the stack's reference, the final norm, the head and
     the argmax) give the model's own greedy tokens, one step at a time (Llama's Sec. 3 and its
-    untied head, Qwen 3's and OpenELM's QK-norm, OpenELM's layers of their own sizes; flash, rms
-    and none): 11 tokens, the first from the one-token step, then launches of 4, 4 and 2 (never
+    untied head, Qwen 2's q/k/v biases, Qwen 3's and OpenELM's QK-norm, OpenELM's layers of their
+    own sizes; flash, rms and none): 11 tokens, the first from the one-token step, then launches of 4, 4 and 2 (never
     past max_tokens), no log-probabilities; the cache keeps what it was fed, as one step at a
     time keeps it."""
     model = quantized(MODELS[name], norm)
@@ -181,13 +183,27 @@ def test_bench_chunk_steps_checked(tmp_path):
 
 def test_models_without_a_chunk_form_are_refused():
     """Only the Llama family's and OpenELM's structure (embedding, blocks, final norm, head) has a
-    chunk form, with quantized blocks the whole-step kernel computes: Gemma 3 (its embeddings
-    scaled), Qwen 2's biases and full precision have none."""
+    chunk form, with quantized blocks the whole-step kernel computes (Qwen 2's q/k/v biases among
+    them): Gemma 3 (its embeddings scaled) and full precision have none, and the kernel refuses
+    full-precision blocks beside a quantized embedding and head (its shared row sized for 8-bit
+    chunk sums)."""
     assert chunked.spec(quantized(MODELS["llama"], "flash")) is not None
     assert chunked.parts(random_model(GEMMA3, "flash")) is None
-    qwen2 = quantized(dict(QWEN2, attention_bias=True), "flash")
-    assert chunked.parts(qwen2) is not None and chunked.spec(qwen2) is None
+    qwen2 = quantized(MODELS["qwen2"], "flash")
+    assert chunked.parts(qwen2) is not None and chunked.spec(qwen2) is not None
+    assert len(chunked.spec(qwen2)["layers"][0]) == 5  # q/k/v's bias
     assert chunked.spec(random_model(TINY_LLAMA, "flash")) is None
+    spec = chunked.spec(quantized(MODELS["llama"], "flash"))
+    kv = [(mx.zeros((1, 2, 64, 64)),) * 2] * len(spec["layers"])
+    dequantized = [tuple((mx.dequantize(w, s, b, 64, 4), None, None) for w, s, b in m)
+                   for m in spec["layers"]]
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(forms, "use_gpu", lambda name=None: True)
+        m.setattr(step, "gpu_backend", lambda: "cuda")
+        for layers, bits, taken in ((spec["layers"], 4, True), (dequantized, 32, False)):
+            assert step.supported(mx.zeros((1, 1, 256)), layers, kv, 4, 2, 64, bits)
+            assert chunk.supported(layers, kv, 4, 2, 64, bits, spec["embedding"], spec["head"],
+                                   spec["head_gain"], "flash", 4) == taken
 
 
 def test_disabled_by_name(monkeypatch):

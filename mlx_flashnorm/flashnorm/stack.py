@@ -1,12 +1,12 @@
 """Sec. 5 for a whole decode step: every block of a Llama-family, OpenELM or Gemma 3 stack (4/8-bit
-weights, SwiGLU; OpenELM's heads and FFN width per layer; Gemma's post-norms, GeGLU, sliding
-windows and RoPE angles per layer) in one kernel launch, kernels.decode_layers (one row) or
-kernels.decode_rows (a batch), where it runs; the model's own loop over its blocks everywhere else.
-Each norm mode on the same kernels, which differ only in the normalization: flash (FlashAttention
-or the QK-norm's FlashQKNormAttention, FlashSwiGLU, FlashGeGLU or OpenELM's FlashFusedSwiGLU,
-DeferredNorm pre-norms; Gemma's post-norms its own), rms (the model's own RMSNorms and QK-norm,
-the attention and MLP with concat.py's concatenated q/k/v and gate/up, or OpenELM's own qkv_proj
-and proj_1), none (remove_norms' NoNorms)."""
+or full-precision weights, SwiGLU; Qwen 2's q/k/v biases; OpenELM's heads and FFN width per layer;
+Gemma's post-norms, GeGLU, sliding windows and RoPE angles per layer) in one kernel launch,
+kernels.decode_layers (one row) or kernels.decode_rows (a batch), where it runs; the model's own
+loop over its blocks everywhere else. Each norm mode on the same kernels, which differ only in the
+normalization: flash (FlashAttention or the QK-norm's FlashQKNormAttention, FlashSwiGLU,
+FlashGeGLU or OpenELM's FlashFusedSwiGLU, DeferredNorm pre-norms; Gemma's post-norms its own), rms
+(the model's own RMSNorms and QK-norm, the attention and MLP with concat.py's concatenated q/k/v
+and gate/up, or OpenELM's own qkv_proj and proj_1), none (remove_norms' NoNorms)."""
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -16,7 +16,8 @@ from ..nn import PlainRMSNorm, RMSNorm
 from ..rope import rope_frequencies
 from .attention import FlashAttention, FlashQKNormAttention
 from .ffn import FlashFusedSwiGLU, FlashGeGLU, FlashSwiGLU
-from .norm import DeferredNorm, NoNorm, QuantizedDeferredLinear, deferred_output, norm_weight
+from .norm import (DeferredLinear, DeferredNorm, NoNorm, QuantizedDeferredLinear, deferred_output,
+                   norm_weight)
 
 # The blocks the whole-step kernels compute, by the names of their modules: the two pre-norms, the
 # attention and its q/k/v and output linears, the FFN and its gate/up and down linears, and where
@@ -53,15 +54,28 @@ def block(layer):
                 None)
 
 
-def _quantized(linear, *classes):
-    """A bias-free affine quantized linear of exactly one of classes (a sharded one, summing over
-    ranks, is another class)."""
-    return (type(linear) in classes and linear.mode == "affine" and "bias" not in linear
-            and "biases" in linear)
+def _form(linear, classes):
+    """(bits, group_size) of a linear of exactly one of classes (a sharded one, summing over ranks,
+    is another class) that the kernels read: affine quantized, or full precision (the bits of its
+    weights' dtype, no groups), holding no array the kernels would not apply (a kept gain); None
+    for any other."""
+    if type(linear) not in classes or not set(linear) <= {"weight", "scales", "biases", "bias"}:
+        return None
+    if "scales" not in linear:
+        return 8 * linear.weight.dtype.size, None
+    quantized = linear.mode == "affine" and "biases" in linear
+    return (linear.bits, linear.group_size) if quantized else None
 
 
 def _arrays(linear):
-    return linear["weight"], linear["scales"], linear["biases"]
+    """A linear's matrix as the kernels take it: (weight, scales, biases), the last two None at
+    full precision."""
+    return linear["weight"], linear.get("scales"), linear.get("biases")
+
+
+# each kind of the kernels' stacked arrays (kernels.layer_arrays' order): its linear among
+# _linears' and the linear's array
+KINDS = [(i, a) for i in range(4) for a in ("weight", "scales", "biases")] + [(0, "bias")]
 
 
 def _linears(layer, names=LLAMA):
@@ -90,23 +104,29 @@ class _Stacks:
 
 
 def stack_weights(model):
-    """Make each of the 12 arrays of the blocks' matrices (qkv weight, scales, biases; o_proj's;
-    gate_up's; down_proj's) one array over the layers (kernels.stacked), each block's array a view
-    of it (kernels.layer_views: no copy is kept), where decode_layers takes these blocks: a launch
-    then takes 12 inputs for them, not 12 per layer (its host work grows with its inputs). The
-    same values: every other path reads the views as it read the arrays."""
+    """Make each kind of the blocks' arrays (qkv weight, scales, biases; o_proj's; gate_up's;
+    down_proj's; qkv's bias: KINDS) one array over the layers (kernels.stacked), each block's array
+    a view of it (kernels.layer_views: no copy is kept), where decode_layers takes these blocks: a
+    launch then takes one input a kind, not one a kind and layer (its host work grows with its
+    inputs). The same values: every other path reads the views as it read the arrays. Blocks the
+    kernels' layer table does not hold (kernels.table_fits) are left as they are: stacking would
+    only cost a kind's copy of memory at load."""
     layers = getattr(model, "layers", None)
     spec = _spec(layers) if layers and isinstance(layers[0], nn.Module) else None
-    if spec is None:
+    if spec is None or not kernels.table_fits(spec["layers"]):
         return model
     names = block(layers[0])
     arrays, rows = kernels.stacked(spec["layers"]), []
     # one kind at a time: its old arrays go before the next is stacked
-    for k, stack in enumerate(arrays):
-        views = kernels.layer_views(stack, [mats[k // 3][k % 3] for mats in spec["layers"]])
+    kinds = zip(*map(kernels.layer_arrays, spec["layers"]))
+    for (i, name), stack, kind in zip(KINDS, arrays, kinds):
+        if kind[0] is None:  # a kind these blocks have not
+            rows.append(kind)
+            continue
+        views = kernels.layer_views(stack, kind)
         mx.eval(stack, views)
         for layer, view in zip(layers, views):
-            _linears(layer, names)[k // 3][("weight", "scales", "biases")[k % 3]] = view
+            _linears(layer, names)[i][name] = view
         rows.append(views)
     layers[0]._stacks = _Stacks(arrays, rows)
     return model
@@ -122,8 +142,8 @@ def unstack(model):
 
 def _spec(layers):
     """The arguments decode_layers takes for these blocks (with `norm`, their mode), or None where
-    a block is not of the forms it computes (any other module, a bias, a sharded linear, mixed
-    quantization, mixed modes)."""
+    a block is not of the forms it computes (any other module, a bias but q/k/v's on every block, a
+    sharded linear, mixed quantization or precision, mixed modes)."""
     names = block(layers[0])
     norm = names and mode(layers[0], names)
     if norm is None or any(block(layer) != names or mode(layer, names) != norm for layer in layers):
@@ -132,14 +152,16 @@ def _spec(layers):
     if spec is None:
         return None
     linears, classes = [_linears(layer, names) for layer in layers], spec.pop("classes")
-    first = linears[0][0]
-    if any(not _quantized(m, *c) or (m.bits, m.group_size) != (first.bits, first.group_size)
-           for ms in linears for m, c in zip(ms, classes)):
+    form = _form(linears[0][0], classes[0])
+    biased = "bias" in linears[0][0]  # Qwen 2's q/k/v, on every block; no other linear's
+    if (form is None or any(_form(m, c) != form for ms in linears for m, c in zip(ms, classes))
+            or any(("bias" in ms[0]) != biased or any("bias" in m for m in ms[1:])
+                   for ms in linears)):
         return None
-    mats = [tuple(_arrays(m) for m in ms) for ms in linears]
+    mats = [tuple(_arrays(m) for m in ms) + ((ms[0].bias,) if biased else ()) for ms in linears]
     # made once per trace of the compiled step (not from traced inputs: a constant of its graph)
     mx.eval([a for a in (spec["gains"], spec["qk_gains"], spec["theta"]) if a is not None])
-    return dict(spec, layers=mats, group_size=first.group_size, bits=first.bits, norm=norm)
+    return dict(spec, layers=mats, group_size=form[1], bits=form[0], norm=norm)
 
 
 def _stacked_or_none(arrays):
@@ -160,8 +182,8 @@ def _flash_spec(layers, names):
     """_spec's settings for FlashNorm's blocks (DeferredNorm pre-norms fused into their
     consumers, FlashAttention or FlashQKNormAttention, a late-scaled FlashSwiGLU or FlashGeGLU;
     Gemma's: DeferredNorms apply() leaves unfused beside kept norms, keeping their gains (the
-    post-norms' go in the same array), the model's post-norms, an FFN applying its own scale
-    before the post-norm)."""
+    post-norms' go in the same array; gains of 1 where apply() folded them into full-precision
+    weights), the model's post-norms, an FFN applying its own scale before the post-norm)."""
     attn, ffn = layers[0][names[1]], layers[0][names[3]]
     if not isinstance(attn, (FlashAttention, FlashQKNormAttention)) or names[2][0] not in attn:
         return None
@@ -170,6 +192,7 @@ def _flash_spec(layers, names):
         return None
     eps, post = layers[0][names[0][0]].eps, _post(names)
     K = _linears(layers[0], names)[1]["weight"].shape[0]  # the output projection's rows
+    deferred = (QuantizedDeferredLinear, DeferredLinear)
     gains, qk_gains = [], []
     for layer in layers:
         a, f = layer[names[1]], layer[names[3]]
@@ -180,13 +203,15 @@ def _flash_spec(layers, names):
                 or names[4][0] not in f
                 or any(not _gemma_norm(m) or not _rms(m, K) or m.eps != eps for m in posts)
                 or any(not (m.fuse or post) or m.eps != eps for m in norms)
-                or post and (getattr(f, "defer_output", False) or "gain" not in norms[0])
-                or (not qk_norm and a.qkv_bias) or a.traditional or a.factor != attn.factor
+                or post and getattr(f, "defer_output", False)
+                or a.traditional or a.factor != attn.factor
                 or a.head_dim != attn.head_dim
                 or any(("gain" in m) != ("gain" in norms[0]) for m in norms)):
             return None
-        if "gain" in norms[0]:
-            gains.append(mx.stack([m.gain.astype(mx.float32) for m in norms]
+        if "gain" in norms[0] or post:  # post: gains of 1 where apply() folded them (full
+            # precision), as the post-norms' ride in the same array
+            gains.append(mx.stack([m.gain.astype(mx.float32) if "gain" in m
+                                   else mx.ones((K,), mx.float32) for m in norms]
                                   + [norm_weight(m) for m in posts]))
         if qk_norm:
             qk_gains.append(mx.stack([a.q_gain, a.k_gain]).astype(mx.float32))
@@ -196,8 +221,8 @@ def _flash_spec(layers, names):
     return dict(gains=_stacked_or_none(gains), qk_gains=_stacked_or_none(qk_gains),
                 theta=theta, eps=eps, factor=attn.factor, gelu=type(ffn) is FlashGeGLU,
                 qk_eps=attn.qk_eps if qk_norm else 0.0, **_heads(layers, names),
-                classes=[(QuantizedDeferredLinear,), (nn.QuantizedLinear, kernels.QuantizedLinear),
-                         (QuantizedDeferredLinear,), (QuantizedDeferredLinear,)])
+                classes=[deferred, (nn.QuantizedLinear, kernels.QuantizedLinear, nn.Linear),
+                         deferred, deferred])
 
 
 def _rms(m, n):
@@ -264,7 +289,7 @@ def _plain_spec(layers, names):
     theta = _per_layer(thetas)
     if theta is None:
         return None
-    linear = (nn.QuantizedLinear, kernels.QuantizedLinear)
+    linear = (nn.QuantizedLinear, kernels.QuantizedLinear, nn.Linear)
     return dict(gains=_stacked_or_none(gains), qk_gains=_stacked_or_none(qk_gains), theta=theta,
                 eps=eps, factor=attn.scale, qk_eps=qk_eps, gelu=names is GEMMA,
                 **_heads(layers, names), classes=[linear] * 4)
@@ -285,8 +310,8 @@ def _stacked(layers, mats):
     no array was replaced since), else stacked copies (evaluated here: constants of a compiled
     step)."""
     kept = getattr(layers[0], "_stacks", None)
-    if kept is None or any(mats[l][k // 3][k % 3] is not a for k, rows in enumerate(kept.rows)
-                           for l, a in enumerate(rows)):
+    if kept is None or any(kernels.layer_arrays(mats[l])[k] is not a
+                           for k, rows in enumerate(kept.rows) for l, a in enumerate(rows)):
         kept = _Stacks(kernels.stacked(mats), None)
         mx.eval(kept.arrays)
     return kernels.Layers(mats, kept.arrays)

@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from .build import constant, declare, fill, make_kernel, pack, pieces, position_array, rand
 from .scale import power_of_two_below
-from . import step
+from . import stacks, step
 
 K_MIN = 4  # tokens come back in 16 bytes at least (MLX keeps 8 bytes or less in a managed page)
 # the chunk's own sizes and flags (cdims, in order: build.pack, build.declare): the head's rows, the
@@ -82,14 +82,16 @@ def _row(K, dtype):
 def supported(layers, caches, n_heads, n_kv_heads, group_size, bits, embedding, head, head_gain,
               norm, k):
     """Whether the kernel takes this stack: decode_layers does (step.supported: CUDA, our kernels
-    on, decode_layers not disabled), decode_chunk is not disabled either, the embedding and head
+    on, decode_layers not disabled) with 4- or 8-bit layers (chunk.cu's step row follows chunk sums
+    sized for 8-bit chunks, fewer than a full-precision matvec's input has; q/k/v's bias is
+    decode_layers' own), decode_chunk is not disabled either, the embedding and head
     (w, scales, biases, group size, bits each) affine 4- or 8-bit of the stack's width and dtype,
     the head's groups whole 16-byte chunks, as many embedding rows as head rows at least (a token
     indexes both), hg where the mode has one (rms: the final norm's weights; flash: its gain or
     None; none: None), and the chunk's shared memory within the GPU's."""
     (ew, es, eb, egs, ebits), (hw, hs, hb, hgs, hbits) = embedding, head
     T, K = es.dtype, ew.shape[-1] * 32 // ebits if ebits in (4, 8) else 0
-    if not (K and step.use_decode_layers("decode_chunk") and 1 <= k
+    if not (K and step.use_decode_layers("decode_chunk") and 1 <= k and bits in (4, 8)
             and step.supported(_row(K, T), layers, caches, n_heads, n_kv_heads, group_size, bits)):
         return False
     V = hw.shape[0]
@@ -178,12 +180,12 @@ def reference(prev, offset, steps, layers, caches, gains, qk_gains, theta, eps, 
             s = mx.rsqrt((h * h).sum() + h.shape[-1] * head_eps)
             P = power_of_two_below(s) if T != f32 else mx.array(1.0)
             xg = rnd(h * (1.0 if head_gain is None else head_gain) * P)
-            out = rnd(rnd(step._qmm(xg, hw, hs, hb, hgs, hbits)) * (s / P))
+            out = rnd(rnd(step._matvec(xg, (hw, hs, hb), hgs, hbits)) * (s / P))
         else:
             if norm == "rms":  # RMSNorm as the layers' (step._reference) rounds it
                 h = rnd(rnd(h * mx.rsqrt((h * h).mean(-1, keepdims=True) + head_eps))
                         * head_gain)
-            out = rnd(step._qmm(h, hw, hs, hb, hgs, hbits))
+            out = rnd(step._matvec(h, (hw, hs, hb), hgs, hbits))
         token = mx.argmax(out.reshape(-1)).astype(mx.uint32).reshape(1)
         tokens.append(token)
         if logits is not None:
@@ -193,7 +195,7 @@ def reference(prev, offset, steps, layers, caches, gains, qk_gains, theta, eps, 
 
 def check_decode_chunk(run=None, modes=slice(None, None, 2)):
     """Four steps after position 40 on the self-check's stack of two layers of their own sizes
-    (step.check_stacks), in each norm mode (modes: of step.check_modes, those without QK-norm,
+    (stacks.check_stacks), in each norm mode (modes: of stacks.check_modes, those without QK-norm,
     which decode_layers' check covers: two compiled variants, not three) with the final norm's
     gains of its kind; a tied head (the 8-bit embedding, groups of 32) and an untied one (4-bit,
     groups of 64) in turn: the tokens and the cache rows written. Its seeds give each argmax a
@@ -201,14 +203,14 @@ def check_decode_chunk(run=None, modes=slice(None, None, 2)):
     reference's logits). run: decode_chunk, or the reference with its logits."""
     run = run or decode_chunk
     L, K, D, V, pos, k = 2, 256, 64, 96, 40, 4
-    layers, caches, HQ, HKV, theta, _ = step.check_stacks(1, pos, 40)[1]
+    layers, caches, HQ, HKV, _, theta, _, _ = stacks.check_stacks(1, pos, 40)[1]
     # an embedding small beside the layers' outputs (else a tied head picks the input token again)
     embedding = (*mx.quantize(rand((V, K), 50, scale=0.1), 32, 8), 32, 8)
     untied = (*mx.quantize(rand((V, K), 55, scale=0.05), 64, 4), 64, 4)
     gain = 16 * (1 + 0.3 * rand((K,), 48, mx.float32))
     weight = (1 + 0.3 * rand((K,), 49, mx.float32)).astype(mx.float16).astype(mx.float32)
     out = []
-    for i, (gains, qk, factor, qk_eps, norm) in enumerate(step.check_modes(L, K, D)[modes]):
+    for i, (gains, qk, factor, qk_eps, norm) in enumerate(stacks.check_modes(L, K, D)[modes]):
         kv = [tuple(mx.array(a) for a in c) for c in caches]
         tokens, kv = run(mx.array([3 + 7 * i], mx.uint32), pos, constant(mx.int32, k), layers, kv,
                          gains, qk, theta, 1e-5, factor, qk_eps, HQ, HKV, 64, 4, embedding,

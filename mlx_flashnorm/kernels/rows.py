@@ -4,7 +4,8 @@ server's step, batch_cache.RowsKVCache), in one persistent CUDA launch of NW war
 The one-row kernel's phases (step.py) with every matvec on the tensor cores: a block takes a tile of
 16 weight rows, its warps split the input into spans of 32 values (mma m16n8k8 in tf32, G input rows
 at once), and their partial sums are added in a fixed order. A packed 4- or 8-bit value is exact in
-tf32 and each input is split into two tf32 parts, so a product keeps 21 bits or more; the sum's
+tf32, and so is a full-precision float16 or bfloat16 weight (a float32 one is split as an input
+is), and each input is split into two tf32 parts, so a product keeps 21 bits or more; the sum's
 order is the mma's, not the one-row kernel's (the batched step's tokens are the one-request tokens
 where no two logits are within float32 rounding: the GPU tests check it). A row's output does not
 depend on the other rows (each mma column is its own row), so a request decodes alike at any batch
@@ -30,7 +31,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .build import make_kernel, rand
-from . import step
+from . import stacks, step
 
 BMAX = step.MAX_ROWS
 GMAX = 16  # rows per pass, at most (bench/RESULTS.md, "The batched step": passes of 32 were slower)
@@ -91,7 +92,7 @@ def shared_bytes(G, GD, GU, xa, xi, D, GQ, L):
 
 def static_bytes(G, GU, D, GQ, L):
     """The body's static shared arrays."""
-    return (4 * 8 * (G + GU) + 2 * 4 * BMAX + 4 * (BMAX + 1) + 8 * 14 * L
+    return (4 * 8 * (G + GU) + 2 * 4 * BMAX + 4 * (BMAX + 1) + 8 * len(step.ARRAYS) * L
             + 4 * GQ * (D + 2 * WARPS))
 
 
@@ -154,18 +155,18 @@ def reference(x, positions, layers, caches, *args, **kwargs):
 
 
 def check_decode_rows():
-    """Three rows at positions 40, 5 and 17 of the one-row check's stacks (step.check_stacks: layers
-    alike, of their own sizes, Gemma 3's form), each mode (step.check_modes)."""
-    L, K = 2, 256
+    """Three rows at positions 40, 5 and 17 of the one-row check's stacks (stacks.check_stacks:
+    layers alike, of their own sizes, with q/k/v biases, full precision, Gemma 3's form), each in
+    its modes."""
+    K = 256
     positions = mx.array([40, 5, 17], mx.int32)
     x = rand((3, 1, K), 44)
     out = []
-    for layers, caches, HQ, HKV, theta, form in step.check_stacks(3, 41, 40):
-        modes = step.check_modes(L, K, theta.shape[-1] * 2, form["gelu"])
+    for layers, caches, HQ, HKV, bits, theta, form, modes in stacks.check_stacks(3, 41, 40):
         for gains, qk_gains, factor, qk_eps, norm in modes:
             kv = [tuple(mx.array(a) + 0 for a in c) for c in caches]
             y, ys, p, kv = decode_rows(x, positions, layers, kv, gains, qk_gains, theta, 1e-5,
-                                       factor, qk_eps, HQ, HKV, 64, 4, norm=norm, **form)
+                                       factor, qk_eps, HQ, HKV, 64, bits, norm=norm, **form)
             out += [y, ys, p] + [mx.take_along_axis(a, positions.reshape(3, 1, 1, 1), axis=2)
                                  for c in kv for a in c]
     return out

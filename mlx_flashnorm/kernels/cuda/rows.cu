@@ -3,7 +3,7 @@
 // tensor cores. Two pieces (build.pieces; step.compose composes them):
 //   device  its own device functions, after whole_step.cuh's in its header: a pass's input rows
 //           loaded into shared memory with their norms, and the matvec tiles on the tensor cores
-//           (fn_tile: 16 rows of a packed matrix times 8, 16 or 32 input rows)
+//           (fn_tile: 16 rows of a packed or full-precision matrix times 8, 16 or 32 input rows)
 //   body    the kernel's body (build.cuda_source wraps it in the function of the inputs); its
 //           marker lines are filled by step.compose: SIZES (the sizes and flags in `dims`,
 //           rows.SIZES), TABLE (the pointer table, step.table) and whole_step.cuh's LAYER and
@@ -170,11 +170,30 @@ __device__ inline void fn_row_norms(const A* a, A* rout, const float* gain, long
     __syncthreads();
   }
 }
-template <int BITS>
+template <typename U> __device__ inline float fn_from_bits(unsigned int h);
+template <> __device__ inline float fn_from_bits<__half>(unsigned int h) {
+  return __half2float(__ushort_as_half((unsigned short)h));
+}
+template <> __device__ inline float fn_from_bits<__nv_bfloat16>(unsigned int h) {
+  return __uint_as_float(h << 16);
+}
+template <typename T, int BITS>
 __device__ inline unsigned int fn_q_tf32(const unsigned int* q, int e) {
-  // packed value e (0..7) of a thread's words, as a tf32 operand (an exact float: 0 .. 2^BITS - 1)
-  const unsigned int v = BITS == 4 ? (q[0] >> (4 * e)) & 15u : (q[e / 4] >> (8 * (e % 4))) & 255u;
-  return __float_as_uint(__uint_as_float(0x4b000000u | v) - 8388608.0f);
+  // value e (0..7) of a thread's words, as a tf32 operand: a packed value (an exact float: 0 ..
+  // 2^BITS - 1), a weight of T (BITS 16: float16 and bfloat16 values are exact in tf32), or a
+  // float32 weight's high part (BITS 32: fn_tf32_lo is the rest)
+  if constexpr (BITS == 32) {
+    return q[e] & 0xffffe000u;
+  } else if constexpr (BITS == 16) {
+    return __float_as_uint(fn_from_bits<T>((q[e / 2] >> (16 * (e % 2))) & 0xffffu));
+  } else {
+    const unsigned int v = BITS == 4 ? (q[0] >> (4 * e)) & 15u : (q[e / 4] >> (8 * (e % 4))) & 255u;
+    return __float_as_uint(__uint_as_float(0x4b000000u | v) - 8388608.0f);
+  }
+}
+__device__ inline unsigned int fn_tf32_lo(unsigned int w) {
+  // a float32's bits less its tf32 high part (fn_q_tf32), as a tf32 operand
+  return __float_as_uint(__uint_as_float(w) - __uint_as_float(w & 0xffffe000u)) & 0xffffe000u;
 }
 __device__ inline void fn_mma_tf32(float* c, const unsigned int* a, unsigned int b0,
                                    unsigned int b1) {
@@ -184,6 +203,7 @@ __device__ inline void fn_mma_tf32(float* c, const unsigned int* a, unsigned int
 }
 template <typename T, int BITS>
 struct fn_span {  // a lane's weights (rows gid and gid + 8), scales and biases of a tile's span
+                  // (full precision: 8 weights of T a row, no scales or biases)
   unsigned int q0[BITS / 4], q1[BITS / 4];
   T s0, s1, c0, c1;
 };
@@ -197,13 +217,25 @@ __device__ inline fn_span<T, BITS> fn_span_at(const unsigned int* w, const T* sc
   const long r0 = row0 + gid, r1 = r0 + 8;
   const int g = int((sp + 0.5f) * rspg);  // span sp's quantization group
   fn_span<T, BITS> f;
-  #pragma unroll
-  for (int u = 0; u < WORDS; ++u) {
-    f.q0[u] = __ldg(w + (r0 * nrow + sp) * BITS + WORDS * tig + u);
-    f.q1[u] = __ldg(w + (r1 * nrow + sp) * BITS + WORDS * tig + u);
+  if constexpr (BITS >= 16) {  // 16-byte loads (WORDS: 4 or 8)
+    #pragma unroll
+    for (int u = 0; u < WORDS; u += 4) {
+      const uint4 a = __ldg(reinterpret_cast<const uint4*>(w + (r0 * nrow + sp) * BITS
+                                                           + WORDS * tig + u));
+      const uint4 b = __ldg(reinterpret_cast<const uint4*>(w + (r1 * nrow + sp) * BITS
+                                                           + WORDS * tig + u));
+      f.q0[u] = a.x; f.q0[u + 1] = a.y; f.q0[u + 2] = a.z; f.q0[u + 3] = a.w;
+      f.q1[u] = b.x; f.q1[u + 1] = b.y; f.q1[u + 2] = b.z; f.q1[u + 3] = b.w;
+    }
+  } else {
+    #pragma unroll
+    for (int u = 0; u < WORDS; ++u) {
+      f.q0[u] = __ldg(w + (r0 * nrow + sp) * BITS + WORDS * tig + u);
+      f.q1[u] = __ldg(w + (r1 * nrow + sp) * BITS + WORDS * tig + u);
+    }
+    f.s0 = __ldg(sc + r0 * gpr + g); f.s1 = __ldg(sc + r1 * gpr + g);
+    f.c0 = __ldg(bi + r0 * gpr + g); f.c1 = __ldg(bi + r1 * gpr + g);
   }
-  f.s0 = __ldg(sc + r0 * gpr + g); f.s1 = __ldg(sc + r1 * gpr + g);
-  f.c0 = __ldg(bi + r0 * gpr + g); f.c1 = __ldg(bi + r1 * gpr + g);
   return f;
 }
 __device__ inline int fn_tile_warp(int rot) {
@@ -226,23 +258,24 @@ __device__ inline void fn_tile(const unsigned int* w, const T* sc, const T* bi, 
                                int nrow, int sp0, int nsp, int gpr, int gs, const float* xin,
                                int xs, float (*acc)[4], const fn_span<T, BITS>& first,
                                int rot = 0) {
-  // rows row0 .. row0 + 15 of an affine BITS-bit matrix (nrow spans of 32 values a row), spans
+  // rows row0 .. row0 + 15 of an affine BITS-bit matrix or a full-precision one (BITS those of
+  // T: no scales or biases) (nrow spans of 32 values a row), spans
   // sp0 .. sp0 + nsp - 1, times the NT * 8 shared input rows, on the tensor cores (mma m16n8k8,
   // tf32): a warp's spans (v, v + NW, ..., v = fn_tile_warp(rot); its first, `first`, loaded by
   // the caller: fn_tile_first) added into acc, to be added over the warps (fn_tile_put/get).
   // Lane (gid, tig) holds weight rows gid and gid + 8 and input row gid of each group of 8; it
   // loads a span's values 8 tig .. 8 tig + 7 (a word of 4-bit values, two of 8-bit), and k-step
   // ks takes values 8 tig + 2 ks (the mma's column tig) and 8 tig + 2 ks + 1 (column tig + 4).
-  // An input is split into two tf32 parts (hi + lo); the packed values are exact. A span lies in
-  // one quantization group: sum(w x) = scale (q . x) + bias sum(x), sum(x) from its lanes'
-  // values by shuffles.
+  // An input is split into two tf32 parts (hi + lo); the packed values are exact, and so are
+  // float16 and bfloat16 weights (a float32 weight is split as an input is: its low part times
+  // the input's high part is a third product). A span lies in one quantization group: sum(w x) =
+  // scale (q . x) + bias sum(x), sum(x) from its lanes' values by shuffles.
   const int warp = fn_tile_warp(rot), lane = threadIdx.x % 32, gid = lane / 4, tig = lane % 4;
   const int step = blockDim.x / 32;  // spans a warp steps by
   const float rspg = 32.0f / gs;  // 1 / the spans in a group
   fn_span<T, BITS> nx = first;  // the next span, loaded a span ahead (the first by the caller)
   for (int j = warp; j < nsp; j += step) {
     const fn_span<T, BITS> cur = nx;
-    const float s0 = fn_f(cur.s0), s1 = fn_f(cur.s1), c0 = fn_f(cur.c0), c1 = fn_f(cur.c1);
     if (j + step < nsp) nx = fn_span_at<T, BITS>(w, sc, bi, row0, nrow, sp0 + j + step, gpr, rspg);
     float xv[NT][8], ch[NT][4], cl[NT][4], xs_sum[NT][2];
     #pragma unroll
@@ -252,20 +285,28 @@ __device__ inline void fn_tile(const unsigned int* w, const T* sc, const T* bi, 
       const float4 xa = xr[0], xb = xr[1];
       xv[t][0] = xa.x; xv[t][1] = xa.y; xv[t][2] = xa.z; xv[t][3] = xa.w;
       xv[t][4] = xb.x; xv[t][5] = xb.y; xv[t][6] = xb.z; xv[t][7] = xb.w;
-      float sum = ((xa.x + xa.y) + (xa.z + xa.w)) + ((xb.x + xb.y) + (xb.z + xb.w));
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);  // the span's sum of input row 8 t + gid
-      // of input rows 8 t + 2 tig and 8 t + 2 tig + 1
-      xs_sum[t][0] = __shfl_sync(0xffffffffu, sum, 8 * tig);
-      xs_sum[t][1] = __shfl_sync(0xffffffffu, sum, 8 * tig + 4);
+      if constexpr (BITS < 16) {
+        float sum = ((xa.x + xa.y) + (xa.z + xa.w)) + ((xb.x + xb.y) + (xb.z + xb.w));
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);  // the span's sum of input row 8 t + gid
+        // of input rows 8 t + 2 tig and 8 t + 2 tig + 1
+        xs_sum[t][0] = __shfl_sync(0xffffffffu, sum, 8 * tig);
+        xs_sum[t][1] = __shfl_sync(0xffffffffu, sum, 8 * tig + 4);
+      }
       #pragma unroll
       for (int i = 0; i < 4; ++i) { ch[t][i] = 0.0f; cl[t][i] = 0.0f; }
     }
     #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
-      const unsigned int a[4] = {fn_q_tf32<BITS>(cur.q0, 2 * ks), fn_q_tf32<BITS>(cur.q1, 2 * ks),
-                                 fn_q_tf32<BITS>(cur.q0, 2 * ks + 1),
-                                 fn_q_tf32<BITS>(cur.q1, 2 * ks + 1)};
+      const unsigned int a[4] = {fn_q_tf32<T, BITS>(cur.q0, 2 * ks),
+                                 fn_q_tf32<T, BITS>(cur.q1, 2 * ks),
+                                 fn_q_tf32<T, BITS>(cur.q0, 2 * ks + 1),
+                                 fn_q_tf32<T, BITS>(cur.q1, 2 * ks + 1)};
+      unsigned int al[4] = {};  // float32 weights: their low parts
+      if constexpr (BITS == 32) {
+        al[0] = fn_tf32_lo(cur.q0[2 * ks]); al[1] = fn_tf32_lo(cur.q1[2 * ks]);
+        al[2] = fn_tf32_lo(cur.q0[2 * ks + 1]); al[3] = fn_tf32_lo(cur.q1[2 * ks + 1]);
+      }
       #pragma unroll
       for (int t = 0; t < NT; ++t) {
         const unsigned int h0 = __float_as_uint(xv[t][2 * ks]) & 0xffffe000u;
@@ -275,15 +316,21 @@ __device__ inline void fn_tile(const unsigned int* w, const T* sc, const T* bi, 
             __float_as_uint(xv[t][2 * ks + 1] - __uint_as_float(h1)) & 0xffffe000u;
         fn_mma_tf32(ch[t], a, h0, h1);
         fn_mma_tf32(cl[t], a, l0, l1);
+        if constexpr (BITS == 32) fn_mma_tf32(cl[t], al, h0, h1);
       }
     }
     #pragma unroll
     for (int t = 0; t < NT; ++t) {
       // element i: weight row gid + 8 (i / 2), input row 8 t + 2 tig + i % 2
       #pragma unroll
-      for (int i = 0; i < 4; ++i)
-        acc[t][i] += (i < 2 ? s0 : s1) * (ch[t][i] + cl[t][i])
-                     + (i < 2 ? c0 : c1) * xs_sum[t][i & 1];
+      for (int i = 0; i < 4; ++i) {
+        if constexpr (BITS >= 16) {
+          acc[t][i] += ch[t][i] + cl[t][i];
+        } else {
+          acc[t][i] += fn_f(i < 2 ? cur.s0 : cur.s1) * (ch[t][i] + cl[t][i])
+                       + fn_f(i < 2 ? cur.c0 : cur.c1) * xs_sum[t][i & 1];
+        }
+      }
     }
   }
 }
@@ -354,7 +401,7 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
   __shared__ float red[8][G], redu[8][GU];
   // per row of the block's passes: 1/RSSe and its power of two
   __shared__ float srow[BMAX], prow[BMAX];
-  __shared__ const void* tab[14 * NL];
+  __shared__ const void* tab[NA * NL];
   __shared__ float qsh[GQ][D], sm[NW][GQ], sl[NW][GQ];
   // the warps' attention values (NW * GQ * D floats) in the matvecs' space, unused between their
   // phases: static arrays are held to 48 KB, which they pass at D = 256 (rows.shared_bytes)
@@ -382,7 +429,7 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
     }
     // 1. per row: p (x in the first layer, then res1; post: the last layer's post-feedforward
     // norm of its down_proj output y, plus res0, into res1 here), s = 1/RSSe(p); the q/k/v rows
-    // of p * g
+    // of p * g (and their bias: fn_qkv_out)
     for (int item = blockIdx.x, have = -1; item < NP * (NQKV / 16); item += NB) {
       const int b0 = item % NP * G, tile = item / NP, rows = min(G, B - b0);
       const auto f1 =
@@ -396,9 +443,10 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
                            l == 0 && tile == 0 ? res1 : nullptr, has_g ? g1 : nullptr,
                            long(b0) * K, rows, K, xin, XS, red, srow + b0, prow + b0, eps,
                            prescale, NORM, post);
-        if (tile == 0 && threadIdx.x < rows) {  // for attention, in every block
-          s1g[b0 + threadIdx.x] = srow[b0 + threadIdx.x];
-          p1g[b0 + threadIdx.x] = prow[b0 + threadIdx.x];
+        if (tile == 0 && threadIdx.x < rows) {  // for attention, in every block: 1 where
+          // the rows took s with their bias (fn_qkv_out)
+          s1g[b0 + threadIdx.x] = qkv_bias ? 1.0f : srow[b0 + threadIdx.x];
+          p1g[b0 + threadIdx.x] = qkv_bias ? 1.0f : prow[b0 + threadIdx.x];
         }
         have = b0;
       }
@@ -406,7 +454,9 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
       fn_tile<T, BITS, NT>(wqkv, sqkv, bqkv, tile * 16, K / 32, 0, K / 32, K / GS, GS, xin, XS,
                            acc, f1);
       fn_tile_store<NT>(acc, rb, rows, [&](int f, int n, float v) {
-        raw[long(b0 + n) * NQKV + tile * 16 + f] = NORM == 0 ? v : fn_f(fn_cast<T>(v));
+        const int o = tile * 16 + f;
+        raw[long(b0 + n) * NQKV + o] =
+            fn_qkv_out<T, BITS>(v, cqkv, o, NORM, srow[b0 + n], prow[b0 + n]);
       });
     }
     fn_grid_sync(bar, target += NB);
@@ -500,8 +550,9 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
       float acc[NTU][4] = {};
       fn_tile<T, BITS, NTU>(wgu, sgu, bgu, I + tile * 16, K / 32, 0, K / 32, K / GS, GS, xin, XS,
                             acc, f2, NW / 2);
-      fn_tile_store<NTU>(acc, rb, rows, [&](int f, int n, float up) {
-        const float gt = fn_tile_get<NTU>(rb2, f, n) * srow[b0 + n];
+      fn_tile_store<NTU>(acc, rb, rows, [&](int f, int n, float v) {
+        const float P = prow[b0 + n], up = fn_out<T, BITS>(v, NORM, P);
+        const float gt = fn_out<T, BITS>(fn_tile_get<NTU>(rb2, f, n), NORM, P) * srow[b0 + n];
         abuf[long(b0 + n) * I + tile * 16 + f] =
             NORM == 0 ? fn_cast<T>(fn_act<GELU>(gt) * up * prow[b0 + n])
                       : fn_cast<T>(GELU ? fn_geglu<T>(gt, up) : fn_swiglu<T>(gt, up));

@@ -28,7 +28,7 @@
   float* xin = pres + K;     // XMAX: the running matvec's input row
   float* xsum = xin + XMAX;  // XMAX / CW: its chunk sums
   __shared__ float red[NW];
-  __shared__ const void* tab[14 * NL];
+  __shared__ const void* tab[NA * NL];
   __shared__ float qsh[GQ][D], sm[NW][GQ], sl[NW][GQ], sacc[NW][GQ][D];
   // the layers' arrays: one pointer table per block
   {{TABLE}}
@@ -45,8 +45,8 @@
     if (S < 1) S = 1;
     const int chunk = (n - lo0 + S - 1) / S;
     // 1. p = x * xs + r, s = 1/RSSe(p), the q/k/v rows of p * g (flash; rms: of RMSNorm(p),
-    // rounded to T; none: of p, rounded to T). post: x * xs (rounded) through the last layer's
-    // post-feedforward norm first
+    // rounded to T; none: of p, rounded to T), their bias added where they have one. post:
+    // x * xs (rounded) through the last layer's post-feedforward norm first
     const float rpo = post && l > 0 ? fn_post_r<T>(y, xs, K, eps, red) : 0.0f;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < K; i += blockDim.x) {
@@ -62,8 +62,10 @@
       if (NORM != 1) fn_put(xin, i, has_g ? tp * g1[i] : tp, NCK, PER);
     }
     const float sum = fn_block_sum(ss, red);
-    const float s = NORM == 0 ? rsqrtf(sum + K * eps) : 1.0f;
-    const float P = prescale ? __int_as_float(__float_as_int(s) & 0x7f800000) : 1.0f;
+    const float s1 = NORM == 0 ? rsqrtf(sum + K * eps) : 1.0f;
+    const float P1 = prescale ? __int_as_float(__float_as_int(s1) & 0x7f800000) : 1.0f;
+    // attention's: 1 where the rows took s1 with their bias (fn_qkv_out)
+    const float s = qkv_bias ? 1.0f : s1, P = qkv_bias ? 1.0f : P1;
     if (NORM == 1) {  // the values this thread wrote into pres
       const float r = rsqrtf(sum / K + eps);
       for (int i = threadIdx.x; i < K; i += blockDim.x) {
@@ -75,7 +77,7 @@
     fn_chunk_sums(xin, xsum, NCK, CW);
     for (int row = gwarp; row < NQKV; row += TW) {
       const float a = fn_qrow<T, BITS>(wqkv, sqkv, bqkv, row, NCK, K / GS, GS, xin, xsum, lane);
-      if (lane == 0) raw[row] = NORM == 0 ? a : fn_f(fn_cast<T>(a));
+      if (lane == 0) raw[row] = fn_qkv_out<T, BITS>(a, cqkv, row, NORM, s1, P1);
     }
     fn_grid_sync(bar, target += NB);
     // 2. RoPE, the cache write and attention: block (kv head, split of the positions)
@@ -129,8 +131,9 @@
       const float a0 = fn_qrow<T, BITS>(wgu, sgu, bgu, i, NCK, K / GS, GS, xin, xsum, lane);
       const float a1 = fn_qrow<T, BITS>(wgu, sgu, bgu, I + i, NCK, K / GS, GS, xin, xsum, lane);
       if (lane == 0) {
-        abuf[i] = NORM == 0 ? fn_f(fn_cast<T>(fn_act<GELU>(a0 * s2) * a1 * P2))
-                            : (GELU ? fn_geglu<T>(a0, a1) : fn_swiglu<T>(a0, a1));
+        const float g = fn_out<T, BITS>(a0, NORM, P2), u = fn_out<T, BITS>(a1, NORM, P2);
+        abuf[i] = NORM == 0 ? fn_f(fn_cast<T>(fn_act<GELU>(g * s2) * u * P2))
+                            : (GELU ? fn_geglu<T>(g, u) : fn_swiglu<T>(g, u));
       }
     }
     xs = s2 / P2;

@@ -2,15 +2,18 @@
 // (decode_rows, a batch) both take, in three pieces (build.pieces; step.compose composes them):
 //   device  the device functions both kernels' headers hold: the grid barrier (fn_grid_sync,
 //           fn_grid_exit), an attention head's splits merged (fn_merged), the one-row
-//           matvec's input row (fn_put, fn_chunk_sums), block sum (fn_block_sum) and packed row
-//           (fn_qrow), RMSNorm's value and SwiGLU and GeGLU as the rms mode's layers round them
-//           (fn_normed, fn_norm_as, fn_sigmoid, fn_swiglu, fn_geglu), the flash mode's
-//           activations (fn_act), a post-norm's 1/RMS (fn_post_r) and a sliding window's first
-//           position (fn_first_pos)
-//   layer   layer l's arrays read from the block's pointer table, and its sizes (query and kv
-//           heads, FFN width: HQ, HKV, I, KO, NQKV), sliding window (W) and RoPE angles (th) from
-//           the layer table `lt` (step.layer_table) (the bodies' {{LAYER}} line); HQM, HKVM and
-//           IM (the sizes table) are the widest layer's, which size the work buffer
+//           matvec's input row (fn_put, fn_chunk_sums), block sum (fn_block_sum) and matrix row
+//           (fn_qrow: packed, or full precision), RMSNorm's value and SwiGLU and GeGLU as the rms
+//           mode's layers round them (fn_normed, fn_norm_as, fn_sigmoid, fn_swiglu, fn_geglu),
+//           the flash mode's activations (fn_act), a post-norm's 1/RMS (fn_post_r), a sliding
+//           window's first position (fn_first_pos), a matvec's output as the model's linear
+//           leaves it (fn_out) and a q/k/v output with its bias (fn_qkv_out)
+//   layer   layer l's arrays read from the block's pointer table (NA a layer, each at its place
+//           A_<array>: step.table, step.places), and its sizes (query and kv heads, FFN width:
+//           HQ, HKV, I, KO, NQKV), sliding window (W) and RoPE angles (th) from the layer table
+//           `lt` (LT ints a layer, each size at its place L_<size>: step.layer_table) (the
+//           bodies' {{LAYER}} line); HQM, HKVM and IM (the sizes table) are the widest layer's,
+//           which size the work buffer
 //   attend  phase 2 of one (row, kv head, split of the positions), the bodies' {{ATTEND}} line:
 //           RoPE on the row's q and k, the new k and v written into the cache by the split that
 //           holds the position, attention over the split's positions, its partial state (max,
@@ -27,6 +30,11 @@
 // down_proj's outputs before the residual add, the model's own in flash and rms (gains g3 and the
 // previous layer's g4), every model norm computed as Gemma's: in float32, rounded once
 // (fn_norm_as), the rms pre-norms on the residual add's unrounded sum.
+// The matrices are BITS-bit affine quantized (4 or 8: words of packed values, scales and biases
+// per group) or full precision (BITS 16 or 32, those of T: rows of T, no scales or biases). Where
+// q/k/v have a bias (qkv_bias, Qwen 2's) phase 1 adds it as the model's linears do (fn_qkv_out):
+// in flash after the deferred scale, so that attention's s and P are 1 then as well. The q/k/v and
+// gate/up outputs are rounded to T as the model's linears round them (fn_out).
 // @piece device
 __device__ inline void fn_grid_sync(unsigned int* bar, unsigned int target) {
   // every block of the grid arrives before any leaves (all blocks are resident: one per SM);
@@ -163,40 +171,74 @@ template <typename T, int BITS>
 __device__ inline float fn_qrow(const unsigned int* w, const T* sc, const T* bi, long row, int nc,
                                 int gpr, int gs, const float* xin, const float* xsum, int lane) {
   // one row of an affine BITS-bit matrix (nc 16-byte chunks, gpr groups of gs values) times the
-  // shared input row: a group adds scale * (q . x) + bias * sum(x); lanes take the chunks in turn
-  constexpr int PER = 32 / BITS, MASK = (1 << BITS) - 1;
+  // shared input row: a group adds scale * (q . x) + bias * sum(x); lanes take the chunks in turn.
+  // Full precision (BITS those of T): a chunk is 16 / sizeof(T) values of T, no groups
+  constexpr int PER = 32 / BITS;
   const uint4* wr = reinterpret_cast<const uint4*>(w) + row * nc;
   float a = 0.0f;
-  for (int c = lane; c < nc; c += 32) {
-    const uint4 q = __ldg(wr + c);
-    const unsigned int qs[4] = {q.x, q.y, q.z, q.w};
-    float d = 0.0f;
-    #pragma unroll
-    for (int u = 0; u < 4; ++u) {
+  if constexpr (BITS >= 16) {
+    static_assert(BITS == 8 * sizeof(T), "full-precision weights are of T");
+    for (int c = lane; c < nc; c += 32) {
+      float v[4 * PER];
+      fn_unpack<T, 4 * PER>(__ldg(wr + c), v);
       #pragma unroll
-      for (int j = 0; j < PER; ++j)
-        d += float((qs[u] >> (BITS * j)) & MASK) * xin[(u * PER + j) * nc + c];
+      for (int e = 0; e < 4 * PER; ++e) a += v[e] * xin[e * nc + c];
     }
-    const long g = row * gpr + c * 4 * PER / gs;
-    a += fn_f(sc[g]) * d + fn_f(bi[g]) * xsum[c];
+  } else {
+    constexpr int MASK = (1 << BITS) - 1;
+    for (int c = lane; c < nc; c += 32) {
+      const uint4 q = __ldg(wr + c);
+      const unsigned int qs[4] = {q.x, q.y, q.z, q.w};
+      float d = 0.0f;
+      #pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        #pragma unroll
+        for (int j = 0; j < PER; ++j)
+          d += float((qs[u] >> (BITS * j)) & MASK) * xin[(u * PER + j) * nc + c];
+      }
+      const long g = row * gpr + c * 4 * PER / gs;
+      a += fn_f(sc[g]) * d + fn_f(bi[g]) * xsum[c];
+    }
   }
   return fn_warp_sum(a);
 }
+template <typename T, int BITS>
+__device__ inline float fn_out(float a, int norm, float P) {
+  // a matvec's output a as the model's linear leaves it: in T (flash: as its input took the power
+  // of two P of its 1/RSSe, add_rss, so that it stays in T's range; 1 in rms and none), but for
+  // flash's 4- and 8-bit matvecs, which keep it as Sec. 5's fused kernels do (norm_qkv_rope,
+  // gate_up); no fused kernel takes a full-precision linear
+  return norm == 0 && BITS < 16 ? a : fn_f(fn_cast<T>(a * P)) / P;
+}
+template <typename T, int BITS>
+__device__ inline float fn_qkv_out(float a, const T* c, int o, int norm, float s, float P) {
+  // q/k/v output o (a, as summed) as phase 2 reads it: without a bias (c null), fn_out's; with
+  // its linear's bias c[o] as the model's layers add it, the sum in T: flash, to the output in T
+  // (a P) times s / P in T (DeferredLinear: the scale before the bias); rms and none, to a in T
+  // (nn.QuantizedLinear), or to a (full precision: nn.Linear's addmm rounds once)
+  if (!c) return fn_out<T, BITS>(a, norm, P);
+  const float b = fn_f(c[o]), r = fn_f(fn_cast<T>(a * P));
+  if (norm == 0) return fn_f(fn_cast<T>(fn_f(fn_cast<T>(r * (s / P))) + b));
+  return fn_f(fn_cast<T>((BITS >= 16 ? a : r) + b));
+}
 // @piece layer
-    const unsigned int* wqkv = (const unsigned int*)tab[14 * l];
-    const T* sqkv = (const T*)tab[14 * l + 1]; const T* bqkv = (const T*)tab[14 * l + 2];
-    const unsigned int* wo = (const unsigned int*)tab[14 * l + 3];
-    const T* so = (const T*)tab[14 * l + 4]; const T* bo = (const T*)tab[14 * l + 5];
-    const unsigned int* wgu = (const unsigned int*)tab[14 * l + 6];
-    const T* sgu = (const T*)tab[14 * l + 7]; const T* bgu = (const T*)tab[14 * l + 8];
-    const unsigned int* wd = (const unsigned int*)tab[14 * l + 9];
-    const T* sd = (const T*)tab[14 * l + 10]; const T* bd = (const T*)tab[14 * l + 11];
-    T* kc = (T*)tab[14 * l + 12];
-    T* vc = (T*)tab[14 * l + 13];
-    const int HQ = lt[17 * l + 12], HKV = lt[17 * l + 13], I = lt[17 * l + 14];
+    const void* const* ta = tab + NA * l;  // its pointers (step.ARRAYS)
+    const int* ls = lt + LT * l;  // its row of the layer table (offsets, then step.LAYER_SIZES)
+    const unsigned int* wqkv = (const unsigned int*)ta[A_WQKV];
+    const T* sqkv = (const T*)ta[A_SQKV]; const T* bqkv = (const T*)ta[A_BQKV];
+    const unsigned int* wo = (const unsigned int*)ta[A_WO];
+    const T* so = (const T*)ta[A_SO]; const T* bo = (const T*)ta[A_BO];
+    const unsigned int* wgu = (const unsigned int*)ta[A_WGU];
+    const T* sgu = (const T*)ta[A_SGU]; const T* bgu = (const T*)ta[A_BGU];
+    const unsigned int* wd = (const unsigned int*)ta[A_WD];
+    const T* sd = (const T*)ta[A_SD]; const T* bd = (const T*)ta[A_BD];
+    const T* cqkv = qkv_bias ? (const T*)ta[A_CQKV] : nullptr;  // q/k/v's bias (Qwen 2)
+    T* kc = (T*)ta[A_KC];
+    T* vc = (T*)ta[A_VC];
+    const int HQ = ls[L_HQ], HKV = ls[L_HKV], I = ls[L_I];
     const int KO = HQ * D, NQKV = (HQ + 2 * HKV) * D;
-    const int W = lt[17 * l + 15];  // its sliding window (0: every position)
-    const float* th = theta + lt[17 * l + 16];  // its RoPE angles
+    const int W = ls[L_W];  // its sliding window (0: every position)
+    const float* th = theta + ls[L_TH];  // its RoPE angles
     // the pre-norms' gains; post: the post-attention norm's (g3), the previous layer's
     // post-feedforward norm's at g1 - K
     const float* g1 = gains + long(l) * (post ? 4 : 2) * K;
