@@ -6,7 +6,7 @@ import re
 import sys
 import time
 from contextlib import closing
-from functools import lru_cache
+from functools import lru_cache, partial
 from dataclasses import dataclass
 from typing import Optional
 
@@ -15,7 +15,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from . import constraints, forms
-from .cache import StaticKVCache, make_cache
+from .cache import StaticKVCache, make_cache, static_caches
 from .chat_template import set_chat_template
 from .errors import UserError
 from .loader import load
@@ -107,9 +107,7 @@ def compiled_decode(model, logits=False):
     kept = getattr(model, name, None)
     if kept is None or not kept.current():
         def step(y, offset, kv):
-            cache = [StaticKVCache(k.shape[2]) for k, _ in kv]
-            for c, (k, v) in zip(cache, kv):
-                c.keys, c.values, c.offset = k, v, position(offset)
+            cache = static_caches(kv, position(offset))
             out = model(y[None], cache=cache)[:, -1, :]
             if not logits:
                 out = out - mx.logsumexp(out, axis=-1, keepdims=True)
@@ -118,6 +116,48 @@ def compiled_decode(model, logits=False):
         # a plain attribute, not a child
         setattr(model, name, CompiledStep(model, mx.compile(step)))
     return getattr(model, name).fn
+
+
+# prompt lengths a compiled prefill pads to: at most twice the tokens to 256, 255 more above
+PREFILL_BUCKETS = (16, 32, 64, 128, 256) + tuple(range(512, 2049, 256))
+
+
+def prefill(model, tokens, cache, compiled=None):
+    """Run tokens (ids: a list or a 1-D array) into cache (StaticKVCaches, or mlx-lm's KVCaches),
+    queued; no logits computed. compiled (None: forms.compiled_prefill()): the ids padded at their
+    end to the next of PREFILL_BUCKETS go through one mx.compile'd forward pass (kept on the model
+    as compiled_decode's step; traced once per bucket, capacity, and empty cache or not): no graph
+    for Python to build, fewer kernels. Causal attention keeps the padding out of every real
+    position; its keys and values land past the offset, unread until later tokens write over them.
+    A KVCache gets buffers of cache_capacity positions. Eager where the bucket does not fit the
+    cache, or for other caches."""
+    n, start, static = len(tokens), cache[0].offset, isinstance(cache[0], StaticKVCache)
+    size = next((b for b in PREFILL_BUCKETS if n <= b), None)
+    capacity = cache[0].capacity if static else cache_capacity(model, start + (size or 0))
+    if (not (forms.compiled_prefill() if compiled is None else compiled) or size is None
+            or start + size > capacity or type(cache[0]) not in (StaticKVCache, KVCache)):
+        model(mx.array(tokens)[None], cache=cache)
+        return
+    kept = getattr(model, "_compiled_prefill", None)
+    if kept is None or not kept.current():
+        model._compiled_prefill = CompiledStep(model, mx.compile(partial(_fill, model)))
+    ids, fill = mx.pad(mx.array(tokens), (0, size - n)), model._compiled_prefill.fn
+    grow = [(0, 0), (0, 0), (0, capacity - start), (0, 0)]  # a KVCache's, as its update would
+    kv = [(c.keys, c.values) if static else (mx.pad(c.keys[..., :start, :], grow),
+                                             mx.pad(c.values[..., :start, :], grow))
+          for c in cache if start]
+    kv = fill(ids, decode_offset(start), kv, None) if kv else fill(ids, 0, None, capacity)
+    for c, (k, v) in zip(cache, kv):
+        c.keys, c.values, c.offset = k, v, start + n
+
+
+def _fill(model, ids, offset, kv, capacity):
+    """prefill's forward pass: into new buffers (kv None, offset 0: the ids attend over each other)
+    or into kv's from a decode_offset (over the whole buffers, through a mask)."""
+    cache = (static_caches(kv, position(offset)) if kv
+             else [StaticKVCache(capacity) for _ in model.layers])
+    model(ids[None], cache=cache)
+    return [c.state for c in cache]
 
 
 def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048, compiled=None,
@@ -180,10 +220,9 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
         return pick(*eager_forward(tokens))
 
     # Prefill all but the last prompt token in chunks (bounding the attention scratch memory).
-    # Only the cache is evaluated, so the logits of those positions are never computed.
     while prompt.size > 1:
         n = min(prefill_step, prompt.size - 1)
-        model(prompt[None, :n], cache=cache)
+        prefill(model, prompt[:n], cache, None if compiled else False)
         mx.eval([c.state for c in cache])
         prompt = prompt[n:]
     # The last prompt token goes through the decode step too: compiled, that is one replay, not a
