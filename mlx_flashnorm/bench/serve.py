@@ -95,19 +95,25 @@ def mlx_folder(work):
     return out
 
 
-def server_command(kind, model, port, extra):
+def server_command(kind, model, port, extra, binary=None):
     if kind == "ours":
         return [sys.executable, "-m", "mlx_flashnorm.server", "--model", str(model),
                 "--port", str(port), *extra]
+    if kind == "llama-server":  # every layer on the GPU, flash attention on, as llama_bench runs
+        return [str(binary), "-m", str(model), "--port", str(port), "-ngl", "99", "-fa", "on",
+                *extra]
     return [sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port", str(port)]
 
 
-def start(kind, model, extra, log):
-    """A server process of `kind` ("ours" or "mlx-lm") on a free port, once it answers
-    /v1/models."""
+def start(kind, model, extra, log, binary=None):
+    """A server process of `kind` ("ours" or "mlx-lm" on an MLX folder, or "llama-server",
+    llama.cpp's binary, on a GGUF file) on a free port, once it answers /v1/models."""
     port = free_port()
-    process = subprocess.Popen(server_command(kind, model, port, extra), stdout=subprocess.DEVNULL,
-                               stderr=log, text=True)
+    command = server_command(kind, model, port, extra, binary)
+    try:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, text=True)
+    except OSError as e:
+        raise UserError(f"{command[0]}: cannot run it ({e.strerror})")
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -126,10 +132,12 @@ def start(kind, model, extra, log):
 
 
 def stream_chat(port, prompt, max_tokens, temperature=0.0):
-    """One streamed chat request: (seconds to the first content, seconds per token after it
-    (None below two tokens), completion tokens). Tokens come from the final usage chunk, else count
+    """One streamed chat request (prompt: the user's text, or the messages): (seconds to the first
+    content, seconds per token after it (None below two tokens), completion tokens, prompt tokens
+    (None where the server does not say)). Tokens come from the final usage chunk, else count
     chunks."""
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    body = {"messages": messages, "max_tokens": max_tokens,
             "temperature": temperature, "stream": True,
             "stream_options": {"include_usage": True}}
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
@@ -139,7 +147,7 @@ def stream_chat(port, prompt, max_tokens, temperature=0.0):
     response = conn.getresponse()
     if response.status != 200:
         raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
-    times, tokens = [], None
+    times, tokens, prompt_tokens = [], None, None
     for line in response:
         if not line.startswith(b"data: "):
             continue
@@ -149,13 +157,15 @@ def stream_chat(port, prompt, max_tokens, temperature=0.0):
         chunk = json.loads(data)
         if chunk.get("usage"):
             tokens = chunk["usage"]["completion_tokens"]
+            prompt_tokens = chunk["usage"].get("prompt_tokens")
         if any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
             times.append(time.perf_counter())
     conn.close()
     tokens = tokens or len(times)
     if not times:
-        return None, None, tokens
-    return times[0] - sent, (times[-1] - times[0]) / (tokens - 1) if tokens > 1 else None, tokens
+        return None, None, tokens, prompt_tokens
+    return (times[0] - sent, (times[-1] - times[0]) / (tokens - 1) if tokens > 1 else None, tokens,
+            prompt_tokens)
 
 
 def prompt_of(i, r, tag):
