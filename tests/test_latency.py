@@ -1,5 +1,5 @@
-"""The latency bench plays one seeded conversation per mode, each in a fresh process, and writes its table;
---serve times the first token through real servers."""
+"""The latency bench plays one seeded conversation per mode, each in a fresh process, and writes
+its table; --serve times the first token through real servers."""
 import json
 import random
 
