@@ -58,10 +58,10 @@ class StaticKVCache:
 
     static_rows = True  # buffers of every position and an array offset (flashnorm.decode_stack)
 
-    def __init__(self, capacity):
+    def __init__(self, capacity, offset=0):
         self.capacity = capacity
         self.keys = self.values = None
-        self.offset = 0
+        self.offset = offset
 
     def update_and_fetch(self, keys, values):
         B, H, N, _ = keys.shape
@@ -112,9 +112,9 @@ class StaticKVCache:
 
 def static_caches(kv, offset):
     """StaticKVCaches over kv's buffers ([(keys, values)] per layer), the next token at offset."""
-    cache = [StaticKVCache(k.shape[2]) for k, _ in kv]
+    cache = [StaticKVCache(k.shape[2], offset) for k, _ in kv]
     for c, (k, v) in zip(cache, kv):
-        c.keys, c.values, c.offset = k, v, offset
+        c.keys, c.values = k, v
     return cache
 
 

@@ -127,10 +127,10 @@ def prefill(model, tokens, cache, compiled=None):
     queued; no logits computed. compiled (None: forms.compiled_prefill()): the ids padded at their
     end to the next of PREFILL_BUCKETS go through one mx.compile'd forward pass (kept on the model
     as compiled_decode's step; traced once per bucket, capacity, and empty cache or not): no graph
-    for Python to build, fewer kernels. Causal attention keeps the padding out of every real
-    position; its keys and values land past the offset, unread until later tokens write over them.
-    A KVCache gets buffers of cache_capacity positions. Eager where the bucket does not fit the
-    cache, or for other caches."""
+    for Python to build, fewer kernels, one causal mask for every layer, which keeps the padding
+    out of every real position (its keys and values land past the offset, unread until later
+    tokens write over them). A KVCache gets buffers of cache_capacity positions. Eager where the
+    bucket does not fit the cache, or for other caches."""
     n, start, static = len(tokens), cache[0].offset, isinstance(cache[0], StaticKVCache)
     size = next((b for b in PREFILL_BUCKETS if n <= b), None)
     capacity = cache[0].capacity if static else cache_capacity(model, start + (size or 0))
@@ -141,21 +141,21 @@ def prefill(model, tokens, cache, compiled=None):
     kept = getattr(model, "_compiled_prefill", None)
     if kept is None or not kept.current():
         model._compiled_prefill = CompiledStep(model, mx.compile(partial(_fill, model)))
-    ids, fill = mx.pad(mx.array(tokens), (0, size - n)), model._compiled_prefill.fn
     grow = [(0, 0), (0, 0), (0, capacity - start), (0, 0)]  # a KVCache's, as its update would
     kv = [(c.keys, c.values) if static else (mx.pad(c.keys[..., :start, :], grow),
                                              mx.pad(c.values[..., :start, :], grow))
           for c in cache if start]
-    kv = fill(ids, decode_offset(start), kv, None) if kv else fill(ids, 0, None, capacity)
+    kv = model._compiled_prefill.fn(mx.pad(mx.array(tokens), (0, size - n)), decode_offset(start),
+                                    kv or None, capacity)
     for c, (k, v) in zip(cache, kv):
         c.keys, c.values, c.offset = k, v, start + n
 
 
 def _fill(model, ids, offset, kv, capacity):
-    """prefill's forward pass: into new buffers (kv None, offset 0: the ids attend over each other)
-    or into kv's from a decode_offset (over the whole buffers, through a mask)."""
-    cache = (static_caches(kv, position(offset)) if kv
-             else [StaticKVCache(capacity) for _ in model.layers])
+    """prefill's forward pass from a decode_offset into kv's buffers, or new ones of capacity
+    positions (kv None): the ids attend over the whole buffers (StaticKVCache.make_mask's mask)."""
+    at = position(offset)
+    cache = static_caches(kv, at) if kv else [StaticKVCache(capacity, at) for _ in model.layers]
     model(ids[None], cache=cache)
     return [c.state for c in cache]
 
