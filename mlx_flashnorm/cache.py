@@ -110,14 +110,6 @@ class StaticKVCache:
         return self.keys, self.values
 
 
-def static_caches(kv, offset):
-    """StaticKVCaches over kv's buffers ([(keys, values)] per layer), the next token at offset."""
-    cache = [StaticKVCache(k.shape[2], offset) for k, _ in kv]
-    for c, (k, v) in zip(cache, kv):
-        c.keys, c.values = k, v
-    return cache
-
-
 def make_cache(model, capacity=None):
     """One cache per layer: mlx-lm's growing KVCache, or a StaticKVCache of `capacity` positions."""
     if capacity is None:

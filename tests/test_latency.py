@@ -141,7 +141,8 @@ def test_serve_times_our_server(tiny_llama_dir, tmp_path):
     (["--serve", "--tiny"], "--tiny is for the conversation, not --serve"),
     (["--serve", "--modes", "rms"], "--modes is for the conversation"),
     (["--llama-server", "llama-server"], "--llama-server is for --serve"),
-    (["--serve", "--llama-server", "x", "--model", "y"], "drop --model"),
+    (["--serve", "--llama-server", "x", "--model", "y"], "leave --model unset"),
+    (["--serve", "--llama-server", "{missing}"], "no such executable"),
     (["--serve", "--prompts", "16,x"], "--prompts takes whole numbers of at least 1, not 'x'"),
     (["--serve", "--repeats", "0", "--model", "y"], "--repeats >= 1"),
     (["--serve", "--model", "{missing}"], "not an MLX model folder")])

@@ -45,7 +45,8 @@ from ..loader import default_model_path, load_tokenizer, resolve_dtype
 from .decode import (EAGER, PEER, context_length, device_name, gguf_checkpoint, load_mlx_lm,
                      load_ours, log, mlx_lm_runner, our_runner, parse_modes, positive,
                      random_checkpoint, random_shape, timed, write_atomic)
-from .serve import mlx_folder, percentile, start, stream_chat
+from .serve import (LLAMA, check_llama_server, llama_server_command, mlx_folder, percentile,
+                    server_command, start, stream_chat)
 
 # --serve's prompts: an empty system message (else a template may add its own, as SmolLM2's does,
 # too long for a 16-token prompt), then random words among these (one token each in most
@@ -58,7 +59,7 @@ WORDS = ("time year people way day man thing woman life child world school state
          "end member law car city name team minute idea body back parent face level office door "
          "health person art war history party result change morning reason girl moment air "
          "force").split()
-SERVERS = {"ours": "ours", "mlx-lm": "mlx_lm.server", "llama-server": "llama-server"}
+SERVERS = {"ours": "ours", "mlx-lm": "mlx_lm.server", LLAMA: "llama-server"}
 
 
 def series(n, seed, vocab_size, context, most_tokens=128):
@@ -234,9 +235,7 @@ def ttft_table(report):
 def serve_main(args, argv):
     """--serve: start the servers, warm them up, play the rounds, write ttft.md and ttft.json."""
     lengths = [positive(t, "--prompts") for t in args.prompts.split(",")]
-    if args.llama_server and args.model:
-        raise UserError("--llama-server runs on the embedded SmolLM2's GGUF file, the servers on "
-                        "the same weights: drop --model")
+    binary = args.llama_server and check_llama_server(args.llama_server, args.model)
     if args.repeats < 1 or (args.max_tokens or 4) < 1:
         raise UserError("need --repeats >= 1 and --max-tokens >= 1")
     work, max_tokens = Path(args.work), args.max_tokens or 4
@@ -247,8 +246,14 @@ def serve_main(args, argv):
     # per length: the warm-up's prompt, then each round's
     prompts = {n: [chat_prompt(tokenizer, n, rng) for _ in range(args.repeats + 1)]
                for n in lengths}
-    kinds = ["ours"] + (["mlx-lm"] if args.peer else []) + (["llama-server"]
-                                                           if args.llama_server else [])
+    commands = {"ours": lambda port: server_command("ours", folder, port,
+                                                    args.server_args.split())}
+    if args.peer:
+        commands["mlx-lm"] = lambda port: server_command("mlx-lm", folder, port, [])
+    if binary:  # one slot, its context room for the longest prompt and max_tokens
+        commands[LLAMA] = lambda port: llama_server_command(
+            binary, default_model_path(), port, 1, max(lengths) + max_tokens)
+    kinds = list(commands)
     results = {s: {n: [] for n in lengths} for s in kinds}
     ports, processes = {}, []
     work.mkdir(parents=True, exist_ok=True)
@@ -256,9 +261,7 @@ def serve_main(args, argv):
         for kind in kinds:
             log(f"starting {SERVERS[kind]}...")
             with open(work / f"{kind}.log", "w") as server_log:  # (the child keeps its copy)
-                model = default_model_path() if kind == "llama-server" else folder
-                extra = args.server_args.split() if kind == "ours" else []
-                process, ports[kind] = start(kind, model, extra, server_log, args.llama_server)
+                process, ports[kind] = start(kind, commands[kind], server_log)
             processes.append(process)
         serve_round(ports, {n: p[0][0] for n, p in prompts.items()}, max_tokens, None)
         for r in range(args.repeats):

@@ -3,9 +3,10 @@
 batch_worker.BatchWorker, engine_process.EngineProcess).
 
 A worker has three parts: `slots` (how many requests it generates at once), `submit(generation) ->
-Ticket`, and tokens put on the ticket as they come. The HTTP side counts requests against slots for
-its queue limit, cancels the ticket of a client that hangs up, and turns tokens into text, stop
-strings and log-probabilities itself."""
+Ticket`, and tokens put on the ticket as they come; a batching worker also `kv_tokens`, the
+positions its KV budget holds. The HTTP side counts requests against them for its queue limit,
+cancels the ticket of a client that hangs up, and turns tokens into text, stop strings and
+log-probabilities itself."""
 import queue
 import random
 import threading
