@@ -2,8 +2,8 @@
 to a bucket of lengths (PREFILL_BUCKETS) through one mx.compile'd forward pass leave the same cache,
 the padding changing no result. Every architecture in float32, float16 and bfloat16, into an empty
 cache and after a prefix, into a StaticKVCache (generate_step's) and mlx-lm's KVCache (the
-engine's); the real SmolLM2. On the CPU a prefill runs eagerly unless told (forms.compiled_prefill): these tests
-pass compiled=True, or switch it on."""
+engine's); the real SmolLM2. On the CPU a prefill runs eagerly unless told
+(forms.compiled_prefill): these tests pass compiled=True, or switch it on."""
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
