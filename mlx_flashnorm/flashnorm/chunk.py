@@ -35,9 +35,7 @@ def chunk_spec(embedding, layers, norm, head):
     embedding as a linear), the final norm's gains and epsilon; None where a part is not of the
     forms the kernel computes."""
     spec = _spec(layers)
-    # Gemma's form (GeGLU, post-norms in the gains, RoPE angles a layer) is decode_layers' alone
-    if (spec is None or spec.pop("gelu") or spec["theta"].ndim != 1
-            or spec["gains"] is not None and spec["gains"].shape[1] != 2):
+    if spec is None:
         return None
     mode = spec["norm"]
     emb = _affine(embedding, (nn.QuantizedEmbedding, kernels.QuantizedEmbedding))

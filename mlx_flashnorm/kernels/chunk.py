@@ -201,7 +201,8 @@ def check_decode_chunk(run=None, modes=slice(None, None, 2)):
     reference's logits). run: decode_chunk, or the reference with its logits."""
     run = run or decode_chunk
     L, K, D, V, pos, k = 2, 256, 64, 96, 40, 4
-    layers, caches, HQ, HKV, theta, _ = step.check_stacks(1, pos, 40)[1]
+    theta = step.check_tables(L, K, D)[0]
+    layers, caches, HQ, HKV = step.check_stacks(1, pos, 40)[1]
     # an embedding small beside the layers' outputs (else a tied head picks the input token again)
     embedding = (*mx.quantize(rand((V, K), 50, scale=0.1), 32, 8), 32, 8)
     untied = (*mx.quantize(rand((V, K), 55, scale=0.05), 64, 4), 64, 4)
