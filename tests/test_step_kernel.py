@@ -204,7 +204,7 @@ def test_a_renamed_marker_or_piece_fails(tmp_path):
             if file == "rows.cu":
                 step.compose(folder, "rows.cu", rows.SIZES, 2, own=("device", "body"))
             else:
-                step.compose(folder, "step.cu", step.SIZES, 2, **step.ONE_STEP)
+                step.compose(folder, "step.cu", step.SIZES, 2)
 
 
 def test_sizes_pack_as_the_body_reads_them():
