@@ -1,5 +1,5 @@
-"""The whole-step kernels' self-check inputs (step.check_decode_layers, rows.check_decode_rows,
-chunk.check_decode_chunk), which the tests take too: random stacks of each form the kernels compute
+"""The whole-step kernels' self-check inputs (step.check_decode_layers, rows.check_decode_rows),
+which the tests take too: random stacks of each form the kernels compute
 (random_stack, check_stacks: Llama's, OpenELM's layer-wise sizes, Qwen 2's q/k/v biases at 4 bits
 and full precision, Gemma 3's post-norms, GeGLU, head size 256, sliding window and RoPE angles a
 layer) and each norm mode's tables (check_modes, check_tables)."""
