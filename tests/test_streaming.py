@@ -16,7 +16,7 @@ def stream_on(pair_end, tokenizer, ticket_tokens=8):
     call = Call(False, Generation(tokenizer.encode("Once upon a time"), ticket_tokens), stream=True)
     ticket = Ticket(call.generation)
     left = lambda: False  # noqa: E731 (the peer closing shows as a failed write)
-    return Stream(pair_end, left, ticket, Transcript(tokenizer, call), Answer(call, tokenizer, "m")), ticket
+    return Stream(pair_end, left, ticket, [Transcript(tokenizer, call)], Answer(call, tokenizer, "m")), ticket
 
 
 def events(data):
@@ -112,7 +112,7 @@ def test_an_answer_that_fails_to_render_gets_a_500_and_the_streamer_goes_on(smol
         ours, theirs = socket.socketpair()
         s, ticket = stream_on(ours, tokenizer)
         s.whole = whole
-        monkeypatch.setattr(s.transcript, "add", lambda token: 1 / 0)
+        monkeypatch.setattr(s.transcripts[0], "add", lambda token: 1 / 0)
         ticket.put(Token(tokenizer.encode(" word")[0]))
         assert streamer.run(s) and isinstance(s.failed, ZeroDivisionError)
         ours.close()

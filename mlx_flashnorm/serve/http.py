@@ -156,11 +156,13 @@ class Server(ThreadingHTTPServer):
 
     def done(self, outcome=None):
         """A request taken is answered (outcome: how, metrics.OUTCOMES, for a completion's)."""
-        with self.lock:
+        with self.lock:  # (with the count: requests_active 0 says every answer is counted)
             self.active -= 1
-        self.count(outcome)
+            if outcome is not None:
+                self.outcomes[outcome] += 1
 
     def count(self, outcome):
+        """A completion request answered before it was taken (outcome: how; None: another)."""
         if outcome is not None:
             with self.lock:
                 self.outcomes[outcome] += 1
