@@ -225,7 +225,8 @@ def test_plain_tokens_cross_the_pipe_as_tuples():
     PipedWorker.deliver(child, [Event(plain, 5, step, 0, None), Event(rich, 0, step, 1, "length")])
     assert child.tickets == {7: "plain", 9: "first"}
     PipedWorker.deliver(child, [Event(plain, 9, step, 0, "stop")])
-    assert child.outbox[:1] == [(7, (5, None, 0))] and child.outbox[2:] == [(8, None), (7, (9, "stop", 0)), (7, None)]
+    assert child.outbox[:1] == [(7, (5, None, 0))]
+    assert child.outbox[2:] == [(8, None), (7, (9, "stop", 0)), (7, None)]
     key, token = child.outbox[1]
     assert key == 8 and isinstance(token, Token) and (token.id, token.finish_reason) == (0, "length")
     assert token.top_logprobs[0][0] == 0 and abs(token.logprob - step[1, 0].item()) < 1e-6

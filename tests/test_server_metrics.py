@@ -93,7 +93,8 @@ def test_the_counters_are_the_answers_usage(server, client):
 
     cached = [u.prompt_tokens_details.cached_tokens for u in usages]
     assert usages[1].prompt_tokens_details.cached_tokens > 0  # (the first chat's prompt)
-    assert grew("llamacpp:prompt_tokens_total") == sum(u.prompt_tokens for u in usages) - sum(cached)
+    prompts = sum(u.prompt_tokens for u in usages)
+    assert grew("llamacpp:prompt_tokens_total") == prompts - sum(cached)
     assert grew("mlx_flashnorm:prompt_tokens_cached_total") == sum(cached)
     assert grew("llamacpp:tokens_predicted_total") == sum(u.completion_tokens for u in usages)
     assert usages[2].prompt_tokens == 4 and usages[2].completion_tokens == 8

@@ -16,7 +16,8 @@ def stream_on(pair_end, tokenizer, ticket_tokens=8):
     call = Call(False, Generation(tokenizer.encode("Once upon a time"), ticket_tokens), stream=True)
     ticket = Ticket(call.generation)
     left = lambda: False  # noqa: E731 (the peer closing shows as a failed write)
-    return Stream(pair_end, left, ticket, [Transcript(tokenizer, call)], Answer(call, tokenizer, "m")), ticket
+    answer = Answer(call, tokenizer, "m")
+    return Stream(pair_end, left, ticket, [Transcript(tokenizer, call)], answer), ticket
 
 
 def events(data):

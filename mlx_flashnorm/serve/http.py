@@ -1,11 +1,12 @@
 """The OpenAI-compatible HTTP transport: GET /v1/models, GET /health, GET /metrics (metrics.py),
 POST /v1/chat/completions and POST /v1/completions, plain or streamed as server-sent events;
-OPTIONS answers browsers' preflights. Built on the standard library's ThreadingHTTPServer: each connection has a thread that
-reads and checks its request (openai_api: every field range-checked, a JSON error for anything
-wrong), submits it to the worker it was given (requests.py's interface) and writes the answer from
-the tokens that come back, which one thread reads for every answer (streaming.Streamer), writing a
-streamed one's events itself. Beside the API: the chat page (page.py) at GET /, and llama-server's
-POST /tokenize, /detokenize and /apply-template (tokenizer_api.py).
+OPTIONS answers browsers' preflights. Built on the standard library's ThreadingHTTPServer: each
+connection has a thread that reads and checks its request (openai_api: every field range-checked,
+a JSON error for anything wrong), submits it to the worker it was given (requests.py's interface)
+and writes the answer from the tokens that come back, which one thread reads for every answer
+(streaming.Streamer), writing a streamed one's events itself. Beside the API: the chat page
+(page.py) at GET /, and llama-server's POST /tokenize, /detokenize and /apply-template
+(tokenizer_api.py).
 
 Under load: at most the worker's slots plus max_queue requests are taken at once, the rest get 503
 with Retry-After; a request (headers and body) must arrive within `timeout` seconds (else 408, a
