@@ -12,9 +12,9 @@ from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.sample_utils import greedy_sampler, make_logits_processors, make_sampler
 
-from . import constraints, forms
+from . import chunked, constraints, forms
 from .cache import StaticKVCache, make_cache
 from .chat_template import set_chat_template
 from .errors import UserError
@@ -97,31 +97,39 @@ class CompiledStep:
         return all(len(c) == n for c, n in self.sizes) and all(c[k] is v for c, k, v in self.links)
 
 
-def compiled_decode(model, logits=False):
+def compiled_decode(model, logits=False, chunk=False):
     """The 1-token forward pass as one compiled function of (token, offset, kv buffers), made once
     per model and kept on it: every request reuses it (MLX traces it again only for a new cache
     shape or dtype; a changed model gets a new one). offset: decode_offset(position); the step
     returns (log-probabilities, the next offset, kv). logits: a second step that returns the raw
-    logits instead, for logits processors (a repetition penalty depends on the logits' signs)."""
-    name = "_compiled_logits" if logits else "_compiled_decode"
+    logits instead, for logits processors (a repetition penalty depends on the logits' signs).
+    chunk: a chunked.Compiled instead, up to chunked.STEPS greedy steps in one launch,
+    (token, offset, kv, steps: an int32 array) -> (tokens, the offset after them, kv)."""
+    name = "_compiled_chunk" if chunk else "_compiled_logits" if logits else "_compiled_decode"
     kept = getattr(model, name, None)
     if kept is None or not kept.current():
-        def step(y, offset, kv):
+        spec = chunked.spec(model) if chunk else None
+
+        def step(y, offset, kv, steps=None):
             cache = [StaticKVCache(k.shape[2]) for k, _ in kv]
             for c, (k, v) in zip(cache, kv):
                 c.keys, c.values, c.offset = k, v, position(offset)
+            if chunk:
+                tokens = chunked.forward(spec, y, cache, steps)
+                return tokens, offset + steps[:1], [c.state for c in cache]
             out = model(y[None], cache=cache)[:, -1, :]
             if not logits:
                 out = out - mx.logsumexp(out, axis=-1, keepdims=True)
             return out, offset + 1, [c.state for c in cache]
 
+        fn = mx.compile(step)
         # a plain attribute, not a child
-        setattr(model, name, CompiledStep(model, mx.compile(step)))
+        setattr(model, name, CompiledStep(model, chunked.Compiled(spec, fn) if chunk else fn))
     return getattr(model, name).fn
 
 
 def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048, compiled=None,
-                  cache=None, logits_processors=(), constraint=None):
+                  cache=None, logits_processors=(), constraint=None, with_logprobs=True):
     """Yield (token, logprobs) one at a time. The next step is queued on the device
     (async_eval) before the current token is handed to the caller.
 
@@ -146,7 +154,12 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
     drawn from the masked log-probabilities (those yielded are the model's, unmasked). The mask of
     token n+1 needs token n on the host: step n+1's forward pass is queued before token n is read
     (as without one), and its sampling after, so the host computes the mask while the device runs
-    the forward pass."""
+    the forward pass.
+
+    with_logprobs: False where the caller reads no log-probabilities (None stands in for them):
+    compiled, greedy (sampler None or mlx-lm's greedy one), without logits processors or a
+    constraint, the tokens after the first then come chunked.STEPS a launch where the chunk kernel
+    runs (chunked.py)."""
     sampler = sampler or make_sampler(0.0)
     if compiled is None:
         compiled = forms.compiled_decode() and (cache is None
@@ -159,6 +172,8 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
                          f"{cache[0].offset + prompt.size + max_tokens} are needed")
 
     logits_processors = logits_processors or ()  # (mlx-lm's None too)
+    greedy = (not (with_logprobs or logits_processors) and constraint is None
+              and sampler is greedy_sampler)  # chunked where the chunk kernel runs
     seen = prompt  # the tokens so far, for logits_processors
 
     def pick(logits, normalized=False):
@@ -207,12 +222,19 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
     def step(y):
         return pick(*forward(y))
 
+    run = None
     try:
         if constraint is not None:
             yield from constrained(forward, pick, first or forward(prompt), max_tokens, constraint)
             return
         y, logprobs = pick(*first) if first else step(prompt)
         mx.async_eval(y, logprobs)
+        # asked once the first step is queued (its host work then overlaps the device's)
+        if greedy and compiled and (chunks := compiled_decode(model, chunk=True)).runs(kv):
+            # base: the cache's offset after the last prompt token
+            run = chunked.Run(chunks, offset, kv, cache[0].offset + (first is None))
+            yield from run.tokens(y, max_tokens)
+            return
         for n in range(max_tokens):
             if n + 1 < max_tokens:
                 next_y, next_logprobs = step(y)
@@ -222,8 +244,9 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
                 y, logprobs = next_y, next_logprobs
     finally:
         if compiled:  # hand the buffers back, for a caller that keeps the cache
+            kv, at = (run.kv, run.kept) if run else (kv, position(offset).item())
             for c, (k, v) in zip(cache, kv):
-                c.keys, c.values, c.offset = k, v, position(offset).item()
+                c.keys, c.values, c.offset = k, v, at
 
 
 def constrained(forward, pick, out, max_tokens, constraint):
@@ -256,7 +279,8 @@ def warmup(model, compiled=None):
     call it on the thread that will generate. compiled: as generate_step takes it."""
     prompt = (mx.arange(min(WARMUP_PROMPT, context_length(model) - WARMUP_STEPS))
               % model.args.vocab_size)
-    for _ in generate_step(prompt, model, max_tokens=WARMUP_STEPS, compiled=compiled):
+    for _ in generate_step(prompt, model, max_tokens=WARMUP_STEPS, compiled=compiled,
+                           with_logprobs=False):  # the chunked steps too, where they run
         pass
 
 
@@ -441,7 +465,8 @@ def check_ids(ids, vocab):
 def stream_generate(model, tokenizer, prompt, max_tokens=256, temp=0.0, top_p=1.0, top_k=0,
                     seed=None, chat_template=True, prefill_step=512, cache=None, min_p=0.0,
                     logits_processors=(), system_prompt=None, max_kv_size=None, kv_bits=None,
-                    kv_group_size=64, sampler=None, json_schema=None, grammar=None):
+                    kv_group_size=64, sampler=None, json_schema=None, grammar=None,
+                    with_logprobs=True):
     """Yield a Response per generated token; prompt is a string or a list of token ids.
     cache: a cache list holding earlier tokens, to continue after them (generate_step): a
     StaticKVCache list, or mlx-lm caches (eager_cache), which decode eagerly. max_kv_size, kv_bits:
@@ -451,7 +476,8 @@ def stream_generate(model, tokenizer, prompt, max_tokens=256, temp=0.0, top_p=1.
     the (1, vocabulary) log-probabilities giving the (1,) token), in place of temp, top_p, top_k
     and min_p. json_schema: a JSON schema (a dict or its JSON text) the generated text follows
     (constrained decoding: the generation ends where the JSON text does); grammar: an llguidance
-    grammar (constraints.py) instead."""
+    grammar (constraints.py) instead. with_logprobs: False where the caller reads no
+    Response.logprobs (None then): a greedy request may decode in chunks (generate_step)."""
     check_limits(max_tokens, seed)
     if sampler is None:
         sampler = make_sampler_for(temp, top_p, top_k, min_p)
@@ -479,7 +505,8 @@ def stream_generate(model, tokenizer, prompt, max_tokens=256, temp=0.0, top_p=1.
     prompt_tps = 0.0
     n = 0
     steps = generate_step(mx.array(tokens), model, sampler, max_tokens, prefill_step, cache=cache,
-                          logits_processors=logits_processors, constraint=constraint)
+                          logits_processors=logits_processors, constraint=constraint,
+                          with_logprobs=with_logprobs)
     with closing(steps):  # closed at once, so that a kept cache gets its buffers back
         for n, (token, logprobs) in enumerate(steps, 1):
             if n == 1:
@@ -523,7 +550,8 @@ def generate(model, tokenizer, prompt, max_tokens=256, verbose=False, **kwargs) 
     if verbose:
         print(rule)
     text, r = "", None
-    for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs):
+    for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, with_logprobs=False,
+                             **kwargs):
         text += r.text
         if verbose:
             print(r.text, end="", flush=True)

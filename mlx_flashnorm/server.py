@@ -1,10 +1,11 @@
 """The OpenAI-compatible server command: `python -m mlx_flashnorm.server`.
 
 The flags and the wiring: the model loaded, the worker chosen and the HTTP transport (serve/http.py)
-started over it. The worker decodes up to --max-concurrent requests together (serve/batch_worker:
-continuous batching, with a prompt cache of --prompt-cache-size MB, in a process of its own:
-serve/engine_process); --max-concurrent 1 serves one request at a time on the compiled one-request
-path (serve/serial.SerialWorker: our fused kernels where they run, no prompt cache).
+started over it. The worker decodes requests together (serve/batch_worker: continuous batching,
+with a prompt cache of --prompt-cache-size MB, in a process of its own: serve/engine_process), as
+many as the KV cache's budget (--kv-budget) holds, at most --max-concurrent; --max-concurrent 1
+serves one request at a time on the compiled one-request path (serve/serial.SerialWorker: our fused
+kernels where they run, no prompt cache).
 
 Under `mlx.launch -n N` the model is split over the N processes (shard.py): rank 0 serves, one
 request at a time (SerialWorker hands each to the other ranks, whose serial.follow() generates it
@@ -28,14 +29,13 @@ from .decoding import load_from_args, make_sampler_for, wants_warmup
 from .errors import UserError, run_cli
 from .lockstep import leads
 from .serve import http
-from .serve.batch_worker import BatchWorker
+from .serve.batch_worker import KV_BUDGET, MAX_ROWS, BatchWorker
 from .serve.engine_process import RESTARTS, EngineProcess
 from .serve.openai_api import HTTPError
 from .serve.serial import SerialWorker, follow
 from .shard import world
 
 API_KEY_VARIABLE = "MLX_FLASHNORM_API_KEY"
-MAX_CONCURRENT = 32  # requests decoded together (mlx_lm.server's default)
 PROMPT_CACHE_MB = 512  # the prompt cache's bound
 PREFILL_STEP = 2048  # prompt tokens prefilled per engine step, at most (mlx-lm's prefill step)
 # seconds the requests in flight may take to finish once the server is told to stop: within the
@@ -53,17 +53,18 @@ class Stop(Exception):
 
 class Server(http.Server):
     """The HTTP server over the worker that max_concurrent says, running model: 1, one request at a
-    time (SerialWorker); more, a BatchWorker of that many rows with a prompt cache of
-    prompt_cache_bytes. worker: a worker to serve instead (model is then unused). warm: warm the
-    model up on the worker thread before serving. The rest as http.Server's."""
+    time (SerialWorker); else a BatchWorker of at most that many rows (None: as many as kv_budget
+    holds, at most MAX_ROWS) with a prompt cache of prompt_cache_bytes and a KV cache within
+    kv_budget (BatchWorker's). worker: a worker to serve instead (model is then unused). warm: warm
+    the model up on the worker thread before serving. The rest as http.Server's."""
 
     def __init__(self, model, tokenizer, model_id, host="127.0.0.1", port=8080, max_tokens=256,
-                 temp=0.0, top_p=1.0, top_k=0, warm=False, *, max_concurrent=MAX_CONCURRENT,
+                 temp=0.0, top_p=1.0, top_k=0, warm=False, *, max_concurrent=None,
                  prompt_cache_bytes=PROMPT_CACHE_MB * 2**20, prefill_step=PREFILL_STEP, worker=None,
-                 **limits):
+                 kv_budget=None, **limits):
         worker = worker or (SerialWorker(model, tokenizer, warm) if max_concurrent == 1 else
                             BatchWorker(model, tokenizer, warm, max_concurrent, prompt_cache_bytes,
-                                        prefill_step))
+                                        prefill_step, kv_budget=kv_budget))
         super().__init__(worker, tokenizer, model_id, host, port, max_tokens, temp, top_p, top_k,
                          **limits)
         self.stopped = None  # why serve_forever returned (a Stop)
@@ -130,6 +131,25 @@ def loopback(host):
         return False
 
 
+UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def kv_budget(text):
+    """--kv-budget's value: bytes (an int; a suffix K, M, G or T multiplies by 2**10, 2**20...),
+    or a fraction of the device's memory (a float above 0, at most 1); a UserError for anything
+    else."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    try:
+        size = (int(float(t[:-1]) * UNITS[t[-1]]) if t[-1:] in UNITS
+                else float(t) if "." in t else int(t))
+    except ValueError:
+        size = 0
+    if not (0 < size <= 1 if isinstance(size, float) else size > 1):
+        raise UserError(f"--kv-budget must be bytes (8G, 512M, 1073741824) or a fraction of the "
+                        f"device's memory (0.25), not '{text}'")
+    return size
+
+
 def arg_parser():
     p = argparse.ArgumentParser(
         prog="python -m mlx_flashnorm.server",
@@ -164,14 +184,23 @@ def arg_parser():
                    help="read special tokens' text in chat messages (<|im_end|> in a user's "
                         "message) as the tokens, as before, so that a client can write turns of "
                         "its own (default: as text; only the chat template writes them)")
-    p.add_argument("--max-queue", type=int, default=64,
-                   help="requests that may wait while the worker is busy; beyond, 503 with "
-                        "Retry-After")
+    p.add_argument("--max-queue", type=int,
+                   help="requests that may wait while the worker is busy, at most; beyond, 503 "
+                        "with Retry-After (default: as many as --kv-budget holds, each its prompt "
+                        f"and max_tokens; with --max-concurrent 1, {http.MAX_QUEUE})")
     p.add_argument("--max-body", type=int, default=http.MAX_BODY,
                    help="request body bytes at most (beyond: 413)")
-    p.add_argument("--max-concurrent", type=int, default=MAX_CONCURRENT,
-                   help="requests decoded together, in one batch; 1: one at a time on the compiled "
+    p.add_argument("--max-concurrent", type=int,
+                   help="requests decoded together, in one batch, at most (default: as many as "
+                        f"--kv-budget holds, at most {MAX_ROWS}); 1: one at a time on the compiled "
                         "one-request path (no prompt cache)")
+    p.add_argument("--kv-budget", metavar="SIZE",
+                   help="memory for the batch's KV cache, like llama-server's context size: bytes "
+                        "(suffix K, M, G or T: 8G) or a fraction of the device's memory (0.5); "
+                        "requests wait while the batch with them would not fit, and the server "
+                        "takes requests while their prompts and max_tokens fit it, past that 503 "
+                        f"(default: {KV_BUDGET:g} of the device's memory, at least one request at "
+                        "the model's whole context)")
     p.add_argument("--prompt-cache-size", type=float, default=PROMPT_CACHE_MB, metavar="MB",
                    help="memory for the KV states of earlier prompts and replies, so that a shared "
                         "prefix (a system prompt, a conversation's earlier turns) is not computed "
@@ -204,7 +233,7 @@ def arg_parser():
 def main(argv=None):
     args = arg_parser().parse_args(argv)
     make_sampler_for(args.temp, args.top_p, args.top_k)  # checks the sampling flags
-    if args.max_queue < 0 or args.max_body < 1 or not args.timeout > 0:
+    if (args.max_queue or 0) < 0 or args.max_body < 1 or not args.timeout > 0:
         raise UserError("--max-queue must be at least 0, --max-body at least 1 and --timeout "
                         "above 0")
     if args.request_timeout is not None and not 0 < args.request_timeout < float("inf"):
@@ -212,9 +241,12 @@ def main(argv=None):
                         f"{args.request_timeout:g}")
     if args.engine_restarts < 0 or not 0 <= args.drain_timeout < float("inf"):
         raise UserError("--engine-restarts and --drain-timeout must be at least 0")
-    if args.max_concurrent < 1 or not args.prompt_cache_size >= 0 or args.prefill_step_size < 1:
+    if ((args.max_concurrent is not None and args.max_concurrent < 1)
+            or not args.prompt_cache_size >= 0 or args.prefill_step_size < 1):
         raise UserError("--max-concurrent and --prefill-step-size must be at least 1 and "
                         "--prompt-cache-size (MB) at least 0")
+    if args.kv_budget is not None:
+        args.kv_budget = kv_budget(args.kv_budget)
     api_key = args.api_key or os.environ.get(API_KEY_VARIABLE) or None
     if leads():
         check_listen(args.host, args.port)
@@ -227,10 +259,10 @@ def main(argv=None):
             print("note: under mlx.launch the server generates one request at a time "
                   "(--max-concurrent 1)", file=sys.stderr)
         args.max_concurrent = 1
-    if world() is None and args.max_concurrent > 1:  # the batch engine in a process of its own
+    if world() is None and args.max_concurrent != 1:  # the batch engine in a process of its own
         worker = EngineProcess(args, wants_warmup(args), args.max_concurrent,
                                int(args.prompt_cache_size * 2**20), args.prefill_step_size,
-                               args.engine_restarts)
+                               args.engine_restarts, args.kv_budget)
         model, tokenizer = None, worker.tokenizer
     else:
         worker = None

@@ -114,8 +114,9 @@ def test_the_counters_are_the_answers_usage(server, client):
         "llamacpp:prompt_tokens": "counter", "llamacpp:tokens_predicted": "counter",
         "llamacpp:requests_processing": "gauge", "llamacpp:requests_deferred": "gauge",
         "llamacpp:kv_cache_usage_ratio": "gauge", "mlx_flashnorm:requests": "counter"}
-    assert (after["mlx_flashnorm:batch_rows_max"], after["mlx_flashnorm:requests_active_max"]) == (
-        4, 4 + 64)
+    assert after["mlx_flashnorm:batch_rows_max"] == 4
+    assert after["mlx_flashnorm:kv_budget_tokens"] == server.worker.kv_tokens
+    assert after["mlx_flashnorm:kv_budget_tokens_held"] == 0
 
 
 def test_health_and_the_gauges_show_the_batch(server, client):
@@ -136,6 +137,9 @@ def test_health_and_the_gauges_show_the_batch(server, client):
             gauges["llamacpp:requests_deferred"]) == (3, 3, 2)
     assert gauges["llamacpp:kv_cache_tokens"] >= batch["kv_cache_tokens"]
     assert gauges["mlx_flashnorm:requests_active"] == 2
+    # (the KV positions they may write, a row a choice)
+    prompt = len(server.tokenizer.encode(COUNTING))
+    assert gauges["mlx_flashnorm:kv_budget_tokens_held"] == 3 * (prompt + 400) + 2 * (prompt + 2)
     stream.close()  # (the client leaves)
     waiting.join(WAIT)
     assert not waiting.is_alive()

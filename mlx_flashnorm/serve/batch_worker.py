@@ -1,20 +1,23 @@
 """The server's batching worker: an engine.BatchEngine stepped on a thread of its own, fed the
 server's tickets (requests.py's interface), a burst that finds it idle gathered so that it prefills
 together."""
+import os
 import queue
 import time
 
 import mlx.core as mx
 
-from ..decoding import context_length
+from ..decoding import CAPACITY_STEP, cache_capacity, context_length
+from ..errors import UserError
 from .engine import FEED_WAIT, BatchEngine
 from .prompt_cache import PromptCache
 from .requests import Load, Ticket, token_of
 from .sequence import Request
 from .serial import MAX_CHOICES, serve_on_thread
-from .slots import Slots, bucket, needed_capacity
+from .slots import Slots, bucket, kv_layout, most_rows, needed_capacity, token_bytes
 
-
+KV_BUDGET = 0.25  # the batch's KV cache by default: this fraction of the device's memory
+MAX_ROWS = 256  # rows decoded together at most unless max_batch says otherwise
 LOAD_EVERY = 0.1  # seconds between the Loads a busy engine's worker takes
 
 
@@ -28,24 +31,35 @@ class BatchWorker:
     gather: (gap, most) in seconds: a request that finds the engine idle waits until no other came
     for `gap`, at most `most` in all, so that a burst's requests prefill in one call rather than the
     first alone and the rest behind it (bench/RESULTS.md, "Serving").
+    max_batch, kv_budget: the rows and KV memory (kv_limits) from which follow `slots`, the rows
+    decoded together, and `kv_tokens`, the positions the budget holds, against which the server
+    counts the requests it takes.
 
     A request of n choices is n Requests, the first holding the others as its twins (one prefill,
     a row each: engine.py). `load`: the engine's requests.Load, taken after a step at most every
     LOAD_EVERY seconds while it is busy and whenever it goes idle (so that its counters are whole
     once the requests are answered), before that step's tokens are handed out."""
 
-    def __init__(self, model, tokenizer, warm=False, max_batch=32, prompt_cache_bytes=0,
-                 prefill_step=2048, gather=(0.002, 0.02)):
-        self.slots, self.gather = max_batch, gather
-        self.choices = min(MAX_CHOICES, max_batch)  # (every choice of a request decodes at once)
+    def __init__(self, model, tokenizer, warm=False, max_batch=None, prompt_cache_bytes=0,
+                 prefill_step=2048, gather=(0.002, 0.02), kv_budget=None):
+        self.gather = gather
         self.load, self.looked = Load(), 0.0  # the last Load and when it was taken
         self.context_length, self.vocab_size = context_length(model), model.args.vocab_size
-        cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
-        self.engine = BatchEngine(model, max_batch, prefill_step, cache, feed_wait=FEED_WAIT)
         self.tokenizer, self.stop_tokens = tokenizer, frozenset(tokenizer.eos_token_ids)
         self.inbox = queue.Queue()
         self.cancels = False  # a ticket was cancelled since the last look (set from any thread)
-        serve_on_thread(model, self._serve, (lambda: warmup(self.engine)) if warm else None)
+
+        def start():  # (kv_limits reads the cache's layout off a model call: on the thread)
+            self.slots, budget, self.kv_tokens = kv_limits(model, max_batch, kv_budget)
+            # (every choice of a request decodes at once)
+            self.choices = min(MAX_CHOICES, self.slots)
+            cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
+            self.engine = BatchEngine(model, self.slots, prefill_step, cache, feed_wait=FEED_WAIT,
+                                      kv_budget=budget)
+            if warm:
+                warmup(self.engine)
+
+        serve_on_thread(model, self._serve, start)
 
     def submit(self, generation):
         return self.enqueue(Ticket(generation))
@@ -129,6 +143,39 @@ class BatchWorker:
                 ticket = self.inbox.get(timeout=wait) if wait > 0 else self.inbox.get_nowait()
         except queue.Empty:
             pass
+
+
+def kv_limits(model, max_batch=None, kv_budget=None):
+    """(rows, budget bytes, positions) of a batch of model's like llama-server's context size:
+    kv_budget, what the batch's KV cache may take, in bytes (an int) or as a fraction of the
+    device's memory (a float; None: KV_BUDGET, at least one request at the model's whole context);
+    the rows of one cache step's capacity (decoding.CAPACITY_STEP) it holds, at most max_batch
+    (None: MAX_ROWS); the positions it holds. A budget given below one request at the model's
+    whole context is a UserError."""
+    per_token = token_bytes(kv_layout(model))
+    whole = cache_capacity(model, context_length(model))
+    budget = budget_bytes(KV_BUDGET if kv_budget is None else kv_budget)
+    if budget < whole * per_token:
+        if kv_budget is not None:
+            raise UserError(f"--kv-budget {budget} bytes holds {budget // per_token} positions of "
+                            f"this model's KV cache, fewer than one request at its context of "
+                            f"{whole}: give at least {whole * per_token}")
+        budget = whole * per_token
+    rows = most_rows(budget // per_token // cache_capacity(model, CAPACITY_STEP))
+    return min(max_batch or MAX_ROWS, rows), budget, budget // per_token
+
+
+def device_memory():
+    """Bytes of the default device's memory as MLX reports it (Metal: memory_size, CUDA:
+    total_memory); on the CPU, the machine's."""
+    info = mx.device_info()
+    size = info.get("memory_size") or info.get("total_memory")
+    return int(size) if size else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def budget_bytes(budget):
+    """A KV budget in bytes: an int is bytes, a float the fraction of the device's memory."""
+    return int(budget * device_memory()) if isinstance(budget, float) else budget
 
 
 def event_token(e):

@@ -53,12 +53,13 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from .. import forms
-from ..decoding import context_length
+from ..decoding import cache_capacity, context_length
 from .prompt_cache import common_prefix
 from .requests import Load
 from .runner import queue_step, settle
 from .sequence import Event, Request
-from .slots import Slots, bucket, kv_layout, needed_capacity, one_row_cache, rows_of
+from .slots import (Slots, bucket, kv_layout, need, needed_capacity, one_row_cache, rows_of,
+                    token_bytes)
 
 
 # steps the rows fit a smaller bucket before it is taken: a wave that ended shrank the batch to one
@@ -101,12 +102,18 @@ class BatchEngine:
     model calls that prefilled (newcomers arriving together share one: _prefill_together). The
     batch is a slots.Slots (self.slots, None while empty) of bucket(rows) slots: more rows
     grow it, few rows for more than SHRINK_AFTER steps shrink it (to a quarter, or one row: the
-    one-request compiled step, `solo`), its larger slots set aside (spare) for the next wave."""
+    one-request compiled step, `solo`), its larger slots set aside (spare) for the next wave.
+    kv_budget: bytes the batch's slots may take, those set aside with them (None: no bound): a
+    request waits until the batch with it fits, each row at the capacity of the longest (its
+    prompt and max_tokens). The batch is sized for every request taken in (those still under
+    prefill too), so that a burst prefilled over several steps grows it once: a bucket grown
+    copies every live row into the new buffers, a row joining inside its bucket copies none."""
 
     def __init__(self, model, max_batch=32, prefill_step=2048, prompt_cache=None, feed=32,
-                 feed_wait=None):
+                 feed_wait=None, kv_budget=None):
         self.model, self.max_batch, self.prefill_step, self.feed = (
             model, max_batch, prefill_step, feed)
+        self.kv_budget = kv_budget
         self.feed_wait, self.periods, self.read_at = feed_wait, deque(maxlen=64), None
         self.prompt_cache = prompt_cache
         self.waiting = deque()
@@ -139,6 +146,12 @@ class BatchEngine:
         request.max_tokens = min(request.max_tokens, room)
         for t in request.twins:
             t.max_tokens = request.max_tokens
+        rows = 1 + len(request.twins)
+        if self.kv_budget is not None and self._nbytes(rows, need(request)) > self.kv_budget:
+            raise ValueError(f"a prompt of {len(request.tokens)} tokens and max_tokens "
+                             f"{request.max_tokens} need {self._nbytes(rows, need(request))} "
+                             f"bytes of KV cache ({rows} rows), more than the budget of "
+                             f"{self.kv_budget}")
         self.waiting.append(request)
 
     @property
@@ -157,13 +170,16 @@ class BatchEngine:
 
     def load(self):
         """requests.Load: the counters, and the batch's rows and cache now (waiting: with every
-        choice a row)."""
+        choice a row; the cache's room: the positions kv_budget holds, or the slots' without
+        one)."""
         s, rows = self.slots, self.rows
         return Load(self.prefilled, self.cached_tokens, self.prompt_seconds, self.generated,
                     self.generation_seconds, self.steps + self.prefill_calls, self.steps,
                     self.rows_stepped, len(rows), self._admitted(),
                     sum(1 + len(r.twins) for r in self.waiting),
-                    sum(s.pos[r.slot] for r in rows), s.size * s.capacity if s else 0)
+                    sum(s.pos[r.slot] for r in rows),
+                    self.kv_budget // token_bytes(self._layout()) if self.kv_budget is not None
+                    else s.size * s.capacity if s else 0)
 
     def _admitted(self):
         """Rows taken: in the batch, joining it, or under prefill (with their twins)."""
@@ -233,10 +249,19 @@ class BatchEngine:
                 self.slots.store(self.prompt_cache)
                 self._renumber(self.slots.moved(s))  # with what they kept
             self.spare = None
-        while self.waiting and (self._admitted() + len(fed) + len(self.waiting[0].twins)
-                                < self.max_batch):
+        count = longest = 0
+        if self.waiting:  # (a step with none waiting adds no host work per row)
+            taken = (self.rows + [f.request for f in self.filling]
+                     + [j.request for j in self.joining])
+            count = len(taken) + sum(len(f.request.twins) for f in self.filling)
+            longest = max(map(need, taken), default=0)
+        # (a request takes a row for each of its choices)
+        while (self.waiting and count + 1 + len(self.waiting[0].twins) <= self.max_batch
+               and self._fits(count + 1 + len(self.waiting[0].twins),
+                              max(longest, need(self.waiting[0])))):
             r = self.waiting.popleft()
             r.began = time.perf_counter()
+            count, longest = count + 1 + len(r.twins), max(longest, need(r))
             n, block, row = self.prompt_cache.find(r.tokens) if self.prompt_cache else (0, None, 0)
             reusable = self.slots is not None and self.prompt_cache is not None
             slot, kept = self.slots.reuse(r.tokens) if reusable else (None, 0)
@@ -336,6 +361,22 @@ class BatchEngine:
         self.prefill_calls += 1
         return longest * len(group)
 
+    def _fits(self, rows, longest):
+        """Whether a batch of `rows` rows, the longest writing `longest` positions, fits kv_budget
+        beside the slots set aside (dropped, what they kept stored, where only they are in the
+        way)."""
+        if self.kv_budget is None:
+            return True
+        size = self._nbytes(rows, longest)
+        if self.spare is not None and size + self.spare.nbytes > self.kv_budget >= size:
+            self.spare.store(self.prompt_cache)
+            self.spare = None
+        return size + (self.spare.nbytes if self.spare is not None else 0) <= self.kv_budget
+
+    def _nbytes(self, rows, longest):
+        """Bytes of slots for `rows` rows, the longest writing `longest` positions."""
+        return bucket(rows) * cache_capacity(self.model, longest) * token_bytes(self._layout())
+
     @staticmethod
     def _begun(f):
         """Whether a chunk of f's prompt past its cached prefix was run."""
@@ -405,7 +446,9 @@ class BatchEngine:
         rows = running + [j.request for j in self.joining]
         if not rows:
             return
-        size, capacity = bucket(len(rows)), needed_capacity(self.model, rows)
+        # room for those under prefill too: they join within a few steps
+        coming = rows + [r for f in self.filling for r in [f.request] + f.request.twins]
+        size, capacity = bucket(len(coming)), needed_capacity(self.model, coming)
         s = self.slots
         small = s is not None and size < s.size and (size == 1 and forms.compiled_decode()
                                                      or 4 * size <= s.size)
@@ -417,17 +460,15 @@ class BatchEngine:
         elif self.idle and small and size == 1:
             # a lone newcomer to an idle engine runs solo at once; the slots wait aside for the
             # next wave, with what they kept
-            self.spare = s
             self._renumber(s.resized(size, capacity))
-            s.vacate()
+            self._set_aside(s)
         elif size > s.size or capacity > s.capacity or self.small > SHRINK_AFTER:
             s.store(self.prompt_cache)  # (free slots' contents are not carried)
             self._renumber(s.resized(size, capacity))
             if size < s.size and self.spare is None:
                 # (a wave prefilled into few slots grown again took a far longer first step than one
                 # whose slots waited aside: bench/RESULTS.md, "Serving")
-                self.spare = s
-                s.vacate(ran=True)
+                self._set_aside(s, ran=True)
         # the slots insert takes
         if set(self.slots.free()[:len(self.joining)]) & set(self.slots.unstored):
             self.slots.store(self.prompt_cache)
@@ -443,6 +484,15 @@ class BatchEngine:
                 if j.request.logits_processors:
                     j.request.seen = mx.array(j.request.tokens)
         self.joining = []
+
+    def _set_aside(self, s, ran=False):
+        """Keep slots s, which the batch left, for the next wave (spare: Slots.vacate) where they
+        fit kv_budget beside the batch's; else what they kept goes to the prompt cache."""
+        if self.kv_budget is not None and s.nbytes + self.slots.nbytes > self.kv_budget:
+            s.store(self.prompt_cache)
+            return
+        self.spare = s
+        s.vacate(ran)
 
     def _read(self, step):
         """Events of a queued step's rows still in the batch (waiting for its tokens)."""

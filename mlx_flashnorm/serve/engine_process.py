@@ -13,7 +13,8 @@ message, with the engine's requests.Load where the child's worker took one (Batc
 
 EngineProcess has the worker interface (requests.py: slots, choices, load, submit(generation) ->
 Ticket, close()), plus the model's context_length and vocab_size, which the server checks requests
-against, and `problem`: why it takes no requests now (None: it does). Its load's counters go on
+against, the child's kv_tokens (BatchWorker's: its KV budget, which the server counts requests
+against), and `problem`: why it takes no requests now (None: it does). Its load's counters go on
 across restarts (a dead child's last ones kept). The child is supervised: if it dies, every
 request in flight fails with an error naming its exit (the server answers a 500: a stream's error
 event, then [DONE]), `problem` says so at once (the server's /health answers 503 and new requests
@@ -53,27 +54,29 @@ def exit_status(code):
 
 
 class EngineProcess:
-    def __init__(self, args, warm=False, max_batch=32, prompt_cache_bytes=0, prefill_step=2048,
-                 restarts=RESTARTS):
+    def __init__(self, args, warm=False, max_batch=None, prompt_cache_bytes=0, prefill_step=2048,
+                 restarts=RESTARTS, kv_budget=None):
         """args: the server's parsed flags (the model flags of cli.add_model_args: the child loads
         with decoding.load_from_args); restarts: how many times a dead child is replaced; the rest
         as BatchWorker's. Returns once the child has loaded (and warmed up); a load error
         (UserError) is raised here."""
-        self.slots, self.choices = max_batch, min(MAX_CHOICES, max_batch)
         # the child's last Load, and the counters of the children before it
         self.latest, self.earlier = Load(), Load()
-        self.setup = (args, warm, max_batch, prompt_cache_bytes, prefill_step)
+        self.setup = (args, warm, max_batch, prompt_cache_bytes, prefill_step, kv_budget)
         self.restarts, self.restarted = restarts, 0
         self.tickets, self.keys, self.lock = {}, itertools.count(), threading.Lock()
         self.problem = None  # why no request is taken now (None: they are)
         self.closing = False
         self.fatal = None  # why the engine is gone for good
-        _, self.tokenizer, self.context_length, self.vocab_size = self._start()
+        (_, self.tokenizer, self.context_length, self.vocab_size, self.slots,
+         self.kv_tokens) = self._start()
+        self.choices = min(MAX_CHOICES, self.slots)
         threading.Thread(target=self._supervise, daemon=True).start()
 
     def _start(self):
         """Start a child and hand it the setup; its reply ("ready", tokenizer, context length, vocab
-        size) once it has loaded. A load error is raised (a UserError where the child died)."""
+        size, slots, kv_tokens) once it has loaded. A load error is raised (a UserError where the
+        child died)."""
         here, there = socket.socketpair()
         with there:
             self.process = process = subprocess.Popen(
@@ -230,9 +233,9 @@ class PipedWorker(BatchWorker):
     """The child's BatchWorker: its tickets carry the server's keys, and their tokens go back over
     the pipe, one message per engine step (flush)."""
 
-    def __init__(self, conn, *args):
+    def __init__(self, conn, *args, **kwargs):
         self.conn, self.outbox, self.tickets = conn, [], {}  # tickets: by key, until finished
-        super().__init__(*args)
+        super().__init__(*args, **kwargs)
 
     def submit(self, generation, key):
         ticket = self.tickets[key] = Ticket(generation)
@@ -278,22 +281,24 @@ class PipedWorker(BatchWorker):
 
 
 def serve_engine(conn):
-    """The child: take (flags, warm, max_batch, prompt_cache_bytes, prefill_step), load, reply
-    ("ready", tokenizer, context length, vocab size) or ("failed", exception), then take ("add",
-    key, generation), ("cancel", key), ("drop", key, choice) and ("close",) until the server
-    closes or goes. Ctrl-C and SIGTERM (sent to every process of a terminal's job, or of a systemd
-    service) are the server's to take: it drains, then closes the child."""
+    """The child: take (flags, warm, max_batch, prompt_cache_bytes, prefill_step, kv_budget), load,
+    reply ("ready", tokenizer, context length, vocab size, slots, kv_tokens) or ("failed",
+    exception), then take ("add", key, generation), ("cancel", key), ("drop", key, choice) and
+    ("close",) until the server closes or goes. Ctrl-C and SIGTERM (sent to every process of a
+    terminal's job, or of a systemd service) are the server's to take: it drains, then closes the
+    child."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        args, warm, max_batch, prompt_cache_bytes, prefill_step = conn.recv()
+        args, warm, max_batch, prompt_cache_bytes, prefill_step, kv_budget = conn.recv()
         model, tokenizer = load_from_args(args, warm=False)
         worker = PipedWorker(conn, model, tokenizer, warm, max_batch, prompt_cache_bytes,
-                             prefill_step)
+                             prefill_step, kv_budget=kv_budget)
     except BaseException as e:
         return conn.send(("failed", e))
     try:
-        conn.send(("ready", tokenizer, context_length(model), model.args.vocab_size))
+        conn.send(("ready", tokenizer, context_length(model), model.args.vocab_size,
+                   worker.slots, worker.kv_tokens))
     except OSError:  # the server went while the model loaded
         return
     while True:

@@ -8,8 +8,10 @@ and writes the answer from the tokens that come back, which one thread reads for
 (page.py) at GET /, and llama-server's POST /tokenize, /detokenize and /apply-template
 (tokenizer_api.py).
 
-Under load: at most the worker's slots plus max_queue requests are taken at once, the rest get 503
-with Retry-After; a request (headers and body) must arrive within `timeout` seconds (else 408, a
+Under load: requests wait for the worker while the KV cache they would all need together (each its
+prompt and max_tokens) fits the worker's budget (kv_tokens), and, where max_queue is set, while at
+most the worker's slots plus max_queue are taken; past that they get 503 with Retry-After; a
+request (headers and body) must arrive within `timeout` seconds (else 408, a
 request cut off in its head too) and be at most max_body bytes; a client that hangs up, streaming
 or not, is noticed within streaming.POLL seconds (a streamed one also at its next write) and its
 request dropped by the worker at its next step."""
@@ -30,6 +32,7 @@ from .requests import Load
 from .streaming import SHUT, Stream, Streamer, event
 
 RETRY_AFTER = 1  # seconds, in a 503's Retry-After
+MAX_QUEUE = 64  # requests waiting beyond a worker's slots where it has no KV budget (kv_tokens)
 MAX_BODY = 2**20  # bytes: a prompt filling a 128k-token context is about 0.5 MB of JSON
 # seconds: a body of unknown length has ended when none of it comes for this long
 DRAIN_PAUSE = 0.2
@@ -52,6 +55,11 @@ def is_address(name):
         return True
     except ValueError:
         return False
+
+
+def positions(generation):
+    """The KV cache positions a request may write: its prompt and max_tokens, a row a choice."""
+    return (len(generation.tokens) + generation.max_tokens) * generation.n
 
 
 class ClientGone(Exception):
@@ -106,14 +114,15 @@ class Server(ThreadingHTTPServer):
     request_queue_size = 1024
 
     def __init__(self, worker, tokenizer, model_id, host="127.0.0.1", port=8080, max_tokens=256,
-                 temp=0.0, top_p=1.0, top_k=0, *, api_key=None, cors_origins=(), max_queue=64,
+                 temp=0.0, top_p=1.0, top_k=0, *, api_key=None, cors_origins=(), max_queue=None,
                  max_body=MAX_BODY, timeout=30.0, request_timeout=None, allowed_hosts=(),
                  parse_special=False, metrics=True):
         """worker: what generates (requests.py's interface, with the model's context_length and
         vocab_size, which the requests are checked against); it is closed with the server.
         max_tokens, temp, top_p, top_k: the defaults of requests that leave them out.
         api_key: requests must send it as a Bearer token; cors_origins: the web origins whose pages
-        may call the server ("*": any); max_queue: requests waiting beyond the worker's slots;
+        may call the server ("*": any); max_queue: requests waiting beyond the worker's slots at
+        most (None: as many as its KV budget holds, or MAX_QUEUE for a worker without one);
         max_body: bytes; timeout: seconds for a request to arrive, and for any one socket
         operation; request_timeout: seconds a request may run once taken (None: no limit);
         allowed_hosts: the names (besides addresses, localhost and host's name) that requests may
@@ -130,7 +139,8 @@ class Server(ThreadingHTTPServer):
             {host_name(host)} if host and not is_address(host) else set())
         self.max_queue, self.max_body, self.io_timeout = max_queue, max_body, timeout
         self.created = int(time.time())
-        self.lock, self.active = threading.Lock(), 0
+        # requests taken, and the positions of KV cache they need (each its prompt and max_tokens)
+        self.lock, self.active, self.held = threading.Lock(), 0, 0
         self.metrics, self.outcomes = metrics, Counter()  # completion requests by outcome
         self.draining = False  # stopping: no request taken
         self.reaper = Reaper(timeout)
@@ -142,23 +152,35 @@ class Server(ThreadingHTTPServer):
                           self.parse_special, getattr(self.worker, "choices", 1))
 
     def admit(self, generation):
-        """The worker's Ticket for generation, or a 503 when the worker's slots and the queue are
+        """The worker's Ticket for generation, or a 503 when the requests taken with it would need
+        more KV cache than the worker's budget holds, or the worker's slots and the queue are
         full."""
+        need = positions(generation)
+        budget = getattr(self.worker, "kv_tokens", None)
+        queue = MAX_QUEUE if self.max_queue is None and budget is None else self.max_queue
         with self.lock:
             if (problem := self.unavailable()) is not None:
                 raise HTTPError(503, f"the server takes no requests now: {problem}",
                                 headers={"Retry-After": str(RETRY_AFTER)})
-            if self.active >= self.worker.slots + self.max_queue:
+            if queue is not None and self.active >= self.worker.slots + queue:
                 raise HTTPError(503, f"the server is busy ({self.active} requests taken, "
-                                     f"--max-queue {self.max_queue}): retry later",
+                                     f"--max-queue {queue}): retry later",
+                                headers={"Retry-After": str(RETRY_AFTER)})
+            if budget is not None and self.held + need > budget:
+                raise HTTPError(503, f"the server is busy ({self.active} requests taken, their "
+                                     f"KV cache {self.held} of the {budget} positions "
+                                     "--kv-budget holds): retry later",
                                 headers={"Retry-After": str(RETRY_AFTER)})
             self.active += 1
+            self.held += need
         return self.worker.submit(generation)
 
-    def done(self, outcome=None):
-        """A request taken is answered (outcome: how, metrics.OUTCOMES, for a completion's)."""
+    def done(self, generation, outcome=None):
+        """A request admitted with generation is answered (outcome: how, metrics.OUTCOMES, for a
+        completion's)."""
         with self.lock:  # (with the count: requests_active 0 says every answer is counted)
             self.active -= 1
+            self.held -= positions(generation)
             if outcome is not None:
                 self.outcomes[outcome] += 1
 
@@ -176,9 +198,9 @@ class Server(ThreadingHTTPServer):
     def exposition(self):
         """The text of GET /metrics (metrics.py)."""
         with self.lock:
-            outcomes, active = dict(self.outcomes), self.active
-        return metrics.exposition(self.load, outcomes, active, self.worker.slots,
-                                  self.worker.slots + self.max_queue)
+            outcomes, active, held = dict(self.outcomes), self.active, self.held
+        return metrics.exposition(self.load, outcomes, active, self.worker.slots, held,
+                                  getattr(self.worker, "kv_tokens", None))
 
     def unavailable(self):
         """Why no request is taken now (the worker's `problem`, where it has one), or None."""
@@ -456,7 +478,7 @@ class Handler(BaseHTTPRequestHandler):
             pass
         finally:
             ticket.cancel()
-            self.server.done(outcome)
+            self.server.done(call.generation, outcome)
 
     def client_gone(self):
         """True once the client is gone (its connection reset, or in error); streaming.SHUT once

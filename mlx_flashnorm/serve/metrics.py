@@ -11,8 +11,8 @@ predicted_tokens_seconds) average over the time since the last scrape, which eac
 (two scrapers disturb each other); ours average over the server's life, and the counters beside
 them give any window's rate. An end-of-sequence token is not counted in tokens_predicted_total (as
 usage leaves it out). n_busy_slots_per_decode is a gauge here (an average, not a count).
-kv_cache_usage_ratio and kv_cache_tokens are the names of llama-server's earlier releases: of the
-batch's cache, the positions its rows hold and their share of those it has room for now."""
+kv_cache_usage_ratio and kv_cache_tokens are the names of llama-server's earlier releases: the
+positions the batch's rows hold, and their share of those the KV budget (--kv-budget) holds."""
 
 FORMAT = "text/plain; version=0.0.4; charset=utf-8"
 # how a completion request ended (mlx_flashnorm:requests_total's outcome), by its answer's status
@@ -36,10 +36,10 @@ def family(name, kind, text, samples):
             + [f"{name}{labels} {value(v)}" for labels, v in samples])
 
 
-def exposition(load, outcomes, active, slots, limit):
+def exposition(load, outcomes, active, slots, held, budget):
     """The text of GET /metrics: load (requests.Load), outcomes {outcome: requests}, active
-    (requests taken and not answered), slots (rows the batch may hold), limit (requests taken at
-    most: slots and --max-queue)."""
+    (requests taken and not answered), slots (rows the batch may hold), held (the KV positions the
+    requests taken may write), budget (those the worker's KV budget holds; None: no budget)."""
     def rate(tokens, seconds):
         return tokens / seconds if seconds > 0 else 0.0
 
@@ -67,7 +67,7 @@ def exposition(load, outcomes, active, slots, limit):
             ("llamacpp:requests_deferred", "gauge",
              "Rows waiting for room in the batch (the queue).", load.waiting),
             ("llamacpp:kv_cache_usage_ratio", "gauge",
-             "Share of the batch's KV cache positions its rows hold.",
+             "Share of the KV budget's positions the batch's rows hold.",
              rate(load.kv_tokens, load.kv_capacity)),
             ("llamacpp:kv_cache_tokens", "gauge", "KV cache positions the batch's rows hold.",
              load.kv_tokens),
@@ -78,9 +78,13 @@ def exposition(load, outcomes, active, slots, limit):
              "Rows the batch may hold (--max-concurrent).", slots),
             ("mlx_flashnorm:requests_active", "gauge",
              "Requests taken and not answered yet: waiting or generating.", active),
-            ("mlx_flashnorm:requests_active_max", "gauge",
-             "Requests taken at most (--max-concurrent and --max-queue); beyond, 503.", limit)):
-        lines += family(name, kind, text, [("", v)])
+            ("mlx_flashnorm:kv_budget_tokens_held", "gauge",
+             "KV positions the requests taken may write (prompt and max_tokens, a row a choice).",
+             held),
+            ("mlx_flashnorm:kv_budget_tokens", "gauge",
+             "KV positions the budget holds (--kv-budget); a request past them gets 503.", budget)):
+        if v is not None:  # (no budget: no such line)
+            lines += family(name, kind, text, [("", v)])
     lines += family("mlx_flashnorm:requests_total", "counter",
                     "Completion requests by how they ended: ok, invalid (4xx), unavailable (503), "
                     "timeout (504), failed (500), gone (the client left).",

@@ -3,11 +3,12 @@
 batch_worker.BatchWorker, engine_process.EngineProcess).
 
 A worker has three parts: `slots` (how many requests it generates at once), `submit(generation) ->
-Ticket`, and tokens put on the ticket as they come. The HTTP side counts requests against slots for
-its queue limit, cancels the ticket of a client that hangs up, and turns tokens into text, stop
-strings and log-probabilities itself. A worker may also have `choices` (the most choices, `n`, a
-request may ask of it; without it, one) and `load` (a Load: what it has done and holds now, for
-/metrics and /health; without it, None)."""
+Ticket`, and tokens put on the ticket as they come; a batching worker also `kv_tokens`, the
+positions its KV budget holds. The HTTP side counts requests against them for its queue limit,
+cancels the ticket of a client that hangs up, and turns tokens into text, stop strings and
+log-probabilities itself. A worker may also have `choices` (the most choices, `n`, a request may
+ask of it; without it, one) and `load` (a Load: what it has done and holds now, for /metrics and
+/health; without it, None)."""
 import queue
 import random
 import threading
@@ -162,7 +163,7 @@ class Load:
     processing: int = 0  # rows in the batch or under prefill
     waiting: int = 0  # rows waiting for room in the batch
     kv_tokens: int = 0  # positions the rows hold in the batch's KV cache
-    kv_capacity: int = 0  # positions the batch's KV cache has room for now
+    kv_capacity: int = 0  # positions the KV budget holds (without one: the batch's cache now)
 
     COUNTERS = ("prompt_tokens", "cached_tokens", "prompt_seconds", "generated",
                 "generation_seconds", "calls", "steps", "rows_stepped")

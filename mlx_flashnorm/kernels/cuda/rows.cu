@@ -50,16 +50,68 @@ __device__ inline void fn_rows_in(const A* src, int n, int stride, int rows, flo
   }
 }
 template <typename A, int G>
+__device__ inline void fn_post_rows(const A* v, const float* xsg, const A* res, A* rout,
+                                    const float* gain, int b0, int rows, int K, float* xin, int xs,
+                                    float (*red)[G], float eps, bool unrounded) {
+  // post (Gemma 3): for `rows` rows (of G) from row b0, p = the post-norm of v (down_proj's
+  // output times each row's deferred scale xsg, or o_proj's: xsg null; each value rounded to A as
+  // the model rounds it) with gains `gain`, plus the residual res: into the shared input rows
+  // (rounded to A, or unrounded: the rms mode's norm reads the sum as Gemma's norms do) and,
+  // rounded, into rout (optional: one block writes it). fn_row_norms then takes xin as it is.
+  fn_rows_in(v + long(b0) * K, K, K, rows, xin, xs);
+  __syncthreads();
+  float ss[G];
+  #pragma unroll
+  for (int g = 0; g < G; ++g) ss[g] = 0.0f;
+  for (int i = threadIdx.x; i < K && threadIdx.x < 256; i += 256) {
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+      if (g < rows) {
+        const float u = fn_f(fn_cast<A>(xin[g * xs + i] * (xsg ? __ldcg(xsg + b0 + g) : 1.0f)));
+        xin[g * xs + i] = u;
+        ss[g] += u * u;
+      }
+    }
+  }
+  #pragma unroll
+  for (int g = 0; g < G; ++g) ss[g] = fn_warp_sum(ss[g]);
+  if (threadIdx.x % 32 == 0 && threadIdx.x < 256) {
+    #pragma unroll
+    for (int g = 0; g < G; ++g) red[threadIdx.x / 32][g] = ss[g];
+  }
+  __syncthreads();
+  float r = 0.0f;
+  if (threadIdx.x < rows) {
+    for (int w = 0; w < 8; ++w) r += red[w][threadIdx.x];
+    r = rsqrtf(r / K + eps);
+  }
+  __syncthreads();
+  if (threadIdx.x < rows) red[0][threadIdx.x] = r;  // each row's 1/RMS
+  __syncthreads();
+  for (int i = threadIdx.x; i < K; i += blockDim.x) {
+    const float w = __ldg(gain + i);
+    for (int g = 0; g < rows; ++g) {
+      const long at = long(b0 + g) * K + i;
+      const float t = fn_norm_as<A>(xin[g * xs + i], red[0][g], w, true) + fn_f(__ldcg(res + at));
+      const A tp = fn_cast<A>(t);
+      if (rout) rout[at] = tp;
+      xin[g * xs + i] = unrounded ? t : fn_f(tp);
+    }
+  }
+  __syncthreads();
+}
+template <typename A, int G>
 __device__ inline void fn_row_norms(const A* a, A* rout, const float* gain, long at0, int rows,
                                     int K, float* xin, int xs, float (*red)[G], float* srow,
-                                    float* prow, float eps, bool prescale, int norm) {
-  // for `rows` rows (of G) of p (a, from element at0): p into rout (optional: one block writes
-  // it) and, times gain (optional), into the shared input rows (row g at xin + g * xs); then each
+                                    float* prow, float eps, bool prescale, int norm, bool post) {
+  // for `rows` rows (of G) of p (a, from element at0; a null: the rows in xin already, from
+  // fn_post_rows): p into rout (optional: one block writes it) and, times gain (optional), into
+  // the shared input rows (row g at xin + g * xs); then each
   // row's 1/RSSe and its power of two P (half precision) into srow and prow. The rows are loaded
   // by fn_rows_in; the squares are then summed in the one-row kernel's order (value i by thread
   // i % 256, its 8 warps' sums in order): its norm alone. norm (NORM): 0 flash as above; 1 rms,
-  // the input rows RMSNorm(p) with weights `gain` (fn_normed), 1 into srow and prow; 2 none, p
-  // alone, 1 into srow and prow.
+  // the input rows RMSNorm(p) with weights `gain` (fn_norm_as: post, as Gemma's), 1 into srow
+  // and prow; 2 none, p alone, 1 into srow and prow.
   const float* wnorm = norm == 1 ? gain : nullptr;
   if (norm != 0) gain = nullptr;
   // passes of 8 rows: the gains of a thread's first GP values loaded before the rows, under their
@@ -70,7 +122,7 @@ __device__ inline void fn_row_norms(const A* a, A* rout, const float* gain, long
   for (int u = 0; u < GP; ++u)
     gp[u] = gain && threadIdx.x < 256 && threadIdx.x + 256 * u < K
         ? __ldg(gain + threadIdx.x + 256 * u) : 1.0f;
-  fn_rows_in(a + at0, K, K, rows, xin, xs, rout ? rout + at0 : nullptr);
+  if (a) fn_rows_in(a + at0, K, K, rows, xin, xs, rout ? rout + at0 : nullptr);
   __syncthreads();
   float ss[G];
   #pragma unroll
@@ -112,7 +164,8 @@ __device__ inline void fn_row_norms(const A* a, A* rout, const float* gain, long
     __syncthreads();
     for (int i = threadIdx.x; i < K; i += blockDim.x) {
       const float w = __ldg(wnorm + i);
-      for (int g = 0; g < rows; ++g) xin[g * xs + i] = fn_normed<A>(xin[g * xs + i], red[0][g], w);
+      for (int g = 0; g < rows; ++g)
+        xin[g * xs + i] = fn_norm_as<A>(xin[g * xs + i], red[0][g], w, post);
     }
     __syncthreads();
   }
@@ -302,7 +355,10 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
   // per row of the block's passes: 1/RSSe and its power of two
   __shared__ float srow[BMAX], prow[BMAX];
   __shared__ const void* tab[14 * NL];
-  __shared__ float qsh[GQ][D], sm[NW][GQ], sl[NW][GQ], sacc[NW][GQ][D];
+  __shared__ float qsh[GQ][D], sm[NW][GQ], sl[NW][GQ];
+  // the warps' attention values (NW * GQ * D floats) in the matvecs' space, unused between their
+  // phases: static arrays are held to 48 KB, which they pass at D = 256 (rows.shared_bytes)
+  float (*sacc)[GQ][D] = reinterpret_cast<float (*)[GQ][D]>(smem);
   __shared__ int first[BMAX + 1];  // phase 2's items: row b's are first[b] .. first[b + 1] - 1
   {{TABLE}}
   __syncthreads();
@@ -319,19 +375,27 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
       const int cap = max(1, NB / (B * HKV));
       for (int b = 0; b < B; ++b) {
         first[b] = t;
-        t += HKV * max(1, min(min((off[b] + 32) / 32, SMAX), cap));
+        const int m = off[b] + 1 - fn_first_pos(off[b] + 1, W);  // the positions attended to
+        t += HKV * max(1, min(min((m + 31) / 32, SMAX), cap));
       }
       first[B] = t;
     }
-    // 1. per row: p (x in the first layer, then res1), s = 1/RSSe(p); the q/k/v rows of p * g
+    // 1. per row: p (x in the first layer, then res1; post: the last layer's post-feedforward
+    // norm of its down_proj output y, plus res0, into res1 here), s = 1/RSSe(p); the q/k/v rows
+    // of p * g
     for (int item = blockIdx.x, have = -1; item < NP * (NQKV / 16); item += NB) {
       const int b0 = item % NP * G, tile = item / NP, rows = min(G, B - b0);
       const auto f1 =
           fn_tile_first<T, BITS>(wqkv, sqkv, bqkv, tile * 16, K / 32, 0, K / 32, K / GS, GS);
       if (b0 != have) {
-        fn_row_norms<T, G>(l == 0 ? x : res1, l == 0 && tile == 0 ? res1 : nullptr,
-                           has_g ? g1 : nullptr, long(b0) * K, rows, K, xin, XS, red, srow + b0,
-                           prow + b0, eps, prescale, NORM);
+        const bool from_y = post && l > 0;
+        if (from_y)
+          fn_post_rows<T, G>(y, xsg, res0, tile == 0 ? res1 : nullptr, g1 - K, b0, rows, K, xin,
+                             XS, red, eps, NORM == 1);
+        fn_row_norms<T, G>(from_y ? nullptr : l == 0 ? x : res1,
+                           l == 0 && tile == 0 ? res1 : nullptr, has_g ? g1 : nullptr,
+                           long(b0) * K, rows, K, xin, XS, red, srow + b0, prow + b0, eps,
+                           prescale, NORM, post);
         if (tile == 0 && threadIdx.x < rows) {  // for attention, in every block
           s1g[b0 + threadIdx.x] = srow[b0 + threadIdx.x];
           p1g[b0 + threadIdx.x] = prow[b0 + threadIdx.x];
@@ -352,8 +416,9 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
       while (first[b + 1] <= item) ++b;
       const int S = (first[b + 1] - first[b]) / HKV;
       const int kvh = (item - first[b]) / S, split = (item - first[b]) % S;
-      const int pos = off[b], n = pos + 1, chunk = (n + S - 1) / S;
-      const int lo = split * chunk, hi = min(n, lo + chunk);
+      const int pos = off[b], n = pos + 1, lo0 = fn_first_pos(n, W);
+      const int chunk = (n - lo0 + S - 1) / S;
+      const int lo = lo0 + split * chunk, hi = min(n, lo + chunk);
       const bool mine = lo <= pos && pos < hi;
       const float s = __ldcg(s1g + b), P = __ldcg(p1g + b);
       const float* rbase = raw + long(b) * NQKV;
@@ -385,7 +450,7 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
             fn_merged(part + (long(b) * HQ + k / D) * SMAX * (D + 2), S, D, k % D));
     }
     if (merge) fn_grid_sync(bar, target += NB);
-    // 4. per row: o_proj, and p2 = o + p into res0
+    // 4. per row: o_proj, and p2 = o + p into res0 (post: o into p, for phase 5's post-norm)
     for (int item = blockIdx.x, have = -1; item < NP * (K / 16); item += NB) {
       const int b0 = item % NP * G, tile = item / NP, rows = min(G, B - b0);
       const auto f1 =
@@ -400,11 +465,13 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
                            f1);
       fn_tile_store<NT>(acc, rb, rows, [&](int f, int n, float v) {
         const long at = long(b0 + n) * K + tile * 16 + f;
-        res0[at] = fn_cast<T>(fn_f(fn_cast<T>(v)) + fn_f(__ldcg(res1 + at)));
+        if (post) p[at] = fn_cast<T>(v);
+        else res0[at] = fn_cast<T>(fn_f(fn_cast<T>(v)) + fn_f(__ldcg(res1 + at)));
       });
     }
     fn_grid_sync(bar, target += NB);
-    // 5. per row: s2 = 1/RSSe(p2), gate/up rows of p2 * g2, a = silu(gate * s2) * up * P2
+    // 5. per row (post: p2 = the post-attention norm of o plus res1, into res0 here): s2 =
+    // 1/RSSe(p2), gate/up rows of p2 * g2, a = silu(gate * s2) * up * P2 (GELU: gelu)
     for (int item = blockIdx.x, have = -1; item < NPU * (I / 16); item += NB) {
       const int b0 = item % NPU * GU, tile = item / NPU, rows = min(GU, B - b0);
       // up's spans go to the warps in turn from warp NW / 2: each warp takes about as many of both
@@ -414,8 +481,12 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
       const auto f2 = fn_tile_first<T, BITS>(wgu, sgu, bgu, I + tile * 16, K / 32, 0, K / 32,
                                              K / GS, GS, NW / 2);
       if (b0 != have) {
-        fn_row_norms<T, GU>(res0, nullptr, has_g ? g2 : nullptr, long(b0) * K, rows, K, xin, XS,
-                            redu, srow + b0, prow + b0, eps, prescale, NORM);
+        if (post)
+          fn_post_rows<T, GU>(p, nullptr, res1, tile == 0 ? res0 : nullptr, g3, b0, rows, K, xin,
+                              XS, redu, eps, NORM == 1);
+        fn_row_norms<T, GU>(post ? nullptr : res0, nullptr, has_g ? g2 : nullptr, long(b0) * K,
+                            rows, K, xin, XS, redu, srow + b0, prow + b0, eps, prescale, NORM,
+                            post);
         if (tile == 0 && threadIdx.x < rows)  // down_proj's deferred scale, for the next layer
           xsg[b0 + threadIdx.x] = srow[b0 + threadIdx.x] / prow[b0 + threadIdx.x];
         have = b0;
@@ -432,14 +503,14 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
       fn_tile_store<NTU>(acc, rb, rows, [&](int f, int n, float up) {
         const float gt = fn_tile_get<NTU>(rb2, f, n) * srow[b0 + n];
         abuf[long(b0 + n) * I + tile * 16 + f] =
-            NORM == 0 ? fn_cast<T>(gt / (1.0f + expf(-gt)) * up * prow[b0 + n])
-                      : fn_cast<T>(fn_swiglu<T>(gt, up));
+            NORM == 0 ? fn_cast<T>(fn_act<GELU>(gt) * up * prow[b0 + n])
+                      : fn_cast<T>(GELU ? fn_geglu<T>(gt, up) : fn_swiglu<T>(gt, up));
       });
     }
     fn_grid_sync(bar, target += NB);
     // 6. per row: down_proj, its scale xsg deferred to the next layer's add p = y * xs + p2 (into
-    // res1; the last layer's y is the output); its input in chunks of IC values where all I do
-    // not fit (loaded anew each)
+    // res1; the last layer's y is the output; post: y, which the next layer's phase 1 reads); its
+    // input in chunks of IC values where all I do not fit (loaded anew each)
     for (int item = blockIdx.x, have = -1; item < NPD * (K / 16); item += NB) {
       const int b0 = item % NPD * GD, tile = item / NPD, rows = min(GD, B - b0);
       float acc[NTD][4] = {};
@@ -458,7 +529,7 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
       }
       fn_tile_store<NTD>(acc, rb, rows, [&](int f, int n, float v) {
         const long at = long(b0 + n) * K + tile * 16 + f;
-        if (l + 1 == NL) y[at] = fn_cast<T>(v);
+        if (l + 1 == NL || post) y[at] = fn_cast<T>(v);
         else
           res1[at] =
               fn_cast<T>(fn_f(fn_cast<T>(v)) * __ldcg(xsg + b0 + n) + fn_f(__ldcg(res0 + at)));

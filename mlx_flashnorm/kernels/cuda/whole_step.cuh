@@ -3,12 +3,14 @@
 //   device  the device functions both kernels' headers hold: the grid barrier (fn_grid_sync,
 //           fn_grid_exit), an attention head's splits merged (fn_merged), the one-row
 //           matvec's input row (fn_put, fn_chunk_sums), block sum (fn_block_sum) and packed row
-//           (fn_qrow), and RMSNorm's value and SwiGLU as the rms mode's layers round them
-//           (fn_normed, fn_sigmoid, fn_swiglu)
+//           (fn_qrow), RMSNorm's value and SwiGLU and GeGLU as the rms mode's layers round them
+//           (fn_normed, fn_norm_as, fn_sigmoid, fn_swiglu, fn_geglu), the flash mode's
+//           activations (fn_act), a post-norm's 1/RMS (fn_post_r) and a sliding window's first
+//           position (fn_first_pos)
 //   layer   layer l's arrays read from the block's pointer table, and its sizes (query and kv
-//           heads, FFN width: HQ, HKV, I, KO, NQKV) from the layer table `lt` (step.layer_table)
-//           (the bodies' {{LAYER}} line); HQM, HKVM and IM (the sizes table) are the widest
-//           layer's, which size the work buffer
+//           heads, FFN width: HQ, HKV, I, KO, NQKV), sliding window (W) and RoPE angles (th) from
+//           the layer table `lt` (step.layer_table) (the bodies' {{LAYER}} line); HQM, HKVM and
+//           IM (the sizes table) are the widest layer's, which size the work buffer
 //   attend  phase 2 of one (row, kv head, split of the positions), the bodies' {{ATTEND}} line:
 //           RoPE on the row's q and k, the new k and v written into the cache by the split that
 //           holds the position, attention over the split's positions, its partial state (max,
@@ -20,7 +22,11 @@
 // matvec, weights multiplied into its input, as the model's own layers round it: the q/k/v and
 // gate/up outputs in T, QK-norm on them, the softmax scale (factor) on the rounded q, SwiGLU's
 // sigmoid in T as MLX computes it: fn_swiglu), 2 none (no norm: the residual add alone). In rms
-// and none s and P are 1.
+// and none s and P are 1. GELU (a template constant): GeGLU with tanh GELU in place of SwiGLU.
+// post (Gemma 3, step.POST): the post-attention and post-feedforward norms on o_proj's and
+// down_proj's outputs before the residual add, the model's own in flash and rms (gains g3 and the
+// previous layer's g4), every model norm computed as Gemma's: in float32, rounded once
+// (fn_norm_as), the rms pre-norms on the residual add's unrounded sum.
 // @piece device
 __device__ inline void fn_grid_sync(unsigned int* bar, unsigned int target) {
   // every block of the grid arrives before any leaves (all blocks are resident: one per SM);
@@ -93,6 +99,27 @@ __device__ inline float fn_normed(float v, float r, float w) {
   // rounded to T
   return fn_f(fn_cast<T>(fn_f(fn_cast<T>(v * r)) * w));
 }
+template <typename T>
+__device__ inline float fn_norm_as(float v, float r, float w, bool post) {
+  // the model's RMSNorm value: fn_normed, or with post-norms Gemma 3's (in float32: v times its
+  // 1/RMS r times the gain w, 1 + weight, rounded once to T)
+  return post ? fn_f(fn_cast<T>(v * r * w)) : fn_normed<T>(v, r, w);
+}
+template <typename T, typename A>
+__device__ inline float fn_post_r(const A* v, float xs, int K, float eps, float* red) {
+  // a post-norm's 1/RMS over the K values v[i] * xs (written in this launch), each rounded to T
+  // as the model's layers round them, summed by the whole block
+  float ss = 0.0f;
+  for (int i = threadIdx.x; i < K; i += blockDim.x) {
+    const float u = fn_f(fn_cast<T>(fn_f(__ldcg(v + i)) * xs));
+    ss += u * u;
+  }
+  return rsqrtf(fn_block_sum(ss, red) / K + eps);
+}
+__device__ inline int fn_first_pos(int n, int W) {
+  // the first of n positions a sliding window of W (0: none) attends to
+  return W > 0 && n > W ? n - W : 0;
+}
 template <typename T> __device__ inline float fn_exp_in(float v) { return expf(v); }
 template <> __device__ inline float fn_exp_in<__half>(float v) {
   return __half2float(hexp(__float2half(v)));
@@ -115,6 +142,22 @@ __device__ inline float fn_swiglu(float gate, float up) {
   // (fn_sigmoid), its product with gate, and that times up, each rounded to T
   const float g = fn_f(fn_cast<T>(gate)), u = fn_f(fn_cast<T>(up));
   return fn_f(fn_cast<T>(fn_f(fn_cast<T>(g * fn_sigmoid<T>(g))) * u));
+}
+template <typename T>
+__device__ inline float fn_geglu(float gate, float up) {
+  // gelu(gate) * up as the rms and none modes' layers round it (mlx.nn.gelu_approx, compiled:
+  // 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), each step and constant a T value, the cube
+  // and tanh in float as MLX's CUDA takes a half type; then times up): each step rounded to T
+  const auto r = [](float v) { return fn_f(fn_cast<T>(v)); };
+  const float x = r(gate), u = r(up), c1 = r(0.044715f), c2 = r(0.7978845608028654f);
+  const float t = r(c2 * r(x + r(c1 * r(powf(x, 3.0f)))));
+  return r(r(r(0.5f * x) * r(1.0f + r(tanhf(t)))) * u);
+}
+template <bool GELU>
+__device__ inline float fn_act(float g) {
+  // the flash mode's activation of the scaled gate, in float32: tanh GELU or SiLU
+  return GELU ? 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * powf(g, 3.0f))))
+              : g / (1.0f + expf(-g));
 }
 template <typename T, int BITS>
 __device__ inline float fn_qrow(const unsigned int* w, const T* sc, const T* bi, long row, int nc,
@@ -150,10 +193,15 @@ __device__ inline float fn_qrow(const unsigned int* w, const T* sc, const T* bi,
     const T* sd = (const T*)tab[14 * l + 10]; const T* bd = (const T*)tab[14 * l + 11];
     T* kc = (T*)tab[14 * l + 12];
     T* vc = (T*)tab[14 * l + 13];
-    const int HQ = lt[15 * l + 12], HKV = lt[15 * l + 13], I = lt[15 * l + 14];
+    const int HQ = lt[17 * l + 12], HKV = lt[17 * l + 13], I = lt[17 * l + 14];
     const int KO = HQ * D, NQKV = (HQ + 2 * HKV) * D;
-    const float* g1 = gains + long(l) * 2 * K;
+    const int W = lt[17 * l + 15];  // its sliding window (0: every position)
+    const float* th = theta + lt[17 * l + 16];  // its RoPE angles
+    // the pre-norms' gains; post: the post-attention norm's (g3), the previous layer's
+    // post-feedforward norm's at g1 - K
+    const float* g1 = gains + long(l) * (post ? 4 : 2) * K;
     const float* g2 = g1 + K;
+    const float* g3 = g2 + K;
 // @piece attend
       // rounds of a warp's positions loaded and scored at once, as many as the registers allow
       // (fewer where a block of more warps leaves each thread fewer)
@@ -183,8 +231,11 @@ __device__ inline float fn_qrow(const unsigned int* w, const T* sc, const T* bi,
         for (int i = lane; i < D / 2; i += 32) {
           const int j = i + D / 2;
           float ri = __ldcg(r + i), rj = __ldcg(r + j);
-          if (normed) { ri = fn_normed<T>(ri, inv, gq[i]); rj = fn_normed<T>(rj, inv, gq[j]); }
-          const float sn = sinf(fpos * theta[i]), cs = cosf(fpos * theta[i]);
+          if (normed) {
+            ri = fn_norm_as<T>(ri, inv, gq[i], post);
+            rj = fn_norm_as<T>(rj, inv, gq[j], post);
+          }
+          const float sn = sinf(fpos * th[i]), cs = cosf(fpos * th[i]);
           const float gi = in_tables ? gq[i] : 1.0f, gj = in_tables ? gq[j] : 1.0f;
           const float pi = in_tables ? gq[D + i] : 1.0f, pj = in_tables ? gq[D + j] : 1.0f;
           const T yi = fn_cast<T>(mul * (ri * gi * cs - rj * pi * sn)),
