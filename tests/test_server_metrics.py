@@ -1,4 +1,4 @@
-"""GET /metrics and /health's batch on a real server (the batch worker over the embedded SmolLM2, a
+"""GET /metrics and /health's batch on a real server (the batch worker over a tiny random Llama, a
 free port of 127.0.0.1), asked with the official openai client: the exposition read by
 prometheus_client's parser, its counters against the usage of the answers, its gauges and
 /health's batch while requests decode and wait, the API key and --no-metrics."""
@@ -15,16 +15,23 @@ from prometheus_client.parser import text_string_to_metric_families
 from mlx_flashnorm.server import Server, arg_parser
 from mlx_flashnorm.serve.batch_worker import BatchWorker
 
-from conftest import openai_client, serving
+from conftest import TINY_LLAMA, openai_client, random_model, serving
 
 WAIT = 120  # seconds: an upper bound, never a pace
-COUNTING = "1, 2, 3, 4,"  # SmolLM2 counts on for as long as it may
+COUNTING = "1, 2, 3, 4,"
 
 
 @pytest.fixture(scope="module")
-def server(smollm2):
-    worker = BatchWorker(*smollm2, max_batch=4, prompt_cache_bytes=2**26)
-    with serving(Server(*smollm2, "smol", port=0, worker=worker)) as server:
+def tiny(smollm2):
+    """A tiny random Llama (its greedy picks decisive: conftest.random_model) with SmolLM2's
+    tokenizer, whose vocabulary it shares: a step takes milliseconds on the CPU."""
+    return random_model(dict(TINY_LLAMA, max_position_embeddings=2048), "rms"), smollm2[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    worker = BatchWorker(*tiny, max_batch=4, prompt_cache_bytes=2**26)
+    with serving(Server(*tiny, "tiny", port=0, worker=worker)) as server:
         yield server
 
 
@@ -76,14 +83,14 @@ def test_the_counters_are_the_answers_usage(server, client):
     the throughput gauges are the counters' ratios. llama-server's names are there, of its types."""
     before, _ = scrape(server)
     chat = [{"role": "user", "content": "What is the capital of France?"}]
-    usages = [client.chat.completions.create(model="smol", messages=chat, max_tokens=5).usage,
+    usages = [client.chat.completions.create(model="tiny", messages=chat, max_tokens=5).usage,
               list(client.chat.completions.create(
-                  model="smol", messages=chat, max_tokens=3, stream=True,
+                  model="tiny", messages=chat, max_tokens=3, stream=True,
                   stream_options={"include_usage": True}))[-1].usage,
-              client.completions.create(model="smol", prompt="Once upon a time", max_tokens=4,
+              client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=4,
                                         n=2, seed=1, temperature=1.0).usage]
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="smol", prompt="Once", max_tokens=0)
+        client.completions.create(model="tiny", prompt="Once", max_tokens=0)
     # (a handler counts its request once its answer is written: requests_active 0 then)
     until(lambda: scrape(server)[0]["mlx_flashnorm:requests_active"] == 0)
     after, types = scrape(server)
@@ -123,11 +130,11 @@ def test_health_and_the_gauges_show_the_batch(server, client):
     """While a request of 3 choices decodes (3 rows of the batch's 4) and one of 2 waits for room,
     /health's batch and the gauges say so, with the KV positions the rows hold; the client of the
     first leaving, its rows go, the other is answered, and the batch is empty again."""
-    stream = client.completions.create(model="smol", prompt=COUNTING, max_tokens=400, n=3,
+    stream = client.completions.create(model="tiny", prompt=COUNTING, max_tokens=1000, n=3,
                                        stream=True)
     next(iter(stream))  # (decoding)
     waiting = threading.Thread(target=client.completions.create,
-                               kwargs=dict(model="smol", prompt=COUNTING, max_tokens=2, n=2))
+                               kwargs=dict(model="tiny", prompt=COUNTING, max_tokens=2, n=2))
     waiting.start()
     batch = until(lambda: (b := health(server)["batch"])["queued"] == 2 and b)
     assert batch["rows"] == 3 and batch["kv_cache_tokens"] > 3 * len(COUNTING.split())
@@ -139,7 +146,7 @@ def test_health_and_the_gauges_show_the_batch(server, client):
     assert gauges["mlx_flashnorm:requests_active"] == 2
     # (the KV positions they may write, a row a choice)
     prompt = len(server.tokenizer.encode(COUNTING))
-    assert gauges["mlx_flashnorm:kv_budget_tokens_held"] == 3 * (prompt + 400) + 2 * (prompt + 2)
+    assert gauges["mlx_flashnorm:kv_budget_tokens_held"] == 3 * (prompt + 1000) + 2 * (prompt + 2)
     stream.close()  # (the client leaves)
     waiting.join(WAIT)
     assert not waiting.is_alive()
