@@ -54,8 +54,7 @@ class Chat:
         self.cached = tokens[:keep]
         answer, generated = "", []
         for r in lockstep(stream_generate(self.model, self.tokenizer, tokens[keep:],
-                                          self.max_tokens, cache=self.cache, with_logprobs=False,
-                                          **self.sampling)):
+                                          self.max_tokens, cache=self.cache, **self.sampling)):
             answer += r.text
             generated.append(r.token)
             yield r.text

@@ -2,21 +2,20 @@
 prefill, the compiled one-token step over a static cache, sampling, streaming, and loading a model
 from the shared flags."""
 import math
-import re
 import sys
 import time
 from contextlib import closing
-from functools import lru_cache
+from functools import partial
 from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
-from mlx_lm.sample_utils import greedy_sampler, make_logits_processors, make_sampler
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-from . import chunked, constraints, forms
+from . import constraints, forms
 from .cache import StaticKVCache, make_cache
-from .chat_template import set_chat_template
+from .chat_template import encode_chat, set_chat_template
 from .errors import UserError
 from .loader import load
 from .lockstep import quiet
@@ -97,39 +96,77 @@ class CompiledStep:
         return all(len(c) == n for c, n in self.sizes) and all(c[k] is v for c, k, v in self.links)
 
 
-def compiled_decode(model, logits=False, chunk=False):
+def compiled_decode(model, logits=False):
     """The 1-token forward pass as one compiled function of (token, offset, kv buffers), made once
     per model and kept on it: every request reuses it (MLX traces it again only for a new cache
     shape or dtype; a changed model gets a new one). offset: decode_offset(position); the step
     returns (log-probabilities, the next offset, kv). logits: a second step that returns the raw
-    logits instead, for logits processors (a repetition penalty depends on the logits' signs).
-    chunk: a chunked.Compiled instead, up to chunked.STEPS greedy steps in one launch,
-    (token, offset, kv, steps: an int32 array) -> (tokens, the offset after them, kv)."""
-    name = "_compiled_chunk" if chunk else "_compiled_logits" if logits else "_compiled_decode"
+    logits instead, for logits processors (a repetition penalty depends on the logits' signs)."""
+    name = "_compiled_logits" if logits else "_compiled_decode"
     kept = getattr(model, name, None)
     if kept is None or not kept.current():
-        spec = chunked.spec(model) if chunk else None
-
-        def step(y, offset, kv, steps=None):
+        def step(y, offset, kv):
             cache = [StaticKVCache(k.shape[2]) for k, _ in kv]
             for c, (k, v) in zip(cache, kv):
                 c.keys, c.values, c.offset = k, v, position(offset)
-            if chunk:
-                tokens = chunked.forward(spec, y, cache, steps)
-                return tokens, offset + steps[:1], [c.state for c in cache]
             out = model(y[None], cache=cache)[:, -1, :]
             if not logits:
                 out = out - mx.logsumexp(out, axis=-1, keepdims=True)
             return out, offset + 1, [c.state for c in cache]
 
-        fn = mx.compile(step)
         # a plain attribute, not a child
-        setattr(model, name, CompiledStep(model, chunked.Compiled(spec, fn) if chunk else fn))
+        setattr(model, name, CompiledStep(model, mx.compile(step)))
     return getattr(model, name).fn
 
 
+# prompt lengths a compiled prefill pads to: at most twice the tokens to 256, 255 more above
+PREFILL_BUCKETS = (16, 32, 64, 128, 256) + tuple(range(512, 2049, 256))
+
+
+def prefill(model, tokens, cache, compiled=None):
+    """Run tokens (ids: a list or a 1-D array) into cache (StaticKVCaches, or mlx-lm's KVCaches),
+    queued; no logits computed. compiled (None: forms.compiled_prefill()): the ids padded at their
+    end to the next of PREFILL_BUCKETS go through one mx.compile'd forward pass (kept on the model
+    as compiled_decode's step; traced once per bucket, capacity, and empty cache or not): no graph
+    for Python to build, fewer kernels, one causal mask for every layer, which keeps the padding
+    out of every real position (its keys and values land past the offset, unread until later
+    tokens write over them). A KVCache gets buffers of cache_capacity positions. Eager where the
+    bucket does not fit the cache, or for other caches."""
+    n, start, static = len(tokens), cache[0].offset, isinstance(cache[0], StaticKVCache)
+    size = next((b for b in PREFILL_BUCKETS if n <= b), None)
+    capacity = cache[0].capacity if static else cache_capacity(model, start + (size or 0))
+    if (not (forms.compiled_prefill() if compiled is None else compiled) or size is None
+            or start + size > capacity or type(cache[0]) not in (StaticKVCache, KVCache)):
+        model(mx.array(tokens)[None], cache=cache)
+        return
+    kept = getattr(model, "_compiled_prefill", None)
+    if kept is None or not kept.current():
+        model._compiled_prefill = CompiledStep(model, mx.compile(partial(_fill, model)))
+    kv = None
+    if start:  # the buffers (a KVCache's grown to capacity, as its own update would grow them)
+        grow = [(0, 0), (0, 0), (0, capacity - start), (0, 0)]
+        kv = [(c.keys, c.values) if static else (mx.pad(c.keys[..., :start, :], grow),
+                                                 mx.pad(c.values[..., :start, :], grow))
+              for c in cache]
+    ids = mx.pad(mx.array(tokens), (0, size - n))
+    kv = model._compiled_prefill.fn(ids, decode_offset(start), kv, capacity)
+    for c, (k, v) in zip(cache, kv):
+        c.keys, c.values, c.offset = k, v, start + n
+
+
+def _fill(model, ids, offset, kv, capacity):
+    """prefill's forward pass from a decode_offset into kv's buffers of capacity positions, or new
+    ones (kv None): the ids attend over the whole buffers (StaticKVCache.make_mask's mask)."""
+    at = position(offset)
+    cache = [StaticKVCache(capacity, at) for _ in model.layers]
+    for c, (k, v) in zip(cache, kv or ()):
+        c.keys, c.values = k, v
+    model(ids[None], cache=cache)
+    return [c.state for c in cache]
+
+
 def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048, compiled=None,
-                  cache=None, logits_processors=(), constraint=None, with_logprobs=True):
+                  cache=None, logits_processors=(), constraint=None):
     """Yield (token, logprobs) one at a time. The next step is queued on the device
     (async_eval) before the current token is handed to the caller.
 
@@ -154,12 +191,7 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
     drawn from the masked log-probabilities (those yielded are the model's, unmasked). The mask of
     token n+1 needs token n on the host: step n+1's forward pass is queued before token n is read
     (as without one), and its sampling after, so the host computes the mask while the device runs
-    the forward pass.
-
-    with_logprobs: False where the caller reads no log-probabilities (None stands in for them):
-    compiled, greedy (sampler None or mlx-lm's greedy one), without logits processors or a
-    constraint, the tokens after the first then come chunked.STEPS a launch where the chunk kernel
-    runs (chunked.py)."""
+    the forward pass."""
     sampler = sampler or make_sampler(0.0)
     if compiled is None:
         compiled = forms.compiled_decode() and (cache is None
@@ -172,8 +204,6 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
                          f"{cache[0].offset + prompt.size + max_tokens} are needed")
 
     logits_processors = logits_processors or ()  # (mlx-lm's None too)
-    greedy = (not (with_logprobs or logits_processors) and constraint is None
-              and sampler is greedy_sampler)  # chunked where the chunk kernel runs
     seen = prompt  # the tokens so far, for logits_processors
 
     def pick(logits, normalized=False):
@@ -198,7 +228,7 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
     # Only the cache is evaluated, so the logits of those positions are never computed.
     while prompt.size > 1:
         n = min(prefill_step, prompt.size - 1)
-        model(prompt[None, :n], cache=cache)
+        prefill(model, prompt[:n], cache, None if compiled else False)
         mx.eval([c.state for c in cache])
         prompt = prompt[n:]
     # The last prompt token goes through the decode step too: compiled, that is one replay, not a
@@ -222,19 +252,12 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
     def step(y):
         return pick(*forward(y))
 
-    run = None
     try:
         if constraint is not None:
             yield from constrained(forward, pick, first or forward(prompt), max_tokens, constraint)
             return
         y, logprobs = pick(*first) if first else step(prompt)
         mx.async_eval(y, logprobs)
-        # asked once the first step is queued (its host work then overlaps the device's)
-        if greedy and compiled and (chunks := compiled_decode(model, chunk=True)).runs(kv):
-            # base: the cache's offset after the last prompt token
-            run = chunked.Run(chunks, offset, kv, cache[0].offset + (first is None))
-            yield from run.tokens(y, max_tokens)
-            return
         for n in range(max_tokens):
             if n + 1 < max_tokens:
                 next_y, next_logprobs = step(y)
@@ -244,9 +267,8 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
                 y, logprobs = next_y, next_logprobs
     finally:
         if compiled:  # hand the buffers back, for a caller that keeps the cache
-            kv, at = (run.kv, run.kept) if run else (kv, position(offset).item())
             for c, (k, v) in zip(cache, kv):
-                c.keys, c.values, c.offset = k, v, at
+                c.keys, c.values, c.offset = k, v, position(offset).item()
 
 
 def constrained(forward, pick, out, max_tokens, constraint):
@@ -279,8 +301,7 @@ def warmup(model, compiled=None):
     call it on the thread that will generate. compiled: as generate_step takes it."""
     prompt = (mx.arange(min(WARMUP_PROMPT, context_length(model) - WARMUP_STEPS))
               % model.args.vocab_size)
-    for _ in generate_step(prompt, model, max_tokens=WARMUP_STEPS, compiled=compiled,
-                           with_logprobs=False):  # the chunked steps too, where they run
+    for _ in generate_step(prompt, model, max_tokens=WARMUP_STEPS, compiled=compiled):
         pass
 
 
@@ -346,88 +367,6 @@ def check_limits(max_tokens, seed):
         raise UserError(f"seed must be a whole number from 0 to {MAX_SEED}, not {seed!r}")
 
 
-def special_tokens(tokenizer):
-    """{text: id} of the special tokens that the tokenizer's encode finds in text (a Hugging Face
-    tokenizer's special added tokens; a sentencepiece one finds none)."""
-    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    return {t.content: i for i, t in added.items() if getattr(t, "special", False)}
-
-
-@lru_cache(maxsize=16)
-def _pattern(texts):
-    """A regular expression matching any of texts, the longest first (None for none)."""
-    if not texts:
-        return None
-    return re.compile("|".join(map(re.escape, sorted(texts, key=len, reverse=True))))
-
-
-@lru_cache(maxsize=4)
-def _as_text(backend):
-    """A copy of a tokenizers.Tokenizer that encodes special tokens' text as text: the shared one
-    is never switched to it (the server's threads encode at once with it)."""
-    copy = type(backend).from_str(backend.to_str())
-    copy.encode_special_tokens = True
-    return copy
-
-
-def encode_as_text(tokenizer, text):
-    """text's token ids with no special token parsed (the added tokens that are not special still
-    are, as encode parses them)."""
-    backend = getattr(getattr(tokenizer, "_tokenizer", None), "_tokenizer", None)
-    if hasattr(backend, "encode_special_tokens"):  # mlx-lm's wrapper of a transformers fast one
-        return _as_text(backend).encode(text, add_special_tokens=False).ids
-    return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
-
-
-def _encode_within(encode, piece, newline):
-    """encode(piece) for a piece from inside a text: after a newline, which is then dropped, so
-    that a sentencepiece-style tokenizer adds none of the space it adds at a text's start (the
-    newline not kept apart: piece alone)."""
-    ids = encode("\n" + piece)
-    return ids[len(newline):] if ids[:len(newline)] == newline else encode(piece)
-
-
-def encode_chat(tokenizer, messages, parse_special=False, **template_args):
-    """Token ids of messages ({"role", "content"} strings) through the tokenizer's chat template,
-    with the generation prompt. A special token's text in a message (`<|im_end|>` in a user's
-    content) is ordinary text, its text's ids in place of the token's, so that only the template
-    writes control tokens: a message cannot end its turn and write others. The template is
-    rendered with each such text between two markers (a private-use character in no message); the
-    text outside them is tokenized as before, the marked texts as text (as transformers'
-    apply_chat_template(sanitize_control_tokens=True) does, on any template and version).
-    parse_special: the text parsed for special tokens too, as the tokenizer parses any text.
-    template_args: the template's other arguments (tools=)."""
-    specials = {} if parse_special else special_tokens(tokenizer)
-    pattern = _pattern(tuple(specials))
-    strings = [v for m in messages for v in m.values() if isinstance(v, str)]
-    if pattern is None or not any(pattern.search(v) for v in strings):
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                  **template_args))
-    mark = next(c for c in map(chr, range(0xE000, 0xF900)) if not any(c in v for v in strings))
-    marked = [{k: pattern.sub(lambda t: mark + t[0] + mark, v) if isinstance(v, str) else v
-               for k, v in m.items()} for m in messages]
-    text = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False,
-                                         **template_args)
-    # [text, marked, text, marked, ..., text]; a marker the template parted from its pair: None
-    pieces = re.split(f"{mark}({pattern.pattern}){mark}|{mark}", text)
-
-    def encode(piece):
-        return tokenizer.encode(piece, add_special_tokens=False)
-
-    def as_text(piece):
-        return encode_as_text(tokenizer, piece)
-
-    newline, ids = encode("\n"), encode(pieces[0])
-    for i, piece in enumerate(pieces[1:], start=1):
-        if piece:
-            got = _encode_within(as_text if i % 2 else encode, piece, newline)
-            if i % 2 and specials[piece] in got:
-                raise ValueError(f"{piece!r} in a message is read as the special token even as "
-                                 "text")
-            ids += got
-    return ids
-
-
 def encode_prompt(tokenizer, prompt, chat_template=True, system_prompt=None, vocab=None,
                   parse_special=False):
     """Token ids of a prompt string (through the chat template where there is one and
@@ -465,8 +404,7 @@ def check_ids(ids, vocab):
 def stream_generate(model, tokenizer, prompt, max_tokens=256, temp=0.0, top_p=1.0, top_k=0,
                     seed=None, chat_template=True, prefill_step=512, cache=None, min_p=0.0,
                     logits_processors=(), system_prompt=None, max_kv_size=None, kv_bits=None,
-                    kv_group_size=64, sampler=None, json_schema=None, grammar=None,
-                    with_logprobs=True):
+                    kv_group_size=64, sampler=None, json_schema=None, grammar=None):
     """Yield a Response per generated token; prompt is a string or a list of token ids.
     cache: a cache list holding earlier tokens, to continue after them (generate_step): a
     StaticKVCache list, or mlx-lm caches (eager_cache), which decode eagerly. max_kv_size, kv_bits:
@@ -476,8 +414,7 @@ def stream_generate(model, tokenizer, prompt, max_tokens=256, temp=0.0, top_p=1.
     the (1, vocabulary) log-probabilities giving the (1,) token), in place of temp, top_p, top_k
     and min_p. json_schema: a JSON schema (a dict or its JSON text) the generated text follows
     (constrained decoding: the generation ends where the JSON text does); grammar: an llguidance
-    grammar (constraints.py) instead. with_logprobs: False where the caller reads no
-    Response.logprobs (None then): a greedy request may decode in chunks (generate_step)."""
+    grammar (constraints.py) instead."""
     check_limits(max_tokens, seed)
     if sampler is None:
         sampler = make_sampler_for(temp, top_p, top_k, min_p)
@@ -505,8 +442,7 @@ def stream_generate(model, tokenizer, prompt, max_tokens=256, temp=0.0, top_p=1.
     prompt_tps = 0.0
     n = 0
     steps = generate_step(mx.array(tokens), model, sampler, max_tokens, prefill_step, cache=cache,
-                          logits_processors=logits_processors, constraint=constraint,
-                          with_logprobs=with_logprobs)
+                          logits_processors=logits_processors, constraint=constraint)
     with closing(steps):  # closed at once, so that a kept cache gets its buffers back
         for n, (token, logprobs) in enumerate(steps, 1):
             if n == 1:
@@ -550,8 +486,7 @@ def generate(model, tokenizer, prompt, max_tokens=256, verbose=False, **kwargs) 
     if verbose:
         print(rule)
     text, r = "", None
-    for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, with_logprobs=False,
-                             **kwargs):
+    for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs):
         text += r.text
         if verbose:
             print(r.text, end="", flush=True)

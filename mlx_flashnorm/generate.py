@@ -91,8 +91,7 @@ def main(argv=None):
         cache = cache or fresh
     r = None
     for r in lockstep(stream_generate(model, tokenizer, tokens[kept:], max_tokens=args.max_tokens,
-                                      seed=args.seed, cache=cache, with_logprobs=False,
-                                      **kwargs)):
+                                      seed=args.seed, cache=cache, **kwargs)):
         print(r.text, end="", flush=True)
     print()
     if args.prompt_cache_file:

@@ -47,12 +47,12 @@ NORMS = ("flash", "rms", "none")  # the norm modes, each on the whole-step kerne
 # float16's range (NaN log-probabilities, on either path); at this scale they stay finite in every
 # dtype and the log-probabilities differ between tokens, so comparing them says something (Gemma's:
 # its embeddings times sqrt(hidden size)).
-NONE_SCALE, NONE_SCALES = 0.09, {"gemma3": 0.04}  # a model's own, else NONE_SCALE
+NONE_SCALE = {"gemma3": 0.04}  # else 0.09
 
 
 def quantized_model(name, dtype=mx.float32, bits=4, norm="flash"):
     arch, args = model_args(CONFIGS[name])
-    scale = NONE_SCALES.get(name, NONE_SCALE) if norm == "none" else 0.2
+    scale = NONE_SCALE.get(name, 0.09) if norm == "none" else 0.2
     weights = random_weights(arch.Model(args), seed=3, scale=scale)
     model = build_model(CONFIGS[name], weights, progress=False)
     model.set_dtype(dtype)
@@ -204,7 +204,7 @@ def test_a_renamed_marker_or_piece_fails(tmp_path):
             if file == "rows.cu":
                 step.compose(folder, "rows.cu", rows.SIZES, 2, own=("device", "body"))
             else:
-                step.compose(folder, "step.cu", step.SIZES, 2, **step.ONE_STEP)
+                step.compose(folder, "step.cu", step.SIZES, 2)
 
 
 def test_sizes_pack_as_the_body_reads_them():

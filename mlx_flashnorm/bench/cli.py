@@ -8,7 +8,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .. import chunked
 from ..cli import add_model_args
 from ..errors import HelpFormatter, UserError, run_cli
 from ..loader import default_model_path, read_config, resolve, resolve_dtype
@@ -26,8 +25,7 @@ def arg_parser():
         epilog="Without --model, --shape, --config or --tiny: the embedded SmolLM2-135M-Instruct "
                "(Q4_1 GGUF); --model also takes a .gguf file. --shape: random weights (labelled as "
                "such). Modes: rms, flash, none, mlx-lm, rms-primitives (rms on the layer loop, "
-               "without the whole-step kernel), flash-step (one launch a token: the greedy "
-               "runs' chunks off); add -eager to a norm mode (e.g. rms-eager) "
+               "without the whole-step kernel); add -eager to a norm mode (e.g. rms-eager) "
                "for our runner without the compiled decode step. --matrix runs every shape "
                "(--shape, --config) at every prompt length (--pp) and writes matrix.md, "
                "matrix.json and matrix.png; time to first token over a series of requests: python "
@@ -45,8 +43,6 @@ def arg_parser():
                                 "too short (default 128,long)")
     p.add_argument("--tg", type=int, default=128, help="generated tokens")
     p.add_argument("--reps", type=int, default=5, help="measured repetitions after one warm-up")
-    p.add_argument("--chunk-steps", type=int, default=chunked.STEPS,
-                   help="greedy decode steps a launch where the chunk kernel runs (1 to 64)")
     p.add_argument("--out", default="out/bench", help="folder for bench.md, bench.json, bench.png")
     p.add_argument("--shape", help=f"architecture of random weights: {', '.join(SHAPES)} (with "
                                    "--matrix a comma-separated list, default all)")
@@ -74,9 +70,6 @@ def main(argv=None):
     modes = parse_modes(args.modes)
     if args.tg < 2 or args.reps < 1:
         raise UserError("need --tg >= 2 and --reps >= 1")
-    if not 1 <= args.chunk_steps <= 64:
-        raise UserError(f"--chunk-steps takes 1 to 64, not {args.chunk_steps}")
-    chunked.STEPS = args.chunk_steps  # before any model traces its chunk step
     chosen = [o for o, v in (("--model", args.model), ("--tiny", args.tiny),
                              ("--config", args.config), ("--shape", args.shape)) if v]
     if args.llama_bench and (args.merge or args.matrix):

@@ -27,9 +27,6 @@ PEER = "mlx-lm"
 EAGER = "-eager"  # suffix: our runner without the compiled decode step, to measure that lever
 # suffix: without the whole-step kernel (kernels.decode_layers), one per sublayer
 SUBLAYER = "-sublayer"
-# suffix: the whole-step kernel one launch a token, without the chunk kernel (kernels.decode_chunk,
-# which our greedy runs take where it runs: chunked.STEPS tokens a launch)
-STEP = "-step"
 # rms on the model's layer loop (MLX's primitives and the norm kernel), as rms ran before every
 # mode took the whole-step kernels: the step from the primitives to the kernel, measured
 PRIMITIVES = "rms-primitives"
@@ -140,8 +137,7 @@ def our_runner(model, compiled, without=()):
     """Our generate_step on model; without: kernels kept off while it runs (forms.DISABLED)."""
     def run(prompt, max_tokens):
         with forms.without(*without):
-            yield from generate_step(prompt, model, max_tokens=max_tokens, compiled=compiled,
-                                     with_logprobs=False)  # greedy: chunked where it runs
+            yield from generate_step(prompt, model, max_tokens=max_tokens, compiled=compiled)
     return run
 
 
@@ -203,7 +199,7 @@ def mode_line(mode):
         return "mlx-lm's own model and generate_step on the same checkpoint"
     if mode == PRIMITIVES:
         return "RMSNorm on the layer loop (MLX's primitives and the norm kernel)"
-    norm = mode.removesuffix(EAGER).removesuffix(SUBLAYER).removesuffix(STEP)
+    norm = mode.removesuffix(EAGER).removesuffix(SUBLAYER)
     if norm not in NORM_MODES:  # a peer's rows added to the report (llama_bench)
         return "llama.cpp's llama-bench on the same GGUF file" if mode == "llama.cpp" else mode
     what = {"rms": "RMSNorm (1/RMS and the norm weights applied before each matvec)",
@@ -211,8 +207,7 @@ def mode_line(mode):
             "none": "no normalization (a speed ceiling)"}[norm]
     how = (" on the eager step" if mode.endswith(EAGER) else
            " on one kernel per sublayer" if mode.endswith(SUBLAYER) else
-           " on the whole-step kernel, one launch a token" if mode.endswith(STEP) else
-           " on the whole-step kernel where our kernels run (greedy: several steps a launch)")
+           " on the whole-step kernel where our kernels run")
     return what + how
 
 
@@ -248,12 +243,10 @@ def bench(modes, folder, label, bits, dtype, pp, tg, reps, group_size=64, seed=0
             model = load_mlx_lm(folder, bits, dtype, group_size)
             runners[mode] = mlx_lm_runner(model)
         else:
-            norm = ("rms" if mode == PRIMITIVES else
-                    mode.removesuffix(EAGER).removesuffix(SUBLAYER).removesuffix(STEP))
+            norm = "rms" if mode == PRIMITIVES else mode.removesuffix(EAGER).removesuffix(SUBLAYER)
             model = load_ours(folder, norm, bits, dtype, group_size)
             without = (("decode_layers", "decode_rows") if mode == PRIMITIVES
-                       else ("decode_layers",) if mode.endswith(SUBLAYER)
-                       else ("decode_chunk",) if mode.endswith(STEP) else ())
+                       else ("decode_layers",) if mode.endswith(SUBLAYER) else ())
             runners[mode] = our_runner(model, compiled=False if mode.endswith(EAGER) else None,
                                        without=without)
         sizes[mode] = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
@@ -381,7 +374,7 @@ def write_atomic(path, text):
 def parse_modes(text):
     modes = [m.strip() for m in text.split(",") if m.strip()]
     valid = (NORM_MODES + tuple(m + EAGER for m in NORM_MODES)
-             + ("flash" + SUBLAYER, "flash" + STEP, PRIMITIVES, PEER))
+             + ("flash" + SUBLAYER, PRIMITIVES, PEER))
     bad = [m for m in modes if m not in valid]
     if not modes or bad:
         raise UserError(f"unknown mode '{bad[0] if bad else text}'; --modes takes a "

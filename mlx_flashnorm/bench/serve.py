@@ -171,10 +171,12 @@ def start(kind, command, log):
 
 
 def stream_chat(port, prompt, max_tokens, temperature=0.0, response_format=None):
-    """One streamed chat request (with response_format, where given): (seconds to the first
-    content, seconds per token after it (None below two tokens), completion tokens). Tokens come
+    """One streamed chat request (prompt: the user's text, or the messages; with response_format,
+    where given): (seconds to the first content, seconds per token after it (None below two
+    tokens), completion tokens, prompt tokens (None where the server does not say)). Tokens come
     from the final usage chunk, else count chunks."""
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    body = {"messages": messages, "max_tokens": max_tokens,
             "temperature": temperature, "stream": True,
             "stream_options": {"include_usage": True}}
     if response_format is not None:
@@ -186,7 +188,7 @@ def stream_chat(port, prompt, max_tokens, temperature=0.0, response_format=None)
     response = conn.getresponse()
     if response.status != 200:
         raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
-    times, tokens = [], None
+    times, tokens, prompt_tokens = [], None, None
     for line in response:
         if not line.startswith(b"data: "):
             continue
@@ -196,13 +198,15 @@ def stream_chat(port, prompt, max_tokens, temperature=0.0, response_format=None)
         chunk = json.loads(data)
         if chunk.get("usage"):
             tokens = chunk["usage"]["completion_tokens"]
+            prompt_tokens = chunk["usage"].get("prompt_tokens")
         if any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
             times.append(time.perf_counter())
     conn.close()
     tokens = tokens or len(times)
     if not times:
-        return None, None, tokens
-    return times[0] - sent, (times[-1] - times[0]) / (tokens - 1) if tokens > 1 else None, tokens
+        return None, None, tokens, prompt_tokens
+    return (times[0] - sent, (times[-1] - times[0]) / (tokens - 1) if tokens > 1 else None, tokens,
+            prompt_tokens)
 
 
 def prompt_of(i, r, tag):

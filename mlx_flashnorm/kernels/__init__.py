@@ -8,9 +8,7 @@
     matvec.py      norm_qkv_rope, gate_up: Sec. 5, the pre-norm inside its consumer's 4/8-bit matvec
     step.py        decode_layers: every layer of a decode step in one persistent CUDA kernel
     rows.py        decode_rows: the same for a batch of rows, each at its own position
-    chunk.py       decode_chunk: several greedy decode steps of one row in one launch
-    cuda/          the CUDA of step.py's, rows.py's and chunk.py's kernels (step.cu, rows.cu,
-                   chunk.cu, whole_step.cuh)
+    cuda/          the CUDA of step.py's and rows.py's kernels (step.cu, rows.cu, whole_step.cuh)
     normalize.py   the norm modules' fused residual add + RMSNorm/LayerNorm
     cpu.py         the CPU's row-parallel quantized matmul (bit-identical, two threads)
 
@@ -29,12 +27,10 @@ from .rope import rope_after_qkv, rope_after_qkv_supported
 from .step import (Layers, decode_layers, layer_views, stacked,
                    supported as decode_layers_supported, use_decode_layers)
 from .rows import decode_rows
-from .chunk import decode_chunk, supported as decode_chunk_supported
 
 __all__ = ["add_rss", "power_of_two_below", "scale_shape", "CHUNK", "SPLIT_ABOVE",
            "decode_attention", "constant", "float_bits", "position_array", "self_check",
            "QuantizedEmbedding", "QuantizedLinear", "quantized_matmul", "through_quantized_matmul",
            "KMAX", "fused_supported", "gate_up", "gated", "norm_qkv_rope", "rope_after_qkv",
            "rope_after_qkv_supported", "Layers", "decode_layers", "layer_views", "stacked",
-           "decode_layers_supported", "use_decode_layers", "decode_rows", "decode_chunk",
-           "decode_chunk_supported"]
+           "decode_layers_supported", "use_decode_layers", "decode_rows"]

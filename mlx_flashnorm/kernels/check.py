@@ -21,12 +21,11 @@ from .normalize import CHECK as NORMALIZE
 from .rope import CHECK as ROPE_QKV
 from .step import CHECK as DECODE_LAYERS
 from .rows import CHECK as DECODE_ROWS
-from .chunk import CHECK as DECODE_CHUNK
 
 # name: (a call on small float16 inputs, the largest max |kernel - fallback| / max |fallback|)
 CHECKS = {"add_rss": ADD_RSS, "decode_attention": ATTENTION, "rope_qkv": ROPE_QKV,
           "normalize": NORMALIZE, **MATVEC, "decode_layers": DECODE_LAYERS,
-          "decode_rows": DECODE_ROWS, "decode_chunk": DECODE_CHUNK}
+          "decode_rows": DECODE_ROWS}
 
 
 def _passed_file():
@@ -99,6 +98,5 @@ def self_check(names=None):
 _CHECKED = set()
 # checked where first needed, not at load: decode_rows (the batched server's step: its compile and
 # check cost seconds no one-request user needs) is checked by flashnorm.decode_stack before its
-# first batch, decode_chunk (one request's greedy steps, which the batched server never runs) by
-# decoding's chunked.available before its first chunk
-LAZY = {"decode_rows", "decode_chunk"}
+# first batch
+LAZY = {"decode_rows"}

@@ -86,28 +86,23 @@ def table(layers):
                              f"tab[{14 * l + 13}] = vc{l}; }}\n" for l in range(layers))
 
 
-def compose(folder, file, fields, layers, own=("body",), **more):
+def compose(folder, file, fields, layers, own=("body",)):
     """A whole-step kernel's CUDA for `layers` layers, (body, header) as make_kernel takes them,
     from folder's `file` (its pieces `own`: its body, and where named a device piece of its own
     functions) and whole_step.cuh: the body with its sizes declared (fields: its SIZES), its
-    pointer table (table), whole_step.cuh's layer and attend pieces and `more` (step.cu's
-    STEPS_OPEN and STEPS_CLOSE: ONE_STEP, or chunk.py's loop) filled in; the header of the
-    backend's shared functions (HEADERS), whole_step.cuh's device piece and the file's."""
+    pointer table (table) and whole_step.cuh's layer and attend pieces filled in; the header of
+    the backend's shared functions (HEADERS), whole_step.cuh's device piece and the file's."""
     shared = pieces(folder / "whole_step.cuh", "device", "layer", "attend")
     mine = pieces(folder / file, *own)
     sizes = declare(fields) + f"  const int* lt = dims + {len(fields)};  // step.layer_table\n"
     body = fill(mine["body"], SIZES=sizes, TABLE=table(layers), LAYER=shared["layer"],
-                ATTEND=shared["attend"], **more)
+                ATTEND=shared["attend"])
     return body, HEADERS["cuda"] + shared["device"] + mine.get("device", "")
-
-
-# step.cu's lines around the layers, for one step (decode_chunk fills them with its loop)
-ONE_STEP = {m: f"  // {m}: one step\n" for m in ("STEPS_OPEN", "STEPS_CLOSE")}
 
 
 def source(layers):
     """decode_layers' CUDA for `layers` layers: (body, header) as make_kernel takes them."""
-    return compose(CUDA, "step.cu", SIZES, layers, **ONE_STEP)
+    return compose(CUDA, "step.cu", SIZES, layers)
 
 
 @lru_cache(maxsize=None)
@@ -276,14 +271,9 @@ def decode_layers(x, offset, layers, caches, gains, qk_gains, theta, eps, factor
     K, D, I, xmax, HQ, HKV, GQ = sizes(x, layers, theta, n_heads, n_kv_heads)
     return launch(step_kernel(len(layers)), x, position_array(offset), layers, caches, gains,
                   qk_gains, theta, eps, factor, qk_eps, n_heads, n_kv_heads, group_size, bits,
-                  work=work_size(K, D, I, HQ, HKV),
+                  work=(HQ + 2 * HKV) * D + HQ * SMAX * (D + 2) + K + I,
                   shared_memory=shared_bytes(K, xmax, bits, D, GQ, len(layers)), norm=norm,
                   windows=windows, gelu=gelu)
-
-
-def work_size(K, D, I, HQ, HKV):
-    """decode_layers' work buffer, in floats (step.cu's raw, part, obuf and abuf)."""
-    return (HQ + 2 * HKV) * D + HQ * SMAX * (D + 2) + K + I
 
 
 def sizes(x, layers, theta, n_heads, n_kv_heads):

@@ -53,7 +53,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from .. import forms
-from ..decoding import cache_capacity, context_length
+from ..decoding import cache_capacity, context_length, prefill
 from .prompt_cache import common_prefix
 from .requests import Load
 from .runner import queue_step, settle
@@ -293,7 +293,7 @@ class BatchEngine:
                 continue  # begun now it would go alone; whole, it joins the next step's shared call
             n = min(budget, len(f.todo))
             if n:
-                self.model(mx.array(f.todo[:n])[None], cache=f.cache)
+                prefill(self.model, f.todo[:n], f.cache)
                 mx.async_eval([(c.keys, c.values) for c in f.cache])
                 # (a slice: the next chunk writes the cache's arrays over, in place)
                 self.queued += [c.keys[..., :1, :1] for c in f.cache]

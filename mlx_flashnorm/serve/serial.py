@@ -138,8 +138,7 @@ def stream_tokens(model, tokenizer, g):
     with closing(lockstep(stream_generate(model, tokenizer, g.tokens, g.max_tokens, temp=g.temp,
                                           top_p=g.top_p, top_k=g.top_k, min_p=g.min_p, seed=g.seed,
                                           logits_processors=g.logits_processors(),
-                                          grammar=g.grammar,
-                                          with_logprobs=g.top_logprobs is not None))) as responses:
+                                          grammar=g.grammar))) as responses:
         for r in responses:
             yield token_of(r, g.top_logprobs)
 

@@ -3,9 +3,8 @@
 // post-norms read o_proj's and down_proj's whole rows, obuf and y, at the next phase's start).
 // One piece, the kernel's body (build.cuda_source wraps it in the function of the inputs); its
 // header is whole_step.cuh's device piece. Its marker lines are filled by step.compose: SIZES
-// (the sizes and flags in `dims`, step.SIZES), TABLE (the pointer table, step.table),
-// whole_step.cuh's LAYER and ATTEND pieces, and STEPS_OPEN and STEPS_CLOSE around the layers (a
-// comment here; chunk.cu's loop over several decode steps in decode_chunk, kernels/chunk.py).
+// (the sizes and flags in `dims`, step.SIZES), TABLE (the pointer table, step.table) and
+// whole_step.cuh's LAYER and ATTEND pieces.
 // @piece body
   // T, BITS, D (head size), GQ (query heads per kv head), NL (layers), SMAX: template constants
   constexpr int NW = 8, PER = 32 / BITS, CW = 4 * PER;  // warps; values per word, per 16-byte chunk
@@ -34,7 +33,6 @@
   {{TABLE}}
   __syncthreads();
   float xs = 1.0f;  // the deferred scale of the layer's input (the previous down_proj's)
-  {{STEPS_OPEN}}
   for (int l = 0; l < NL; ++l) {
     {{LAYER}}
     const int NCO = KO / CW, NCI = I / CW;
@@ -144,7 +142,6 @@
     }
     if (l + 1 < NL) fn_grid_sync(bar, target += NB);
   }
-  {{STEPS_CLOSE}}
   if (blockIdx.x == 0) {
     for (int i = threadIdx.x; i < K; i += blockDim.x) p[i] = fn_cast<T>(pres[i]);
     if (threadIdx.x == 0) ys[0] = xs;
