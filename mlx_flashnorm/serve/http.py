@@ -17,12 +17,12 @@ or not, is noticed within streaming.POLL seconds (a streamed one also at its nex
 request dropped by the worker at its next step."""
 import hmac
 import ipaddress
-from collections import Counter
 import json
 import select
 import socket
 import threading
 import time
+from collections import Counter
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
