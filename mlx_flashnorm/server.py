@@ -155,8 +155,9 @@ def arg_parser():
         prog="python -m mlx_flashnorm.server",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/models, "
                     "/v1/chat/completions, /v1/completions, /health), llama-server's /tokenize, "
-                    "/detokenize and /apply-template, and a chat page at /. The sampling flags set "
-                    "the defaults of requests that leave them out.", formatter_class=HelpFormatter)
+                    "/detokenize, /apply-template and /metrics, and a chat page at /. The sampling "
+                    "flags set the defaults of requests that leave them out.",
+        formatter_class=HelpFormatter)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080,
@@ -164,6 +165,13 @@ def arg_parser():
     p.add_argument("--api-key", help="require the header 'Authorization: Bearer API_KEY' "
                                      f"(default: the {API_KEY_VARIABLE} environment variable, "
                                      "which ps does not show; unset: no key)")
+    p.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve GET /metrics: Prometheus's text format, llama-server's metric "
+                        "names where it has the metric (llamacpp:prompt_tokens_total, ...), "
+                        "mlx_flashnorm: ones where it has none; it needs the API key where one is "
+                        "set, as llama-server's does. On by default (it shows counts and the "
+                        "batch's state, no request's content); llama-server's is off unless "
+                        "--metrics")
     p.add_argument("--cors-origin", action="append", metavar="ORIGIN",
                    help="let web pages of ORIGIN (e.g. http://localhost:3000; * for any) call the "
                         "server; repeatable (unset: requests from web pages are refused)")
@@ -272,7 +280,7 @@ def main(argv=None):
                         cors_origins=args.cors_origin or (), max_queue=args.max_queue,
                         allowed_hosts=args.allowed_host or (), parse_special=args.parse_special,
                         max_body=args.max_body, timeout=args.timeout,
-                        request_timeout=args.request_timeout,
+                        request_timeout=args.request_timeout, metrics=args.metrics,
                         max_concurrent=args.max_concurrent, worker=worker)
     except OSError as e:  # (the server closed the worker)
         raise UserError(f"cannot listen on {args.host}:{args.port}: {e.strerror}")

@@ -11,13 +11,14 @@ from ..decoding import CAPACITY_STEP, cache_capacity, context_length
 from ..errors import UserError
 from .engine import FEED_WAIT, BatchEngine
 from .prompt_cache import PromptCache
-from .requests import Ticket, token_of
+from .requests import Load, Ticket, token_of
 from .sequence import Request
-from .serial import serve_on_thread
+from .serial import MAX_CHOICES, serve_on_thread
 from .slots import Slots, bucket, kv_layout, most_rows, needed_capacity, token_bytes
 
 KV_BUDGET = 0.25  # the batch's KV cache by default: this fraction of the device's memory
 MAX_ROWS = 256  # rows decoded together at most unless max_batch says otherwise
+LOAD_EVERY = 0.1  # seconds between the Loads a busy engine's worker takes
 
 
 class BatchWorker:
@@ -32,11 +33,17 @@ class BatchWorker:
     first alone and the rest behind it (bench/RESULTS.md, "Serving").
     max_batch, kv_budget: the rows and KV memory (kv_limits) from which follow `slots`, the rows
     decoded together, and `kv_tokens`, the positions the budget holds, against which the server
-    counts the requests it takes."""
+    counts the requests it takes.
+
+    A request of n choices is n Requests, the first holding the others as its twins (one prefill,
+    a row each: engine.py). `load`: the engine's requests.Load, taken after a step at most every
+    LOAD_EVERY seconds while it is busy and whenever it goes idle (so that its counters are whole
+    once the requests are answered), before that step's tokens are handed out."""
 
     def __init__(self, model, tokenizer, warm=False, max_batch=None, prompt_cache_bytes=0,
                  prefill_step=2048, gather=(0.002, 0.02), kv_budget=None):
         self.gather = gather
+        self.load, self.looked = Load(), 0.0  # the last Load and when it was taken
         self.context_length, self.vocab_size = context_length(model), model.args.vocab_size
         self.tokenizer, self.stop_tokens = tokenizer, frozenset(tokenizer.eos_token_ids)
         self.inbox = queue.Queue()
@@ -44,6 +51,8 @@ class BatchWorker:
 
         def start():  # (kv_limits reads the cache's layout off a model call: on the thread)
             self.slots, budget, self.kv_tokens = kv_limits(model, max_batch, kv_budget)
+            # (every choice of a request decodes at once)
+            self.choices = min(MAX_CHOICES, self.slots)
             cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
             self.engine = BatchEngine(model, self.slots, prefill_step, cache, feed_wait=FEED_WAIT,
                                       kv_budget=budget)
@@ -68,22 +77,35 @@ class BatchWorker:
         ticket.put(token)
 
     def deliver(self, events):
-        """Each step's Events to their tickets, a request's None after its last."""
+        """Each step's Events to their tickets, a request's None after its last choice's last."""
         for e in events:
             ticket = e.request.ticket
             self.put(ticket, event_token(e))
-            if e.finish_reason:
+            if e.finish_reason and ticket.finished():
                 self.put(ticket, None)
 
     def request(self, ticket):
+        """The ticket's Request: its first choice's, the others its twins."""
         g = ticket.generation
-        return Request(g.tokens, g.max_tokens, g.temp, g.top_p, g.top_k, g.min_p, g.seed,
-                       self.stop_tokens, g.logits_processors(), ticket=ticket,
-                       constraint=g.constraint(self.tokenizer, self.vocab_size))
+        first, *twins = [Request(g.tokens, g.max_tokens, g.temp, g.top_p, g.top_k, g.min_p, seed,
+                                 self.stop_tokens, g.logits_processors(), ticket=ticket,
+                                 constraint=g.constraint(self.tokenizer, self.vocab_size),
+                                 choice=i)
+                         for i, seed in enumerate(g.seeds())]
+        first.twins = twins
+        return first
 
-    def flush(self):
+    def look(self):
+        """Take the engine's Load where it is due (the class's note); whether it was."""
+        now = time.monotonic()
+        if self.engine.busy and now - self.looked < LOAD_EVERY:
+            return False
+        self.load, self.looked = self.engine.load(), now
+        return True
+
+    def flush(self, looked):
         """After each round of put(): nothing here (a worker that sends its tokens on sends
-        them)."""
+        them, and the Load where looked)."""
 
     def _serve(self):
         while True:
@@ -91,7 +113,8 @@ class BatchWorker:
             if self.cancels:  # (a look at every request adds to each step's host work, per row)
                 self.cancels = False
                 for r in self.engine.requests():
-                    r.cancelled = r.cancelled or r.ticket.cancelled
+                    r.cancelled = (r.cancelled or r.ticket.cancelled
+                                   or r.choice in r.ticket.dropped)
             try:
                 events = self.engine.step()
             except Exception as e:  # a failed step fails every request in flight, not the thread
@@ -99,8 +122,9 @@ class BatchWorker:
                     self.put(r.ticket, e)
                 self.engine.clear()
                 events = []
+            looked = self.look()
             self.deliver(events)
-            self.flush()
+            self.flush(looked)
 
     def _admit(self, block):
         """Move submitted tickets into the engine (if block, waiting for one, then its burst:
@@ -158,6 +182,7 @@ def event_token(e):
     """The Token of Event e (token_of, as its request asked); a request's first carries how many of
     its prompt tokens came from the prompt cache."""
     t = token_of(e, e.request.ticket.generation.top_logprobs)
+    t.choice = e.request.choice
     if len(e.request.generated) == 1:
         t.cached = e.request.cached
     return t
@@ -170,14 +195,14 @@ def warmup(engine, prompt=16, steps=3):
     fed beside running rows into slots apart (their gathers and scatter: MLX compiles a kernel at
     its first use: bench/RESULTS.md, "Serving"), then a lone request whose
     batch grows into the slots set aside (Slots.moved), outside the prompt cache
-    and the prefill counts, so that a first real request finds MLX's kernels compiled
+    and the counters (load), so that a first real request finds MLX's kernels compiled
     (decoding.warmup's reason) and the prompt cache's copies too (a first store is slow:
     bench/RESULTS.md, "Serving"), with no bound on feeding (its steps
     compile) and no step period kept; then trace the batched step of every
     bucket up to max_batch, at the first capacity. Call it on the thread that will step the
     engine."""
-    kept, counted, wait = (engine.prompt_cache, (engine.prefilled, engine.prefill_calls),
-                           engine.feed_wait)
+    kept, wait = engine.prompt_cache, engine.feed_wait
+    counted = {k: getattr(engine, k) for k in engine.COUNTERS}
     engine.feed_wait = None
     engine.prompt_cache = None if kept is None else PromptCache(1 << 26)
     vocab = engine.model.args.vocab_size
@@ -229,6 +254,6 @@ def warmup(engine, prompt=16, steps=3):
             mx.eval(slots.decode())
             size *= 2
     finally:
-        engine.prompt_cache, (engine.prefilled, engine.prefill_calls), engine.feed_wait = (
-            kept, counted, wait)
+        engine.prompt_cache, engine.feed_wait = kept, wait
+        vars(engine).update(counted)
         engine.periods.clear()
