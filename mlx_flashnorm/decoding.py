@@ -2,11 +2,10 @@
 prefill, the compiled one-token step over a static cache, sampling, streaming, and loading a model
 from the shared flags."""
 import math
-import re
 import sys
 import time
 from contextlib import closing
-from functools import lru_cache
+from functools import partial
 from dataclasses import dataclass
 from typing import Optional
 
@@ -16,7 +15,7 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from . import constraints, forms
 from .cache import StaticKVCache, make_cache
-from .chat_template import set_chat_template
+from .chat_template import encode_chat, set_chat_template
 from .errors import UserError
 from .loader import load
 from .lockstep import quiet
@@ -120,6 +119,52 @@ def compiled_decode(model, logits=False):
     return getattr(model, name).fn
 
 
+# prompt lengths a compiled prefill pads to: at most twice the tokens to 256, 255 more above
+PREFILL_BUCKETS = (16, 32, 64, 128, 256) + tuple(range(512, 2049, 256))
+
+
+def prefill(model, tokens, cache, compiled=None):
+    """Run tokens (ids: a list or a 1-D array) into cache (StaticKVCaches, or mlx-lm's KVCaches),
+    queued; no logits computed. compiled (None: forms.compiled_prefill()): the ids padded at their
+    end to the next of PREFILL_BUCKETS go through one mx.compile'd forward pass (kept on the model
+    as compiled_decode's step; traced once per bucket, capacity, and empty cache or not): no graph
+    for Python to build, fewer kernels, one causal mask for every layer, which keeps the padding
+    out of every real position (its keys and values land past the offset, unread until later
+    tokens write over them). A KVCache gets buffers of cache_capacity positions. Eager where the
+    bucket does not fit the cache, or for other caches."""
+    n, start, static = len(tokens), cache[0].offset, isinstance(cache[0], StaticKVCache)
+    size = next((b for b in PREFILL_BUCKETS if n <= b), None)
+    capacity = cache[0].capacity if static else cache_capacity(model, start + (size or 0))
+    if (not (forms.compiled_prefill() if compiled is None else compiled) or size is None
+            or start + size > capacity or type(cache[0]) not in (StaticKVCache, KVCache)):
+        model(mx.array(tokens)[None], cache=cache)
+        return
+    kept = getattr(model, "_compiled_prefill", None)
+    if kept is None or not kept.current():
+        model._compiled_prefill = CompiledStep(model, mx.compile(partial(_fill, model)))
+    kv = None
+    if start:  # the buffers (a KVCache's grown to capacity, as its own update would grow them)
+        grow = [(0, 0), (0, 0), (0, capacity - start), (0, 0)]
+        kv = [(c.keys, c.values) if static else (mx.pad(c.keys[..., :start, :], grow),
+                                                 mx.pad(c.values[..., :start, :], grow))
+              for c in cache]
+    ids = mx.pad(mx.array(tokens), (0, size - n))
+    kv = model._compiled_prefill.fn(ids, decode_offset(start), kv, capacity)
+    for c, (k, v) in zip(cache, kv):
+        c.keys, c.values, c.offset = k, v, start + n
+
+
+def _fill(model, ids, offset, kv, capacity):
+    """prefill's forward pass from a decode_offset into kv's buffers of capacity positions, or new
+    ones (kv None): the ids attend over the whole buffers (StaticKVCache.make_mask's mask)."""
+    at = position(offset)
+    cache = [StaticKVCache(capacity, at) for _ in model.layers]
+    for c, (k, v) in zip(cache, kv or ()):
+        c.keys, c.values = k, v
+    model(ids[None], cache=cache)
+    return [c.state for c in cache]
+
+
 def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048, compiled=None,
                   cache=None, logits_processors=(), constraint=None):
     """Yield (token, logprobs) one at a time. The next step is queued on the device
@@ -183,7 +228,7 @@ def generate_step(prompt, model, sampler=None, max_tokens=256, prefill_step=2048
     # Only the cache is evaluated, so the logits of those positions are never computed.
     while prompt.size > 1:
         n = min(prefill_step, prompt.size - 1)
-        model(prompt[None, :n], cache=cache)
+        prefill(model, prompt[:n], cache, None if compiled else False)
         mx.eval([c.state for c in cache])
         prompt = prompt[n:]
     # The last prompt token goes through the decode step too: compiled, that is one replay, not a
@@ -320,88 +365,6 @@ def check_limits(max_tokens, seed):
         raise UserError(f"max-tokens must be a whole number of at least 1, not {max_tokens!r}")
     if seed is not None and not (isinstance(seed, int) and 0 <= seed <= MAX_SEED):
         raise UserError(f"seed must be a whole number from 0 to {MAX_SEED}, not {seed!r}")
-
-
-def special_tokens(tokenizer):
-    """{text: id} of the special tokens that the tokenizer's encode finds in text (a Hugging Face
-    tokenizer's special added tokens; a sentencepiece one finds none)."""
-    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    return {t.content: i for i, t in added.items() if getattr(t, "special", False)}
-
-
-@lru_cache(maxsize=16)
-def _pattern(texts):
-    """A regular expression matching any of texts, the longest first (None for none)."""
-    if not texts:
-        return None
-    return re.compile("|".join(map(re.escape, sorted(texts, key=len, reverse=True))))
-
-
-@lru_cache(maxsize=4)
-def _as_text(backend):
-    """A copy of a tokenizers.Tokenizer that encodes special tokens' text as text: the shared one
-    is never switched to it (the server's threads encode at once with it)."""
-    copy = type(backend).from_str(backend.to_str())
-    copy.encode_special_tokens = True
-    return copy
-
-
-def encode_as_text(tokenizer, text):
-    """text's token ids with no special token parsed (the added tokens that are not special still
-    are, as encode parses them)."""
-    backend = getattr(getattr(tokenizer, "_tokenizer", None), "_tokenizer", None)
-    if hasattr(backend, "encode_special_tokens"):  # mlx-lm's wrapper of a transformers fast one
-        return _as_text(backend).encode(text, add_special_tokens=False).ids
-    return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
-
-
-def _encode_within(encode, piece, newline):
-    """encode(piece) for a piece from inside a text: after a newline, which is then dropped, so
-    that a sentencepiece-style tokenizer adds none of the space it adds at a text's start (the
-    newline not kept apart: piece alone)."""
-    ids = encode("\n" + piece)
-    return ids[len(newline):] if ids[:len(newline)] == newline else encode(piece)
-
-
-def encode_chat(tokenizer, messages, parse_special=False, **template_args):
-    """Token ids of messages ({"role", "content"} strings) through the tokenizer's chat template,
-    with the generation prompt. A special token's text in a message (`<|im_end|>` in a user's
-    content) is ordinary text, its text's ids in place of the token's, so that only the template
-    writes control tokens: a message cannot end its turn and write others. The template is
-    rendered with each such text between two markers (a private-use character in no message); the
-    text outside them is tokenized as before, the marked texts as text (as transformers'
-    apply_chat_template(sanitize_control_tokens=True) does, on any template and version).
-    parse_special: the text parsed for special tokens too, as the tokenizer parses any text.
-    template_args: the template's other arguments (tools=)."""
-    specials = {} if parse_special else special_tokens(tokenizer)
-    pattern = _pattern(tuple(specials))
-    strings = [v for m in messages for v in m.values() if isinstance(v, str)]
-    if pattern is None or not any(pattern.search(v) for v in strings):
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                  **template_args))
-    mark = next(c for c in map(chr, range(0xE000, 0xF900)) if not any(c in v for v in strings))
-    marked = [{k: pattern.sub(lambda t: mark + t[0] + mark, v) if isinstance(v, str) else v
-               for k, v in m.items()} for m in messages]
-    text = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False,
-                                         **template_args)
-    # [text, marked, text, marked, ..., text]; a marker the template parted from its pair: None
-    pieces = re.split(f"{mark}({pattern.pattern}){mark}|{mark}", text)
-
-    def encode(piece):
-        return tokenizer.encode(piece, add_special_tokens=False)
-
-    def as_text(piece):
-        return encode_as_text(tokenizer, piece)
-
-    newline, ids = encode("\n"), encode(pieces[0])
-    for i, piece in enumerate(pieces[1:], start=1):
-        if piece:
-            got = _encode_within(as_text if i % 2 else encode, piece, newline)
-            if i % 2 and specials[piece] in got:
-                raise ValueError(f"{piece!r} in a message is read as the special token even as "
-                                 "text")
-            ids += got
-    return ids
 
 
 def encode_prompt(tokenizer, prompt, chat_template=True, system_prompt=None, vocab=None,

@@ -83,6 +83,15 @@ def compiled_decode():
     return not portable()
 
 
+def compiled_prefill():
+    """Whether a prefill chunk runs as a compiled function of a bucket of prompt lengths
+    (decoding.prefill): where our kernels run on a GPU, where a short prefill is host work
+    (bench/RESULTS.md, "Prefill"); off with MLX_FLASHNORM_DISABLE=compiled_prefill. Not on the
+    CPU, where a prefill is compute-bound and the padding to a bucket would cost its share, nor on
+    the portable path (compiled_decode)."""
+    return use_gpu("compiled_prefill") and not portable()
+
+
 def select_backend(backend=None):
     """The norm kernel's path for `backend` (None: BACKEND): "auto" resolves to the GPU's kernel
     where it runs, else "fallback" (the plain MLX composition)."""

@@ -552,7 +552,7 @@ def prepare(model, norm="rms", bits=None, group_size=64, head_bits=None, concat=
     plain_norms(model)  # where no norm kernel runs: mx.fast.rms_norm alone, no per-call decision
     # two CPU threads (bit-identical); a GPU's batch rows as one matrix
     through_quantized_matmul(model)
-    if kernels.use_decode_layers():  # the whole-step kernels' matrices as 12 arrays, not 12 a layer
+    if kernels.use_decode_layers():  # the whole-step kernels' arrays: one a kind, not one a layer
         flashnorm.stack_weights(model)
     return materialize(model)
 

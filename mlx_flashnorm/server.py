@@ -1,10 +1,11 @@
 """The OpenAI-compatible server command: `python -m mlx_flashnorm.server`.
 
 The flags and the wiring: the model loaded, the worker chosen and the HTTP transport (serve/http.py)
-started over it. The worker decodes up to --max-concurrent requests together (serve/batch_worker:
-continuous batching, with a prompt cache of --prompt-cache-size MB, in a process of its own:
-serve/engine_process); --max-concurrent 1 serves one request at a time on the compiled one-request
-path (serve/serial.SerialWorker: our fused kernels where they run, no prompt cache).
+started over it. The worker decodes requests together (serve/batch_worker: continuous batching,
+with a prompt cache of --prompt-cache-size MB, in a process of its own: serve/engine_process), as
+many as the KV cache's budget (--kv-budget) holds, at most --max-concurrent; --max-concurrent 1
+serves one request at a time on the compiled one-request path (serve/serial.SerialWorker: our fused
+kernels where they run, no prompt cache).
 
 Under `mlx.launch -n N` the model is split over the N processes (shard.py): every rank runs the
 batch engine (serve/lockstep_worker: rank 0 serves and plans each step, the other ranks, which
@@ -29,7 +30,7 @@ from .decoding import load_from_args, make_sampler_for, wants_warmup
 from .errors import UserError, run_cli
 from .lockstep import abandon, leads
 from .serve import http
-from .serve.batch_worker import BatchWorker
+from .serve.batch_worker import KV_BUDGET, MAX_ROWS, BatchWorker
 from .serve.engine_process import RESTARTS, EngineProcess
 from .serve.lockstep_worker import RANK_TIMEOUT, STEP_TIMEOUTS, LockstepWorker
 from .serve.openai_api import HTTPError
@@ -37,7 +38,6 @@ from .serve.serial import SerialWorker
 from .shard import world
 
 API_KEY_VARIABLE = "MLX_FLASHNORM_API_KEY"
-MAX_CONCURRENT = 32  # requests decoded together (mlx_lm.server's default)
 PROMPT_CACHE_MB = 512  # the prompt cache's bound
 PREFILL_STEP = 2048  # prompt tokens prefilled per engine step, at most (mlx-lm's prefill step)
 # seconds the requests in flight may take to finish once the server is told to stop: within the
@@ -55,17 +55,18 @@ class Stop(Exception):
 
 class Server(http.Server):
     """The HTTP server over the worker that max_concurrent says, running model: 1, one request at a
-    time (SerialWorker); more, a BatchWorker of that many rows with a prompt cache of
-    prompt_cache_bytes. worker: a worker to serve instead (model is then unused). warm: warm the
-    model up on the worker thread before serving. The rest as http.Server's."""
+    time (SerialWorker); else a BatchWorker of at most that many rows (None: as many as kv_budget
+    holds, at most MAX_ROWS) with a prompt cache of prompt_cache_bytes and a KV cache within
+    kv_budget (BatchWorker's). worker: a worker to serve instead (model is then unused). warm: warm
+    the model up on the worker thread before serving. The rest as http.Server's."""
 
     def __init__(self, model, tokenizer, model_id, host="127.0.0.1", port=8080, max_tokens=256,
-                 temp=0.0, top_p=1.0, top_k=0, warm=False, *, max_concurrent=MAX_CONCURRENT,
+                 temp=0.0, top_p=1.0, top_k=0, warm=False, *, max_concurrent=None,
                  prompt_cache_bytes=PROMPT_CACHE_MB * 2**20, prefill_step=PREFILL_STEP, worker=None,
-                 **limits):
+                 kv_budget=None, **limits):
         worker = worker or (SerialWorker(model, tokenizer, warm) if max_concurrent == 1 else
                             BatchWorker(model, tokenizer, warm, max_concurrent, prompt_cache_bytes,
-                                        prefill_step))
+                                        prefill_step, kv_budget=kv_budget))
         super().__init__(worker, tokenizer, model_id, host, port, max_tokens, temp, top_p, top_k,
                          **limits)
         self.stopped = None  # why serve_forever returned (a Stop)
@@ -132,13 +133,33 @@ def loopback(host):
         return False
 
 
+UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def kv_budget(text):
+    """--kv-budget's value: bytes (an int; a suffix K, M, G or T multiplies by 2**10, 2**20...),
+    or a fraction of the device's memory (a float above 0, at most 1); a UserError for anything
+    else."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    try:
+        size = (int(float(t[:-1]) * UNITS[t[-1]]) if t[-1:] in UNITS
+                else float(t) if "." in t else int(t))
+    except ValueError:
+        size = 0
+    if not (0 < size <= 1 if isinstance(size, float) else size > 1):
+        raise UserError(f"--kv-budget must be bytes (8G, 512M, 1073741824) or a fraction of the "
+                        f"device's memory (0.25), not '{text}'")
+    return size
+
+
 def arg_parser():
     p = argparse.ArgumentParser(
         prog="python -m mlx_flashnorm.server",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/models, "
                     "/v1/chat/completions, /v1/completions, /health), llama-server's /tokenize, "
-                    "/detokenize and /apply-template, and a chat page at /. The sampling flags set "
-                    "the defaults of requests that leave them out.", formatter_class=HelpFormatter)
+                    "/detokenize, /apply-template and /metrics, and a chat page at /. The sampling "
+                    "flags set the defaults of requests that leave them out.",
+        formatter_class=HelpFormatter)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080,
@@ -146,6 +167,13 @@ def arg_parser():
     p.add_argument("--api-key", help="require the header 'Authorization: Bearer API_KEY' "
                                      f"(default: the {API_KEY_VARIABLE} environment variable, "
                                      "which ps does not show; unset: no key)")
+    p.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve GET /metrics: Prometheus's text format, llama-server's metric "
+                        "names where it has the metric (llamacpp:prompt_tokens_total, ...), "
+                        "mlx_flashnorm: ones where it has none; it needs the API key where one is "
+                        "set, as llama-server's does. On by default (it shows counts and the "
+                        "batch's state, no request's content); llama-server's is off unless "
+                        "--metrics")
     p.add_argument("--cors-origin", action="append", metavar="ORIGIN",
                    help="let web pages of ORIGIN (e.g. http://localhost:3000; * for any) call the "
                         "server; repeatable (unset: requests from web pages are refused)")
@@ -158,14 +186,23 @@ def arg_parser():
                    help="read special tokens' text in chat messages (<|im_end|> in a user's "
                         "message) as the tokens, as before, so that a client can write turns of "
                         "its own (default: as text; only the chat template writes them)")
-    p.add_argument("--max-queue", type=int, default=64,
-                   help="requests that may wait while the worker is busy; beyond, 503 with "
-                        "Retry-After")
+    p.add_argument("--max-queue", type=int,
+                   help="requests that may wait while the worker is busy, at most; beyond, 503 "
+                        "with Retry-After (default: as many as --kv-budget holds, each its prompt "
+                        f"and max_tokens; with --max-concurrent 1, {http.MAX_QUEUE})")
     p.add_argument("--max-body", type=int, default=http.MAX_BODY,
                    help="request body bytes at most (beyond: 413)")
-    p.add_argument("--max-concurrent", type=int, default=MAX_CONCURRENT,
-                   help="requests decoded together, in one batch; 1: one at a time on the compiled "
+    p.add_argument("--max-concurrent", type=int,
+                   help="requests decoded together, in one batch, at most (default: as many as "
+                        f"--kv-budget holds, at most {MAX_ROWS}); 1: one at a time on the compiled "
                         "one-request path (no prompt cache)")
+    p.add_argument("--kv-budget", metavar="SIZE",
+                   help="memory for the batch's KV cache, like llama-server's context size: bytes "
+                        "(suffix K, M, G or T: 8G) or a fraction of the device's memory (0.5); "
+                        "requests wait while the batch with them would not fit, and the server "
+                        "takes requests while their prompts and max_tokens fit it, past that 503 "
+                        f"(default: {KV_BUDGET:g} of the device's memory, at least one request at "
+                        "the model's whole context)")
     p.add_argument("--prompt-cache-size", type=float, default=PROMPT_CACHE_MB, metavar="MB",
                    help="memory for the KV states of earlier prompts and replies, so that a shared "
                         "prefix (a system prompt, a conversation's earlier turns) is not computed "
@@ -203,7 +240,7 @@ def arg_parser():
 def main(argv=None):
     args = arg_parser().parse_args(argv)
     make_sampler_for(args.temp, args.top_p, args.top_k)  # checks the sampling flags
-    if args.max_queue < 0 or args.max_body < 1 or not args.timeout > 0:
+    if (args.max_queue or 0) < 0 or args.max_body < 1 or not args.timeout > 0:
         raise UserError("--max-queue must be at least 0, --max-body at least 1 and --timeout "
                         "above 0")
     if args.request_timeout is not None and not 0 < args.request_timeout < float("inf"):
@@ -214,9 +251,12 @@ def main(argv=None):
                         f"{args.rank_timeout:g}")
     if args.engine_restarts < 0 or not 0 <= args.drain_timeout < float("inf"):
         raise UserError("--engine-restarts and --drain-timeout must be at least 0")
-    if args.max_concurrent < 1 or not args.prompt_cache_size >= 0 or args.prefill_step_size < 1:
+    if ((args.max_concurrent is not None and args.max_concurrent < 1)
+            or not args.prompt_cache_size >= 0 or args.prefill_step_size < 1):
         raise UserError("--max-concurrent and --prefill-step-size must be at least 1 and "
                         "--prompt-cache-size (MB) at least 0")
+    if args.kv_budget is not None:
+        args.kv_budget = kv_budget(args.kv_budget)
     api_key = args.api_key or os.environ.get(API_KEY_VARIABLE) or None
     if leads():
         check_listen(args.host, args.port)
@@ -227,18 +267,19 @@ def main(argv=None):
     batch = (wants_warmup(args), args.max_concurrent, int(args.prompt_cache_size * 2**20),
              args.prefill_step_size)
     if world() is not None:  # every rank steps the batch engine, in lockstep (the ranks are the
-        # processes: no engine process of its own)
+        # processes: no engine process of its own), within rank 0's KV budget
         model, tokenizer = load_from_args(args, warm=False)  # the worker thread warms up
+        lockstep = (*batch, args.rank_timeout, args.kv_budget)
         if not leads():  # rank 0 serves, this rank takes its steps, until rank 0's worker closes
             # (its last plan), not on Ctrl-C itself: an interrupt taken between two collectives
             # would leave rank 0 waiting on a rank gone
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-            if (fatal := LockstepWorker(model, tokenizer, *batch, args.rank_timeout).wait()):
+            if (fatal := LockstepWorker(model, tokenizer, *lockstep).wait()):
                 abandon(f"error: rank {world().rank()}: {fatal}")
             return
-        worker = LockstepWorker(model, tokenizer, *batch, args.rank_timeout)
-    elif args.max_concurrent > 1:  # the batch engine in a process of its own
-        worker = EngineProcess(args, *batch, args.engine_restarts)
+        worker = LockstepWorker(model, tokenizer, *lockstep)
+    elif args.max_concurrent != 1:  # the batch engine in a process of its own
+        worker = EngineProcess(args, *batch, args.engine_restarts, args.kv_budget)
         model, tokenizer = None, worker.tokenizer
     else:
         worker = None
@@ -251,7 +292,7 @@ def main(argv=None):
                         cors_origins=args.cors_origin or (), max_queue=args.max_queue,
                         allowed_hosts=args.allowed_host or (), parse_special=args.parse_special,
                         max_body=args.max_body, timeout=args.timeout,
-                        request_timeout=args.request_timeout,
+                        request_timeout=args.request_timeout, metrics=args.metrics,
                         max_concurrent=args.max_concurrent, worker=worker)
     except OSError as e:  # (the server closed the worker)
         raise UserError(f"cannot listen on {args.host}:{args.port}: {e.strerror}")

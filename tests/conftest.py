@@ -101,24 +101,26 @@ def random_weights(model, seed=0, scale=0.02, uniform=False):
     return weights
 
 
-def random_model(config, norm):
-    """A model of config with random weights, prepared with norm (mlx_flashnorm.loader.prepare): the
-    weights larger than a checkpoint's (scale 0.2) spread the logits out, so greedy picks are decisive."""
+def random_model(config, norm, bits=None):
+    """A model of config with random weights, prepared with norm (mlx_flashnorm.loader.prepare;
+    bits: quantized, groups of 64): the weights larger than a checkpoint's (scale 0.2) spread the
+    logits out, so greedy picks are decisive."""
     from mlx_flashnorm.loader import build_model, model_args, prepare
 
     arch, args = model_args(config)
     return prepare(build_model(config, random_weights(arch.Model(args), seed=1, scale=0.2), progress=False),
-                   norm=norm)
+                   norm=norm, bits=bits)
 
 
 def count_traces(model, monkeypatch):
     """A list that grows by one each time the decode step is traced: the one time the model runs
-    a step with an array offset (compiled_decode) in Python, on any thread."""
+    a step (one token a row) with an array offset (compiled_decode) in Python, on any thread (a
+    compiled prefill's trace runs several)."""
     traces = []
     call = type(model).__call__
 
     def counting(self, tokens, cache=None):
-        if cache is not None and not isinstance(cache[0].offset, int):
+        if cache is not None and not isinstance(cache[0].offset, int) and tokens.shape[1] == 1:
             traces.append(tokens.shape)
         return call(self, tokens, cache)
 

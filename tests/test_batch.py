@@ -11,7 +11,7 @@ from mlx_flashnorm.serve.engine import SHRINK_AFTER, BatchEngine
 from mlx_flashnorm.serve.sequence import Request
 from mlx_flashnorm.serve.batch_worker import BatchWorker, warmup
 from mlx_flashnorm.serve.requests import Generation
-from mlx_flashnorm.decoding import generate_step
+from mlx_flashnorm.decoding import cache_capacity, generate_step
 from mlx_flashnorm.serve.prompt_cache import PromptCache
 
 from conftest import GEMMA3, QWEN2, QWEN3, TINY_LLAMA, TINY_OPENELM, f32_tol, random_model
@@ -872,3 +872,79 @@ def test_batch_keeps_its_bucket_between_waves(llama):
     assert sizes[:8 + 8] == [4] * 16 and sizes.index(1) > 8 + SHRINK_AFTER and sizes[-1] == 1
     assert late.generated == single(llama, late.tokens, 4)[0]
     assert first[0].generated == single(llama, first[0].tokens, 80)[0]
+
+
+@pytest.fixture(scope="module")
+def small_vocab():
+    """The tiny Llama with a vocabulary of 512: a step of 64 rows takes milliseconds on the CPU (its
+    LM head over SmolLM2's 49,152 ids took most of a second)."""
+    return random_model(dict(TINY_LLAMA, vocab_size=512, max_position_embeddings=256), "flash")
+
+
+def test_batched_greedy_equals_single_at_64_rows(small_vocab):
+    """64 rows: 56 requests at step 0, 8 joining at step 2 while the others decode (fed their
+    prompts), all 64 decoding together, rows leaving from step 3 on (max_tokens 3 to 12) and 16
+    more arriving at step 5, who wait for the rows that leave (max_batch 64). Each request gets its
+    one-request tokens and log-probabilities. Then the same requests under a KV budget of 16 rows:
+    at most 16 decode together (the slots, and those set aside, within the budget at every step),
+    the others wait, and every request's tokens are the same."""
+    from mlx_flashnorm.serve.slots import kv_layout, token_bytes
+
+    model = small_vocab
+    n = 80
+    prompts = [prompt(model, 1 + (7 * i) % 29, seed=300 + i) for i in range(n)]
+    lengths = [4 + (7 * i) % 9 for i in range(n)]
+    joins = [0] * 56 + [2] * 8 + [5] * 16
+    reference = [single(model, p, m) for p, m in zip(prompts, lengths)]
+
+    def play(engine):
+        requests = [Request(p, max_tokens=m) for p, m in zip(prompts, lengths)]
+        events, rows, step = {id(r): [] for r in requests}, [], 0
+        while step <= max(joins) or engine.busy:
+            for r, j in zip(requests, joins):
+                if j == step:
+                    engine.add(r)
+            for e in engine.step():
+                events[id(e.request)].append(e)
+            rows.append(len(engine.rows))
+            held = engine.slots.nbytes + (engine.spare.nbytes if engine.spare is not None else 0)
+            assert engine.kv_budget is None or held <= engine.kv_budget
+            step += 1
+        for r, (tokens, lp) in zip(requests, reference):
+            ev = events[id(r)]
+            assert [e.token for e in ev] == r.generated == tokens
+            got = mx.stack([e.logprobs for e in ev])
+            assert mx.allclose(got, lp, rtol=f32_tol(TOL), atol=f32_tol(TOL)).item()
+        return rows
+
+    rows = play(BatchEngine(model, max_batch=64))
+    assert max(rows) == 64 and rows.index(64) < 5 and 0 < min(rows[5:-1])
+    row_bytes = cache_capacity(model, max(len(p) + m for p, m in zip(prompts, lengths))) * token_bytes(
+        kv_layout(model))
+    rows = play(BatchEngine(model, max_batch=64, kv_budget=16 * row_bytes))
+    assert max(rows) == 16
+
+
+def test_a_burst_prefilled_over_several_steps_grows_the_batch_once(small_vocab, monkeypatch):
+    """20 newcomers whose prompts take 5 steps' prefill budgets: the batch is made once, for all of
+    them (32 slots), and the later ones join it in free slots; no live row is copied into new
+    buffers (Slots.resized, Slots.moved)."""
+    from mlx_flashnorm.serve.slots import Slots
+
+    copies = []
+    monkeypatch.setattr(Slots, "resized", lambda self, *a, f=Slots.resized: copies.append(a) or f(self, *a))
+    monkeypatch.setattr(Slots, "moved", lambda self, into, f=Slots.moved: copies.append(into) or f(self, into))
+    requests = [Request(prompt(small_vocab, 10, seed=400 + i), max_tokens=6) for i in range(20)]
+    engine = BatchEngine(small_vocab, prefill_step=40)
+    for r in requests:
+        engine.add(r)
+    made, joined = [], []
+    while engine.busy:
+        engine.step()
+        made.append(engine.slots)
+        joined.append(len(engine.rows))
+    assert len(set(map(id, made))) == 1 and made[0].size == 32 and copies == []
+    assert joined[0] < 20 and max(joined) == 20  # (they joined over several steps)
+    assert engine.prefill_calls >= 5
+    for r in requests[::5]:
+        assert r.generated == single(small_vocab, r.tokens, 6)[0]

@@ -14,12 +14,16 @@ from test_batch import prompt, single
 
 generate = importlib.import_module("mlx_flashnorm.decoding")  # the module (the package exports a function of its name)
 
-CONFIGS = {"llama": TINY_LLAMA, "gemma3": GEMMA3}
+# (config, bits): Gemma 3's of head size 64, 4-bit, is a stack the whole-step kernels take (on CUDA
+# the batch's steps run decode_rows, a lone row decode_layers: batched tokens equal single tokens
+# through them)
+CONFIGS = {"llama": (TINY_LLAMA, None), "gemma3": (dict(GEMMA3, head_dim=64), 4)}
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def model(request):
-    return random_model(dict(CONFIGS[request.param], max_position_embeddings=256), "flash")
+    config, bits = CONFIGS[request.param]
+    return random_model(dict(config, max_position_embeddings=256), "flash", bits)
 
 
 def test_bucket():

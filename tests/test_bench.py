@@ -207,9 +207,12 @@ def test_anatomy_tables_and_cold_parts(capsys):
     from mlx_flashnorm.bench.anatomy import main as anatomy
 
     anatomy(["--tiny", "--pp", "16", "--reps", "1", "--modes", "flash,mlx-lm", "--dtype", "float32"])
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| flash") or line.startswith("| mlx-lm")]
-    assert len(rows) == 4  # prefill and decode, each mode (no kernels to switch off on the CPU)
-    assert all(float(cell) >= 0 for row in rows for cell in row.strip("|").split("|")[2:])
+    rows = [line.strip("|").split("|") for line in capsys.readouterr().out.splitlines()
+            if line.startswith(("| flash", "| mlx-lm"))]
+    # prefill (ours eager and compiled) and decode, each mode (no kernels to switch off on the CPU)
+    assert [row[:2] for row in rows[:3]] == [[" flash ", " eager "], [" flash ", " compiled "],
+                                             [" mlx-lm ", " eager "]] and len(rows) == 5
+    assert all(float(cell) >= 0 for row in rows for cell in row[-3:])
     anatomy(["--tiny", "--pp", "16", "--cold", "flash", "--dtype", "float32"])
     parts = [line for line in capsys.readouterr().out.splitlines() if "request" in line]
     assert len(parts) == 12 and sum("step 1 trace" in line for line in parts) == 2  # two requests

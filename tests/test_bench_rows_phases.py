@@ -10,7 +10,7 @@ import pytest
 
 from mlx_flashnorm import forms
 from mlx_flashnorm.errors import UserError
-from mlx_flashnorm.kernels import build, rows, step
+from mlx_flashnorm.kernels import build, rows, stacks, step
 
 from conftest import PROBES, probe
 
@@ -45,14 +45,15 @@ def test_the_timed_launch_is_decode_rows_launch_with_room_for_the_stamps(monkeyp
     monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", lambda **kw: calls.append(kw) or
                         [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])])
     L, K, HQ, HKV, D, I, C, B = 3, 256, 4, 2, 64, 384, 64, 5
-    layers, _ = step._random_stack(L, K, HQ, HKV, D, I, C, 9, 80)
+    layers, _ = stacks.random_stack(L, K, HQ, HKV, D, I, C, 9, 80)
     layers = [tuple((w, s.astype(mx.float16), b.astype(mx.float16)) for w, s, b in m) for m in layers]
     spec = dict(layers=layers, gains=None, qk_gains=None, theta=mx.zeros((D // 2,)), eps=1e-5, factor=0.5,
                 qk_eps=0.0, n_heads=HQ, n_kv_heads=HKV, group_size=64, bits=4)
     kernel = rows_phases.stamped_kernel(rows, L, "test")
     phases, total, plan = rows_phases.phase_times(rows, kernel, spec, B, 9, reps=2, capacity=C)
     template, work, shared = rows.launch_plan(B, K, I, D, HQ, HKV, L)
-    assert len(calls) == 3 and all(len(c["inputs"]) == 7 + 12 + 2 * L for c in calls)  # untimed, then reps
+    assert len(calls) == 3 and all(len(c["inputs"]) == 7 + len(step.STACKED) + 2 * L
+                               for c in calls)  # untimed, then reps
     assert calls[0]["output_shapes"][3] == (work + 2 * (2 + 6 * L),) and calls[0]["shared_memory"] == shared
     assert plan == dict(template) == {"G": 8, "GD": 8, "GU": 8, "IC": I, "NW": rows.WARPS}
     assert f"constexpr int WORK_ = {work};" in files[0] and files[0].count("ti_++") == 2 + 5 + 1

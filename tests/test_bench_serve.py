@@ -3,11 +3,21 @@ and timings come from the streams it read, and a failed request is counted with 
 import math
 import time
 
+import pytest
+
 from mlx_flashnorm import load
 from mlx_flashnorm.bench.serve import engine_round, free_port, load_round, percentile, step_profile, table
 from mlx_flashnorm.server import Server
 
 from conftest import serving
+
+
+@pytest.fixture
+def rows_32(monkeypatch):
+    """The engine alone at 32 rows at most, not the server's default MAX_ROWS: its warm-up traces every bucket up
+    to them, and a step of 256 rows of the tiny Llama (SmolLM2's 49,152 ids in its head) takes most of a second
+    on the CPU."""
+    monkeypatch.setattr("mlx_flashnorm.serve.batch_worker.MAX_ROWS", 32)
 
 
 def test_percentile_interpolates():
@@ -34,7 +44,7 @@ def test_load_round_counts_a_refused_request():
     assert len(row["error_kinds"]) == 1 and "refused" in row["error_kinds"][0].lower()
 
 
-def test_engine_round_feeds_the_requests_to_the_engine_alone(tiny_llama_dir):
+def test_engine_round_feeds_the_requests_to_the_engine_alone(tiny_llama_dir, rows_32):
     """--engine's row: every client's requests, in turn, through a BatchEngine in this process."""
     model, tokenizer = load(str(tiny_llama_dir), progress=False)
     row = engine_round(model, tokenizer, clients=3, rounds=2, max_tokens=4, tag="t")
@@ -55,7 +65,7 @@ def test_step_profile_finds_the_steady_step_and_the_time_in_it():
     assert math.isclose(p["steady_step_s"], 0.01) and math.isclose(p["steady_s"], 0.02)
 
 
-def test_engine_round_samples_at_the_temperature_asked(tiny_llama_dir, monkeypatch):
+def test_engine_round_samples_at_the_temperature_asked(tiny_llama_dir, monkeypatch, rows_32):
     """--temperature reaches every request: the engine alone's requests sample at it."""
     from mlx_flashnorm.serve.engine import BatchEngine
 
@@ -67,8 +77,6 @@ def test_engine_round_samples_at_the_temperature_asked(tiny_llama_dir, monkeypat
 
 
 def test_serve_bench_refuses_a_temperature_out_of_range(tmp_path):
-    import pytest
-
     from mlx_flashnorm.bench.serve import main
     from mlx_flashnorm.errors import UserError
 
@@ -91,7 +99,7 @@ def test_cpu_seconds_counts_a_process_own_work():
     assert math.isnan(cpu_seconds(2**22 + 12345))  # no such process
 
 
-def test_serve_bench_rows_hold_the_server_process_cpu(tiny_llama_dir, tmp_path, monkeypatch):
+def test_serve_bench_rows_hold_the_server_process_cpu(tiny_llama_dir, tmp_path, monkeypatch, rows_32):
     """bench.serve end to end (our server only, a process of its own, and --engine): the table and
     the JSON rows, each served row with the server process's CPU seconds for its requests; the engine
     alone, like the server, first takes an untimed request; --warm, an untimed round before each N's;
@@ -108,17 +116,23 @@ def test_serve_bench_rows_hold_the_server_process_cpu(tiny_llama_dir, tmp_path, 
     out = tmp_path / "serve.md"
     serve.main(["--model", str(tiny_llama_dir), "--clients", "2", "--rounds", "2", "--max-tokens", "4", "--no-peer",
                 "--temperature", "0.5", "--engine", "--warm", "--repeats", "2", "--work", str(tmp_path / "work"),
-                "--out", str(out)])
+                "--constrained", "0,1", "--out", str(out)])
     rows = json.loads(out.with_suffix(".json").read_text())
-    assert [(r["server"], r["clients"], r["requests"], r["errors"], r.get("repeat")) for r in rows] == [
-        ("ours", 2, 4, 0, 0), ("ours", 2, 4, 0, 1), ("ours, engine alone", 2, 4, 0, None)]
+    assert [(r["server"], r["clients"], r["requests"], r["errors"], r.get("repeat"), r.get("constrained"))
+            for r in rows] == [("ours", 2, 4, 0, 0, 0), ("ours", 2, 4, 0, 0, 1), ("ours", 2, 4, 0, 1, 0),
+                               ("ours", 2, 4, 0, 1, 1), ("ours, engine alone", 2, 4, 0, None, None)]
     assert rounds == [(1, 1, 4), (2, 2, 4)]  # (clients, rounds, max_tokens): the untimed one first
-    # --warm: an untimed round of its own prompts before each timed one; --repeats: the list played again
-    assert served == [(2, 1, 4, "ours2-warm"), (2, 2, 4, "ours2"), (2, 1, 4, "ours2r1-warm"), (2, 2, 4, "ours2r1")]
-    assert "ours, 2 clients (2 rows): median" in out.read_text()
+    # --warm: an untimed round of its own prompts before each timed one; --repeats: the list played again;
+    # --constrained: each N at each fraction
+    assert served == [(2, 1, 4, "ours2-warm"), (2, 2, 4, "ours2"), (2, 1, 4, "ours2c1-warm"), (2, 2, 4, "ours2c1"),
+                      (2, 1, 4, "ours2r1-warm"), (2, 2, 4, "ours2r1"), (2, 1, 4, "ours2c1r1-warm"),
+                      (2, 2, 4, "ours2c1r1")]
+    text = out.read_text()
+    assert "ours, 2 clients (2 rows): median" in text and "ours, 2 clients, 1 constrained (2 rows): median" in text
     assert 0 <= rows[0]["server_cpu_s"] < rows[0]["wall_s"] * 64  # (a few ms here: 0 at 10 ms ticks)
-    assert "| ours | 2 | 4 |" in out.read_text() and "temperature 0.5" in out.read_text()
-    assert "(the servers after an untimed round at each N)" in out.read_text()
+    assert "| ours | 2 | 4 |" in text and "temperature 0.5" in text and "constrained |" in text
+    assert "(the servers after an untimed round at each N)" in text and '"required": ["title"' in text
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the chart
 
 
 def test_paired_ratios_divide_by_the_same_repeats_first_single():
@@ -133,3 +147,56 @@ def test_paired_ratios_divide_by_the_same_repeats_first_single():
     assert lines[1] == ("ours, 32 clients (3 rows): median 2,500 tok/s, 20.0x the same repeat's first single stream "
                         "(paired, median; 15.0-25.0x)")
     assert len(lines) == 2
+
+
+def test_constrained_clients_ask_our_server_for_the_schema(tiny_llama_dir):
+    """--constrained's rows for real: of 4 clients at 0.5, the first 2 send response_format json_schema,
+    which our server turns into a grammar for its engine; the others send free requests; all answered."""
+    from mlx_flashnorm.serve.batch_worker import BatchWorker
+
+    class Recording(BatchWorker):
+        grammars = []
+
+        def submit(self, generation):
+            self.grammars.append(generation.grammar)
+            return super().submit(generation)
+
+    model, tokenizer = load(str(tiny_llama_dir), progress=False)
+    worker = Recording(model, tokenizer)
+    with serving(Server(model, tokenizer, "tiny", port=0, worker=worker)) as server:
+        row = load_round(server.server_address[1], clients=4, rounds=1, max_tokens=6, tag="t", constrained=0.5)
+    assert (row["requests"], row["errors"], row["constrained"]) == (4, 0, 0.5)
+    assert sorted(g is None for g in worker.grammars) == [False, False, True, True]
+    assert all('"genre"' in g and "adventure" in g for g in worker.grammars if g is not None)
+
+
+def test_mlx_lm_constrained_rows_are_skipped_and_the_table_says_so():
+    from mlx_flashnorm.bench.serve import SKIPPED, plan
+
+    assert plan("mlx-lm", [1, 32], [0, 0.5], 1) == [(0, 1, 0, None), (0, 1, 0.5, SKIPPED), (0, 32, 0, None),
+                                                    (0, 32, 0.5, SKIPPED)]
+    assert plan("ours", [8], [0, 1], 2) == [(0, 8, 0, None), (0, 8, 1, None), (1, 8, 0, None), (1, 8, 1, None)]
+    text = table([dict(server="mlx-lm", clients=32, constrained=0.5, repeat=0, skipped=SKIPPED)])
+    assert text.splitlines()[0].endswith("| constrained |")
+    assert text.splitlines()[-1] == f"| mlx-lm | 32 | skipped: {SKIPPED} | | | | | | | 0.5 |"
+
+
+def test_llama_server_command_and_argument_errors(tmp_path):
+    """llama-server's command line: -np slots, flash attention, every layer on the GPU, a context of
+    max_tokens and a prompt's room for each slot; bad arguments are one-line errors before anything
+    runs (the llama-server rows themselves need the binary: the GPU session runs them)."""
+    from mlx_flashnorm.bench.serve import PROMPT_ROOM, llama_server_command, main
+    from mlx_flashnorm.errors import UserError
+
+    assert llama_server_command("/opt/llama-server", "m.gguf", 8081, 64, 256) == [
+        "/opt/llama-server", "-m", "m.gguf", "--port", "8081", "-np", "64", "-fa", "on", "-ngl", "99",
+        "-c", str(64 * (256 + PROMPT_ROOM))]
+    work = ["--no-peer", "--work", str(tmp_path)]
+    for args, message in [(["--llama-server", str(tmp_path / "llama-server")], "no such executable"),
+                          (["--llama-server", "llama-server", "--model", str(tmp_path)], "leave --model unset"),
+                          (["--llama-np", "0"], "--llama-np must be at least 1"),
+                          (["--constrained", "0,2"], "--constrained must be fractions from 0 to 1"),
+                          (["--constrained", "half"], "--constrained must be fractions")]:
+        with pytest.raises(UserError, match=message):
+            main(args + work)
+    assert not any(tmp_path.iterdir())  # (nothing converted or started)

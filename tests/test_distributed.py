@@ -3,6 +3,7 @@
 process first, module by module (the ranks' partial outputs summed by hand)."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -308,6 +309,17 @@ def test_server_and_chat_under_mlx_launch(checkpoints, tmp_path):
         pids = ranks(server)
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
         assert ask(client) == want
+        # n choices, sampled with no seed (rank 0 draws one; each choice's follows from it on every
+        # rank), a stop string dropping a choice where it comes: the ranks stay in step (the
+        # token digest checks), the next answer is alike, /metrics counts rank 0's engine
+        many = client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "w3"}], max_tokens=8, n=3,
+            temperature=1.0, stop=["w"])
+        assert sorted(c.index for c in many.choices) == [0, 1, 2]
+        assert ask(client) == want
+        metrics = urllib.request.urlopen(url.replace("/v1", "/metrics"), timeout=30).read()
+        predicted = re.search(rb"^llamacpp:tokens_predicted_total (\S+)$", metrics, re.M)
+        assert predicted and float(predicted[1]) > 0, metrics
         assert urllib.request.urlopen(url.replace("/v1", "/health"), timeout=30).status == 200
         os.kill(pids[0], signal.SIGINT)
         _, err = server.communicate(timeout=60)

@@ -23,7 +23,7 @@ from mlx_flashnorm.serve.engine_process import EngineProcess, PipedWorker
 from mlx_flashnorm.errors import UserError
 from mlx_flashnorm.decoding import stream_generate
 from mlx_flashnorm.server import Server, arg_parser
-from mlx_flashnorm.serve.requests import Generation, Token
+from mlx_flashnorm.serve.requests import Generation, Ticket, Token
 
 from conftest import cli, serving
 
@@ -79,6 +79,24 @@ def test_a_cancelled_request_leaves_its_slot(engine):
     long_ones[0].cancel()
     assert len(tokens_of(engine.submit(Generation(ids, 2)))) == 2
     long_ones[1].cancel()
+
+
+def test_choices_and_counts_cross_the_pipe(engine, smollm2):
+    """A request of n = 2 (the engine's two rows) gets two choices, each the lone greedy answer; the
+    engine's counters come back with its tokens: once they are all here, the engine's Load has
+    counted each token made and the prompt's tokens once, and its batch is empty again."""
+    model, tokenizer = smollm2
+    ids = chat(tokenizer, PROMPTS[1])
+    # (the requests of the tests before ended: their last counts come with the engine's idling)
+    before = until(lambda: (load := engine.load).rows == load.processing == 0 and load)
+    tokens = tokens_of(engine.submit(Generation(ids, 3, n=2)))
+    after = engine.load
+    alone = [r.token for r in stream_generate(model, tokenizer, ids, max_tokens=3)]
+    assert [[t.id for t in tokens if t.choice == c] for c in (0, 1)] == [alone, alone]
+    assert after.generated - before.generated == sum(t.finish_reason != "stop" for t in tokens)
+    assert after.prompt_tokens - before.prompt_tokens == len(ids) - sum(t.cached for t in tokens)
+    assert after.steps - before.steps == 3 and after.rows_stepped - before.rows_stepped == 6
+    assert (after.rows, after.processing, after.waiting, after.kv_tokens) == (0, 0, 0, 0)
 
 
 def health(port):
@@ -138,6 +156,7 @@ def test_a_dead_engine_is_restarted(smollm2):
         until(lambda: health(port)[0] == 200)
         status, body, _ = complete(port)
         assert status == 200 and body["usage"]["completion_tokens"] == 2, body
+        assert worker.load.generated >= 3  # the dead child's counts kept: its first token's too
         os.kill(worker.process.pid, signal.SIGKILL)
         until(lambda: worker.fatal)
         status, body = health(port)
@@ -186,24 +205,29 @@ def test_load_errors_are_one_line():
 
 
 def test_plain_tokens_cross_the_pipe_as_tuples():
-    """The child's deliver sends a token without log-probabilities as (id, finish) (a Token pickles
-    ten times slower), one with them, or a request's first (which tells how much of its prompt was
-    cached), as its Token, and None after a request's last, dropping its ticket; the requests above
-    read both back as Tokens."""
+    """The child's deliver sends a token without log-probabilities as (id, finish, choice) (a Token
+    pickles ten times slower), one with them, or a request's first (which tells how much of its
+    prompt was cached), as its Token, and None after a request's last, dropping its ticket; the
+    requests above read both back as Tokens."""
     child = SimpleNamespace(outbox=[], tickets={7: "plain", 8: "rich", 9: "first"})
-    plain = SimpleNamespace(ticket=SimpleNamespace(key=7, generation=Generation([1], 4)),
-                            generated=[3, 5])
-    rich = SimpleNamespace(ticket=SimpleNamespace(key=8, generation=Generation([1], 4,
-                                                                               top_logprobs=1)),
-                           generated=[0, 0], cached=3)
-    first = SimpleNamespace(ticket=SimpleNamespace(key=9, generation=Generation([1, 2, 3], 4)),
-                            generated=[4], cached=2)
+
+    def ticket(key, generation):
+        t = Ticket(generation)
+        t.key = key
+        return t
+
+    plain = SimpleNamespace(ticket=ticket(7, Generation([1], 4)), generated=[3, 5], choice=0)
+    rich = SimpleNamespace(ticket=ticket(8, Generation([1], 4, top_logprobs=1)),
+                           generated=[0, 0], cached=3, choice=0)
+    first = SimpleNamespace(ticket=ticket(9, Generation([1, 2, 3], 4)), generated=[4], cached=2,
+                            choice=0)
     logits = mx.array([[0.0, 1.0, 2.0], [2.0, 1.0, 0.0]])
     step = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     PipedWorker.deliver(child, [Event(plain, 5, step, 0, None), Event(rich, 0, step, 1, "length")])
     assert child.tickets == {7: "plain", 9: "first"}
     PipedWorker.deliver(child, [Event(plain, 9, step, 0, "stop")])
-    assert child.outbox[:1] == [(7, (5, None))] and child.outbox[2:] == [(8, None), (7, (9, "stop")), (7, None)]
+    assert child.outbox[:1] == [(7, (5, None, 0))]
+    assert child.outbox[2:] == [(8, None), (7, (9, "stop", 0)), (7, None)]
     key, token = child.outbox[1]
     assert key == 8 and isinstance(token, Token) and (token.id, token.finish_reason) == (0, "length")
     assert token.top_logprobs[0][0] == 0 and abs(token.logprob - step[1, 0].item()) < 1e-6

@@ -1,9 +1,12 @@
-"""The latency bench plays one seeded conversation per mode, each in a fresh process, and writes its table."""
+"""The latency bench plays one seeded conversation per mode, each in a fresh process, and writes
+its table; --serve times the first token through real servers."""
 import json
+import random
 
 import pytest
 
-from mlx_flashnorm.bench.latency import main, series
+from mlx_flashnorm.bench.latency import chat_prompt, main, series, ttft_summary, ttft_table
+from mlx_flashnorm.decoding import encode_chat
 
 from conftest import TINY_LLAMA, in_process
 
@@ -88,6 +91,64 @@ def test_bad_arguments(args, words, tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TINY_LLAMA))
     r = in_process(main, "--out", str(tmp_path / "out"), *[str(config) if a == "{tiny_llama}" else a for a in args])
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].startswith("error:") and words in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_chat_prompts_have_the_lengths_asked(smollm2):
+    """--serve's prompts: the chat-templated prompt has the length's tokens, each prompt its own."""
+    tokenizer, rng = smollm2[1], random.Random(0)
+    for n in (16, 128, 512):
+        prompts = [chat_prompt(tokenizer, n, rng) for _ in range(3)]
+        assert all(count == n == len(encode_chat(tokenizer, m)) for m, count in prompts)
+        assert len({m[1]["content"] for m, _ in prompts}) == 3
+        assert all(m[0] == {"role": "system", "content": ""} for m, _ in prompts)
+
+
+def test_ttft_table():
+    rows = {"ours": [0.010, 0.030, 0.020, None], "mlx-lm": [0.040, 0.040, 0.050, 0.040],
+            "llama-server": [0.010, 0.010, 0.010, 0.010]}
+    results = {s: {"16": ttft_summary([{"ttft_s": t} for t in ts])} for s, ts in rows.items()}
+    assert results["ours"]["16"] == {"requests": 4, "failed": 1, "ttft_median_s": 0.020,
+                                     "ttft_p90_s": pytest.approx(0.028)}
+    report = {"model": "m", "device": "d", "mlx": "0", "repeats": 4, "max_tokens": 4,
+              "servers": list(rows), "lengths": [16], "prompt_tokens": [16], "results": results}
+    md = ttft_table(report).splitlines()
+    assert md[2] == ("| prompt tokens | ours | mlx_lm.server | llama-server | ours / mlx_lm.server "
+                     "| ours / llama-server |")
+    assert md[4] == "| 16 | 20.0 / 28.0 (1 failed) | 40.0 / 47.0 | 10.0 / 10.0 | 0.50 | 2.00 |"
+
+
+def test_serve_times_our_server(tiny_llama_dir, tmp_path):
+    """--serve with our server alone (a tiny model with SmolLM2's tokenizer, on this device): every
+    request answered, the server counting the prompt tokens asked for."""
+    main(["--serve", "--no-peer", "--model", str(tiny_llama_dir), "--prompts", "16,40",
+          "--repeats", "2", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")])
+    r = json.loads((tmp_path / "out" / "ttft.json").read_text())
+    assert r["servers"] == ["ours"] and r["lengths"] == r["prompt_tokens"] == [16, 40]
+    for n in ("16", "40"):
+        assert [q["prompt_tokens"] for q in r["requests"]["ours"][n]] == [int(n)] * 2
+        s = r["results"]["ours"][n]
+        assert s["requests"] == 2 and s["failed"] == 0 and 0 < s["ttft_median_s"] <= s["ttft_p90_s"]
+    md = (tmp_path / "out" / "ttft.md").read_text()
+    assert md.startswith("Command: `python -m mlx_flashnorm.bench.latency --serve")
+    assert sum(line.startswith(("| 16 | ", "| 40 | ")) for line in md.splitlines()) == 2
+    assert (tmp_path / "work" / "ours.log").is_file()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--serve", "--tiny"], "--tiny is for the conversation, not --serve"),
+    (["--serve", "--modes", "rms"], "--modes is for the conversation"),
+    (["--llama-server", "llama-server"], "--llama-server is for --serve"),
+    (["--serve", "--llama-server", "x", "--model", "y"], "leave --model unset"),
+    (["--serve", "--llama-server", "{missing}"], "no such executable"),
+    (["--serve", "--prompts", "16,x"], "--prompts takes whole numbers of at least 1, not 'x'"),
+    (["--serve", "--repeats", "0", "--model", "y"], "--repeats >= 1"),
+    (["--serve", "--model", "{missing}"], "not an MLX model folder")])
+def test_bad_serve_arguments(args, words, tmp_path):
+    r = in_process(main, "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
+                   *[str(tmp_path / "missing") if a == "{missing}" else a for a in args])
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith("error:") and words in r.stderr
     assert "Traceback" not in r.stderr

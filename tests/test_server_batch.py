@@ -44,8 +44,16 @@ def client(server):
     return openai_client(server)
 
 
-def test_default_worker_batches():
-    assert Server.__init__.__kwdefaults__["max_concurrent"] == 32
+def test_default_worker_batches(smollm2):
+    """The default worker batches as many rows as the default KV budget holds, at most MAX_ROWS."""
+    from mlx_flashnorm.serve.batch_worker import MAX_ROWS, kv_limits
+
+    server = Server(*smollm2, "smol", port=0)
+    try:
+        assert isinstance(server.worker, BatchWorker) and server.max_queue is None
+        assert server.worker.slots == kv_limits(smollm2[0])[0] <= MAX_ROWS  # (this machine's memory)
+    finally:
+        server.server_close()
 
 
 def test_concurrent_requests_get_their_single_answers(server, client, smollm2):
@@ -179,7 +187,8 @@ def test_disconnected_request_frees_its_row(server, client, stream):
 
 def test_warm_batch_server_warms_its_worker_thread(tiny_llama_dir, monkeypatch):
     """Server(warm=True) with the batch worker plays its warm-up on the worker thread, before
-    serving, and counts nothing of it."""
+    serving, and counts nothing of it (at 32 rows: the warm-up traces every bucket up to them, and a
+    step of 256 rows of this model's 49,152-id head takes most of a second on the CPU)."""
     model, tokenizer = load(str(tiny_llama_dir), progress=False)
     threads = []
     call = type(model).__call__
@@ -189,7 +198,7 @@ def test_warm_batch_server_warms_its_worker_thread(tiny_llama_dir, monkeypatch):
         return call(self, tokens, cache)
 
     monkeypatch.setattr(type(model), "__call__", recording)
-    warm = Server(model, tokenizer, "tiny", port=0, warm=True)
+    warm = Server(model, tokenizer, "tiny", port=0, warm=True, max_concurrent=32)
     try:
         assert threads and threading.main_thread() not in threads and len(set(threads)) == 1
         assert isinstance(warm.worker, BatchWorker) and warm.worker.engine.prefilled == 0

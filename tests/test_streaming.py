@@ -16,7 +16,8 @@ def stream_on(pair_end, tokenizer, ticket_tokens=8):
     call = Call(False, Generation(tokenizer.encode("Once upon a time"), ticket_tokens), stream=True)
     ticket = Ticket(call.generation)
     left = lambda: False  # noqa: E731 (the peer closing shows as a failed write)
-    return Stream(pair_end, left, ticket, Transcript(tokenizer, call), Answer(call, tokenizer, "m")), ticket
+    answer = Answer(call, tokenizer, "m")
+    return Stream(pair_end, left, ticket, [Transcript(tokenizer, call)], answer), ticket
 
 
 def events(data):
@@ -112,7 +113,7 @@ def test_an_answer_that_fails_to_render_gets_a_500_and_the_streamer_goes_on(smol
         ours, theirs = socket.socketpair()
         s, ticket = stream_on(ours, tokenizer)
         s.whole = whole
-        monkeypatch.setattr(s.transcript, "add", lambda token: 1 / 0)
+        monkeypatch.setattr(s.transcripts[0], "add", lambda token: 1 / 0)
         ticket.put(Token(tokenizer.encode(" word")[0]))
         assert streamer.run(s) and isinstance(s.failed, ZeroDivisionError)
         ours.close()
@@ -122,3 +123,30 @@ def test_an_answer_that_fails_to_render_gets_a_500_and_the_streamer_goes_on(smol
     s, ticket = stream_on(ours, tokenizer, 1)
     ticket.put(Token(tokenizer.encode(" word")[0], "length"))
     assert streamer.run(s) and theirs.recv(65536).endswith(b"data: [DONE]\n\n")
+
+
+def test_choices_stream_by_index_and_one_cut_at_a_stop_string_is_dropped(smollm2):
+    """A completion of two choices: each choice's tokens go out as its own events (by index); the
+    first cut at a stop string is dropped from the worker (Ticket.drop) while the second runs to its
+    end; then [DONE]."""
+    _, tokenizer = smollm2
+    call = Call(False, Generation(tokenizer.encode("Once upon a time"), 8, n=2), stream=True,
+                stop=[" stop"])
+    ticket, (ours, theirs) = Ticket(call.generation), socket.socketpair()
+    s = Stream(ours, lambda: False, ticket, [Transcript(tokenizer, call) for _ in range(2)],
+               Answer(call, tokenizer, "m"))
+    word, stop, end = (tokenizer.encode(w)[0] for w in (" word", " stop", " end"))
+    for choice, ids in ((0, [word, stop, word]), (1, [word, word, end])):
+        for i, t in enumerate(ids):
+            ticket.put(Token(t, "length" if choice and i == 2 else None, choice=choice))
+    assert Streamer(timeout=5).run(s)
+    data = b""
+    while not data.endswith(b"data: [DONE]\n\n"):
+        data += theirs.recv(65536)
+    text, finish = {}, {}
+    for e in events(data):
+        (c,) = e["choices"]
+        text[c["index"]] = text.get(c["index"], "") + c["text"]
+        finish[c["index"]] = finish.get(c["index"]) or c["finish_reason"]
+    assert text == {0: " word", 1: " word word end"} and finish == {0: "stop", 1: "length"}
+    assert ticket.dropped == {0} and not ticket.cancelled

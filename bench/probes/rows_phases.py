@@ -72,7 +72,7 @@ def phase_times(module, kernel, spec, B, position, reps, capacity=1024):
     """Median over reps of each phase's mean over the layers (us), of the whole launch (us), and
     the launch's template (rows per pass)."""
     L, HQ, HKV = len(spec["layers"]), spec["n_heads"], spec["n_kv_heads"]
-    D = spec["theta"].shape[0] * 2
+    D = spec["theta"].shape[-1] * 2
     K, I = spec["layers"][0][1][0].shape[0], spec["layers"][0][2][0].shape[0] // 2
     caches = [tuple(0.5 * mx.random.normal((B, HKV, capacity, D)).astype(mx.float16)
                     for _ in range(2))

@@ -7,10 +7,11 @@ each evaluated and timed on its own: loading, prefill, the eager first token, th
 trace (its first call) and its first evaluations, then the same request again.
 
 Otherwise, for each mode in one process after a warm-up, medians of --reps:
-- prefill: one forward pass over --pp tokens into a fresh cache, split into building the graph
-  (Python), submitting it (MLX encodes every kernel on this thread) and waiting for the device;
-  for our modes also with each of our kernels switched off in turn (forms.DISABLED), which
-  shows what each costs or saves.
+- prefill: --pp tokens into a fresh cache (its keys and values, no logits), split into building
+  the graph (Python; a compiled prefill's call), submitting it (MLX encodes every kernel on this
+  thread) and waiting for the device; for our modes eager and compiled (decoding.prefill, padded
+  to its bucket), and eager with each of our kernels switched off in turn (forms.DISABLED),
+  which shows what each costs or saves.
 - decode step (one token, the cache filled to --pp): build, submit, wait, each alone, and the
   time per token of a pipelined loop (the next step submitted before waiting, as generate_step
   does). Host-bound when build + submit is close to the pipelined time.
@@ -26,7 +27,7 @@ import mlx.core as mx
 from .. import forms
 from ..cache import make_cache
 from ..errors import HelpFormatter, run_cli
-from ..decoding import cache_capacity, compiled_decode, decode_offset
+from ..decoding import cache_capacity, compiled_decode, decode_offset, prefill
 from .decode import PEER, device_name, load_mlx_lm, load_ours, random_checkpoint, random_shape
 
 KERNELS = ("add_rss", "normalize", "rope_qkv", "qkv_rope", "gate_up", "decode_attention")
@@ -61,12 +62,15 @@ def peer_cache(model):
     return make_prompt_cache(model)
 
 
-def prefill_fn(model, mode, prompt):
+def prefill_fn(model, mode, prompt, compiled=False):
     def f():
-        cache = (peer_cache(model) if mode == PEER
-                 else make_cache(model, cache_capacity(model, prompt.size + 8)))
-        logits = model(prompt[None], cache=cache)[:, -1, :]
-        return [logits] + [a for c in cache for a in c.state]
+        if mode == PEER:
+            cache = peer_cache(model)
+            model(prompt[None], cache=cache)
+        else:
+            cache = make_cache(model, cache_capacity(model, prompt.size + 8))
+            prefill(model, prompt, cache, compiled)
+        return [a for c in cache for a in c.state[:2]]
     return f
 
 
@@ -117,9 +121,9 @@ def profile_decode(model, mode, prompt, reps):
     return medians(rows) + [per_token]
 
 
-def profile_prefill(model, mode, prompt, reps):
-    f = prefill_fn(model, mode, prompt)
-    timed_eval(f)
+def profile_prefill(model, mode, prompt, reps, compiled=False):
+    f = prefill_fn(model, mode, prompt, compiled)
+    timed_eval(f)  # (a compiled one's trace)
     return medians([timed_eval(f) for _ in range(reps)])
 
 
@@ -197,17 +201,21 @@ def main(argv=None):
         prompt = mx.random.randint(0, config.get("vocab_size", 32000), (args.pp,))
         print(f"{name}, {device_name()}, prompt {args.pp}, {args.dtype}, Q4 g64, "
               f"MLX {mx.__version__}, medians of {args.reps}; ms")
-        print("\n| prefill | kernels off | build | submit | wait |\n"
-              "| --- | --- | ---: | ---: | ---: |")
+        print("\n| prefill | path | kernels off | build | submit | wait |\n"
+              "| --- | --- | --- | ---: | ---: | ---: |")
         for m in modes:
-            print(f"| {m} | - | {ms(profile_prefill(models[m], m, prompt, args.reps))} |",
+            print(f"| {m} | eager | - | {ms(profile_prefill(models[m], m, prompt, args.reps))} |",
                   flush=True)
-            if m != PEER and forms.use_gpu():
+            if m == PEER:
+                continue
+            print(f"| {m} | compiled | - "
+                  f"| {ms(profile_prefill(models[m], m, prompt, args.reps, True))} |", flush=True)
+            if forms.use_gpu():
                 for k in KERNELS:
-                    forms.DISABLED.add(k)
-                    print(f"| {m} | {k} | {ms(profile_prefill(models[m], m, prompt, args.reps))} |",
-                          flush=True)
-                    forms.DISABLED.discard(k)
+                    with forms.without(k):
+                        print(f"| {m} | eager | {k} "
+                              f"| {ms(profile_prefill(models[m], m, prompt, args.reps))} |",
+                              flush=True)
         # a round untimed, as long as the timed one: else the first mode timed pays for MLX's first
         # pass over the longer cache (bench/RESULTS.md, "Portable path")
         for m in modes:

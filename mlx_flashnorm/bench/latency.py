@@ -13,6 +13,17 @@ of a fresh process waits), median and max TTFT over the other requests, and end-
 not). With --rounds > 1 the modes take turns (rms flash mlx-lm rms flash ...), each time in a new
 process, so that a cache MLX keeps on disk between processes helps every mode alike after the
 first round.
+
+--serve: time to first token per prompt length through the servers instead, each in a process of
+its own on a free port: ours and mlx_lm.server (--peer) on one MLX folder (the embedded SmolLM2
+written as one under --work, as bench.serve writes it, or --model), and llama.cpp's llama-server
+(--llama-server PATH) on the embedded SmolLM2's GGUF file. Each prompt is a system message and
+random words whose chat-templated prompt has the length's tokens (every server counts the same:
+the JSON keeps what each said), distinct for every request so that no prompt cache holds more
+than the template's first tokens. After an untimed request of each length on every server, one
+streaming chat request at a time, each round of --repeats asking every length of every server in
+turn, the servers' order rotating; reported per length and server: the median and p90 time to the
+first content.
 """
 import argparse
 import json
@@ -29,11 +40,26 @@ import mlx.core as mx
 
 from ..cli import add_model_args
 from ..errors import HelpFormatter, UserError, run_cli
-from ..decoding import wants_warmup, warmup
-from ..loader import resolve_dtype
+from ..decoding import encode_chat, wants_warmup, warmup
+from ..loader import default_model_path, load_tokenizer, resolve_dtype
 from .decode import (EAGER, PEER, context_length, device_name, gguf_checkpoint, load_mlx_lm,
-                     load_ours, log, mlx_lm_runner, our_runner, parse_modes, random_checkpoint,
-                     random_shape, timed, write_atomic)
+                     load_ours, log, mlx_lm_runner, our_runner, parse_modes, positive,
+                     random_checkpoint, random_shape, timed, write_atomic)
+from .serve import (LLAMA, check_llama_server, llama_server_command, mlx_folder, percentile,
+                    server_command, start, stream_chat)
+
+# --serve's prompts: an empty system message (else a template may add its own, as SmolLM2's does,
+# too long for a 16-token prompt), then random words among these (one token each in most
+# tokenizers)
+SYSTEM = ""
+WORDS = ("time year people way day man thing woman life child world school state family group "
+         "country problem hand part place case week company system program question work number "
+         "night point home water room mother area money story fact month lot right study book eye "
+         "job word business issue side kind head house service friend father power hour game line "
+         "end member law car city name team minute idea body back parent face level office door "
+         "health person art war history party result change morning reason girl moment air "
+         "force").split()
+SERVERS = {"ours": "ours", "mlx-lm": "mlx_lm.server", LLAMA: "llama-server"}
 
 
 def series(n, seed, vocab_size, context, most_tokens=128):
@@ -143,11 +169,130 @@ def table(report):
     return "\n".join(lines) + "\n"
 
 
+def chat_prompt(tokenizer, length, rng):
+    """Messages (SYSTEM, then random WORDS) whose chat-templated prompt has `length` tokens, or as
+    near as whole words come, with its token count."""
+    words = [rng.choice(WORDS) for _ in range(length)]
+    n, tried = max(1, length // 2), {}
+    while n not in tried:
+        messages = [{"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": " ".join(words[:n])}]
+        tried[n] = (len(encode_chat(tokenizer, messages)), messages)
+        n = min(length, max(1, n + length - tried[n][0]))
+    count, messages = min(tried.values(), key=lambda t: (abs(t[0] - length), t[0]))
+    return messages, count
+
+
+def serve_round(ports, prompts, max_tokens, results, rotate=0):
+    """One request of each length (prompts: {length: its messages}) to every server (ports: {server:
+    port}) in turn, the servers' order rotated by `rotate` and one more for each length; each
+    answer's {ttft_s, prompt_tokens, error} appended to results[server][length] (results None: the
+    untimed warm-up)."""
+    servers = list(ports)
+    for i, (length, messages) in enumerate(prompts.items()):
+        k = (rotate + i) % len(servers)
+        for server in servers[k:] + servers[:k]:
+            try:
+                ttft, _, _, prompt_tokens = stream_chat(ports[server], messages, max_tokens)
+                row = {"ttft_s": ttft, "prompt_tokens": prompt_tokens,
+                       "error": None if ttft is not None else "no content"}
+            except Exception as e:  # counted and reported, the others go on
+                row = {"ttft_s": None, "prompt_tokens": None, "error": str(e)[:200]}
+            if results is not None:
+                results[server][length].append(row)
+
+
+def ttft_summary(rows):
+    """A server's answers at one length: count, failures, median and p90 TTFT (s)."""
+    ttft = [r["ttft_s"] for r in rows if r["ttft_s"] is not None]
+    return {"requests": len(rows), "failed": len(rows) - len(ttft),
+            "ttft_median_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90)}
+
+
+def ttft_table(report):
+    """--serve's markdown: a row per prompt length, median / p90 ms per server, and ours' median
+    over each other server's (below 1: ours answers first)."""
+    servers, others = list(report["servers"]), [s for s in report["servers"] if s != "ours"]
+    lines = [f"{report['model']} | device: {report['device']} | MLX {report['mlx']} | "
+             f"{report['repeats']} requests per length and server, one at a time, after an "
+             f"untimed one; max_tokens {report['max_tokens']}; TTFT in ms, median / p90", "",
+             "| prompt tokens | " + " | ".join(SERVERS[s] for s in servers)
+             + "".join(f" | ours / {SERVERS[s]}" for s in others) + " |",
+             "| ---: |" + " ---: |" * (len(servers) + len(others))]
+
+    def cell(s):
+        failed = f" ({s['failed']} failed)" if s["failed"] else ""
+        return f"{1e3 * s['ttft_median_s']:.1f} / {1e3 * s['ttft_p90_s']:.1f}{failed}"
+
+    for length, tokens in zip(report["lengths"], report["prompt_tokens"]):
+        row = {s: report["results"][s][str(length)] for s in servers}
+        ratios = [row["ours"]["ttft_median_s"] / row[s]["ttft_median_s"] for s in others]
+        lines.append(f"| {tokens} | " + " | ".join(cell(row[s]) for s in servers)
+                     + "".join(f" | {r:.2f}" for r in ratios) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def serve_main(args, argv):
+    """--serve: start the servers, warm them up, play the rounds, write ttft.md and ttft.json."""
+    lengths = [positive(t, "--prompts") for t in args.prompts.split(",")]
+    binary = args.llama_server and check_llama_server(args.llama_server, args.model)
+    if args.repeats < 1 or (args.max_tokens or 4) < 1:
+        raise UserError("need --repeats >= 1 and --max-tokens >= 1")
+    work, max_tokens = Path(args.work), args.max_tokens or 4
+    folder = Path(args.model) if args.model else mlx_folder(work)
+    if not (folder / "config.json").is_file():
+        raise UserError(f"{folder}: not an MLX model folder (config.json missing)")
+    tokenizer, rng = load_tokenizer(folder), random.Random(args.seed)
+    # per length: the warm-up's prompt, then each round's
+    prompts = {n: [chat_prompt(tokenizer, n, rng) for _ in range(args.repeats + 1)]
+               for n in lengths}
+    commands = {"ours": lambda port: server_command("ours", folder, port,
+                                                    args.server_args.split())}
+    if args.peer:
+        commands["mlx-lm"] = lambda port: server_command("mlx-lm", folder, port, [])
+    if binary:  # one slot, its context room for the longest prompt and max_tokens
+        commands[LLAMA] = lambda port: llama_server_command(
+            binary, default_model_path(), port, 1, max(lengths) + max_tokens)
+    kinds = list(commands)
+    results = {s: {n: [] for n in lengths} for s in kinds}
+    ports, processes = {}, []
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        for kind in kinds:
+            log(f"starting {SERVERS[kind]}...")
+            with open(work / f"{kind}.log", "w") as server_log:  # (the child keeps its copy)
+                process, ports[kind] = start(kind, commands[kind], server_log)
+            processes.append(process)
+        serve_round(ports, {n: p[0][0] for n, p in prompts.items()}, max_tokens, None)
+        for r in range(args.repeats):
+            log(f"round {r + 1}/{args.repeats}")
+            serve_round(ports, {n: p[r + 1][0] for n, p in prompts.items()}, max_tokens, results,
+                        r)
+    finally:
+        for process in processes:
+            process.terminate()
+            process.wait(timeout=60)
+    report = {"model": folder.name, "device": device_name(), "mlx": mx.__version__,
+              "command": "python -m mlx_flashnorm.bench.latency " + " ".join(argv),
+              "servers": kinds, "repeats": args.repeats, "max_tokens": max_tokens,
+              "lengths": lengths, "prompt_tokens": [prompts[n][1][1] for n in lengths],
+              "results": {s: {str(n): ttft_summary(results[s][n]) for n in lengths}
+                          for s in kinds},
+              "requests": {s: {str(n): results[s][n] for n in lengths} for s in kinds}}
+    md = ttft_table(report)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / "ttft.md", f"Command: `{report['command']}`\n\n{md}")
+    write_atomic(out / "ttft.json", json.dumps(report, indent=1))
+    print(md)
+    print(f"wrote {out}/ttft.md, ttft.json")
+
+
 def arg_parser():
     p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.bench.latency",
                                 description=__doc__.split("\n\n")[1], formatter_class=HelpFormatter)
-    p.add_argument("--modes", default="rms,flash,mlx-lm",
-                   help="comma-separated, as the bench takes them")
+    p.add_argument("--modes", help="comma-separated, as the bench takes them (default: "
+                                   "rms,flash,mlx-lm)")
     p.add_argument("--shape", help="random weights of this architecture instead of the embedded "
                                    "SmolLM2 (openelm-270m, smollm2-135m, llama-3.2-1b)")
     p.add_argument("--config", action="append", metavar="FILE",
@@ -159,13 +304,31 @@ def arg_parser():
                                   "weights; the embedded model as shipped, Q4_1)"),
                    group_size=dict(help="weights per scale/bias"))
     p.add_argument("--requests", type=int, default=8, help="requests in the series")
-    p.add_argument("--max-tokens", type=int, default=128,
-                   help="the most tokens a request asks for (each draws from a 16th of it to it)")
+    p.add_argument("--max-tokens", type=int,
+                   help="the most tokens a request asks for (each draws from a 16th of it to it; "
+                        "default 128); --serve: every request's (default 4)")
     add_model_args(p, "--warmup", warmup=dict(
         help="our modes warm up after loading (default: as the commands do on this device)"))
     p.add_argument("--rounds", type=int, default=1, help="fresh processes per mode, interleaved")
     p.add_argument("--seed", type=int, default=0, help="seed of the series")
-    p.add_argument("--out", default="out/latency", help="folder for latency.md, latency.json")
+    p.add_argument("--out", default="out/latency",
+                   help="folder for latency.md, latency.json (--serve: ttft.md, ttft.json)")
+    p.add_argument("--serve", action="store_true",
+                   help="time to first token per prompt length through the servers instead")
+    p.add_argument("--prompts", default="16,128,512,1792",
+                   help="--serve: prompt lengths in tokens, comma-separated")
+    p.add_argument("--repeats", type=int, default=9,
+                   help="--serve: timed requests per length and server")
+    p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True,
+                   help="--serve: also mlx_lm.server on the same weights")
+    p.add_argument("--llama-server", metavar="PATH",
+                   help="--serve: also llama.cpp's llama-server binary on the GGUF file")
+    add_model_args(p, "--model", model=dict(help="--serve: the MLX model folder ours and "
+                                                 "mlx_lm.server load (default: the embedded "
+                                                 "SmolLM2, written under --work)"))
+    p.add_argument("--server-args", default="", help="--serve: extra flags for our server")
+    p.add_argument("--work", default="out/latency-serve",
+                   help="--serve: folder for the converted model and the servers' logs")
     # internal: run one mode (a process per mode)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--plan", help=argparse.SUPPRESS)
@@ -201,7 +364,22 @@ def main(argv=None):
     args = arg_parser().parse_args(argv)
     if args.worker:
         return worker(args.worker, args.plan)
-    modes = parse_modes(args.modes)
+    argv = sys.argv[1:] if argv is None else argv
+    serve_only = [f for f, on in (("--model", args.model), ("--llama-server", args.llama_server),
+                                  ("--server-args", args.server_args)) if on]
+    if args.serve:
+        chosen = [f for f, on in (("--modes", args.modes), ("--shape", args.shape),
+                                  ("--config", args.config), ("--tiny", args.tiny),
+                                  ("--bits", args.bits is not None), ("--rounds", args.rounds != 1),
+                                  ("--requests", args.requests != 8)) if on]
+        if chosen:
+            raise UserError(f"{chosen[0]} is for the conversation, not --serve (the servers load "
+                            "their model as a user starts them): drop it")
+        return serve_main(args, argv)
+    if serve_only:
+        raise UserError(f"{serve_only[0]} is for --serve: add --serve or drop it")
+    args.max_tokens = 128 if args.max_tokens is None else args.max_tokens
+    modes = parse_modes(args.modes or "rms,flash,mlx-lm")
     if args.requests < 1 or args.rounds < 1 or args.max_tokens < 1:
         raise UserError("need --requests >= 1, --rounds >= 1 and --max-tokens >= 1")
     out = Path(args.out)
@@ -226,7 +404,7 @@ def main(argv=None):
                 runs[mode].append(run_worker(mode, plan))
     import mlx_lm
 
-    command = " ".join(sys.argv[1:] if argv is None else argv)
+    command = " ".join(argv)
     report = {"model": label, "weights": weights, "dtype": dtype,
               "device": runs[modes[0]][0]["device"], "mlx": mx.__version__,
               "mlx_lm": mlx_lm.__version__, "seed": args.seed, "rounds": args.rounds,

@@ -1,8 +1,9 @@
-"""`python -m mlx_flashnorm.bench.serve`: the server under load (issue 30).
+"""`python -m mlx_flashnorm.bench.serve`: the server under load (issues 30, 62, 63).
 
-Starts our server (python -m mlx_flashnorm.server) and, for the peer row, mlx_lm.server on the
-same weights, each in a process of its own on a free port of 127.0.0.1, and drives N concurrent
-streaming chat clients against each at every N of --clients. Each client sends --rounds requests
+Starts our server (python -m mlx_flashnorm.server) and, for the peer rows, mlx_lm.server on the
+same weights and (--llama-server) llama.cpp's llama-server on the GGUF file they were written from,
+each in a process of its own on a free port of 127.0.0.1, and drives N concurrent streaming chat
+clients against each at every N of --clients. Each client sends --rounds requests
 one after another (distinct prompts, max_tokens each, greedy unless --temperature), so requests
 join and leave a running batch. Reported per server and N: aggregate tokens/s (completion tokens
 of all requests / wall time from the first request sent to the last answer's end), time to first
@@ -13,16 +14,25 @@ server process's CPU seconds
 (ours: the HTTP front alone, its engine in a child process; mlx_lm.server: everything).
 
 Without --model the embedded SmolLM2 GGUF is written once as an MLX folder (its quantized weights
-as loaded, mlx-lm's layout, convert.export) under --work, which both servers then load; mlx-lm
-cannot read a GGUF's Q4_1 blocks itself.
+as loaded, mlx-lm's layout, convert.export) under --work, which our server and mlx_lm.server then
+load; mlx-lm cannot read a GGUF's Q4_1 blocks itself. llama-server runs the GGUF itself
+(loader.default_model_path), with -np slots (--llama-np: the largest N of --clients, at most
+LLAMA_NP_MAX), flash attention and every layer on the GPU, and a context of room for each slot's
+prompt and max_tokens.
 
---engine adds a row for our engine alone: the same requests, as our server would tokenize them,
-fed to a engine.BatchEngine configured as the server's in this process, each client's next request
-added when its last one ends (no HTTP, no threads; after an untimed request, as each server gets
-one): what the server's front costs is the difference. Below the table, each engine row's steps:
-the steady step (the median of those holding the most rows), the seconds spent in such steps
-within 1.5x of it, and when the first of them ended: the rest of the wall time went to arrivals,
-turns between rounds and the last rows.
+--constrained FRACTIONS plays each N once per fraction: that fraction of the clients (the first
+ones) ask for a JSON schema's answer (response_format json_schema: an object with required fields,
+an enum and an array, SCHEMA), the rest for free text; mlx_lm.server takes no response_format, so
+its constrained rows are skipped and the table says so. With --out, a chart (.png beside it) of the
+aggregate tok/s and TTFT p99 at each N, a line per server and fraction.
+
+--engine adds a row for our engine alone: the same (free-text) requests, as our server would
+tokenize them, fed to a engine.BatchEngine configured as the server's in this process, each
+client's next request added when its last one ends (no HTTP, no threads; after an untimed
+request, as each server gets one): what the server's front costs is the difference. Below the
+table, each engine row's steps: the steady step (the median of those holding the most rows), the
+seconds spent in such steps within 1.5x of it, and when the first of them ended: the rest of the
+wall time went to arrivals, turns between rounds and the last rows.
 
 --repeats R plays the --clients list R times over in each server process (1,32,1,32,... for
 --clients 1,32): a timed round at many clients is short on the GPU, and whole stretches of a
@@ -40,6 +50,7 @@ import argparse
 import http.client
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -52,12 +63,26 @@ import mlx.core as mx
 from ..cli import add_model_args
 from ..convert import export
 from ..errors import HelpFormatter, UserError, run_cli
-from ..loader import load
+from ..loader import default_model_path, load
 from .decode import device_name, write_atomic
 
 SUBJECTS = ["a lighthouse keeper", "a lost robot", "a dragon who bakes", "two rival chess players",
             "a city under the sea", "a clockmaker's apprentice", "the last tree on Mars",
             "a talking cat"]
+LLAMA = "llama-server"
+LLAMA_NP_MAX = 256  # llama-server's slots (-np) by default at most
+PROMPT_ROOM = 256  # llama-server's context per slot: room for a prompt, besides its max_tokens
+# the answer a constrained client asks for: an object with required fields, an enum, an array
+# (strings and the array bounded, so that an answer ends well within max_tokens)
+SCHEMA = {"type": "object",
+          "properties": {"title": {"type": "string", "maxLength": 40},
+                         "genre": {"enum": ["adventure", "mystery", "comedy", "fable"]},
+                         "characters": {"type": "array", "items": {"type": "string",
+                                                                    "maxLength": 20},
+                                        "minItems": 1, "maxItems": 3}},
+          "required": ["title", "genre", "characters"], "additionalProperties": False}
+RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "story", "schema": SCHEMA}}
+SKIPPED = "mlx_lm.server takes no response_format"
 
 
 def percentile(xs, q):
@@ -102,12 +127,32 @@ def server_command(kind, model, port, extra):
     return [sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port", str(port)]
 
 
-def start(kind, model, extra, log):
-    """A server process of `kind` ("ours" or "mlx-lm") on a free port, once it answers
-    /v1/models."""
+def llama_server_command(binary, gguf, port, slots, max_tokens):
+    """llama-server on gguf: `slots` parallel slots (-np), flash attention, every layer on the GPU,
+    a context (-c) with room for each slot's prompt and max_tokens."""
+    return [str(binary), "-m", str(gguf), "--port", str(port), "-np", str(slots), "-fa", "on",
+            "-ngl", "99", "-c", str(slots * (max_tokens + PROMPT_ROOM))]
+
+
+def check_llama_server(binary, model):
+    """--llama-server's binary, found (a path or a name on PATH), checked before anything runs: it
+    runs the embedded GGUF, so --model must be unset."""
+    if model is not None:
+        raise UserError("--llama-server runs llama.cpp on the embedded SmolLM2 GGUF, from which "
+                        "the other servers' MLX folder is written: leave --model unset")
+    found = shutil.which(binary)
+    if found is None:
+        raise UserError(f"{binary}: no such executable; --llama-server takes the path of "
+                        "llama.cpp's llama-server")
+    return found
+
+
+def start(kind, command, log):
+    """A server process of `kind` (its command line for a port: command(port)) on a free port, once
+    it answers (llama-server /health, which is 503 while it loads; the others /v1/models)."""
     port = free_port()
-    process = subprocess.Popen(server_command(kind, model, port, extra), stdout=subprocess.DEVNULL,
-                               stderr=log, text=True)
+    process = subprocess.Popen(command(port), stdout=subprocess.DEVNULL, stderr=log, text=True)
+    probe = "/health" if kind == LLAMA else "/v1/models"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -115,7 +160,7 @@ def start(kind, model, extra, log):
                             f"see {log.name}")
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-            conn.request("GET", "/v1/models")
+            conn.request("GET", probe)
             if conn.getresponse().status == 200:
                 return process, port
         except OSError:
@@ -125,13 +170,17 @@ def start(kind, model, extra, log):
     raise UserError(f"the {kind} server did not answer within 600 s; see {log.name}")
 
 
-def stream_chat(port, prompt, max_tokens, temperature=0.0):
-    """One streamed chat request: (seconds to the first content, seconds per token after it
-    (None below two tokens), completion tokens). Tokens come from the final usage chunk, else count
-    chunks."""
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+def stream_chat(port, prompt, max_tokens, temperature=0.0, response_format=None):
+    """One streamed chat request (prompt: the user's text, or the messages; with response_format,
+    where given): (seconds to the first content, seconds per token after it (None below two
+    tokens), completion tokens, prompt tokens (None where the server does not say)). Tokens come
+    from the final usage chunk, else count chunks."""
+    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    body = {"messages": messages, "max_tokens": max_tokens,
             "temperature": temperature, "stream": True,
             "stream_options": {"include_usage": True}}
+    if response_format is not None:
+        body["response_format"] = response_format
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
     sent = time.perf_counter()
     conn.request("POST", "/v1/chat/completions", json.dumps(body),
@@ -139,7 +188,7 @@ def stream_chat(port, prompt, max_tokens, temperature=0.0):
     response = conn.getresponse()
     if response.status != 200:
         raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
-    times, tokens = [], None
+    times, tokens, prompt_tokens = [], None, None
     for line in response:
         if not line.startswith(b"data: "):
             continue
@@ -149,13 +198,15 @@ def stream_chat(port, prompt, max_tokens, temperature=0.0):
         chunk = json.loads(data)
         if chunk.get("usage"):
             tokens = chunk["usage"]["completion_tokens"]
+            prompt_tokens = chunk["usage"].get("prompt_tokens")
         if any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
             times.append(time.perf_counter())
     conn.close()
     tokens = tokens or len(times)
     if not times:
-        return None, None, tokens
-    return times[0] - sent, (times[-1] - times[0]) / (tokens - 1) if tokens > 1 else None, tokens
+        return None, None, tokens, prompt_tokens
+    return (times[0] - sent, (times[-1] - times[0]) / (tokens - 1) if tokens > 1 else None, tokens,
+            prompt_tokens)
 
 
 def prompt_of(i, r, tag):
@@ -175,14 +226,18 @@ def summary(clients, results, errors, wall):
             "tpot_p99": percentile(tpot, 99)}
 
 
-def load_round(port, clients, rounds, max_tokens, tag, temperature=0.0):
-    """clients threads, each sending rounds requests in turn; the row's measurements."""
+def load_round(port, clients, rounds, max_tokens, tag, temperature=0.0, constrained=0.0):
+    """clients threads, each sending rounds requests in turn, the first `constrained` of them (a
+    fraction, rounded) asking for SCHEMA's JSON; the row's measurements."""
     results, errors = [], []
+    schema = round(constrained * clients)
 
     def client(i):
+        form = RESPONSE_FORMAT if i < schema else None
         for r in range(rounds):
             try:
-                results.append(stream_chat(port, prompt_of(i, r, tag), max_tokens, temperature))
+                results.append(stream_chat(port, prompt_of(i, r, tag), max_tokens, temperature,
+                                           form))
             except Exception as e:  # counted and reported, the others go on
                 errors.append(str(e))
 
@@ -192,23 +247,32 @@ def load_round(port, clients, rounds, max_tokens, tag, temperature=0.0):
         t.start()
     for t in threads:
         t.join()
-    return summary(clients, results, errors, time.perf_counter() - t0)
+    return dict(summary(clients, results, errors, time.perf_counter() - t0),
+                constrained=constrained)
+
+
+def plan(kind, counts, fractions, repeats):
+    """The rounds a server plays, in order: (repeat, N, constrained fraction, why it is skipped
+    (None: it is played))."""
+    return [(k, n, f, SKIPPED if kind == "mlx-lm" and f else None)
+            for k in range(repeats) for n in counts for f in fractions]
 
 
 def engine_round(model, tokenizer, clients, rounds, max_tokens, tag, temperature=0.0):
-    """load_round's requests fed to a BatchEngine as the server's (server.MAX_CONCURRENT rows,
-    its prompt cache and prefill step), warmed up; timed from the first request added. A token's
-    time is that of the engine step that read it."""
+    """load_round's requests fed to a BatchEngine as the server's (its rows and KV budget by
+    default, batch_worker.kv_limits, its prompt cache and prefill step), warmed up; timed from the
+    first request added. A token's time is that of the engine step that read it."""
     from ..decoding import context_length
-    from ..serve.batch_worker import warmup
+    from ..serve.batch_worker import kv_limits, warmup
     from ..serve.engine import FEED_WAIT, BatchEngine
     from ..serve.openai_api import parse_call
     from ..serve.prompt_cache import PromptCache
     from ..serve.sequence import Request
-    from ..server import MAX_CONCURRENT, PREFILL_STEP, PROMPT_CACHE_MB
+    from ..server import PREFILL_STEP, PROMPT_CACHE_MB
 
-    engine = BatchEngine(model, MAX_CONCURRENT, PREFILL_STEP, PromptCache(PROMPT_CACHE_MB * 2**20),
-                         feed_wait=FEED_WAIT)
+    rows, budget, _ = kv_limits(model)
+    engine = BatchEngine(model, rows, PREFILL_STEP, PromptCache(PROMPT_CACHE_MB * 2**20),
+                         feed_wait=FEED_WAIT, kv_budget=budget)
     warmup(engine)
     stops = frozenset(tokenizer.eos_token_ids)
     defaults = dict(max_tokens=max_tokens, temp=0.0, top_p=1.0, top_k=0)
@@ -259,21 +323,23 @@ def step_profile(steps):
 
 
 def paired(rows):
-    """Lines saying, for each server and N with more than one row (the rows of --repeats), the
-    median aggregate tok/s and the median (and range) of its ratio to the same repeat's first
-    one-client row."""
-    # (server, N) -> its rows; (server, repeat) -> its first single's tok/s
+    """Lines saying, for each server, N and constrained fraction with more than one row (the rows
+    of --repeats), the median aggregate tok/s and the median (and range) of its ratio to the same
+    repeat's first one-client row (unconstrained)."""
+    # (server, N, fraction) -> its rows; (server, repeat) -> its first single's tok/s
     lines, groups, singles = [], {}, {}
     for r in rows:
-        if "repeat" in r:
-            groups.setdefault((r["server"], r["clients"]), []).append(r)
-            if r["clients"] == 1:
+        if "repeat" in r and "skipped" not in r:
+            f = r.get("constrained", 0)
+            groups.setdefault((r["server"], r["clients"], f), []).append(r)
+            if r["clients"] == 1 and not f:
                 singles.setdefault((r["server"], r["repeat"]), r["tok_s"])
-    for (server, n), group in groups.items():
+    for (server, n, f), group in groups.items():
         if len(group) < 2:
             continue
         median = percentile([r["tok_s"] for r in group], 50)
-        line = f"{server}, {n} clients ({len(group)} rows): median {median:,.0f} tok/s"
+        line = (f"{server}, {n} clients" + (f", {f:g} constrained" if f else "")
+                + f" ({len(group)} rows): median {median:,.0f} tok/s")
         ratios = [r["tok_s"] / singles[server, r["repeat"]] for r in group
                   if (server, r["repeat"]) in singles]
         if n > 1 and ratios:
@@ -284,23 +350,71 @@ def paired(rows):
 
 
 def table(rows):
+    """The rows as a markdown table; a column for the constrained fraction where a row has one."""
+    fractions = any(r.get("constrained") for r in rows)
     lines = ["| server | clients | requests | tokens | aggregate tok/s | TTFT p50 (s) "
-             "| TTFT p99 (s) | TPOT p50 (ms) | TPOT p99 (ms) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| TTFT p99 (s) | TPOT p50 (ms) | TPOT p99 (ms) |" + " constrained |" * fractions,
+             "| --- |" + " ---: |" * (8 + fractions)]
     for r in rows:
+        end = f" {r.get('constrained', 0):g} |" * fractions
+        if "skipped" in r:
+            lines.append(f"| {r['server']} | {r['clients']} | skipped: {r['skipped']} "
+                         "| | | | | | |" + end)
+            continue
         errors = f" ({r['errors']} failed)" if r["errors"] else ""
         lines.append(f"| {r['server']} | {r['clients']} | {r['requests']}{errors} | {r['tokens']} "
                      f"| {r['tok_s']:.1f} | {r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} | "
-                     f"{1e3 * r['tpot_p50']:.1f} | {1e3 * r['tpot_p99']:.1f} |")
+                     f"{1e3 * r['tpot_p50']:.1f} | {1e3 * r['tpot_p99']:.1f} |" + end)
     return "\n".join(lines)
+
+
+def chart(rows, path, title):
+    """The rows' aggregate tok/s and TTFT p99 at each N (medians over repeats), a line per server
+    and constrained fraction, log scales, as a PNG at path (written under another name, then
+    renamed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, NullLocator
+
+    series = {}  # label -> N -> rows
+    for r in rows:
+        if "skipped" not in r:
+            label = r["server"] + (f", {r['constrained']:g} constrained"
+                                   if r.get("constrained") else "")
+            series.setdefault(label, {}).setdefault(r["clients"], []).append(r)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    for ax, field, name in zip(axes, ("tok_s", "ttft_p99"), ("aggregate tokens/s, higher is better",
+                                                             "TTFT p99 (s), lower is better")):
+        for label, by_n in series.items():
+            ns = sorted(by_n)
+            ax.plot(ns, [percentile([r[field] for r in by_n[n]], 50) for n in ns], marker="o",
+                    label=label)
+        counts = sorted({n for by_n in series.values() for n in by_n})
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xticks(counts, [str(n) for n in counts])
+        ax.xaxis.set_minor_locator(NullLocator())
+        for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+            axis(FuncFormatter(lambda v, _: f"{v:,.3g}"))
+        ax.set_xlabel("concurrent streaming clients")
+        ax.set_title(name, fontsize=10)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
 
 
 def arg_parser():
     p = argparse.ArgumentParser(prog="python -m mlx_flashnorm.bench.serve",
                                 description=__doc__.split("\n\n")[1], formatter_class=HelpFormatter)
-    add_model_args(p, "--model", model=dict(help="MLX model folder both servers load (default: the "
-                                                 "embedded SmolLM2, written as an MLX folder under "
-                                                 "--work)"))
+    add_model_args(p, "--model", model=dict(help="MLX model folder our server and mlx_lm.server "
+                                                 "load (default: the embedded SmolLM2, written as "
+                                                 "an MLX folder under --work)"))
     p.add_argument("--clients", default="1,8,32,64",
                    help="comma-separated concurrent client counts")
     p.add_argument("--rounds", type=int, default=2, help="requests each client sends in turn")
@@ -309,6 +423,16 @@ def arg_parser():
                    help="temperature of every request (0: greedy)")
     p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True,
                    help="also measure mlx_lm.server on the same weights")
+    p.add_argument("--llama-server", metavar="PATH",
+                   help="also measure llama.cpp's llama-server (this binary) on the embedded "
+                        "SmolLM2 GGUF")
+    p.add_argument("--llama-np", type=int, metavar="N",
+                   help=f"llama-server's slots (-np; default: the largest of --clients, at most "
+                        f"{LLAMA_NP_MAX})")
+    p.add_argument("--constrained", default="0", metavar="FRACTIONS",
+                   help="comma-separated fractions of the clients asking for a JSON schema's "
+                        "answer (response_format json_schema), each N played at each (e.g. "
+                        "0,0.5,1); mlx_lm.server's constrained rows are skipped")
     p.add_argument("--repeats", type=int, default=1,
                    help="play the --clients list this many times over in each server process, and "
                         "report each N's median and its ratio to the same repeat's one-client row")
@@ -319,7 +443,8 @@ def arg_parser():
                    help="also feed the same requests to our batch engine in this process (no HTTP)")
     p.add_argument("--server-args", default="", help="extra flags for our server, space-separated")
     p.add_argument("--work", default="out/serve", help="folder for the converted model and logs")
-    p.add_argument("--out", help="also write the table (markdown) and rows (.json beside it) here")
+    p.add_argument("--out", help="also write the table (markdown) here, the rows (.json) and a "
+                                 "chart (.png) beside it")
     p.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
     return p
 
@@ -335,32 +460,60 @@ def parse_clients(text):
     return counts
 
 
+def parse_fractions(text):
+    try:
+        fractions = [float(f) for f in text.split(",")]
+    except ValueError:
+        fractions = []
+    if not fractions or not all(0 <= f <= 1 for f in fractions):
+        raise UserError("--constrained must be fractions from 0 to 1 separated by commas (e.g. "
+                        f"0,0.5,1), not '{text}'")
+    return fractions
+
+
 def main(argv=None):
     args = arg_parser().parse_args(argv)
-    counts = parse_clients(args.clients)
+    counts, fractions = parse_clients(args.clients), parse_fractions(args.constrained)
     if args.rounds < 1 or args.max_tokens < 1 or args.repeats < 1:
         raise UserError("--rounds, --max-tokens and --repeats must be at least 1")
     if not 0 <= args.temperature <= 2:
         raise UserError("--temperature must lie in 0..2 (the server's range), "
                         f"not {args.temperature:g}")
+    if args.llama_np is not None and args.llama_np < 1:
+        raise UserError(f"--llama-np must be at least 1, not {args.llama_np}")
+    if args.llama_server:  # (checked before the model is converted)
+        binary, gguf = check_llama_server(args.llama_server, args.model), default_model_path()
+        slots = args.llama_np or min(max(counts), LLAMA_NP_MAX)
     model = Path(args.model) if args.model else mlx_folder(args.work)
     if not (model / "config.json").is_file():
         raise UserError(f"{model}: not an MLX model folder (config.json missing)")
+    # each server's command line for a port
+    commands = {"ours": lambda port: server_command("ours", model, port, args.server_args.split())}
+    if args.peer:
+        commands["mlx-lm"] = lambda port: server_command("mlx-lm", model, port, [])
+    if args.llama_server:
+        commands[LLAMA] = lambda port: llama_server_command(binary, gguf, port, slots,
+                                                            args.max_tokens)
     rows = []
-    for kind in ["ours"] + (["mlx-lm"] if args.peer else []):
+    for kind, command in commands.items():
         Path(args.work).mkdir(parents=True, exist_ok=True)
         with open(Path(args.work) / f"{kind}.log", "w") as log:
-            process, port = start(kind, model, args.server_args.split(), log)
+            process, port = start(kind, command, log)
             try:
                 stream_chat(port, "Say hello.", 4)  # untimed: first-request costs
-                for repeat, n in ((k, n) for k in range(args.repeats) for n in counts):
-                    tag = f"{kind}{n}" + (f"r{repeat}" if repeat else "")
+                for repeat, n, f, skipped in plan(kind, counts, fractions, args.repeats):
+                    if skipped:
+                        rows.append(dict(server=kind, clients=n, constrained=f, repeat=repeat,
+                                         skipped=skipped))
+                        continue
+                    tag = f"{kind}{n}" + (f"c{f:g}" if f else "") + (f"r{repeat}" if repeat else "")
                     if args.warm:
-                        load_round(port, n, 1, args.max_tokens, f"{tag}-warm", args.temperature)
+                        load_round(port, n, 1, args.max_tokens, f"{tag}-warm", args.temperature,
+                                   f)
                     # the server process's own (ours: its HTTP front)
                     before = cpu_seconds(process.pid)
                     row = dict(load_round(port, n, args.rounds, args.max_tokens, tag,
-                                          args.temperature), server=kind, repeat=repeat)
+                                          args.temperature, f), server=kind, repeat=repeat)
                     row["server_cpu_s"] = cpu_seconds(process.pid) - before
                     print(table([row]).splitlines()[-1], file=sys.stderr, flush=True)
                     rows.append(row)
@@ -378,9 +531,14 @@ def main(argv=None):
             print(table([rows[-1]]).splitlines()[-1], file=sys.stderr, flush=True)
     sampling = "temperature %g" % args.temperature if args.temperature else "greedy"
     warm = " (the servers after an untimed round at each N)" if args.warm else ""
-    text = (f"{device_name()}, MLX {mx.__version__}, model {model.name}, {args.rounds} requests "
-            f"per client{warm}, max_tokens {args.max_tokens}, {sampling}, streamed\n\n"
-            f"{table(rows)}\n")
+    title = (f"{device_name()}, MLX {mx.__version__}, model {model.name}, {args.rounds} requests "
+             f"per client{warm}, max_tokens {args.max_tokens}, {sampling}, streamed")
+    text = f"{title}\n\n{table(rows)}\n"
+    if any(fractions):
+        text += ("\nconstrained: the fraction of the clients asking for a JSON schema's answer "
+                 f"(response_format json_schema: {json.dumps(SCHEMA)})\n")
+    if LLAMA in commands:
+        text += f"\n{LLAMA}: {' '.join(commands[LLAMA]('PORT'))}\n"
     for r in rows:
         if "steps" in r:
             text += (f"\n{r['server']}, {r['clients']} clients: {r['steps']} steps, the steady "
@@ -392,6 +550,7 @@ def main(argv=None):
     if args.out:
         write_atomic(Path(args.out), text)
         write_atomic(Path(args.out).with_suffix(".json"), json.dumps(rows, indent=1) + "\n")
+        chart(rows, Path(args.out).with_suffix(".png"), title)
 
 
 if __name__ == "__main__":

@@ -24,13 +24,14 @@ from .check import self_check
 from .cpu import QuantizedEmbedding, QuantizedLinear, quantized_matmul, through_quantized_matmul
 from .matvec import KMAX, fused_supported, gate_up, gated, norm_qkv_rope
 from .rope import rope_after_qkv, rope_after_qkv_supported
-from .step import (Layers, decode_layers, layer_views, stacked,
-                   supported as decode_layers_supported, use_decode_layers)
+from .step import (Layers, decode_layers, layer_arrays, layer_views, stacked,
+                   supported as decode_layers_supported, table_fits, use_decode_layers)
 from .rows import decode_rows
 
 __all__ = ["add_rss", "power_of_two_below", "scale_shape", "CHUNK", "SPLIT_ABOVE",
            "decode_attention", "constant", "float_bits", "position_array", "self_check",
            "QuantizedEmbedding", "QuantizedLinear", "quantized_matmul", "through_quantized_matmul",
            "KMAX", "fused_supported", "gate_up", "gated", "norm_qkv_rope", "rope_after_qkv",
-           "rope_after_qkv_supported", "Layers", "decode_layers", "layer_views", "stacked",
-           "decode_layers_supported", "use_decode_layers", "decode_rows"]
+           "rope_after_qkv_supported", "Layers", "decode_layers", "layer_arrays", "layer_views",
+           "stacked", "decode_layers_supported", "table_fits", "use_decode_layers",
+           "decode_rows"]

@@ -4,7 +4,8 @@ server's step, batch_cache.RowsKVCache), in one persistent CUDA launch of NW war
 The one-row kernel's phases (step.py) with every matvec on the tensor cores: a block takes a tile of
 16 weight rows, its warps split the input into spans of 32 values (mma m16n8k8 in tf32, G input rows
 at once), and their partial sums are added in a fixed order. A packed 4- or 8-bit value is exact in
-tf32 and each input is split into two tf32 parts, so a product keeps 21 bits or more; the sum's
+tf32, and so is a full-precision float16 or bfloat16 weight (a float32 one is split as an input
+is), and each input is split into two tf32 parts, so a product keeps 21 bits or more; the sum's
 order is the mma's, not the one-row kernel's (the batched step's tokens are the one-request tokens
 where no two logits are within float32 rounding: the GPU tests check it). A row's output does not
 depend on the other rows (each mma column is its own row), so a request decodes alike at any batch
@@ -30,7 +31,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .build import make_kernel, rand
-from . import step
+from . import stacks, step
 
 BMAX = step.MAX_ROWS
 GMAX = 16  # rows per pass, at most (bench/RESULTS.md, "The batched step": passes of 32 were slower)
@@ -82,16 +83,17 @@ def dynamic_bytes(G, GD, xa, xi):
 
 
 def shared_bytes(G, GD, GU, xa, xi, D, GQ, L):
-    """dynamic_bytes (GU rows: G or more), at least 48004 where it and static_bytes pass 48 KB
+    """dynamic_bytes (GU rows: G or more), or the attention's warps' values where more (they take
+    that space between the matvecs), at least 48004 where it and static_bytes pass 48 KB
     (step.shared_bytes)."""
-    dynamic = dynamic_bytes(GU, GD, xa, xi)
+    dynamic = max(dynamic_bytes(GU, GD, xa, xi), 4 * WARPS * GQ * D)
     return max(dynamic, 48004) if dynamic + static_bytes(G, GU, D, GQ, L) > 48 * 1024 else dynamic
 
 
 def static_bytes(G, GU, D, GQ, L):
     """The body's static shared arrays."""
-    return (4 * 8 * (G + GU) + 2 * 4 * BMAX + 4 * (BMAX + 1) + 8 * 14 * L
-            + 4 * GQ * (D * (1 + WARPS) + 2 * WARPS))
+    return (4 * 8 * (G + GU) + 2 * 4 * BMAX + 4 * (BMAX + 1) + 8 * len(step.ARRAYS) * L
+            + 4 * GQ * (D + 2 * WARPS))
 
 
 @lru_cache(maxsize=None)
@@ -101,10 +103,10 @@ def rows_kernel(layers):
 
 
 def decode_rows(x, positions, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads,
-                n_kv_heads, group_size, bits, norm="flash"):
+                n_kv_heads, group_size, bits, norm="flash", windows=None, gelu=False):
     """step.decode_layers for B rows (x: (B, 1, K), positions: (B,) int32, caches (B, kv heads,
-    capacity, D) per layer; norm: the mode, step.NORMS): one launch where step.supported says it
-    runs and its plan fits the GPU, else the reference."""
+    capacity, D) per layer; norm, windows, gelu as there): one launch where step.supported says
+    it runs and its plan fits the GPU, else the reference."""
     # I, HQ and HKV: the widest layer's
     K, D, I, _, HQ, HKV, _ = step.sizes(x, layers, theta, n_heads, n_kv_heads)
     plan = (step.supported(x, layers, caches, n_heads, n_kv_heads, group_size, bits,
@@ -112,12 +114,13 @@ def decode_rows(x, positions, layers, caches, gains, qk_gains, theta, eps, facto
             and launch_plan(x.shape[0], K, I, D, HQ, HKV, len(layers)))
     if not plan:
         return reference(x, positions, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps,
-                         n_heads, n_kv_heads, group_size, bits, norm=norm)
+                         n_heads, n_kv_heads, group_size, bits, norm=norm, windows=windows,
+                         gelu=gelu)
     template, work, shared = plan
     return step.launch(rows_kernel(len(layers)), x, positions.astype(mx.int32), layers, caches,
                        gains, qk_gains, theta, eps, factor, qk_eps, n_heads, n_kv_heads,
                        group_size, bits, work=work, shared_memory=shared, fields=SIZES,
-                       template=template, norm=norm)
+                       template=template, norm=norm, windows=windows, gelu=gelu)
 
 
 def launch_plan(B, K, I, D, n_heads, n_kv_heads, L):
@@ -140,10 +143,10 @@ def launch_plan(B, K, I, D, n_heads, n_kv_heads, L):
     return [("G", G), ("GD", GD), ("GU", GU), ("IC", IC), ("NW", WARPS)], work, shared
 
 
-def reference(x, positions, layers, caches, *args, norm="flash"):
+def reference(x, positions, layers, caches, *args, **kwargs):
     """decode_rows in plain MLX: step._reference row by row (its caches' row b at positions[b])."""
     outs = [step._reference(x[b:b + 1], positions[b], layers,
-                            [(k[b:b + 1], v[b:b + 1]) for k, v in caches], *args, norm=norm)
+                            [(k[b:b + 1], v[b:b + 1]) for k, v in caches], *args, **kwargs)
             for b in range(x.shape[0])]
     y, ys, p = (mx.concatenate([o[i] for o in outs]) for i in range(3))
     kv = [tuple(mx.concatenate([o[3][l][j] for o in outs]) for j in range(2))
@@ -152,18 +155,18 @@ def reference(x, positions, layers, caches, *args, norm="flash"):
 
 
 def check_decode_rows():
-    """Three rows at positions 40, 5 and 17 of the one-row check's stacks (step.check_stacks: layers
-    alike and of their own sizes), each mode (step.check_modes)."""
-    L, K, D = 2, 256, 64
+    """Three rows at positions 40, 5 and 17 of the one-row check's stacks (stacks.check_stacks:
+    layers alike, of their own sizes, with q/k/v biases, full precision, Gemma 3's form), each in
+    its modes."""
+    K = 256
     positions = mx.array([40, 5, 17], mx.int32)
-    theta = step.check_tables(L, K, D)[0]
     x = rand((3, 1, K), 44)
     out = []
-    for layers, caches, HQ, HKV in step.check_stacks(3, 41, 40):
-        for gains, qk_gains, factor, qk_eps, norm in step.check_modes(L, K, D):
+    for layers, caches, HQ, HKV, bits, theta, form, modes in stacks.check_stacks(3, 41, 40):
+        for gains, qk_gains, factor, qk_eps, norm in modes:
             kv = [tuple(mx.array(a) + 0 for a in c) for c in caches]
             y, ys, p, kv = decode_rows(x, positions, layers, kv, gains, qk_gains, theta, 1e-5,
-                                       factor, qk_eps, HQ, HKV, 64, 4, norm=norm)
+                                       factor, qk_eps, HQ, HKV, 64, bits, norm=norm, **form)
             out += [y, ys, p] + [mx.take_along_axis(a, positions.reshape(3, 1, 1, 1), axis=2)
                                  for c in kv for a in c]
     return out

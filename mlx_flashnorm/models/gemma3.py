@@ -183,6 +183,10 @@ class Gemma3Model(nn.Module):
     def __call__(self, tokens, cache=None):
         h = self.embed(tokens)
         cache = cache or [None] * len(self.layers)
+        # one kernel for every block, the sliding layers' windows as the masks have them
+        windows = [self.args.sliding_window if layer.is_sliding else None for layer in self.layers]
+        if (fused := fn.decode_stack(self.layers, h, cache, windows)) is not None:
+            return self.norm(*fused)[0]
         full, sliding = self.masks(h, cache)
         residual = None
         for layer, c in zip(self.layers, cache):

@@ -26,6 +26,9 @@ with no copy (fed the rest); the slots outlive an idle moment, and where a lone 
 engine runs the one-request step, or a batch shrinks, the wave's slots wait aside for the next.
 What a slot kept goes to the prompt cache only before the slot is taken or its buffers rebuilt, or
 once the engine idles (_release).
+A request of n choices (Request.twins: the others) is prefilled once, alone (neither fed nor
+sharing a call), and its cache copied into n slots as it joins: each row then runs the last prompt
+token and draws its own tokens.
 
 Pipelining, as generate_step: step n+1 is queued (mx.async_eval) before step n's tokens are read,
 its input the tokens step n samples on the device. A row that finishes at step n is noticed when
@@ -50,11 +53,13 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from .. import forms
-from ..decoding import context_length
+from ..decoding import cache_capacity, context_length, prefill
 from .prompt_cache import common_prefix
+from .requests import Load
 from .runner import queue_step, settle
 from .sequence import Event, Request
-from .slots import Slots, bucket, kv_layout, needed_capacity, one_row_cache, rows_of
+from .slots import (Slots, bucket, kv_layout, need, needed_capacity, one_row_cache, rows_of,
+                    token_bytes)
 
 
 # steps the rows fit a smaller bucket before it is taken: a wave that ended shrank the batch to one
@@ -97,12 +102,18 @@ class BatchEngine:
     model calls that prefilled (newcomers arriving together share one: _prefill_together). The
     batch is a slots.Slots (self.slots, None while empty) of bucket(rows) slots: more rows
     grow it, few rows for more than SHRINK_AFTER steps shrink it (to a quarter, or one row: the
-    one-request compiled step, `solo`), its larger slots set aside (spare) for the next wave."""
+    one-request compiled step, `solo`), its larger slots set aside (spare) for the next wave.
+    kv_budget: bytes the batch's slots may take, those set aside with them (None: no bound): a
+    request waits until the batch with it fits, each row at the capacity of the longest (its
+    prompt and max_tokens). The batch is sized for every request taken in (those still under
+    prefill too), so that a burst prefilled over several steps grows it once: a bucket grown
+    copies every live row into the new buffers, a row joining inside its bucket copies none."""
 
     def __init__(self, model, max_batch=32, prefill_step=2048, prompt_cache=None, feed=32,
-                 feed_wait=None):
+                 feed_wait=None, kv_budget=None):
         self.model, self.max_batch, self.prefill_step, self.feed = (
             model, max_batch, prefill_step, feed)
+        self.kv_budget = kv_budget
         self.feed_wait, self.periods, self.read_at = feed_wait, deque(maxlen=64), None
         self.prompt_cache = prompt_cache
         self.waiting = deque()
@@ -117,7 +128,14 @@ class BatchEngine:
         self.layout = None  # slots.kv_layout, read once
         self.prefilled = 0
         self.prefill_calls = 0
+        # the other counters of load(): read steps, the rows they read, tokens generated, prompt
+        # tokens the prompt cache gave, and requests' prefill and choices' generation seconds
+        self.steps = self.rows_stepped = self.generated = self.cached_tokens = 0
+        self.prompt_seconds = self.generation_seconds = 0.0
         self.small = 0  # steps in a row that a smaller bucket would have held the rows
+
+    COUNTERS = ("prefilled", "prefill_calls", "steps", "rows_stepped", "generated",
+                "cached_tokens", "prompt_seconds", "generation_seconds")
 
     def add(self, request):
         """Queue a request; max_tokens is cut to what the model's context leaves."""
@@ -126,6 +144,14 @@ class BatchEngine:
             raise ValueError(f"a prompt of {len(request.tokens)} tokens does not fit the model's "
                              f"context of {context_length(self.model)}")
         request.max_tokens = min(request.max_tokens, room)
+        for t in request.twins:
+            t.max_tokens = request.max_tokens
+        rows = 1 + len(request.twins)
+        if self.kv_budget is not None and self._nbytes(rows, need(request)) > self.kv_budget:
+            raise ValueError(f"a prompt of {len(request.tokens)} tokens and max_tokens "
+                             f"{request.max_tokens} need {self._nbytes(rows, need(request))} "
+                             f"bytes of KV cache ({rows} rows), more than the budget of "
+                             f"{self.kv_budget}")
         self.waiting.append(request)
 
     @property
@@ -141,6 +167,24 @@ class BatchEngine:
     @property
     def busy(self):
         return bool(self.waiting or self.filling or self.joining or self.rows)
+
+    def load(self):
+        """requests.Load: the counters, and the batch's rows and cache now (waiting: with every
+        choice a row; the cache's room: the positions kv_budget holds, or the slots' without
+        one)."""
+        s, rows = self.slots, self.rows
+        return Load(self.prefilled, self.cached_tokens, self.prompt_seconds, self.generated,
+                    self.generation_seconds, self.steps + self.prefill_calls, self.steps,
+                    self.rows_stepped, len(rows), self._admitted(),
+                    sum(1 + len(r.twins) for r in self.waiting),
+                    sum(s.pos[r.slot] for r in rows),
+                    self.kv_budget // token_bytes(self._layout()) if self.kv_budget is not None
+                    else s.size * s.capacity if s else 0)
+
+    def _admitted(self):
+        """Rows taken: in the batch, joining it, or under prefill (with their twins)."""
+        return (len(self.rows) + len(self.joining)
+                + sum(1 + len(f.request.twins) for f in self.filling))
 
     def requests(self):
         """Every request added and not finished: waiting, under prefill or in the batch."""
@@ -205,13 +249,24 @@ class BatchEngine:
                 self.slots.store(self.prompt_cache)
                 self._renumber(self.slots.moved(s))  # with what they kept
             self.spare = None
-        while self.waiting and (len(self.rows) + len(self.filling) + len(self.joining) + len(fed)
-                                < self.max_batch):
+        count = longest = 0
+        if self.waiting:  # (a step with none waiting adds no host work per row)
+            taken = (self.rows + [f.request for f in self.filling]
+                     + [j.request for j in self.joining])
+            count = len(taken) + sum(len(f.request.twins) for f in self.filling)
+            longest = max(map(need, taken), default=0)
+        # (a request takes a row for each of its choices)
+        while (self.waiting and count + 1 + len(self.waiting[0].twins) <= self.max_batch
+               and self._fits(count + 1 + len(self.waiting[0].twins),
+                              max(longest, need(self.waiting[0])))):
             r = self.waiting.popleft()
+            r.began = time.perf_counter()
+            count, longest = count + 1 + len(r.twins), max(longest, need(r))
             n, block, row = self.prompt_cache.find(r.tokens) if self.prompt_cache else (0, None, 0)
             reusable = self.slots is not None and self.prompt_cache is not None
             slot, kept = self.slots.reuse(r.tokens) if reusable else (None, 0)
-            if slot is not None and self.feedable(len(r.tokens) - kept) and (kept >= n or decoding):
+            if (slot is not None and self.feedable(len(r.tokens) - kept) and (kept >= n or decoding)
+                    and not r.twins):
                 # its prefix is in a free slot (or nearly, while rows decode: feeding a few more
                 # tokens costs less than a copy)
                 self._take(r, slot, kept)
@@ -221,7 +276,7 @@ class BatchEngine:
                 self.slots.store(self.prompt_cache)
                 n, block, row = self.prompt_cache.find(r.tokens)
             r.cached = n
-            if decoding and self.feedable(len(r.tokens) - n):
+            if decoding and self.feedable(len(r.tokens) - n) and not r.twins:
                 fed.append((r, block, row))  # fed through the decode steps: nobody waits for it
             else:
                 cache = ([one_row_cache(k, v) for k, v in block.prefix(row, n)] if n
@@ -233,11 +288,12 @@ class BatchEngine:
         budget = self.prefill_step - together
         # the fewest tokens left first: a short prompt is not held behind a long one's chunks
         for f in sorted(self.filling, key=lambda f: len(f.todo)):
-            if together and f.todo and not self._begun(f) and len(f.todo) <= self.prefill_step:
+            if (together and f.todo and not self._begun(f) and len(f.todo) <= self.prefill_step
+                    and not f.request.twins):
                 continue  # begun now it would go alone; whole, it joins the next step's shared call
             n = min(budget, len(f.todo))
             if n:
-                self.model(mx.array(f.todo[:n])[None], cache=f.cache)
+                prefill(self.model, f.todo[:n], f.cache)
                 mx.async_eval([(c.keys, c.values) for c in f.cache])
                 # (a slice: the next chunk writes the cache's arrays over, in place)
                 self.queued += [c.keys[..., :1, :1] for c in f.cache]
@@ -263,7 +319,7 @@ class BatchEngine:
         took (padded)."""
         group, longest, start = [], 0, None
         for f in self.filling:
-            if self._begun(f) or not f.todo:
+            if self._begun(f) or not f.todo or f.request.twins:
                 continue
             c = f.request.cached if start is None else min(start, f.request.cached)
             n = max(longest + (start or 0) - c, len(f.request.tokens) - 1 - c)
@@ -304,6 +360,22 @@ class BatchEngine:
                                          for k, v in kv])
         self.prefill_calls += 1
         return longest * len(group)
+
+    def _fits(self, rows, longest):
+        """Whether a batch of `rows` rows, the longest writing `longest` positions, fits kv_budget
+        beside the slots set aside (dropped, what they kept stored, where only they are in the
+        way)."""
+        if self.kv_budget is None:
+            return True
+        size = self._nbytes(rows, longest)
+        if self.spare is not None and size + self.spare.nbytes > self.kv_budget >= size:
+            self.spare.store(self.prompt_cache)
+            self.spare = None
+        return size + (self.spare.nbytes if self.spare is not None else 0) <= self.kv_budget
+
+    def _nbytes(self, rows, longest):
+        """Bytes of slots for `rows` rows, the longest writing `longest` positions."""
+        return bucket(rows) * cache_capacity(self.model, longest) * token_bytes(self._layout())
 
     @staticmethod
     def _begun(f):
@@ -353,8 +425,9 @@ class BatchEngine:
               if c.keys is not None]
         if self.prompt_cache is not None and r.cached < len(r.tokens) - 1:
             self.prompt_cache.store(r.tokens[:-1], kv)
-        self.joining.append(Joining(r, kv, len(r.tokens) - 1, r.tokens[-1:]))
-        self.prefilled += 1  # the last prompt token, computed in the decode step
+        # its twins' rows copies of its one (_place inserts them together)
+        self.joining += [Joining(t, kv, len(r.tokens) - 1, r.tokens[-1:]) for t in [r] + r.twins]
+        self.prefilled += 1  # the last prompt token, computed in the decode step (each row's)
 
     def _renumber(self, slots):
         """Take slots (the batch's rows in new places) as the batch's."""
@@ -373,7 +446,9 @@ class BatchEngine:
         rows = running + [j.request for j in self.joining]
         if not rows:
             return
-        size, capacity = bucket(len(rows)), needed_capacity(self.model, rows)
+        # room for those under prefill too: they join within a few steps
+        coming = rows + [r for f in self.filling for r in [f.request] + f.request.twins]
+        size, capacity = bucket(len(coming)), needed_capacity(self.model, coming)
         s = self.slots
         small = s is not None and size < s.size and (size == 1 and forms.compiled_decode()
                                                      or 4 * size <= s.size)
@@ -385,17 +460,15 @@ class BatchEngine:
         elif self.idle and small and size == 1:
             # a lone newcomer to an idle engine runs solo at once; the slots wait aside for the
             # next wave, with what they kept
-            self.spare = s
             self._renumber(s.resized(size, capacity))
-            s.vacate()
+            self._set_aside(s)
         elif size > s.size or capacity > s.capacity or self.small > SHRINK_AFTER:
             s.store(self.prompt_cache)  # (free slots' contents are not carried)
             self._renumber(s.resized(size, capacity))
             if size < s.size and self.spare is None:
                 # (a wave prefilled into few slots grown again took a far longer first step than one
                 # whose slots waited aside: bench/RESULTS.md, "Serving")
-                self.spare = s
-                s.vacate(ran=True)
+                self._set_aside(s, ran=True)
         # the slots insert takes
         if set(self.slots.free()[:len(self.joining)]) & set(self.slots.unstored):
             self.slots.store(self.prompt_cache)
@@ -412,24 +485,49 @@ class BatchEngine:
                     j.request.seen = mx.array(j.request.tokens)
         self.joining = []
 
+    def _set_aside(self, s, ran=False):
+        """Keep slots s, which the batch left, for the next wave (spare: Slots.vacate) where they
+        fit kv_budget beside the batch's; else what they kept goes to the prompt cache."""
+        if self.kv_budget is not None and s.nbytes + self.slots.nbytes > self.kv_budget:
+            s.store(self.prompt_cache)
+            return
+        self.spare = s
+        s.vacate(ran)
+
     def _read(self, step):
         """Events of a queued step's rows still in the batch (waiting for its tokens)."""
         events, leaving = [], []
         tokens, logprobs = step.tokens.tolist(), step.logprobs
+        now = time.perf_counter()
         for i, r in step.rows:  # i: its slot when the step was queued
             if r.slot is None:  # it left after this step was queued
                 continue
             r.next = t = tokens[i]
             r.generated.append(t)
-            finish = "stop" if t in r.stop_tokens else ("length" if len(r.generated) >= r.max_tokens
+            made = len(r.generated)
+            finish = "stop" if t in r.stop_tokens else ("length" if made >= r.max_tokens
                                                         else None)
+            if made == 1:
+                self._started(r, now)
             if r.constraint is not None and not finish:
                 r.constraint.accept(t)
             events.append(Event(r, t, logprobs, i, finish))
             if finish:
                 leaving.append(r)
+        self.steps += 1
+        self.rows_stepped += len(events)
+        # (an end-of-sequence token is no token of the answer: usage does not count it)
+        self.generated += len(events) - sum(r.generated[-1] in r.stop_tokens for r in leaving)
+        self.generation_seconds += sum(now - r.first for r in leaving)
         self._release(leaving)
         return events
+
+    def _started(self, r, now):
+        """Count a request's prefill (its choices' first: its twins share it) at its first token."""
+        r.first = now
+        if r.began is not None:
+            self.prompt_seconds += now - r.began
+            self.cached_tokens += r.cached
 
     def _release(self, rows):
         """Take rows out of the batch. Each one's slot keeps what it read, for a newcomer to reuse;

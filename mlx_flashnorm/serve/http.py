@@ -1,14 +1,17 @@
-"""The OpenAI-compatible HTTP transport: GET /v1/models, GET /health, POST /v1/chat/completions
-and POST /v1/completions, plain or streamed as server-sent events; OPTIONS answers browsers'
-preflights. Built on the standard library's ThreadingHTTPServer: each connection has a thread that
-reads and checks its request (openai_api: every field range-checked, a JSON error for anything
-wrong), submits it to the worker it was given (requests.py's interface) and writes the answer from
-the tokens that come back, which one thread reads for every answer (streaming.Streamer), writing a
-streamed one's events itself. Beside the API: the chat page (page.py) at GET /, and llama-server's
-POST /tokenize, /detokenize and /apply-template (tokenizer_api.py).
+"""The OpenAI-compatible HTTP transport: GET /v1/models, GET /health, GET /metrics (metrics.py),
+POST /v1/chat/completions and POST /v1/completions, plain or streamed as server-sent events;
+OPTIONS answers browsers' preflights. Built on the standard library's ThreadingHTTPServer: each
+connection has a thread that reads and checks its request (openai_api: every field range-checked,
+a JSON error for anything wrong), submits it to the worker it was given (requests.py's interface)
+and writes the answer from the tokens that come back, which one thread reads for every answer
+(streaming.Streamer), writing a streamed one's events itself. Beside the API: the chat page
+(page.py) at GET /, and llama-server's POST /tokenize, /detokenize and /apply-template
+(tokenizer_api.py).
 
-Under load: at most the worker's slots plus max_queue requests are taken at once, the rest get 503
-with Retry-After; a request (headers and body) must arrive within `timeout` seconds (else 408, a
+Under load: requests wait for the worker while the KV cache they would all need together (each its
+prompt and max_tokens) fits the worker's budget (kv_tokens), and, where max_queue is set, while at
+most the worker's slots plus max_queue are taken; past that they get 503 with Retry-After; a
+request (headers and body) must arrive within `timeout` seconds (else 408, a
 request cut off in its head too) and be at most max_body bytes; a client that hangs up, streaming
 or not, is noticed within streaming.POLL seconds (a streamed one also at its next write) and its
 request dropped by the worker at its next step."""
@@ -19,14 +22,17 @@ import select
 import socket
 import threading
 import time
+from collections import Counter
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from . import page, tokenizer_api
+from . import metrics, page, tokenizer_api
 from .openai_api import Answer, HTTPError, Transcript, bad, parse_call, parse_json
+from .requests import Load
 from .streaming import SHUT, Stream, Streamer, event
 
 RETRY_AFTER = 1  # seconds, in a 503's Retry-After
+MAX_QUEUE = 64  # requests waiting beyond a worker's slots where it has no KV budget (kv_tokens)
 MAX_BODY = 2**20  # bytes: a prompt filling a 128k-token context is about 0.5 MB of JSON
 # seconds: a body of unknown length has ended when none of it comes for this long
 DRAIN_PAUSE = 0.2
@@ -49,6 +55,11 @@ def is_address(name):
         return True
     except ValueError:
         return False
+
+
+def positions(generation):
+    """The KV cache positions a request may write: its prompt and max_tokens, a row a choice."""
+    return (len(generation.tokens) + generation.max_tokens) * generation.n
 
 
 class ClientGone(Exception):
@@ -103,19 +114,21 @@ class Server(ThreadingHTTPServer):
     request_queue_size = 1024
 
     def __init__(self, worker, tokenizer, model_id, host="127.0.0.1", port=8080, max_tokens=256,
-                 temp=0.0, top_p=1.0, top_k=0, *, api_key=None, cors_origins=(), max_queue=64,
+                 temp=0.0, top_p=1.0, top_k=0, *, api_key=None, cors_origins=(), max_queue=None,
                  max_body=MAX_BODY, timeout=30.0, request_timeout=None, allowed_hosts=(),
-                 parse_special=False):
+                 parse_special=False, metrics=True):
         """worker: what generates (requests.py's interface, with the model's context_length and
         vocab_size, which the requests are checked against); it is closed with the server.
         max_tokens, temp, top_p, top_k: the defaults of requests that leave them out.
         api_key: requests must send it as a Bearer token; cors_origins: the web origins whose pages
-        may call the server ("*": any); max_queue: requests waiting beyond the worker's slots;
+        may call the server ("*": any); max_queue: requests waiting beyond the worker's slots at
+        most (None: as many as its KV budget holds, or MAX_QUEUE for a worker without one);
         max_body: bytes; timeout: seconds for a request to arrive, and for any one socket
         operation; request_timeout: seconds a request may run once taken (None: no limit);
         allowed_hosts: the names (besides addresses, localhost and host's name) that requests may
         give in their Host header ("*": any: Handler.check_host); parse_special: special tokens'
-        text in chat messages is parsed as the tokens (openai_api.chat_tokens)."""
+        text in chat messages is parsed as the tokens (openai_api.chat_tokens); metrics: GET
+        /metrics is served (else 404)."""
         self.worker = worker
         super().__init__((host, port), Handler)
         self.tokenizer, self.model_id = tokenizer, model_id
@@ -126,7 +139,9 @@ class Server(ThreadingHTTPServer):
             {host_name(host)} if host and not is_address(host) else set())
         self.max_queue, self.max_body, self.io_timeout = max_queue, max_body, timeout
         self.created = int(time.time())
-        self.lock, self.active = threading.Lock(), 0
+        # requests taken, and the positions of KV cache they need (each its prompt and max_tokens)
+        self.lock, self.active, self.held = threading.Lock(), 0, 0
+        self.metrics, self.outcomes = metrics, Counter()  # completion requests by outcome
         self.draining = False  # stopping: no request taken
         self.reaper = Reaper(timeout)
         self.streamer = Streamer(timeout, request_timeout)
@@ -134,25 +149,58 @@ class Server(ThreadingHTTPServer):
 
     def call(self, body, chat):
         return parse_call(body, chat, self.tokenizer, *self.limits, self.defaults,
-                          self.parse_special)
+                          self.parse_special, getattr(self.worker, "choices", 1))
 
     def admit(self, generation):
-        """The worker's Ticket for generation, or a 503 when the worker's slots and the queue are
+        """The worker's Ticket for generation, or a 503 when the requests taken with it would need
+        more KV cache than the worker's budget holds, or the worker's slots and the queue are
         full."""
+        need = positions(generation)
+        budget = getattr(self.worker, "kv_tokens", None)
+        queue = MAX_QUEUE if self.max_queue is None and budget is None else self.max_queue
         with self.lock:
             if (problem := self.unavailable()) is not None:
                 raise HTTPError(503, f"the server takes no requests now: {problem}",
                                 headers={"Retry-After": str(RETRY_AFTER)})
-            if self.active >= self.worker.slots + self.max_queue:
+            if queue is not None and self.active >= self.worker.slots + queue:
                 raise HTTPError(503, f"the server is busy ({self.active} requests taken, "
-                                     f"--max-queue {self.max_queue}): retry later",
+                                     f"--max-queue {queue}): retry later",
+                                headers={"Retry-After": str(RETRY_AFTER)})
+            if budget is not None and self.held + need > budget:
+                raise HTTPError(503, f"the server is busy ({self.active} requests taken, their "
+                                     f"KV cache {self.held} of the {budget} positions "
+                                     "--kv-budget holds): retry later",
                                 headers={"Retry-After": str(RETRY_AFTER)})
             self.active += 1
+            self.held += need
         return self.worker.submit(generation)
 
-    def done(self):
-        with self.lock:
+    def done(self, generation, outcome=None):
+        """A request admitted with generation is answered (outcome: how, metrics.OUTCOMES, for a
+        completion's)."""
+        with self.lock:  # (with the count: requests_active 0 says every answer is counted)
             self.active -= 1
+            self.held -= positions(generation)
+            if outcome is not None:
+                self.outcomes[outcome] += 1
+
+    def count(self, outcome):
+        """A completion request answered before it was taken (outcome: how; None: another)."""
+        if outcome is not None:
+            with self.lock:
+                self.outcomes[outcome] += 1
+
+    @property
+    def load(self):
+        """The worker's requests.Load (zeros for a worker that keeps none)."""
+        return getattr(self.worker, "load", None) or Load()
+
+    def exposition(self):
+        """The text of GET /metrics (metrics.py)."""
+        with self.lock:
+            outcomes, active, held = dict(self.outcomes), self.active, self.held
+        return metrics.exposition(self.load, outcomes, active, self.worker.slots, held,
+                                  getattr(self.worker, "kv_tokens", None))
 
     def unavailable(self):
         """Why no request is taken now (the worker's `problem`, where it has one), or None."""
@@ -163,8 +211,13 @@ class Server(ThreadingHTTPServer):
     def health(self):
         """(status, body) of GET /health: 503 with the reason while no request is taken."""
         problem = self.unavailable()
+        load = self.load
         body = {"status": "ok", "requests": self.active, "slots": self.worker.slots,
-                "max_queue": self.max_queue}
+                "max_queue": self.max_queue,
+                # the batch: rows decoding, rows waiting for room, the KV cache they hold
+                "batch": {"rows": load.rows, "queued": load.waiting,
+                          "kv_cache_tokens": load.kv_tokens,
+                          "kv_cache_usage_ratio": load.kv_tokens / max(load.kv_capacity, 1)}}
         if problem is None:
             return 200, body
         return 503, dict(body, status="unavailable", reason=problem)
@@ -249,11 +302,11 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def send_file(self, body, content_type):
+    def send_file(self, body, content_type, headers=page.HEADERS):
         self.send_response(200)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
-        for name, value in page.HEADERS.items():
+        for name, value in headers.items():
             self.send_header(name, value)
         self.end_headers()
         self.wfile.write(body)
@@ -333,11 +386,16 @@ class Handler(BaseHTTPRequestHandler):
                 return self.send_json(*self.server.health())
             if (file := page.asset(self.path)) is not None:  # the chat page: no key
                 return self.send_file(*file)
-            if path != "/v1/models":
+            if path == "/metrics" and not self.server.metrics:
+                raise HTTPError(404, "no such endpoint: GET /metrics (the server was started "
+                                     "with --no-metrics)")
+            if path not in ("/v1/models", "/metrics"):
                 raise HTTPError(404, f"no such endpoint: GET {self.path}")
-            self.check_key()
+            self.check_key()  # (/metrics too, as llama-server's)
         except HTTPError as e:
             return self.fail(e)
+        if path == "/metrics":
+            return self.send_file(self.server.exposition().encode(), metrics.FORMAT, {})
         model = {"id": self.server.model_id, "object": "model", "created": self.server.created,
                  "owned_by": "mlx-flashnorm"}
         self.send_json(200, {"object": "list", "data": [model]})
@@ -384,11 +442,12 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         chat = self.path.rstrip("/") == "/v1/chat/completions"
+        completion = chat or self.path.rstrip("/") == "/v1/completions"
         utility = tokenizer_api.ROUTES.get(self.path.rstrip("/"))
         try:
             body = self.read_body()  # first: an answer with bytes left unread could be lost (drain)
             self.check_host()
-            if not chat and utility is None and self.path.rstrip("/") != "/v1/completions":
+            if not completion and utility is None:
                 raise HTTPError(404, f"no such endpoint: POST {self.path}")
             self.check_origin()
             self.check_key()
@@ -402,21 +461,24 @@ class Handler(BaseHTTPRequestHandler):
             call = self.server.call(parse_json(body), chat)
             ticket = self.server.admit(call.generation)
         except HTTPError as e:
+            self.server.count(metrics.outcome(e.status) if completion else None)
             self.fail(e)
             return self.drain(e.unread) if isinstance(e, BodyRefused) else None
+        outcome = "gone"
         try:
-            transcript = Transcript(self.server.tokenizer, call)
+            transcripts = [Transcript(self.server.tokenizer, call)
+                           for _ in range(call.generation.n)]
             answer = Answer(call, self.server.tokenizer, self.server.model_id)
             ahead = f"{self.protocol_version} ".encode()  # every status line's beginning
-            (self.stream if call.stream else self.whole)(Stream(self.connection, self.client_gone,
-                                                                 ticket, transcript, answer,
-                                                                 whole=not call.stream,
-                                                                 ahead=ahead))
+            stream = Stream(self.connection, self.client_gone, ticket, transcripts, answer,
+                            whole=not call.stream, ahead=ahead)
+            (self.stream if call.stream else self.whole)(stream)
+            outcome = metrics.outcome(stream.error.status if stream.error else 200)
         except ClientGone:
             pass
         finally:
             ticket.cancel()
-            self.server.done()
+            self.server.done(call.generation, outcome)
 
     def client_gone(self):
         """True once the client is gone (its connection reset, or in error); streaming.SHUT once
@@ -443,9 +505,7 @@ class Handler(BaseHTTPRequestHandler):
         if stream.failed is not None:  # (a limit, or nothing checked before)
             return self.fail(stream.error)
         try:
-            self.send_json(200, stream.answer.whole(stream.text, stream.finish, stream.entries,
-                                                    stream.transcript.count,
-                                                    stream.transcript.cached))
+            self.send_json(200, stream.answer.whole(stream.transcripts, stream.entries))
         except OSError as e:
             raise ClientGone() from e
 
@@ -466,6 +526,7 @@ class Handler(BaseHTTPRequestHandler):
         except OSError as e:
             raise ClientGone() from e
         if stream.answer.call.chat:
-            self.write(event(stream.answer.chunk("", None, [], role="assistant")))
+            for i in range(len(stream.transcripts)):
+                self.write(event(stream.answer.chunk("", None, [], role="assistant", index=i)))
         if not self.server.streamer.run(stream):
             raise ClientGone()

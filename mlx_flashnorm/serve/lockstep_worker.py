@@ -3,14 +3,18 @@ BatchEngine on every rank, stepped in lockstep.
 
 Rank 0 serves: its LockstepWorker is the server's BatchWorker, and before each engine step it hands
 the other ranks the step's plan (lockstep.broadcast): the requests it admitted (their Generations,
-each with a sampling seed: rank 0 draws one for a request without), those that left (cancelled:
-a client gone, a stop string, a timeout), and what the engine's own choices read that is not the
-same on every rank (the fastest recent step's period, which decides which newcomers are fed
-through the decode steps). Every other rank's LockstepWorker takes the plan and runs the same
-engine step on its shard: the engine's other choices (prefill groups, slots, buckets, the prompt
-cache) follow from the same requests in the same order, every sharded linear's sum pairs the ranks'
-operations one to one, and the logits are the same on every rank, so each request's seeded sampler
-draws the same tokens everywhere; a digest of each step's tokens rides on the next plan's exchange
+each with a sampling seed: rank 0 draws one for a request without; the seeds of its n choices
+follow from it, Generation.seeds), the rows that left (a request cancelled: a client gone, a
+timeout; or one choice dropped: a stop string), and what the engine's own choices read that is not
+the same on every rank (the fastest recent step's period, which decides which newcomers are fed
+through the decode steps). The KV budget (--kv-budget; by default a fraction of the device's
+memory) is rank 0's, handed on once at the start (limits), so every rank's engine admits the same
+waiting requests into the batch. Every other rank's LockstepWorker takes the plan and runs the same
+engine step on its shard: the engine's other choices (admission, prefill groups, slots, buckets,
+the prompt cache) follow from the same requests in the same order and the same budget, every
+sharded linear's sum pairs the ranks' operations one to one, and the logits are the same on every
+rank, so each request's seeded sampler draws the same tokens everywhere (the Load of /metrics and
+/health is rank 0's engine's); a digest of each step's tokens rides on the next plan's exchange
 and every rank raises where they differ (no exchange added). A step with nothing new exchanges
 8 bytes a rank. A rank waiting in a sum keeps a core busy (MLX's ring backend polls its sockets),
 so an idle engine does not wait for a request there: every rank sleeps IDLE_TICK seconds after
@@ -32,8 +36,9 @@ from dataclasses import asdict, replace
 
 import numpy as np
 
+from ..errors import UserError
 from ..lockstep import Watchdog, broadcast, leads
-from .batch_worker import BatchWorker
+from .batch_worker import BatchWorker, kv_limits
 from .requests import Generation, Ticket
 
 IDLE_TICK = 0.05  # seconds every rank sleeps after an idle step: the wait of a request that
@@ -49,15 +54,32 @@ class LockstepWorker(BatchWorker):
     (a step STEP_TIMEOUTS times as long) before the other ranks are taken for gone (the server's
     --rank-timeout); the rest as BatchWorker's."""
 
-    def __init__(self, model, tokenizer, warm=False, max_batch=32, prompt_cache_bytes=0,
-                 prefill_step=2048, timeout=RANK_TIMEOUT):
+    def __init__(self, model, tokenizer, warm=False, max_batch=None, prompt_cache_bytes=0,
+                 prefill_step=2048, timeout=RANK_TIMEOUT, kv_budget=None):
         self.timeout = timeout
         self.idle_wait = 0  # (rank 0's _admit takes a burst waiting, never waits for one)
-        self.keys, self.added, self.live = itertools.count(), [], {}  # live: key -> Request
+        self.keys, self.added = itertools.count(), []
         self.digest = 0  # of the last step's tokens
         self.closing, self.done = False, threading.Event()
         self.fatal = self.problem = None  # why the ranks stopped; problem: the server's 503 reason
-        super().__init__(model, tokenizer, warm, max_batch, prompt_cache_bytes, prefill_step)
+        super().__init__(model, tokenizer, warm, max_batch, prompt_cache_bytes, prefill_step,
+                         kv_budget=kv_budget)
+
+    def limits(self, model, max_batch, kv_budget):
+        """Rank 0's kv_limits on every rank (the budget's default reads the device's memory, which
+        the ranks need not share): every rank's engine admits by the same budget; a budget too
+        small is a UserError on every rank."""
+        if leads():
+            try:
+                limits = kv_limits(model, max_batch, kv_budget)
+            except UserError as e:
+                limits = str(e)
+        else:
+            limits = None
+        limits = broadcast(limits)
+        if isinstance(limits, str):
+            raise UserError(limits)
+        return tuple(limits)
 
     def close(self):
         """Stop every rank after this step (rank 0): returns once the plan went, the ranks failed,
@@ -75,7 +97,8 @@ class LockstepWorker(BatchWorker):
 
     def request(self, ticket):
         """(rank 0) The engine's Request for ticket, its generation (with a seed drawn where it has
-        none) added to the next plan under a new key."""
+        none: its n choices' seeds follow from it, Generation.seeds) added to the next plan under a
+        new key."""
         g = ticket.generation
         if g.seed is None:
             ticket.generation = g = replace(g, seed=random.SystemRandom().randrange(2**63))
@@ -110,8 +133,8 @@ class LockstepWorker(BatchWorker):
             plan = {}
             if self.added:
                 plan["add"], self.added = self.added, []
-            if gone:
-                plan["cancel"] = [r.ticket.key for r in gone]
+            if gone:  # (a choice dropped: that choice's row alone)
+                plan["cancel"] = [[r.ticket.key, r.choice] for r in gone]
             if self.engine.waiting:  # (BatchEngine.feedable reads the periods)
                 plan["fastest"] = min(self.engine.periods, default=None)
             if self.closing:
@@ -125,15 +148,12 @@ class LockstepWorker(BatchWorker):
         idle = not self.engine.busy  # (the same on every rank, the plan taken)
         self.watchdog.beat(STEP_TIMEOUTS * self.timeout)
         events = self._step()
-        if leads():
+        if leads():  # (the Load, /metrics' counters: rank 0's engine's)
+            looked = self.look()
             self.deliver(events)
-        for e in events:
-            if e.finish_reason:
-                self.live.pop(e.request.ticket.key, None)
-        if not self.engine.busy:
-            self.live.clear()  # (requests that failed)
-        self.digest = zlib.crc32(np.array([(e.request.ticket.key, e.token) for e in events],
-                                          np.int64).tobytes()) & 0x7FFFFFFF
+            self.flush(looked)
+        self.digest = zlib.crc32(np.array([(e.request.ticket.key, e.request.choice, e.token)
+                                           for e in events], np.int64).tobytes()) & 0x7FFFFFFF
         if idle:
             time.sleep(IDLE_TICK)
         return True
@@ -146,13 +166,15 @@ class LockstepWorker(BatchWorker):
             ticket = Ticket(Generation(**g))
             ticket.key = key
             try:  # (what fails here failed on rank 0 alike, and was answered there)
-                self.engine.add(r := super().request(ticket))
-                self.live[key] = r
+                self.engine.add(super().request(ticket))
             except Exception:
                 pass
-        for key in plan.get("cancel", ()):
-            if (r := self.live.pop(key, None)) is not None:  # (else out of step: the digest says)
-                r.cancelled = True
+        if cancel := {tuple(c) for c in plan.get("cancel", ())}:
+            # (rank 0's _cancel marked these among the same requests; one missing here is out of
+            # step: the digest says)
+            for r in self.engine.requests():
+                if (r.ticket.key, r.choice) in cancel:
+                    r.cancelled = True
         if "fastest" in plan:
             self.engine.periods.clear()
             if plan["fastest"] is not None:
@@ -166,8 +188,8 @@ class LockstepWorker(BatchWorker):
         self.fatal = self.problem = reason
         if leads():
             error = RuntimeError(reason)
-            for r in self.engine.requests():
-                self.put(r.ticket, error)
+            for ticket in dict.fromkeys(r.ticket for r in self.engine.requests()):
+                self.put(ticket, error)
             while not self.inbox.empty():
                 self.put(self.inbox.get(), error)
         self.done.set()

@@ -204,10 +204,11 @@ def shape(body, chat, tokenizer):
     return grammar, tools
 
 
-def parse_call(body, chat, tokenizer, context, vocab, defaults, parse_special=False):
+def parse_call(body, chat, tokenizer, context, vocab, defaults, parse_special=False, choices=1):
     """The Call of a request body (parse_json's), or a 400 naming the field at fault. defaults:
     max_tokens, temp, top_p, top_k for the fields a request leaves out; context: the model's;
-    parse_special: a chat's messages parsed for special tokens' text (chat_tokens)."""
+    parse_special: a chat's messages parsed for special tokens' text (chat_tokens); choices: the
+    most `n` the worker takes."""
     if unknown := sorted(k for k in body if k not in FIELDS[chat] and body[k] is not None):
         raise bad(f"'{unknown[0]}' is not supported by this server", unknown[0])
     field(body, "model", str, need="a string")
@@ -215,8 +216,9 @@ def parse_call(body, chat, tokenizer, context, vocab, defaults, parse_special=Fa
     needs = {bool: "true or false", dict: "an object", str: "a string"}
     for name, kind in IGNORED.items() if chat else ():
         field(body, name, kind, need=needs[kind])
-    field(body, "n", int, 1, lambda v: v == 1,
-          "1: one choice per request (send n requests instead)")
+    n = field(body, "n", int, 1, lambda v: 1 <= v <= choices,
+              f"an integer from 1 to {choices}: the choices this server generates for one request "
+              "(a row of the batch each, at most --max-concurrent)")
     field(body, "echo", bool, False, lambda v: not v, "false: echoing the prompt is not supported")
     grammar, tools = shape(body, chat, tokenizer)
     if chat:
@@ -275,7 +277,7 @@ def parse_call(body, chat, tokenizer, context, vocab, defaults, parse_special=Fa
                                 "a number from -2 to 2"),
         frequency_penalty=number(body, "frequency_penalty", None, lambda v: -2 <= v <= 2,
                                  "a number from -2 to 2"),
-        logit_bias=logit_bias(body, vocab), top_logprobs=top, grammar=grammar)
+        logit_bias=logit_bias(body, vocab), top_logprobs=top, grammar=grammar, n=n)
     return Call(chat, generation, stream=field(body, "stream", bool, False, need="true or false"),
                 include_usage=field(options, "include_usage", bool, False, need="true or false"),
                 stop=[stop] if isinstance(stop, str) else stop, text_offset=offset,
@@ -316,6 +318,7 @@ class Transcript:
         self.seen = len(self.window)
         self.counted = None  # that text, once decoded (until begin and seen move)
         self.text, self.sent, self.count = "", 0, 0
+        self.finish = None  # once it ended: "stop" or "length"
         self.cached = 0  # prompt tokens that came from the prompt cache (the first token says)
         self.pending = []  # Entries not yet sent
 
@@ -361,6 +364,7 @@ class Transcript:
         done = len(self.pending) if finish else sum(1 for e in self.pending if e.start < end)
         entries, self.pending = self.pending[:done], self.pending[done:]
         piece, self.sent = self.text[self.sent:end], end
+        self.finish = finish
         return piece, finish, entries
 
 
@@ -393,12 +397,13 @@ def completion_logprobs(tokenizer, entries, offset):
 
 
 class Answer:
-    """The JSON of one Call's answer, whole or as server-sent-event chunks."""
+    """The JSON of one Call's answer, whole or as server-sent-event chunks, of its n choices."""
 
     def __init__(self, call, tokenizer, model_id):
         self.call, self.tokenizer = call, tokenizer
-        # a chat with tools: its text split into content and calls
-        self.calls = ToolCalls(call.tools) if call.tools is not None else None
+        # a chat with tools: each choice's text split into content and calls
+        self.calls = ([ToolCalls(call.tools) for _ in range(call.generation.n)]
+                      if call.tools is not None else None)
         chat = call.chat
         self.head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                      "object": "chat.completion" if chat else "text_completion",
@@ -411,47 +416,58 @@ class Answer:
             return chat_logprobs(self.tokenizer, entries)
         return completion_logprobs(self.tokenizer, entries, self.call.text_offset)
 
-    def usage(self, tokens, cached=0):
-        """tokens generated; cached: the prompt's tokens from the prompt cache (mlx_lm.server's
-        prompt_tokens_details)."""
-        prompt = len(self.call.generation.tokens)
+    def usage(self, transcripts):
+        """The prompt once, the choices' tokens (Transcript.count) summed; cached: the prompt's
+        tokens from the prompt cache (mlx_lm.server's prompt_tokens_details; the first choice's
+        first token says)."""
+        prompt, tokens = len(self.call.generation.tokens), sum(t.count for t in transcripts)
         return {"prompt_tokens": prompt, "completion_tokens": tokens,
-                "total_tokens": prompt + tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+                "total_tokens": prompt + tokens,
+                "prompt_tokens_details": {"cached_tokens": transcripts[0].cached}}
 
-    def whole(self, text, finish, entries, tokens, cached=0):
+    def whole(self, transcripts, entries):
+        """The answer in one piece: each choice's text from its Transcript, entries[i] its
+        tokens' Entries."""
+        return dict(self.head, choices=[self.choice(i, t.text[:t.sent], t.finish, e)
+                                        for i, (t, e) in enumerate(zip(transcripts, entries))],
+                    usage=self.usage(transcripts))
+
+    def choice(self, index, text, finish, entries):
         message = {"role": "assistant", "content": text}
         if self.calls is not None:
-            content, _ = self.calls.feed(text, last=True)
-            if self.calls.calls:
+            calls = self.calls[index]
+            content, _ = calls.feed(text, last=True)
+            if calls.calls:
                 message = {"role": "assistant", "content": content or None,
-                           "tool_calls": self.calls.calls}
+                           "tool_calls": calls.calls}
                 finish = "tool_calls" if finish == "stop" else finish
-        choice = {"index": 0, "finish_reason": finish, "logprobs": self.logprobs(entries)}
+        choice = {"index": index, "finish_reason": finish, "logprobs": self.logprobs(entries)}
         choice.update({"message": message} if self.call.chat else {"text": text})
-        return dict(self.head, choices=[choice], usage=self.usage(tokens, cached))
+        return choice
 
-    def chunk(self, text, finish, entries, role=None):
-        """A streamed chunk of text (None: a chat with tools holds it back: it may begin a
-        call)."""
+    def chunk(self, text, finish, entries, role=None, index=0):
+        """A streamed chunk of choice `index`'s text (None: a chat with tools holds it back: it
+        may begin a call)."""
         if not self.call.chat:
-            choice = {"index": 0, "text": text, "finish_reason": finish,
+            choice = {"index": index, "text": text, "finish_reason": finish,
                       "logprobs": self.logprobs(entries)}
             return dict(self.head, choices=[choice])
         calls = []
         if self.calls is not None and not role:
-            text, calls = self.calls.feed(text, last=finish is not None)
-            if self.calls.calls and finish == "stop":
+            parser = self.calls[index]
+            text, calls = parser.feed(text, last=finish is not None)
+            if parser.calls and finish == "stop":
                 finish = "tool_calls"
         delta = {"role": role, "content": text} if role else ({"content": text} if text else {})
         if calls:
             delta["tool_calls"] = calls
         if self.calls is not None and not (delta or finish or entries):
             return None  # text held back (it may begin a call)
-        choice = {"index": 0, "delta": delta, "finish_reason": finish,
+        choice = {"index": index, "delta": delta, "finish_reason": finish,
                   "logprobs": self.logprobs(entries) if entries else None}
         return dict(self.head, object="chat.completion.chunk", choices=[choice])
 
-    def usage_chunk(self, tokens, cached=0):
+    def usage_chunk(self, transcripts):
         return dict(self.head,
                     object="chat.completion.chunk" if self.call.chat else "text_completion",
-                    choices=[], usage=self.usage(tokens, cached))
+                    choices=[], usage=self.usage(transcripts))

@@ -3,12 +3,16 @@
 batch_worker.BatchWorker, engine_process.EngineProcess).
 
 A worker has three parts: `slots` (how many requests it generates at once), `submit(generation) ->
-Ticket`, and tokens put on the ticket as they come. The HTTP side counts requests against slots for
-its queue limit, cancels the ticket of a client that hangs up, and turns tokens into text, stop
-strings and log-probabilities itself."""
+Ticket`, and tokens put on the ticket as they come; a batching worker also `kv_tokens`, the
+positions its KV budget holds. The HTTP side counts requests against them for its queue limit,
+cancels the ticket of a client that hangs up, and turns tokens into text, stop strings and
+log-probabilities itself. A worker may also have `choices` (the most choices, `n`, a request may
+ask of it; without it, one) and `load` (a Load: what it has done and holds now, for /metrics and
+/health; without it, None)."""
 import queue
+import random
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import mlx.core as mx
@@ -16,6 +20,7 @@ import numpy as np
 from mlx_lm.sample_utils import make_logits_processors
 
 from ..constraints import Constraint
+from ..decoding import MAX_SEED
 
 
 @dataclass
@@ -37,6 +42,15 @@ class Generation:
     top_logprobs: Optional[int] = None
     # an llguidance grammar the tokens follow (constraints.py: a JSON schema, a tool call), checked
     grammar: Optional[str] = None
+    n: int = 1  # choices: continuations of the prompt, each its own draw (Token.choice)
+
+    def seeds(self):
+        """Each choice's seed: the request's for the first (so that it is n = 1's answer), for each
+        other one derived from it, the same on every run; None for each without a seed."""
+        if self.seed is None:
+            return [None] * self.n
+        return [self.seed] + [random.Random(f"{self.seed}/{i}").randrange(MAX_SEED + 1)
+                              for i in range(1, self.n)]
 
     def logits_processors(self):
         """mlx-lm's processors for the penalties and logit bias (each penalty over the last 20
@@ -58,6 +72,7 @@ class Token:
     top_logprobs: list = field(default_factory=list)  # [(id, logprob)], likeliest first
     # on a request's first token: its prompt tokens that came from the prompt cache (not computed)
     cached: int = 0
+    choice: int = 0  # the choice it continues (below the Generation's n)
 
 
 class Ticket:
@@ -69,13 +84,26 @@ class Ticket:
         self._out = queue.Queue()
         self._cancelled = threading.Event()
         self.listener = None  # called with the ticket after each put (streaming.Streamer's notify)
-        # called after cancel() (a batch worker's note to look for cancelled requests)
+        # called after cancel() or drop() (a batch worker's note to look for cancelled requests)
         self.on_cancel = None
+        self.dropped = set()  # choices the client has all of (cut at a stop string): not generated
+        self.running = generation.n  # (the worker's) choices not finished yet
 
     def cancel(self):
         self._cancelled.set()
         if self.on_cancel is not None:
             self.on_cancel()
+
+    def drop(self, choice):
+        """Stop generating one choice (the others go on)."""
+        self.dropped.add(choice)
+        if self.on_cancel is not None:
+            self.on_cancel()
+
+    def finished(self):
+        """(the worker's) A choice has finished: whether it was the last."""
+        self.running -= 1
+        return self.running == 0
 
     @property
     def cancelled(self):
@@ -99,6 +127,36 @@ class Ticket:
         while not self._out.empty():
             items.append(self._out.get())
         return items
+
+
+@dataclass
+class Load:
+    """What a worker has done since it started (counters) and holds at its last look (the others),
+    for /metrics and /health. Times are summed over requests, as llama-server sums its slots'."""
+    prompt_tokens: int = 0  # prompt tokens computed (not those from the prompt cache)
+    cached_tokens: int = 0  # prompt tokens the prompt cache gave
+    prompt_seconds: float = 0.0  # each request's, from its prefill's start to its first token
+    generated: int = 0  # tokens generated (an end-of-sequence token not counted, as in usage)
+    generation_seconds: float = 0.0  # each choice's, from its first token to its last
+    calls: int = 0  # model calls: prefill calls and decode steps
+    steps: int = 0  # decode steps read
+    rows_stepped: int = 0  # rows summed over those steps
+    rows: int = 0  # rows in the batch
+    processing: int = 0  # rows in the batch or under prefill
+    waiting: int = 0  # rows waiting for room in the batch
+    kv_tokens: int = 0  # positions the rows hold in the batch's KV cache
+    kv_capacity: int = 0  # positions the KV budget holds (without one: the batch's cache now)
+
+    COUNTERS = ("prompt_tokens", "cached_tokens", "prompt_seconds", "generated",
+                "generation_seconds", "calls", "steps", "rows_stepped")
+
+    def after(self, earlier):
+        """This load, its counters added to earlier's (an engine process that was replaced)."""
+        return replace(self, **{k: getattr(self, k) + getattr(earlier, k) for k in self.COUNTERS})
+
+    def counted(self):
+        """Its counters alone (its state zero: an engine gone)."""
+        return Load(**{k: getattr(self, k) for k in self.COUNTERS})
 
 
 def token_of(r, top_logprobs):

@@ -34,6 +34,13 @@ class Request:
     slot: Optional[int] = None  # its slot of the batch's cache while it decodes
     queued: int = 0  # decode steps queued for it
     seen: Optional[mx.array] = None  # its tokens so far, on the device (for its logits processors)
+    # the request's other choices (Generation.n), each a Request of its own: they take its
+    # prompt's cache once it is prefilled (BatchEngine._join), and a row each
+    twins: list = field(default_factory=list)
+    choice: int = 0  # which of its request's choices it is
+    # (the engine's counters) when its prefill began (None: a twin) and its first token came
+    began: Optional[float] = None
+    first: Optional[float] = None
 
     def __post_init__(self):
         self.sampler = make_sampler_for(self.temp, self.top_p, self.top_k, self.min_p)

@@ -33,6 +33,19 @@ def bucket(n):
     return -(-n // BUCKETS[-1]) * BUCKETS[-1]
 
 
+def most_rows(n):
+    """The most rows whose bucket has at most n slots (0 below one slot)."""
+    if n >= BUCKETS[-1]:
+        return n // BUCKETS[-1] * BUCKETS[-1]
+    return max((b for b in BUCKETS if b <= n), default=0)
+
+
+def token_bytes(layout):
+    """Bytes a position of a row takes in the batch's cache (kv_layout): every layer's key and
+    value."""
+    return sum(2 * h * d * t.size for h, d, t in layout)
+
+
 class RowsKVCache:
     """One layer's cache inside the batched step: keys and values (slots, heads, capacity, dim),
     offset (slots,) the position each row's new token takes."""
@@ -121,6 +134,11 @@ class Slots:
     def solo(self):
         """Whether this bucket decodes with the one-request compiled step."""
         return self.size == 1 and forms.compiled_decode()
+
+    @property
+    def nbytes(self):
+        """Bytes its buffers take."""
+        return self.size * self.capacity * token_bytes(self.layout)
 
     def live(self):
         return [(i, r) for i, r in enumerate(self.rows) if r is not None]
@@ -298,4 +316,9 @@ def fit(x, size, capacity):
 def needed_capacity(model, rows):
     """The static capacity for rows (requests): each writes positions up to its prompt + max_tokens
     (one more than it keeps: a step queued before its last token was read)."""
-    return cache_capacity(model, max(len(r.tokens) + r.max_tokens for r in rows))
+    return cache_capacity(model, max(need(r) for r in rows))
+
+
+def need(r):
+    """The positions request r writes at most: its prompt and max_tokens."""
+    return len(r.tokens) + r.max_tokens

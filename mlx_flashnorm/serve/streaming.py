@@ -37,19 +37,22 @@ def event(obj):
 
 
 class Stream:
-    """One answer: its connection (a streamed one's headers sent), ticket, transcript and answer;
-    whole: an answer in one piece, which its handler writes once the stream is finished."""
+    """One answer: its connection (a streamed one's headers sent), ticket, transcripts (one a
+    choice: openai_api.Transcript) and answer; whole: an answer in one piece, which its handler
+    writes once the stream is finished. A choice cut at a stop string is dropped from the worker
+    (Ticket.drop) while the others go on."""
 
-    def __init__(self, connection, left, ticket, transcript, answer, whole=False, ahead=b""):
+    def __init__(self, connection, left, ticket, transcripts, answer, whole=False, ahead=b""):
         # left(): whether the client is gone (True), there (False), or has sent its end (SHUT)
         self.connection, self.left = connection, left
-        self.ticket, self.transcript, self.answer = ticket, transcript, answer
-        self.whole = whole  # no events: the text, finish and entries kept for one answer at the end
+        self.ticket, self.transcripts, self.answer = ticket, transcripts, answer
+        self.whole = whole  # no events: each choice's entries kept for one answer at the end
+        self.entries = [[] for _ in transcripts]  # (a whole answer's) each choice's
         # a whole answer's first bytes (whatever its status), which a probe writes ahead (none: a
         # whole answer's client is not probed)
         self.ahead, self.written_ahead = ahead, b""
         self.probed = None  # when a client that sent its end was written a probe
-        self.text, self.finish, self.entries, self.failed = "", None, [], None
+        self.failed = None
         self.error = None  # the HTTPError answering failed
         self.began = False  # a token came
         self.since = time.monotonic()  # (for the request's time limit)
@@ -60,8 +63,9 @@ class Stream:
         self.done = threading.Event()
 
     def advance(self):
-        """The events of the tokens waiting on the ticket, into out (one for all of them)."""
-        text, finish, entries, failed, ended = "", None, [], None, False
+        """The events of the tokens waiting on the ticket, into out (one a choice for all of
+        them)."""
+        got, failed, ended = {}, None, False  # got: choice -> (text, finish, entries)
         for token in self.ticket.take():
             if token is None:  # the worker is done with it
                 ended = True
@@ -69,27 +73,31 @@ class Stream:
             if isinstance(token, Exception):
                 failed = token
                 break
+            t = self.transcripts[token.choice]
+            if t.finish:  # (a choice cut at a stop string: its tokens the worker made since)
+                continue
             self.began = True
-            piece, finish, got = self.transcript.add(token)
-            text, entries = text + piece, entries + got
-            if finish:
-                break
+            piece, finish, entries = t.add(token)
+            text, _, before = got.get(token.choice, ("", None, []))
+            got[token.choice] = text + piece, finish, before + entries
+            if finish and not token.finish_reason and len(self.transcripts) > 1:
+                self.ticket.drop(token.choice)  # (one choice alone: the handler cancels it)
         if failed is not None:  # nothing checked before should get here
             return self.fail(failed)
+        done = ended or all(t.finish for t in self.transcripts)
         answer = self.answer
-        if self.whole:
-            self.text, self.finish, self.entries = self.text + text, finish, self.entries + entries
-            self.finished = bool(finish or ended)
-            return
-        # (None: text a chat's tool calls hold back)
-        if (text or finish or entries) and (chunk := answer.chunk(text, finish, entries)):
-            self.out += event(chunk)
-        if finish or ended:
+        for choice, (text, finish, entries) in sorted(got.items()):
+            if self.whole:
+                self.entries[choice] += entries
+            # (None: text a chat's tool calls hold back)
+            elif (text or finish or entries) and (chunk := answer.chunk(text, finish, entries,
+                                                                         index=choice)):
+                self.out += event(chunk)
+        if done and not self.whole:
             if answer.call.include_usage:
-                self.out += event(answer.usage_chunk(self.transcript.count,
-                                                     self.transcript.cached))
+                self.out += event(answer.usage_chunk(self.transcripts))
             self.out += b"data: [DONE]\n\n"
-            self.finished = True
+        self.finished = done
 
     def fail(self, error):
         """End the answer with error: an HTTPError as it is, another exception a 500 naming it (a

@@ -3,7 +3,7 @@
 // tensor cores. Two pieces (build.pieces; step.compose composes them):
 //   device  its own device functions, after whole_step.cuh's in its header: a pass's input rows
 //           loaded into shared memory with their norms, and the matvec tiles on the tensor cores
-//           (fn_tile: 16 rows of a packed matrix times 8, 16 or 32 input rows)
+//           (fn_tile: 16 rows of a packed or full-precision matrix times 8, 16 or 32 input rows)
 //   body    the kernel's body (build.cuda_source wraps it in the function of the inputs); its
 //           marker lines are filled by step.compose: SIZES (the sizes and flags in `dims`,
 //           rows.SIZES), TABLE (the pointer table, step.table) and whole_step.cuh's LAYER and
@@ -50,16 +50,68 @@ __device__ inline void fn_rows_in(const A* src, int n, int stride, int rows, flo
   }
 }
 template <typename A, int G>
+__device__ inline void fn_post_rows(const A* v, const float* xsg, const A* res, A* rout,
+                                    const float* gain, int b0, int rows, int K, float* xin, int xs,
+                                    float (*red)[G], float eps, bool unrounded) {
+  // post (Gemma 3): for `rows` rows (of G) from row b0, p = the post-norm of v (down_proj's
+  // output times each row's deferred scale xsg, or o_proj's: xsg null; each value rounded to A as
+  // the model rounds it) with gains `gain`, plus the residual res: into the shared input rows
+  // (rounded to A, or unrounded: the rms mode's norm reads the sum as Gemma's norms do) and,
+  // rounded, into rout (optional: one block writes it). fn_row_norms then takes xin as it is.
+  fn_rows_in(v + long(b0) * K, K, K, rows, xin, xs);
+  __syncthreads();
+  float ss[G];
+  #pragma unroll
+  for (int g = 0; g < G; ++g) ss[g] = 0.0f;
+  for (int i = threadIdx.x; i < K && threadIdx.x < 256; i += 256) {
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+      if (g < rows) {
+        const float u = fn_f(fn_cast<A>(xin[g * xs + i] * (xsg ? __ldcg(xsg + b0 + g) : 1.0f)));
+        xin[g * xs + i] = u;
+        ss[g] += u * u;
+      }
+    }
+  }
+  #pragma unroll
+  for (int g = 0; g < G; ++g) ss[g] = fn_warp_sum(ss[g]);
+  if (threadIdx.x % 32 == 0 && threadIdx.x < 256) {
+    #pragma unroll
+    for (int g = 0; g < G; ++g) red[threadIdx.x / 32][g] = ss[g];
+  }
+  __syncthreads();
+  float r = 0.0f;
+  if (threadIdx.x < rows) {
+    for (int w = 0; w < 8; ++w) r += red[w][threadIdx.x];
+    r = rsqrtf(r / K + eps);
+  }
+  __syncthreads();
+  if (threadIdx.x < rows) red[0][threadIdx.x] = r;  // each row's 1/RMS
+  __syncthreads();
+  for (int i = threadIdx.x; i < K; i += blockDim.x) {
+    const float w = __ldg(gain + i);
+    for (int g = 0; g < rows; ++g) {
+      const long at = long(b0 + g) * K + i;
+      const float t = fn_norm_as<A>(xin[g * xs + i], red[0][g], w, true) + fn_f(__ldcg(res + at));
+      const A tp = fn_cast<A>(t);
+      if (rout) rout[at] = tp;
+      xin[g * xs + i] = unrounded ? t : fn_f(tp);
+    }
+  }
+  __syncthreads();
+}
+template <typename A, int G>
 __device__ inline void fn_row_norms(const A* a, A* rout, const float* gain, long at0, int rows,
                                     int K, float* xin, int xs, float (*red)[G], float* srow,
-                                    float* prow, float eps, bool prescale, int norm) {
-  // for `rows` rows (of G) of p (a, from element at0): p into rout (optional: one block writes
-  // it) and, times gain (optional), into the shared input rows (row g at xin + g * xs); then each
+                                    float* prow, float eps, bool prescale, int norm, bool post) {
+  // for `rows` rows (of G) of p (a, from element at0; a null: the rows in xin already, from
+  // fn_post_rows): p into rout (optional: one block writes it) and, times gain (optional), into
+  // the shared input rows (row g at xin + g * xs); then each
   // row's 1/RSSe and its power of two P (half precision) into srow and prow. The rows are loaded
   // by fn_rows_in; the squares are then summed in the one-row kernel's order (value i by thread
   // i % 256, its 8 warps' sums in order): its norm alone. norm (NORM): 0 flash as above; 1 rms,
-  // the input rows RMSNorm(p) with weights `gain` (fn_normed), 1 into srow and prow; 2 none, p
-  // alone, 1 into srow and prow.
+  // the input rows RMSNorm(p) with weights `gain` (fn_norm_as: post, as Gemma's), 1 into srow
+  // and prow; 2 none, p alone, 1 into srow and prow.
   const float* wnorm = norm == 1 ? gain : nullptr;
   if (norm != 0) gain = nullptr;
   // passes of 8 rows: the gains of a thread's first GP values loaded before the rows, under their
@@ -70,7 +122,7 @@ __device__ inline void fn_row_norms(const A* a, A* rout, const float* gain, long
   for (int u = 0; u < GP; ++u)
     gp[u] = gain && threadIdx.x < 256 && threadIdx.x + 256 * u < K
         ? __ldg(gain + threadIdx.x + 256 * u) : 1.0f;
-  fn_rows_in(a + at0, K, K, rows, xin, xs, rout ? rout + at0 : nullptr);
+  if (a) fn_rows_in(a + at0, K, K, rows, xin, xs, rout ? rout + at0 : nullptr);
   __syncthreads();
   float ss[G];
   #pragma unroll
@@ -112,16 +164,36 @@ __device__ inline void fn_row_norms(const A* a, A* rout, const float* gain, long
     __syncthreads();
     for (int i = threadIdx.x; i < K; i += blockDim.x) {
       const float w = __ldg(wnorm + i);
-      for (int g = 0; g < rows; ++g) xin[g * xs + i] = fn_normed<A>(xin[g * xs + i], red[0][g], w);
+      for (int g = 0; g < rows; ++g)
+        xin[g * xs + i] = fn_norm_as<A>(xin[g * xs + i], red[0][g], w, post);
     }
     __syncthreads();
   }
 }
-template <int BITS>
+template <typename U> __device__ inline float fn_from_bits(unsigned int h);
+template <> __device__ inline float fn_from_bits<__half>(unsigned int h) {
+  return __half2float(__ushort_as_half((unsigned short)h));
+}
+template <> __device__ inline float fn_from_bits<__nv_bfloat16>(unsigned int h) {
+  return __uint_as_float(h << 16);
+}
+template <typename T, int BITS>
 __device__ inline unsigned int fn_q_tf32(const unsigned int* q, int e) {
-  // packed value e (0..7) of a thread's words, as a tf32 operand (an exact float: 0 .. 2^BITS - 1)
-  const unsigned int v = BITS == 4 ? (q[0] >> (4 * e)) & 15u : (q[e / 4] >> (8 * (e % 4))) & 255u;
-  return __float_as_uint(__uint_as_float(0x4b000000u | v) - 8388608.0f);
+  // value e (0..7) of a thread's words, as a tf32 operand: a packed value (an exact float: 0 ..
+  // 2^BITS - 1), a weight of T (BITS 16: float16 and bfloat16 values are exact in tf32), or a
+  // float32 weight's high part (BITS 32: fn_tf32_lo is the rest)
+  if constexpr (BITS == 32) {
+    return q[e] & 0xffffe000u;
+  } else if constexpr (BITS == 16) {
+    return __float_as_uint(fn_from_bits<T>((q[e / 2] >> (16 * (e % 2))) & 0xffffu));
+  } else {
+    const unsigned int v = BITS == 4 ? (q[0] >> (4 * e)) & 15u : (q[e / 4] >> (8 * (e % 4))) & 255u;
+    return __float_as_uint(__uint_as_float(0x4b000000u | v) - 8388608.0f);
+  }
+}
+__device__ inline unsigned int fn_tf32_lo(unsigned int w) {
+  // a float32's bits less its tf32 high part (fn_q_tf32), as a tf32 operand
+  return __float_as_uint(__uint_as_float(w) - __uint_as_float(w & 0xffffe000u)) & 0xffffe000u;
 }
 __device__ inline void fn_mma_tf32(float* c, const unsigned int* a, unsigned int b0,
                                    unsigned int b1) {
@@ -131,6 +203,7 @@ __device__ inline void fn_mma_tf32(float* c, const unsigned int* a, unsigned int
 }
 template <typename T, int BITS>
 struct fn_span {  // a lane's weights (rows gid and gid + 8), scales and biases of a tile's span
+                  // (full precision: 8 weights of T a row, no scales or biases)
   unsigned int q0[BITS / 4], q1[BITS / 4];
   T s0, s1, c0, c1;
 };
@@ -144,13 +217,25 @@ __device__ inline fn_span<T, BITS> fn_span_at(const unsigned int* w, const T* sc
   const long r0 = row0 + gid, r1 = r0 + 8;
   const int g = int((sp + 0.5f) * rspg);  // span sp's quantization group
   fn_span<T, BITS> f;
-  #pragma unroll
-  for (int u = 0; u < WORDS; ++u) {
-    f.q0[u] = __ldg(w + (r0 * nrow + sp) * BITS + WORDS * tig + u);
-    f.q1[u] = __ldg(w + (r1 * nrow + sp) * BITS + WORDS * tig + u);
+  if constexpr (BITS >= 16) {  // 16-byte loads (WORDS: 4 or 8)
+    #pragma unroll
+    for (int u = 0; u < WORDS; u += 4) {
+      const uint4 a = __ldg(reinterpret_cast<const uint4*>(w + (r0 * nrow + sp) * BITS
+                                                           + WORDS * tig + u));
+      const uint4 b = __ldg(reinterpret_cast<const uint4*>(w + (r1 * nrow + sp) * BITS
+                                                           + WORDS * tig + u));
+      f.q0[u] = a.x; f.q0[u + 1] = a.y; f.q0[u + 2] = a.z; f.q0[u + 3] = a.w;
+      f.q1[u] = b.x; f.q1[u + 1] = b.y; f.q1[u + 2] = b.z; f.q1[u + 3] = b.w;
+    }
+  } else {
+    #pragma unroll
+    for (int u = 0; u < WORDS; ++u) {
+      f.q0[u] = __ldg(w + (r0 * nrow + sp) * BITS + WORDS * tig + u);
+      f.q1[u] = __ldg(w + (r1 * nrow + sp) * BITS + WORDS * tig + u);
+    }
+    f.s0 = __ldg(sc + r0 * gpr + g); f.s1 = __ldg(sc + r1 * gpr + g);
+    f.c0 = __ldg(bi + r0 * gpr + g); f.c1 = __ldg(bi + r1 * gpr + g);
   }
-  f.s0 = __ldg(sc + r0 * gpr + g); f.s1 = __ldg(sc + r1 * gpr + g);
-  f.c0 = __ldg(bi + r0 * gpr + g); f.c1 = __ldg(bi + r1 * gpr + g);
   return f;
 }
 __device__ inline int fn_tile_warp(int rot) {
@@ -173,23 +258,24 @@ __device__ inline void fn_tile(const unsigned int* w, const T* sc, const T* bi, 
                                int nrow, int sp0, int nsp, int gpr, int gs, const float* xin,
                                int xs, float (*acc)[4], const fn_span<T, BITS>& first,
                                int rot = 0) {
-  // rows row0 .. row0 + 15 of an affine BITS-bit matrix (nrow spans of 32 values a row), spans
+  // rows row0 .. row0 + 15 of an affine BITS-bit matrix or a full-precision one (BITS those of
+  // T: no scales or biases) (nrow spans of 32 values a row), spans
   // sp0 .. sp0 + nsp - 1, times the NT * 8 shared input rows, on the tensor cores (mma m16n8k8,
   // tf32): a warp's spans (v, v + NW, ..., v = fn_tile_warp(rot); its first, `first`, loaded by
   // the caller: fn_tile_first) added into acc, to be added over the warps (fn_tile_put/get).
   // Lane (gid, tig) holds weight rows gid and gid + 8 and input row gid of each group of 8; it
   // loads a span's values 8 tig .. 8 tig + 7 (a word of 4-bit values, two of 8-bit), and k-step
   // ks takes values 8 tig + 2 ks (the mma's column tig) and 8 tig + 2 ks + 1 (column tig + 4).
-  // An input is split into two tf32 parts (hi + lo); the packed values are exact. A span lies in
-  // one quantization group: sum(w x) = scale (q . x) + bias sum(x), sum(x) from its lanes'
-  // values by shuffles.
+  // An input is split into two tf32 parts (hi + lo); the packed values are exact, and so are
+  // float16 and bfloat16 weights (a float32 weight is split as an input is: its low part times
+  // the input's high part is a third product). A span lies in one quantization group: sum(w x) =
+  // scale (q . x) + bias sum(x), sum(x) from its lanes' values by shuffles.
   const int warp = fn_tile_warp(rot), lane = threadIdx.x % 32, gid = lane / 4, tig = lane % 4;
   const int step = blockDim.x / 32;  // spans a warp steps by
   const float rspg = 32.0f / gs;  // 1 / the spans in a group
   fn_span<T, BITS> nx = first;  // the next span, loaded a span ahead (the first by the caller)
   for (int j = warp; j < nsp; j += step) {
     const fn_span<T, BITS> cur = nx;
-    const float s0 = fn_f(cur.s0), s1 = fn_f(cur.s1), c0 = fn_f(cur.c0), c1 = fn_f(cur.c1);
     if (j + step < nsp) nx = fn_span_at<T, BITS>(w, sc, bi, row0, nrow, sp0 + j + step, gpr, rspg);
     float xv[NT][8], ch[NT][4], cl[NT][4], xs_sum[NT][2];
     #pragma unroll
@@ -199,20 +285,28 @@ __device__ inline void fn_tile(const unsigned int* w, const T* sc, const T* bi, 
       const float4 xa = xr[0], xb = xr[1];
       xv[t][0] = xa.x; xv[t][1] = xa.y; xv[t][2] = xa.z; xv[t][3] = xa.w;
       xv[t][4] = xb.x; xv[t][5] = xb.y; xv[t][6] = xb.z; xv[t][7] = xb.w;
-      float sum = ((xa.x + xa.y) + (xa.z + xa.w)) + ((xb.x + xb.y) + (xb.z + xb.w));
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);  // the span's sum of input row 8 t + gid
-      // of input rows 8 t + 2 tig and 8 t + 2 tig + 1
-      xs_sum[t][0] = __shfl_sync(0xffffffffu, sum, 8 * tig);
-      xs_sum[t][1] = __shfl_sync(0xffffffffu, sum, 8 * tig + 4);
+      if constexpr (BITS < 16) {
+        float sum = ((xa.x + xa.y) + (xa.z + xa.w)) + ((xb.x + xb.y) + (xb.z + xb.w));
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);  // the span's sum of input row 8 t + gid
+        // of input rows 8 t + 2 tig and 8 t + 2 tig + 1
+        xs_sum[t][0] = __shfl_sync(0xffffffffu, sum, 8 * tig);
+        xs_sum[t][1] = __shfl_sync(0xffffffffu, sum, 8 * tig + 4);
+      }
       #pragma unroll
       for (int i = 0; i < 4; ++i) { ch[t][i] = 0.0f; cl[t][i] = 0.0f; }
     }
     #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
-      const unsigned int a[4] = {fn_q_tf32<BITS>(cur.q0, 2 * ks), fn_q_tf32<BITS>(cur.q1, 2 * ks),
-                                 fn_q_tf32<BITS>(cur.q0, 2 * ks + 1),
-                                 fn_q_tf32<BITS>(cur.q1, 2 * ks + 1)};
+      const unsigned int a[4] = {fn_q_tf32<T, BITS>(cur.q0, 2 * ks),
+                                 fn_q_tf32<T, BITS>(cur.q1, 2 * ks),
+                                 fn_q_tf32<T, BITS>(cur.q0, 2 * ks + 1),
+                                 fn_q_tf32<T, BITS>(cur.q1, 2 * ks + 1)};
+      unsigned int al[4] = {};  // float32 weights: their low parts
+      if constexpr (BITS == 32) {
+        al[0] = fn_tf32_lo(cur.q0[2 * ks]); al[1] = fn_tf32_lo(cur.q1[2 * ks]);
+        al[2] = fn_tf32_lo(cur.q0[2 * ks + 1]); al[3] = fn_tf32_lo(cur.q1[2 * ks + 1]);
+      }
       #pragma unroll
       for (int t = 0; t < NT; ++t) {
         const unsigned int h0 = __float_as_uint(xv[t][2 * ks]) & 0xffffe000u;
@@ -222,15 +316,21 @@ __device__ inline void fn_tile(const unsigned int* w, const T* sc, const T* bi, 
             __float_as_uint(xv[t][2 * ks + 1] - __uint_as_float(h1)) & 0xffffe000u;
         fn_mma_tf32(ch[t], a, h0, h1);
         fn_mma_tf32(cl[t], a, l0, l1);
+        if constexpr (BITS == 32) fn_mma_tf32(cl[t], al, h0, h1);
       }
     }
     #pragma unroll
     for (int t = 0; t < NT; ++t) {
       // element i: weight row gid + 8 (i / 2), input row 8 t + 2 tig + i % 2
       #pragma unroll
-      for (int i = 0; i < 4; ++i)
-        acc[t][i] += (i < 2 ? s0 : s1) * (ch[t][i] + cl[t][i])
-                     + (i < 2 ? c0 : c1) * xs_sum[t][i & 1];
+      for (int i = 0; i < 4; ++i) {
+        if constexpr (BITS >= 16) {
+          acc[t][i] += ch[t][i] + cl[t][i];
+        } else {
+          acc[t][i] += fn_f(i < 2 ? cur.s0 : cur.s1) * (ch[t][i] + cl[t][i])
+                       + fn_f(i < 2 ? cur.c0 : cur.c1) * xs_sum[t][i & 1];
+        }
+      }
     }
   }
 }
@@ -301,8 +401,11 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
   __shared__ float red[8][G], redu[8][GU];
   // per row of the block's passes: 1/RSSe and its power of two
   __shared__ float srow[BMAX], prow[BMAX];
-  __shared__ const void* tab[14 * NL];
-  __shared__ float qsh[GQ][D], sm[NW][GQ], sl[NW][GQ], sacc[NW][GQ][D];
+  __shared__ const void* tab[NA * NL];
+  __shared__ float qsh[GQ][D], sm[NW][GQ], sl[NW][GQ];
+  // the warps' attention values (NW * GQ * D floats) in the matvecs' space, unused between their
+  // phases: static arrays are held to 48 KB, which they pass at D = 256 (rows.shared_bytes)
+  float (*sacc)[GQ][D] = reinterpret_cast<float (*)[GQ][D]>(smem);
   __shared__ int first[BMAX + 1];  // phase 2's items: row b's are first[b] .. first[b + 1] - 1
   {{TABLE}}
   __syncthreads();
@@ -319,22 +422,31 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
       const int cap = max(1, NB / (B * HKV));
       for (int b = 0; b < B; ++b) {
         first[b] = t;
-        t += HKV * max(1, min(min((off[b] + 32) / 32, SMAX), cap));
+        const int m = off[b] + 1 - fn_first_pos(off[b] + 1, W);  // the positions attended to
+        t += HKV * max(1, min(min((m + 31) / 32, SMAX), cap));
       }
       first[B] = t;
     }
-    // 1. per row: p (x in the first layer, then res1), s = 1/RSSe(p); the q/k/v rows of p * g
+    // 1. per row: p (x in the first layer, then res1; post: the last layer's post-feedforward
+    // norm of its down_proj output y, plus res0, into res1 here), s = 1/RSSe(p); the q/k/v rows
+    // of p * g (and their bias: fn_qkv_out)
     for (int item = blockIdx.x, have = -1; item < NP * (NQKV / 16); item += NB) {
       const int b0 = item % NP * G, tile = item / NP, rows = min(G, B - b0);
       const auto f1 =
           fn_tile_first<T, BITS>(wqkv, sqkv, bqkv, tile * 16, K / 32, 0, K / 32, K / GS, GS);
       if (b0 != have) {
-        fn_row_norms<T, G>(l == 0 ? x : res1, l == 0 && tile == 0 ? res1 : nullptr,
-                           has_g ? g1 : nullptr, long(b0) * K, rows, K, xin, XS, red, srow + b0,
-                           prow + b0, eps, prescale, NORM);
-        if (tile == 0 && threadIdx.x < rows) {  // for attention, in every block
-          s1g[b0 + threadIdx.x] = srow[b0 + threadIdx.x];
-          p1g[b0 + threadIdx.x] = prow[b0 + threadIdx.x];
+        const bool from_y = post && l > 0;
+        if (from_y)
+          fn_post_rows<T, G>(y, xsg, res0, tile == 0 ? res1 : nullptr, g1 - K, b0, rows, K, xin,
+                             XS, red, eps, NORM == 1);
+        fn_row_norms<T, G>(from_y ? nullptr : l == 0 ? x : res1,
+                           l == 0 && tile == 0 ? res1 : nullptr, has_g ? g1 : nullptr,
+                           long(b0) * K, rows, K, xin, XS, red, srow + b0, prow + b0, eps,
+                           prescale, NORM, post);
+        if (tile == 0 && threadIdx.x < rows) {  // for attention, in every block: 1 where
+          // the rows took s with their bias (fn_qkv_out)
+          s1g[b0 + threadIdx.x] = qkv_bias ? 1.0f : srow[b0 + threadIdx.x];
+          p1g[b0 + threadIdx.x] = qkv_bias ? 1.0f : prow[b0 + threadIdx.x];
         }
         have = b0;
       }
@@ -342,7 +454,9 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
       fn_tile<T, BITS, NT>(wqkv, sqkv, bqkv, tile * 16, K / 32, 0, K / 32, K / GS, GS, xin, XS,
                            acc, f1);
       fn_tile_store<NT>(acc, rb, rows, [&](int f, int n, float v) {
-        raw[long(b0 + n) * NQKV + tile * 16 + f] = NORM == 0 ? v : fn_f(fn_cast<T>(v));
+        const int o = tile * 16 + f;
+        raw[long(b0 + n) * NQKV + o] =
+            fn_qkv_out<T, BITS>(v, cqkv, o, NORM, srow[b0 + n], prow[b0 + n]);
       });
     }
     fn_grid_sync(bar, target += NB);
@@ -352,8 +466,9 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
       while (first[b + 1] <= item) ++b;
       const int S = (first[b + 1] - first[b]) / HKV;
       const int kvh = (item - first[b]) / S, split = (item - first[b]) % S;
-      const int pos = off[b], n = pos + 1, chunk = (n + S - 1) / S;
-      const int lo = split * chunk, hi = min(n, lo + chunk);
+      const int pos = off[b], n = pos + 1, lo0 = fn_first_pos(n, W);
+      const int chunk = (n - lo0 + S - 1) / S;
+      const int lo = lo0 + split * chunk, hi = min(n, lo + chunk);
       const bool mine = lo <= pos && pos < hi;
       const float s = __ldcg(s1g + b), P = __ldcg(p1g + b);
       const float* rbase = raw + long(b) * NQKV;
@@ -385,7 +500,7 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
             fn_merged(part + (long(b) * HQ + k / D) * SMAX * (D + 2), S, D, k % D));
     }
     if (merge) fn_grid_sync(bar, target += NB);
-    // 4. per row: o_proj, and p2 = o + p into res0
+    // 4. per row: o_proj, and p2 = o + p into res0 (post: o into p, for phase 5's post-norm)
     for (int item = blockIdx.x, have = -1; item < NP * (K / 16); item += NB) {
       const int b0 = item % NP * G, tile = item / NP, rows = min(G, B - b0);
       const auto f1 =
@@ -400,11 +515,13 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
                            f1);
       fn_tile_store<NT>(acc, rb, rows, [&](int f, int n, float v) {
         const long at = long(b0 + n) * K + tile * 16 + f;
-        res0[at] = fn_cast<T>(fn_f(fn_cast<T>(v)) + fn_f(__ldcg(res1 + at)));
+        if (post) p[at] = fn_cast<T>(v);
+        else res0[at] = fn_cast<T>(fn_f(fn_cast<T>(v)) + fn_f(__ldcg(res1 + at)));
       });
     }
     fn_grid_sync(bar, target += NB);
-    // 5. per row: s2 = 1/RSSe(p2), gate/up rows of p2 * g2, a = silu(gate * s2) * up * P2
+    // 5. per row (post: p2 = the post-attention norm of o plus res1, into res0 here): s2 =
+    // 1/RSSe(p2), gate/up rows of p2 * g2, a = silu(gate * s2) * up * P2 (GELU: gelu)
     for (int item = blockIdx.x, have = -1; item < NPU * (I / 16); item += NB) {
       const int b0 = item % NPU * GU, tile = item / NPU, rows = min(GU, B - b0);
       // up's spans go to the warps in turn from warp NW / 2: each warp takes about as many of both
@@ -414,8 +531,12 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
       const auto f2 = fn_tile_first<T, BITS>(wgu, sgu, bgu, I + tile * 16, K / 32, 0, K / 32,
                                              K / GS, GS, NW / 2);
       if (b0 != have) {
-        fn_row_norms<T, GU>(res0, nullptr, has_g ? g2 : nullptr, long(b0) * K, rows, K, xin, XS,
-                            redu, srow + b0, prow + b0, eps, prescale, NORM);
+        if (post)
+          fn_post_rows<T, GU>(p, nullptr, res1, tile == 0 ? res0 : nullptr, g3, b0, rows, K, xin,
+                              XS, redu, eps, NORM == 1);
+        fn_row_norms<T, GU>(post ? nullptr : res0, nullptr, has_g ? g2 : nullptr, long(b0) * K,
+                            rows, K, xin, XS, redu, srow + b0, prow + b0, eps, prescale, NORM,
+                            post);
         if (tile == 0 && threadIdx.x < rows)  // down_proj's deferred scale, for the next layer
           xsg[b0 + threadIdx.x] = srow[b0 + threadIdx.x] / prow[b0 + threadIdx.x];
         have = b0;
@@ -429,17 +550,18 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
       float acc[NTU][4] = {};
       fn_tile<T, BITS, NTU>(wgu, sgu, bgu, I + tile * 16, K / 32, 0, K / 32, K / GS, GS, xin, XS,
                             acc, f2, NW / 2);
-      fn_tile_store<NTU>(acc, rb, rows, [&](int f, int n, float up) {
-        const float gt = fn_tile_get<NTU>(rb2, f, n) * srow[b0 + n];
+      fn_tile_store<NTU>(acc, rb, rows, [&](int f, int n, float v) {
+        const float P = prow[b0 + n], up = fn_out<T, BITS>(v, NORM, P);
+        const float gt = fn_out<T, BITS>(fn_tile_get<NTU>(rb2, f, n), NORM, P) * srow[b0 + n];
         abuf[long(b0 + n) * I + tile * 16 + f] =
-            NORM == 0 ? fn_cast<T>(gt / (1.0f + expf(-gt)) * up * prow[b0 + n])
-                      : fn_cast<T>(fn_swiglu<T>(gt, up));
+            NORM == 0 ? fn_cast<T>(fn_act<GELU>(gt) * up * prow[b0 + n])
+                      : fn_cast<T>(GELU ? fn_geglu<T>(gt, up) : fn_swiglu<T>(gt, up));
       });
     }
     fn_grid_sync(bar, target += NB);
     // 6. per row: down_proj, its scale xsg deferred to the next layer's add p = y * xs + p2 (into
-    // res1; the last layer's y is the output); its input in chunks of IC values where all I do
-    // not fit (loaded anew each)
+    // res1; the last layer's y is the output; post: y, which the next layer's phase 1 reads); its
+    // input in chunks of IC values where all I do not fit (loaded anew each)
     for (int item = blockIdx.x, have = -1; item < NPD * (K / 16); item += NB) {
       const int b0 = item % NPD * GD, tile = item / NPD, rows = min(GD, B - b0);
       float acc[NTD][4] = {};
@@ -458,7 +580,7 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
       }
       fn_tile_store<NTD>(acc, rb, rows, [&](int f, int n, float v) {
         const long at = long(b0 + n) * K + tile * 16 + f;
-        if (l + 1 == NL) y[at] = fn_cast<T>(v);
+        if (l + 1 == NL || post) y[at] = fn_cast<T>(v);
         else
           res1[at] =
               fn_cast<T>(fn_f(fn_cast<T>(v)) * __ldcg(xsg + b0 + n) + fn_f(__ldcg(res0 + at)));

@@ -2,13 +2,18 @@
 // (decode_rows, a batch) both take, in three pieces (build.pieces; step.compose composes them):
 //   device  the device functions both kernels' headers hold: the grid barrier (fn_grid_sync,
 //           fn_grid_exit), an attention head's splits merged (fn_merged), the one-row
-//           matvec's input row (fn_put, fn_chunk_sums), block sum (fn_block_sum) and packed row
-//           (fn_qrow), and RMSNorm's value and SwiGLU as the rms mode's layers round them
-//           (fn_normed, fn_sigmoid, fn_swiglu)
-//   layer   layer l's arrays read from the block's pointer table, and its sizes (query and kv
-//           heads, FFN width: HQ, HKV, I, KO, NQKV) from the layer table `lt` (step.layer_table)
-//           (the bodies' {{LAYER}} line); HQM, HKVM and IM (the sizes table) are the widest
-//           layer's, which size the work buffer
+//           matvec's input row (fn_put, fn_chunk_sums), block sum (fn_block_sum) and matrix row
+//           (fn_qrow: packed, or full precision), RMSNorm's value and SwiGLU and GeGLU as the rms
+//           mode's layers round them (fn_normed, fn_norm_as, fn_sigmoid, fn_swiglu, fn_geglu),
+//           the flash mode's activations (fn_act), a post-norm's 1/RMS (fn_post_r), a sliding
+//           window's first position (fn_first_pos), a matvec's output as the model's linear
+//           leaves it (fn_out) and a q/k/v output with its bias (fn_qkv_out)
+//   layer   layer l's arrays read from the block's pointer table (NA a layer, each at its place
+//           A_<array>: step.table, step.places), and its sizes (query and kv heads, FFN width:
+//           HQ, HKV, I, KO, NQKV), sliding window (W) and RoPE angles (th) from the layer table
+//           `lt` (LT ints a layer, each size at its place L_<size>: step.layer_table) (the
+//           bodies' {{LAYER}} line); HQM, HKVM and IM (the sizes table) are the widest layer's,
+//           which size the work buffer
 //   attend  phase 2 of one (row, kv head, split of the positions), the bodies' {{ATTEND}} line:
 //           RoPE on the row's q and k, the new k and v written into the cache by the split that
 //           holds the position, attention over the split's positions, its partial state (max,
@@ -20,7 +25,16 @@
 // matvec, weights multiplied into its input, as the model's own layers round it: the q/k/v and
 // gate/up outputs in T, QK-norm on them, the softmax scale (factor) on the rounded q, SwiGLU's
 // sigmoid in T as MLX computes it: fn_swiglu), 2 none (no norm: the residual add alone). In rms
-// and none s and P are 1.
+// and none s and P are 1. GELU (a template constant): GeGLU with tanh GELU in place of SwiGLU.
+// post (Gemma 3, step.POST): the post-attention and post-feedforward norms on o_proj's and
+// down_proj's outputs before the residual add, the model's own in flash and rms (gains g3 and the
+// previous layer's g4), every model norm computed as Gemma's: in float32, rounded once
+// (fn_norm_as), the rms pre-norms on the residual add's unrounded sum.
+// The matrices are BITS-bit affine quantized (4 or 8: words of packed values, scales and biases
+// per group) or full precision (BITS 16 or 32, those of T: rows of T, no scales or biases). Where
+// q/k/v have a bias (qkv_bias, Qwen 2's) phase 1 adds it as the model's linears do (fn_qkv_out):
+// in flash after the deferred scale, so that attention's s and P are 1 then as well. The q/k/v and
+// gate/up outputs are rounded to T as the model's linears round them (fn_out).
 // @piece device
 __device__ inline void fn_grid_sync(unsigned int* bar, unsigned int target) {
   // every block of the grid arrives before any leaves (all blocks are resident: one per SM);
@@ -93,6 +107,27 @@ __device__ inline float fn_normed(float v, float r, float w) {
   // rounded to T
   return fn_f(fn_cast<T>(fn_f(fn_cast<T>(v * r)) * w));
 }
+template <typename T>
+__device__ inline float fn_norm_as(float v, float r, float w, bool post) {
+  // the model's RMSNorm value: fn_normed, or with post-norms Gemma 3's (in float32: v times its
+  // 1/RMS r times the gain w, 1 + weight, rounded once to T)
+  return post ? fn_f(fn_cast<T>(v * r * w)) : fn_normed<T>(v, r, w);
+}
+template <typename T, typename A>
+__device__ inline float fn_post_r(const A* v, float xs, int K, float eps, float* red) {
+  // a post-norm's 1/RMS over the K values v[i] * xs (written in this launch), each rounded to T
+  // as the model's layers round them, summed by the whole block
+  float ss = 0.0f;
+  for (int i = threadIdx.x; i < K; i += blockDim.x) {
+    const float u = fn_f(fn_cast<T>(fn_f(__ldcg(v + i)) * xs));
+    ss += u * u;
+  }
+  return rsqrtf(fn_block_sum(ss, red) / K + eps);
+}
+__device__ inline int fn_first_pos(int n, int W) {
+  // the first of n positions a sliding window of W (0: none) attends to
+  return W > 0 && n > W ? n - W : 0;
+}
 template <typename T> __device__ inline float fn_exp_in(float v) { return expf(v); }
 template <> __device__ inline float fn_exp_in<__half>(float v) {
   return __half2float(hexp(__float2half(v)));
@@ -116,44 +151,99 @@ __device__ inline float fn_swiglu(float gate, float up) {
   const float g = fn_f(fn_cast<T>(gate)), u = fn_f(fn_cast<T>(up));
   return fn_f(fn_cast<T>(fn_f(fn_cast<T>(g * fn_sigmoid<T>(g))) * u));
 }
+template <typename T>
+__device__ inline float fn_geglu(float gate, float up) {
+  // gelu(gate) * up as the rms and none modes' layers round it (mlx.nn.gelu_approx, compiled:
+  // 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), each step and constant a T value, the cube
+  // and tanh in float as MLX's CUDA takes a half type; then times up): each step rounded to T
+  const auto r = [](float v) { return fn_f(fn_cast<T>(v)); };
+  const float x = r(gate), u = r(up), c1 = r(0.044715f), c2 = r(0.7978845608028654f);
+  const float t = r(c2 * r(x + r(c1 * r(powf(x, 3.0f)))));
+  return r(r(r(0.5f * x) * r(1.0f + r(tanhf(t)))) * u);
+}
+template <bool GELU>
+__device__ inline float fn_act(float g) {
+  // the flash mode's activation of the scaled gate, in float32: tanh GELU or SiLU
+  return GELU ? 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * powf(g, 3.0f))))
+              : g / (1.0f + expf(-g));
+}
 template <typename T, int BITS>
 __device__ inline float fn_qrow(const unsigned int* w, const T* sc, const T* bi, long row, int nc,
                                 int gpr, int gs, const float* xin, const float* xsum, int lane) {
   // one row of an affine BITS-bit matrix (nc 16-byte chunks, gpr groups of gs values) times the
-  // shared input row: a group adds scale * (q . x) + bias * sum(x); lanes take the chunks in turn
-  constexpr int PER = 32 / BITS, MASK = (1 << BITS) - 1;
+  // shared input row: a group adds scale * (q . x) + bias * sum(x); lanes take the chunks in turn.
+  // Full precision (BITS those of T): a chunk is 16 / sizeof(T) values of T, no groups
+  constexpr int PER = 32 / BITS;
   const uint4* wr = reinterpret_cast<const uint4*>(w) + row * nc;
   float a = 0.0f;
-  for (int c = lane; c < nc; c += 32) {
-    const uint4 q = __ldg(wr + c);
-    const unsigned int qs[4] = {q.x, q.y, q.z, q.w};
-    float d = 0.0f;
-    #pragma unroll
-    for (int u = 0; u < 4; ++u) {
+  if constexpr (BITS >= 16) {
+    static_assert(BITS == 8 * sizeof(T), "full-precision weights are of T");
+    for (int c = lane; c < nc; c += 32) {
+      float v[4 * PER];
+      fn_unpack<T, 4 * PER>(__ldg(wr + c), v);
       #pragma unroll
-      for (int j = 0; j < PER; ++j)
-        d += float((qs[u] >> (BITS * j)) & MASK) * xin[(u * PER + j) * nc + c];
+      for (int e = 0; e < 4 * PER; ++e) a += v[e] * xin[e * nc + c];
     }
-    const long g = row * gpr + c * 4 * PER / gs;
-    a += fn_f(sc[g]) * d + fn_f(bi[g]) * xsum[c];
+  } else {
+    constexpr int MASK = (1 << BITS) - 1;
+    for (int c = lane; c < nc; c += 32) {
+      const uint4 q = __ldg(wr + c);
+      const unsigned int qs[4] = {q.x, q.y, q.z, q.w};
+      float d = 0.0f;
+      #pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        #pragma unroll
+        for (int j = 0; j < PER; ++j)
+          d += float((qs[u] >> (BITS * j)) & MASK) * xin[(u * PER + j) * nc + c];
+      }
+      const long g = row * gpr + c * 4 * PER / gs;
+      a += fn_f(sc[g]) * d + fn_f(bi[g]) * xsum[c];
+    }
   }
   return fn_warp_sum(a);
 }
+template <typename T, int BITS>
+__device__ inline float fn_out(float a, int norm, float P) {
+  // a matvec's output a as the model's linear leaves it: in T (flash: as its input took the power
+  // of two P of its 1/RSSe, add_rss, so that it stays in T's range; 1 in rms and none), but for
+  // flash's 4- and 8-bit matvecs, which keep it as Sec. 5's fused kernels do (norm_qkv_rope,
+  // gate_up); no fused kernel takes a full-precision linear
+  return norm == 0 && BITS < 16 ? a : fn_f(fn_cast<T>(a * P)) / P;
+}
+template <typename T, int BITS>
+__device__ inline float fn_qkv_out(float a, const T* c, int o, int norm, float s, float P) {
+  // q/k/v output o (a, as summed) as phase 2 reads it: without a bias (c null), fn_out's; with
+  // its linear's bias c[o] as the model's layers add it, the sum in T: flash, to the output in T
+  // (a P) times s / P in T (DeferredLinear: the scale before the bias); rms and none, to a in T
+  // (nn.QuantizedLinear), or to a (full precision: nn.Linear's addmm rounds once)
+  if (!c) return fn_out<T, BITS>(a, norm, P);
+  const float b = fn_f(c[o]), r = fn_f(fn_cast<T>(a * P));
+  if (norm == 0) return fn_f(fn_cast<T>(fn_f(fn_cast<T>(r * (s / P))) + b));
+  return fn_f(fn_cast<T>((BITS >= 16 ? a : r) + b));
+}
 // @piece layer
-    const unsigned int* wqkv = (const unsigned int*)tab[14 * l];
-    const T* sqkv = (const T*)tab[14 * l + 1]; const T* bqkv = (const T*)tab[14 * l + 2];
-    const unsigned int* wo = (const unsigned int*)tab[14 * l + 3];
-    const T* so = (const T*)tab[14 * l + 4]; const T* bo = (const T*)tab[14 * l + 5];
-    const unsigned int* wgu = (const unsigned int*)tab[14 * l + 6];
-    const T* sgu = (const T*)tab[14 * l + 7]; const T* bgu = (const T*)tab[14 * l + 8];
-    const unsigned int* wd = (const unsigned int*)tab[14 * l + 9];
-    const T* sd = (const T*)tab[14 * l + 10]; const T* bd = (const T*)tab[14 * l + 11];
-    T* kc = (T*)tab[14 * l + 12];
-    T* vc = (T*)tab[14 * l + 13];
-    const int HQ = lt[15 * l + 12], HKV = lt[15 * l + 13], I = lt[15 * l + 14];
+    const void* const* ta = tab + NA * l;  // its pointers (step.ARRAYS)
+    const int* ls = lt + LT * l;  // its row of the layer table (offsets, then step.LAYER_SIZES)
+    const unsigned int* wqkv = (const unsigned int*)ta[A_WQKV];
+    const T* sqkv = (const T*)ta[A_SQKV]; const T* bqkv = (const T*)ta[A_BQKV];
+    const unsigned int* wo = (const unsigned int*)ta[A_WO];
+    const T* so = (const T*)ta[A_SO]; const T* bo = (const T*)ta[A_BO];
+    const unsigned int* wgu = (const unsigned int*)ta[A_WGU];
+    const T* sgu = (const T*)ta[A_SGU]; const T* bgu = (const T*)ta[A_BGU];
+    const unsigned int* wd = (const unsigned int*)ta[A_WD];
+    const T* sd = (const T*)ta[A_SD]; const T* bd = (const T*)ta[A_BD];
+    const T* cqkv = qkv_bias ? (const T*)ta[A_CQKV] : nullptr;  // q/k/v's bias (Qwen 2)
+    T* kc = (T*)ta[A_KC];
+    T* vc = (T*)ta[A_VC];
+    const int HQ = ls[L_HQ], HKV = ls[L_HKV], I = ls[L_I];
     const int KO = HQ * D, NQKV = (HQ + 2 * HKV) * D;
-    const float* g1 = gains + long(l) * 2 * K;
+    const int W = ls[L_W];  // its sliding window (0: every position)
+    const float* th = theta + ls[L_TH];  // its RoPE angles
+    // the pre-norms' gains; post: the post-attention norm's (g3), the previous layer's
+    // post-feedforward norm's at g1 - K
+    const float* g1 = gains + long(l) * (post ? 4 : 2) * K;
     const float* g2 = g1 + K;
+    const float* g3 = g2 + K;
 // @piece attend
       // rounds of a warp's positions loaded and scored at once, as many as the registers allow
       // (fewer where a block of more warps leaves each thread fewer)
@@ -183,8 +273,11 @@ __device__ inline float fn_qrow(const unsigned int* w, const T* sc, const T* bi,
         for (int i = lane; i < D / 2; i += 32) {
           const int j = i + D / 2;
           float ri = __ldcg(r + i), rj = __ldcg(r + j);
-          if (normed) { ri = fn_normed<T>(ri, inv, gq[i]); rj = fn_normed<T>(rj, inv, gq[j]); }
-          const float sn = sinf(fpos * theta[i]), cs = cosf(fpos * theta[i]);
+          if (normed) {
+            ri = fn_norm_as<T>(ri, inv, gq[i], post);
+            rj = fn_norm_as<T>(rj, inv, gq[j], post);
+          }
+          const float sn = sinf(fpos * th[i]), cs = cosf(fpos * th[i]);
           const float gi = in_tables ? gq[i] : 1.0f, gj = in_tables ? gq[j] : 1.0f;
           const float pi = in_tables ? gq[D + i] : 1.0f, pj = in_tables ? gq[D + j] : 1.0f;
           const T yi = fn_cast<T>(mul * (ri * gi * cs - rj * pi * sn)),
