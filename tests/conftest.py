@@ -214,6 +214,29 @@ def smollm2():
     return load(norm="rms", progress=False)
 
 
+@pytest.fixture(scope="module")
+def tiny_model(smollm2):
+    """A tiny random Llama (its greedy picks decisive: random_model) with SmolLM2's tokenizer, whose
+    vocabulary it shares: a step takes milliseconds on the CPU. (model, tokenizer)."""
+    return random_model(dict(TINY_LLAMA, max_position_embeddings=2048), "rms"), smollm2[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_model):
+    """A batch server (4 rows, a prompt cache) over tiny_model on a free port."""
+    from mlx_flashnorm.serve.batch_worker import BatchWorker
+    from mlx_flashnorm.server import Server
+
+    worker = BatchWorker(*tiny_model, max_batch=4, prompt_cache_bytes=2**26)
+    with serving(Server(*tiny_model, "tiny", port=0, worker=worker)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def tiny_client(tiny_server):
+    return openai_client(tiny_server)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, smollm2):
     """A tiny random Llama with SmolLM2's real tokenizer, for command-line tests."""

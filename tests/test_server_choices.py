@@ -7,37 +7,17 @@ import openai
 import pytest
 
 from mlx_flashnorm.server import Server
-from mlx_flashnorm.serve.batch_worker import BatchWorker
 from mlx_flashnorm.serve.requests import Generation
 
-from conftest import TINY_LLAMA, CountingWorker, openai_client, random_model, serving
+from conftest import CountingWorker, openai_client, serving
 
 CHAT = [{"role": "user", "content": "Tell me a story about a dragon."}]
 PROMPT = "Once upon a time"
 
 
-@pytest.fixture(scope="module")
-def tiny(smollm2):
-    """A tiny random Llama (its greedy picks decisive: conftest.random_model) with SmolLM2's
-    tokenizer, whose vocabulary it shares: a step takes milliseconds on the CPU."""
-    return random_model(dict(TINY_LLAMA, max_position_embeddings=2048), "rms"), smollm2[1]
-
-
-@pytest.fixture(scope="module")
-def server(tiny):
-    worker = BatchWorker(*tiny, max_batch=4, prompt_cache_bytes=2**26)
-    with serving(Server(*tiny, "tiny", port=0, worker=worker)) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai_client(server)
-
-
-def ask(client, chat, stream=False, **fields):
+def ask(tiny_client, chat, stream=False, **fields):
     """(each choice's text by index, usage) of one request."""
-    create = client.chat.completions.create if chat else client.completions.create
+    create = tiny_client.chat.completions.create if chat else tiny_client.completions.create
     body = dict(messages=CHAT) if chat else dict(prompt=PROMPT)
     if not stream:
         r = create(model="tiny", **body, **fields)
@@ -54,25 +34,25 @@ def ask(client, chat, stream=False, **fields):
 
 
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "completion"])
-def test_greedy_choices_are_the_one_answer(client, chat):
+def test_greedy_choices_are_the_one_answer(tiny_client, chat):
     """Under greedy decoding three choices are three copies of the n = 1 answer, streamed or not;
     usage counts the prompt once and the choices' tokens together."""
-    (one,), usage = ask(client, chat, max_tokens=8)
+    (one,), usage = ask(tiny_client, chat, max_tokens=8)
     for stream in (False, True):
-        texts, usage3 = ask(client, chat, stream, max_tokens=8, n=3)
+        texts, usage3 = ask(tiny_client, chat, stream, max_tokens=8, n=3)
         assert texts == [one] * 3, stream
         assert usage3.prompt_tokens == usage.prompt_tokens
         assert usage3.completion_tokens == 3 * usage.completion_tokens
 
 
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "completion"])
-def test_seeded_choices_are_the_same_on_a_second_run(client, chat):
+def test_seeded_choices_are_the_same_on_a_second_run(tiny_client, chat):
     """Three sampled choices with a seed differ from each other (each its own seed) and come back
     the same on a second run, which streams them."""
     fields = dict(max_tokens=8, n=3, seed=11, temperature=1.0)
-    first, _ = ask(client, chat, **fields)
+    first, _ = ask(tiny_client, chat, **fields)
     assert len(set(first)) == 3, first
-    assert ask(client, chat, stream=True, **fields)[0] == first
+    assert ask(tiny_client, chat, stream=True, **fields)[0] == first
 
 
 def test_each_choice_has_its_own_seed():
@@ -83,20 +63,20 @@ def test_each_choice_has_its_own_seed():
 
 
 @pytest.mark.parametrize("n", [0, 5, "2", 1.5, True, -1])
-def test_n_out_of_range_is_a_400(client, n):
+def test_n_out_of_range_is_a_400(tiny_client, n):
     """n must be a whole number from 1 to the batch's rows (4 here): a 400 naming it, and the
     server answers the next request."""
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1, n=n)
+        tiny_client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1, n=n)
     assert e.value.body["param"] == "n"
     assert "'n' must be an integer from 1 to 4" in e.value.body["message"]
-    assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1).choices
+    assert tiny_client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1).choices
 
 
-def test_a_dropped_choice_leaves_the_batch(server):
+def test_a_dropped_choice_leaves_the_batch(tiny_server):
     """A choice dropped (the stream cut it at a stop string) gets no more tokens while the other
     runs to its end."""
-    worker = server.worker
+    worker = tiny_server.worker
     ids = worker.tokenizer.encode("1, 2, 3, 4,")
     ticket = worker.submit(Generation(ids, 12, n=2))
     tokens = [ticket.next(timeout=120)]
@@ -110,16 +90,16 @@ def test_a_dropped_choice_leaves_the_batch(server):
     ticket.cancel()
 
 
-def test_the_serial_worker_runs_a_request_n_times(tiny):
+def test_the_serial_worker_runs_a_request_n_times(tiny_model):
     """With --max-concurrent 1 the choices are generated one after another (three generations),
     greedy ones copies of the one answer, seeded ones the same on a second run; up to 16."""
-    worker = CountingWorker(*tiny)
-    with serving(Server(*tiny, "tiny", port=0, worker=worker)) as server:
-        client = openai_client(server)
-        (one,), _ = ask(client, False, max_tokens=3)
-        texts, usage = ask(client, False, max_tokens=3, n=3)
+    worker = CountingWorker(*tiny_model)
+    with serving(Server(*tiny_model, "tiny", port=0, worker=worker)) as tiny_server:
+        tiny_client = openai_client(tiny_server)
+        (one,), _ = ask(tiny_client, False, max_tokens=3)
+        texts, usage = ask(tiny_client, False, max_tokens=3, n=3)
         assert texts == [one] * 3 and worker.made == [3, 3, 3, 3]
         fields = dict(max_tokens=3, n=2, seed=3, temperature=1.0)
-        assert ask(client, False, **fields) == ask(client, False, stream=True, **fields)
+        assert ask(tiny_client, False, **fields) == ask(tiny_client, False, stream=True, **fields)
         with pytest.raises(openai.BadRequestError, match="from 1 to 16"):
-            client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1, n=17)
+            tiny_client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1, n=17)

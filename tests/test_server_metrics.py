@@ -13,36 +13,16 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mlx_flashnorm.server import Server, arg_parser
-from mlx_flashnorm.serve.batch_worker import BatchWorker
 
-from conftest import TINY_LLAMA, openai_client, random_model, serving
+from conftest import serving
 
 WAIT = 120  # seconds: an upper bound, never a pace
 COUNTING = "1, 2, 3, 4,"
 
 
-@pytest.fixture(scope="module")
-def tiny(smollm2):
-    """A tiny random Llama (its greedy picks decisive: conftest.random_model) with SmolLM2's
-    tokenizer, whose vocabulary it shares: a step takes milliseconds on the CPU."""
-    return random_model(dict(TINY_LLAMA, max_position_embeddings=2048), "rms"), smollm2[1]
-
-
-@pytest.fixture(scope="module")
-def server(tiny):
-    worker = BatchWorker(*tiny, max_batch=4, prompt_cache_bytes=2**26)
-    with serving(Server(*tiny, "tiny", port=0, worker=worker)) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai_client(server)
-
-
-def get(server, path, key=None):
+def get(tiny_server, path, key=None):
     """(status, Content-Type, body text) of GET path."""
-    request = urllib.request.Request(f"http://127.0.0.1:{server.server_address[1]}{path}",
+    request = urllib.request.Request(f"http://127.0.0.1:{tiny_server.server_address[1]}{path}",
                                      headers={"Authorization": f"Bearer {key}"} if key else {})
     try:
         with urllib.request.urlopen(request, timeout=WAIT) as r:
@@ -51,18 +31,18 @@ def get(server, path, key=None):
         return e.code, e.headers["Content-Type"], e.read().decode()
 
 
-def scrape(server, key=None):
+def scrape(tiny_server, key=None):
     """GET /metrics through prometheus_client's parser: {sample name (/label value): value}, and
     {family: type}."""
-    status, kind, text = get(server, "/metrics", key)
+    status, kind, text = get(tiny_server, "/metrics", key)
     assert status == 200 and kind.startswith("text/plain; version=0.0.4"), (status, text)
     families = list(text_string_to_metric_families(text))
     return ({s.name + "".join(f"/{v}" for v in s.labels.values()): s.value
              for f in families for s in f.samples}, {f.name: f.type for f in families})
 
 
-def health(server):
-    status, _, body = get(server, "/health")
+def health(tiny_server):
+    status, _, body = get(tiny_server, "/health")
     assert status == 200, body
     return json.loads(body)
 
@@ -76,24 +56,24 @@ def until(condition):
     return got
 
 
-def test_the_counters_are_the_answers_usage(server, client):
+def test_the_counters_are_the_answers_usage(tiny_server, tiny_client):
     """After a chat, a streamed chat, a completion of two seeded choices and a bad request, the
     counters have grown by their usage: prompt tokens computed (those the prompt cache gave apart,
     the prompt once for two choices), tokens generated, requests by outcome; time was counted, and
     the throughput gauges are the counters' ratios. llama-server's names are there, of its types."""
-    before, _ = scrape(server)
+    before, _ = scrape(tiny_server)
     chat = [{"role": "user", "content": "What is the capital of France?"}]
-    usages = [client.chat.completions.create(model="tiny", messages=chat, max_tokens=5).usage,
-              list(client.chat.completions.create(
+    usages = [tiny_client.chat.completions.create(model="tiny", messages=chat, max_tokens=5).usage,
+              list(tiny_client.chat.completions.create(
                   model="tiny", messages=chat, max_tokens=3, stream=True,
                   stream_options={"include_usage": True}))[-1].usage,
-              client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=4,
+              tiny_client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=4,
                                         n=2, seed=1, temperature=1.0).usage]
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="tiny", prompt="Once", max_tokens=0)
+        tiny_client.completions.create(model="tiny", prompt="Once", max_tokens=0)
     # (a handler counts its request once its answer is written: requests_active 0 then)
-    until(lambda: scrape(server)[0]["mlx_flashnorm:requests_active"] == 0)
-    after, types = scrape(server)
+    until(lambda: scrape(tiny_server)[0]["mlx_flashnorm:requests_active"] == 0)
+    after, types = scrape(tiny_server)
 
     def grew(name):
         return after[name] - before[name]
@@ -122,37 +102,37 @@ def test_the_counters_are_the_answers_usage(server, client):
         "llamacpp:requests_processing": "gauge", "llamacpp:requests_deferred": "gauge",
         "llamacpp:kv_cache_usage_ratio": "gauge", "mlx_flashnorm:requests": "counter"}
     assert after["mlx_flashnorm:batch_rows_max"] == 4
-    assert after["mlx_flashnorm:kv_budget_tokens"] == server.worker.kv_tokens
+    assert after["mlx_flashnorm:kv_budget_tokens"] == tiny_server.worker.kv_tokens
     assert after["mlx_flashnorm:kv_budget_tokens_held"] == 0
 
 
-def test_health_and_the_gauges_show_the_batch(server, client):
+def test_health_and_the_gauges_show_the_batch(tiny_server, tiny_client):
     """While a request of 3 choices decodes (3 rows of the batch's 4) and one of 2 waits for room,
     /health's batch and the gauges say so, with the KV positions the rows hold; the client of the
     first leaving, its rows go, the other is answered, and the batch is empty again."""
-    stream = client.completions.create(model="tiny", prompt=COUNTING, max_tokens=1000, n=3,
+    stream = tiny_client.completions.create(model="tiny", prompt=COUNTING, max_tokens=1000, n=3,
                                        stream=True)
     next(iter(stream))  # (decoding)
-    waiting = threading.Thread(target=client.completions.create,
+    waiting = threading.Thread(target=tiny_client.completions.create,
                                kwargs=dict(model="tiny", prompt=COUNTING, max_tokens=2, n=2))
     waiting.start()
-    batch = until(lambda: (b := health(server)["batch"])["queued"] == 2 and b)
+    batch = until(lambda: (b := health(tiny_server)["batch"])["queued"] == 2 and b)
     assert batch["rows"] == 3 and batch["kv_cache_tokens"] > 3 * len(COUNTING.split())
     assert 0 < batch["kv_cache_usage_ratio"] <= 1
-    gauges, _ = scrape(server)
+    gauges, _ = scrape(tiny_server)
     assert (gauges["mlx_flashnorm:batch_rows"], gauges["llamacpp:requests_processing"],
             gauges["llamacpp:requests_deferred"]) == (3, 3, 2)
     assert gauges["llamacpp:kv_cache_tokens"] >= batch["kv_cache_tokens"]
     assert gauges["mlx_flashnorm:requests_active"] == 2
     # (the KV positions they may write, a row a choice)
-    prompt = len(server.tokenizer.encode(COUNTING))
+    prompt = len(tiny_server.tokenizer.encode(COUNTING))
     assert gauges["mlx_flashnorm:kv_budget_tokens_held"] == 3 * (prompt + 1000) + 2 * (prompt + 2)
     stream.close()  # (the client leaves)
     waiting.join(WAIT)
     assert not waiting.is_alive()
-    until(lambda: health(server)["batch"] == {"rows": 0, "queued": 0, "kv_cache_tokens": 0,
+    until(lambda: health(tiny_server)["batch"] == {"rows": 0, "queued": 0, "kv_cache_tokens": 0,
                                               "kv_cache_usage_ratio": 0.0})
-    assert scrape(server)[0]["mlx_flashnorm:requests_total/gone"] >= 1
+    assert scrape(tiny_server)[0]["mlx_flashnorm:requests_total/gone"] >= 1
 
 
 class Idle:
