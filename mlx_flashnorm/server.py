@@ -329,3 +329,8 @@ def main(argv=None):
 
 if __name__ == "__main__":
     run_cli(main)
+    # the process ends here, its output flushed, without running C++'s exit handlers: MLX's
+    # threads of the model's worker, still alive, abort a normal exit
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -245,11 +245,14 @@ def test_warm_server_warms_its_worker_thread(tiny_llama_dir, monkeypatch):
         warm.server_close()
 
 
-def test_server_command(tiny_llama_dir, server):
-    """python -m mlx_flashnorm.server: says where it listens, serves, stops on Ctrl-C (also when
-    started with SIGINT ignored, as a shell's background job is); a taken port or a bad limit is a
-    one-line error; the API key may come from the environment."""
-    cmd = [sys.executable, "-m", "mlx_flashnorm.server", "--model", str(tiny_llama_dir)]
+@pytest.mark.parametrize("flags", [[], ["--max-concurrent", "1"]], ids=["batch", "serial"])
+def test_server_command(tiny_llama_dir, server, flags):
+    """python -m mlx_flashnorm.server (the batch engine's process, or the one-request worker):
+    says where it listens, serves, stops on Ctrl-C with status 0 (also when started with SIGINT
+    ignored, as a shell's background job is; the model's worker thread, which ran compiled
+    functions, does not abort the exit); a taken port or a bad limit is a one-line error; the API
+    key may come from the environment."""
+    cmd = [sys.executable, "-m", "mlx_flashnorm.server", "--model", str(tiny_llama_dir), *flags]
     taken = subprocess.run(cmd + ["--port", str(server.server_address[1])], capture_output=True,
                            text=True, timeout=120)
     assert taken.returncode == 2 and taken.stderr.startswith("error: cannot listen on 127.0.0.1:")
@@ -271,13 +274,18 @@ def test_server_command(tiny_llama_dir, server):
         keyed = urllib.request.Request(f"{url}/models", headers={"Authorization": "Bearer k3y"})
         with urllib.request.urlopen(keyed, timeout=60) as r:
             assert json.load(r)["data"][0]["id"] == "tiny-llama"
+        ask = urllib.request.Request(f"{url}/completions", headers={
+            "Authorization": "Bearer k3y", "Content-Type": "application/json"},
+            data=json.dumps({"prompt": "Hi", "max_tokens": 2}).encode())
+        with urllib.request.urlopen(ask, timeout=60) as r:
+            assert json.load(r)["usage"]["completion_tokens"] >= 1
         p.send_signal(signal.SIGINT)
         try:
             code = p.wait(timeout=60)
         except subprocess.TimeoutExpired:
             p.send_signal(signal.SIGABRT)
             code = f"none after 60 s; its threads: {p.communicate(timeout=30)[1][-4000:]}"
-        assert code == 0
+        assert code == 0, p.stderr.read()[-2000:]
     finally:
         deadline.cancel()
         p.kill()

@@ -119,10 +119,6 @@ class LockstepWorker(BatchWorker):
         finally:
             self.watchdog.stop()
             self.done.set()
-        # this thread never ends: as it would, MLX frees the functions it compiled (kept per
-        # thread), which takes the interpreter's lock, and where the interpreter is exiting by then
-        # (the process ends once done is set) that aborts the process
-        threading.Event().wait()
 
     def _round(self):
         """One plan exchanged and, unless it closes, one engine step; False once closed."""

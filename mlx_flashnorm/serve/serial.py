@@ -16,10 +16,10 @@ from .requests import Load, Ticket, token_of
 
 
 def serve_on_thread(model, serve, warm_up=None):
-    """Run serve() on a new daemon thread, after warm_up() there (None: no warm-up); return once the
-    warm-up is done, raising its exception here. The model's arrays are evaluated first, on this
-    thread (lazy arrays evaluate on the thread that made them); MLX streams belong to their thread,
-    so the model then runs on the new one's."""
+    """Run serve() on a new daemon thread, after warm_up() there (None: no warm-up), the thread then
+    idle until the process exits; return once the warm-up is done, raising its exception here.
+    The model's arrays are evaluated first, on this thread (lazy arrays evaluate on the thread that
+    made them); MLX streams belong to their thread, so the model then runs on the new one's."""
     materialize(model)
     started = queue.Queue()
 
@@ -31,6 +31,10 @@ def serve_on_thread(model, serve, warm_up=None):
             return started.put(e)
         started.put(None)
         serve()
+        # this thread never ends: as it would, MLX frees the functions it compiled (kept per
+        # thread), which takes the interpreter's lock, and where the interpreter is exiting by then
+        # (the server closes its worker last) that aborts the process
+        threading.Event().wait()
 
     threading.Thread(target=warm_then_serve, daemon=True).start()
     if (error := started.get()) is not None:
