@@ -49,8 +49,9 @@ def inserted_requests(monkeypatch):
     return inserted
 
 
-def run(engine, requests, joins=None):
-    """Step the engine until idle, adding requests[i] before step joins[i]; (events per request)."""
+def run(engine, requests, joins=None, after_step=None):
+    """Step the engine until idle, adding requests[i] before step joins[i] and calling
+    after_step() after each step; (events per request)."""
     joins = joins or [0] * len(requests)
     events = {id(r): [] for r in requests}
     step = 0
@@ -60,6 +61,8 @@ def run(engine, requests, joins=None):
                 engine.add(r)
         for e in engine.step():
             events[id(e.request)].append(e)
+        if after_step is not None:
+            after_step()
         step += 1
     return [events[id(r)] for r in requests]
 
@@ -898,20 +901,14 @@ def test_batched_greedy_equals_single_at_64_rows(small_vocab):
     reference = [single(model, p, m) for p, m in zip(prompts, lengths)]
 
     def play(engine):
-        requests = [Request(p, max_tokens=m) for p, m in zip(prompts, lengths)]
-        events, rows, step = {id(r): [] for r in requests}, [], 0
-        while step <= max(joins) or engine.busy:
-            for r, j in zip(requests, joins):
-                if j == step:
-                    engine.add(r)
-            for e in engine.step():
-                events[id(e.request)].append(e)
+        requests, rows = [Request(p, max_tokens=m) for p, m in zip(prompts, lengths)], []
+
+        def held():
             rows.append(len(engine.rows))
             held = engine.slots.nbytes + (engine.spare.nbytes if engine.spare is not None else 0)
             assert engine.kv_budget is None or held <= engine.kv_budget
-            step += 1
-        for r, (tokens, lp) in zip(requests, reference):
-            ev = events[id(r)]
+
+        for r, (tokens, lp), ev in zip(requests, reference, run(engine, requests, joins, held)):
             assert [e.token for e in ev] == r.generated == tokens
             got = mx.stack([e.logprobs for e in ev])
             assert mx.allclose(got, lp, rtol=f32_tol(TOL), atol=f32_tol(TOL)).item()
