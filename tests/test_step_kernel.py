@@ -242,30 +242,10 @@ def test_sizes_pack_as_the_body_reads_them():
     assert all(body.count(f" {name} = ") == 1 for name, _ in rows.SIZES)
 
 
-def mode_tables(L, K, D, dtype, seed, post=False):
-    """(gains, qk_gains, factor, qk_eps, norm) of each mode and QK-norm for a random stack: flash's
-    gains about trained models' 16 (Sec. 3 and Sec. 4), rms's norm weights about 1 as values of
-    dtype (the model's own), none; post (Gemma 3's form): flash and rms with QK-norm and the
-    post-norms' gains (about 1) after the pre-norms', none."""
-    gains = 16 * (1 + 0.3 * build.rand((L, 2, K), seed, mx.float32))
-    qk = 1 + 0.3 * build.rand((L, 2, 2, D), seed + 1, mx.float32)
-    w = (1 + 0.3 * build.rand((L, 2, K), seed + 2, mx.float32)).astype(dtype).astype(mx.float32)
-    wq = (1 + 0.3 * build.rand((L, 2, 2, D), seed + 3, mx.float32)).astype(dtype).astype(mx.float32)
-    if post:
-        wp = (1 + 0.3 * build.rand((L, 2, K), seed + 4, mx.float32)).astype(dtype)
-        wp = wp.astype(mx.float32)
-        return [(mx.concatenate([gains, wp], 1), qk, D**-0.25, 1e-6, "flash"),
-                (mx.concatenate([w, wp], 1), wq, D**-0.5, 1e-6, "rms"),
-                (None, None, D**-0.5, 0.0, "none")]
-    return [(gains, None, D**-0.25, 0.0, "flash"), (gains, qk, D**-0.25, 1e-6, "flash"),
-            (w, None, D**-0.5, 0.0, "rms"), (w, wq, D**-0.5, 1e-6, "rms"),
-            (None, None, D**-0.5, 0.0, "none")]
-
-
 # The whole-step kernels' forms for random stacks: (query heads, kv heads, head size, the keyword
-# arguments past norm): Llama's, and Gemma 3's (mode_tables' post-norms; a sliding window of 16 on
-# the first layer, RoPE angles a layer, GeGLU), whose head size 256 they take in half precision
-# only (step.supported).
+# arguments past norm): Llama's, and Gemma 3's (stacks.check_modes' post-norms; a sliding window
+# of 16 on the first layer, RoPE angles a layer, GeGLU), whose head size 256 they take in half
+# precision only (step.supported).
 FORMS = {"llama": (4, 2, 64, {}), "gemma3": (4, 1, 256, dict(windows=[16, None], gelu=True))}
 TOLS = [(mx.float32, 1e-3), (mx.float16, 1e-2), (mx.bfloat16, 5e-2)]
 # the stacks' weights: 4-bit, 4-bit with q/k/v biases (Qwen 2's), full precision with them
@@ -308,7 +288,7 @@ def test_kernel_matches_reference(form, weights, dtype, tol):
     x = build.rand((1, 1, K), 51).astype(dtype)
     for pos in (40, 700):
         layers, caches, bits = random_stack(weights, dtype, L, K, HQ, HKV, D, I, C, pos, 60)
-        for gains, qk, factor, qk_eps, norm in mode_tables(L, K, D, dtype, 52, post=bool(kw)):
+        for gains, qk, factor, qk_eps, norm in stacks.check_modes(L, K, D, bool(kw), dtype, 52):
             args = (theta, 1e-5, factor, qk_eps, HQ, HKV, 64, bits)
             assert step.supported(x, layers, caches, HQ, HKV, 64, bits)
             got = step.decode_layers(x, pos, layers, [tuple(mx.array(a) + 0 for a in c) for c in caches], gains,
@@ -330,7 +310,7 @@ def test_rows_kernel_matches_reference(monkeypatch, form, weights, dtype, tol, B
     """decode_rows against its reference: B rows at their own positions (some past several
     attention splits), in one pass of 8 or 16 rows or in passes of 32 and 5, and (chunked)
     down_proj's input held 128 of its 384 values at a time in passes of 8, each norm mode
-    (mode_tables), each form (FORMS) and weights (WEIGHTS) of CASES, outputs and the rows' cache
+    (check_modes), each form (FORMS) and weights (WEIGHTS) of CASES, outputs and the rows' cache
     entries."""
     from mlx_flashnorm.kernels import rows
 
@@ -344,7 +324,7 @@ def test_rows_kernel_matches_reference(monkeypatch, form, weights, dtype, tol, B
     positions = mx.array([(700, 30, 250)[b % 3] - b // 3 for b in range(B)], mx.int32)
     theta = rope_angles(form, L, D)
     x = build.rand((B, 1, K), 71).astype(dtype)
-    for gains, qk, factor, qk_eps, norm in mode_tables(L, K, D, dtype, 72, post=bool(kw)):
+    for gains, qk, factor, qk_eps, norm in stacks.check_modes(L, K, D, bool(kw), dtype, 72):
         args = (theta, 1e-5, factor, qk_eps, HQ, HKV, 64, bits)
         assert step.supported(x, layers, caches, HQ, HKV, 64, bits, name="decode_rows")
         got = rows.decode_rows(x, positions, layers, [tuple(mx.array(a) + 0 for a in c) for c in caches], gains,
@@ -373,7 +353,7 @@ def per_layer_stack(dtype, B, pos=300, C=512):
 @pytest.mark.parametrize("B", [1, 3, 12])
 def test_per_layer_kernels_match_reference(dtype, tol, B):
     """OpenELM's layer-wise scaling (per_layer_stack) through decode_layers (B = 1) and decode_rows
-    against their references, each norm mode (mode_tables), rows at their own positions: outputs
+    against their references, each norm mode (check_modes), rows at their own positions: outputs
     and the cache rows written."""
     from mlx_flashnorm.kernels import rows
 
@@ -383,7 +363,7 @@ def test_per_layer_kernels_match_reference(dtype, tol, B):
     theta = mx.exp(-mx.arange(D // 2, dtype=mx.float32) * 0.3)
     x = build.rand((B, 1, K), 111).astype(dtype)
     name = "decode_layers" if B == 1 else "decode_rows"
-    for gains, qk, factor, qk_eps, norm in mode_tables(L, K, D, dtype, 112):
+    for gains, qk, factor, qk_eps, norm in stacks.check_modes(L, K, D, False, dtype, 112):
         args = (theta, 1e-5, factor, qk_eps, HQ, HKV, 64, 4)
         assert step.supported(x, layers, caches, HQ, HKV, 64, 4, name=name)
         fresh = [tuple(mx.array(a) + 0 for a in c) for c in caches]

@@ -70,20 +70,25 @@ def check_tables(L, K, D):
             1 + 0.3 * rand((L, 2, 2, D), 43, mx.float32))
 
 
-def check_modes(L, K, D, post=False):
-    """The self-checks' variants, (gains, qk_gains, factor, qk_eps, norm) each: flash with Sec. 3
-    and Sec. 4 (QK-norm), rms without and with QK-norm (weights of float16 values about 1), none;
-    post (Gemma 3's): flash and rms with QK-norm and the post-norms' gains after the pre-norms',
-    none."""
-    _, gains, qk = check_tables(L, K, D)
-    half = lambda shape, seed: (1 + 0.3 * rand(shape, seed, mx.float32)).astype(
-        mx.float16).astype(mx.float32)
-    w, wq = half((L, 2, K), 44), half((L, 2, 2, D), 45)
+def check_modes(L, K, D, post=False, dtype=mx.float16, seed=42):
+    """The self-checks' variants (and the GPU tests', of their own dtype and seed), (gains,
+    qk_gains, factor, qk_eps, norm) each: flash with Sec. 3 and Sec. 4 (QK-norm; gains about
+    trained models' 16: check_tables' at seed 42), rms without and with QK-norm (norm weights of
+    dtype's values about 1), none; post (Gemma 3's): flash and rms with QK-norm and the
+    post-norms' gains after the pre-norms', none."""
+    gains = 16 * (1 + 0.3 * rand((L, 2, K), seed, mx.float32))
+    qk = 1 + 0.3 * rand((L, 2, 2, D), seed + 1, mx.float32)
+    near_one = lambda shape, s: (1 + 0.3 * rand(shape, s, mx.float32)).astype(dtype).astype(
+        mx.float32)
+    w, wq = near_one((L, 2, K), seed + 2), near_one((L, 2, 2, D), seed + 3)
     if post:
-        wp = half((L, 2, K), 46)
+        wp = near_one((L, 2, K), seed + 4)
         return [(mx.concatenate([gains, wp], 1), qk, D**-0.25, 1e-6, "flash"),
                 (mx.concatenate([w, wp], 1), wq, D**-0.5, 1e-6, "rms"),
                 (None, None, D**-0.5, 0.0, "none")]
+    return [(gains, None, D**-0.25, 0.0, "flash"), (gains, qk, D**-0.25, 1e-6, "flash"),
+            (w, None, D**-0.5, 0.0, "rms"), (w, wq, D**-0.5, 1e-6, "rms"),
+            (None, None, D**-0.5, 0.0, "none")]
     return [(gains, None, D**-0.25, 0.0, "flash"), (gains, qk, D**-0.25, 1e-6, "flash"),
             (w, None, D**-0.5, 0.0, "rms"), (w, wq, D**-0.5, 1e-6, "rms"),
             (None, None, D**-0.5, 0.0, "none")]
