@@ -27,11 +27,12 @@ from mlx_flashnorm.serve.serial import SerialWorker
 # The files whose tests take longest on the CI machine (a `--durations` run), run first: under
 # xdist's loadfile the files are handed out in collection order, so a long file collected last
 # kept one worker busy while the other sat idle.
-SLOW_FILES = ("test_structured.py", "test_server_batch.py", "test_batch.py", "test_half.py",
-              "test_models.py", "test_server.py", "test_gemma3_gguf.py", "test_chat.py",
-              "test_distributed.py", "test_flashnorm.py", "test_convert.py", "test_engine_process.py",
-              "test_bench.py", "test_cli.py", "test_generation_flags.py", "test_fuzz.py",
-              "test_server_limits.py", "test_server_page.py", "test_cuda_compile.py")
+SLOW_FILES = ("test_structured.py", "test_distributed.py", "test_server_batch.py", "test_batch.py",
+              "test_half.py", "test_step_kernel.py", "test_models.py", "test_server.py",
+              "test_gemma3_gguf.py", "test_chat.py", "test_flashnorm.py", "test_convert.py",
+              "test_engine_process.py", "test_bench.py", "test_cli.py", "test_generation_flags.py",
+              "test_fuzz.py", "test_server_limits.py", "test_server_page.py", "test_prefill.py",
+              "test_cuda_compile.py")
 
 
 def pytest_collection_modifyitems(config, items):
