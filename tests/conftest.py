@@ -216,6 +216,12 @@ def smollm2():
 
 
 @pytest.fixture(scope="module")
+def client(server):
+    """The official openai client of the module's own `server` fixture."""
+    return openai_client(server)
+
+
+@pytest.fixture(scope="module")
 def tiny_model(smollm2):
     """A tiny random Llama (its greedy picks decisive: random_model) with SmolLM2's tokenizer, whose
     vocabulary it shares: a step takes milliseconds on the CPU. (model, tokenizer)."""

@@ -21,7 +21,7 @@ from mlx_flashnorm.serve.openai_api import Call, Transcript
 from mlx_flashnorm.server import Server
 from mlx_flashnorm.serve.requests import Generation, Token
 
-from conftest import CountingWorker, count_traces, openai_client, serving
+from conftest import CountingWorker, count_traces, serving
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 GERMANY = [{"role": "user", "content": "What is the capital of Germany?"}]
@@ -32,11 +32,6 @@ COUNTING = "1, 2, 3, 4,"  # SmolLM2 counts on for as long as it may
 def server(smollm2):
     with serving(Server(*smollm2, "smol", port=0, worker=CountingWorker(*smollm2))) as server:
         yield server
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai_client(server)
 
 
 def test_models(client):

@@ -14,7 +14,7 @@ from mlx_flashnorm.serve.batch_worker import BatchWorker
 from mlx_flashnorm.decoding import generate
 from mlx_flashnorm.server import Server
 
-from conftest import cli, openai_client, serving
+from conftest import cli, serving
 
 COUNTING = "1, 2, 3, 4,"  # SmolLM2 counts on for as long as it may
 QUESTIONS = ["What is the capital of France?", "What is the capital of Germany?"]
@@ -37,11 +37,6 @@ class WatchedWorker(BatchWorker):
 def server(smollm2):
     with serving(Server(*smollm2, "smol", port=0, worker=WatchedWorker(*smollm2, prompt_cache_bytes=2**26))) as server:
         yield server
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai_client(server)
 
 
 def test_default_worker_batches(smollm2):

@@ -20,7 +20,7 @@ from mlx_flashnorm.serve.serial import stream_tokens
 from mlx_flashnorm.serve.tools import Tools, ToolCalls
 from mlx_flashnorm.server import Server
 
-from conftest import in_process, openai_client, serving
+from conftest import in_process, serving
 
 SCHEMA = {"type": "object", "additionalProperties": False,
           "required": ["name", "color", "tags", "home"],
@@ -119,11 +119,6 @@ def test_generate_json_schema_file(smollm2, tmp_path):
 def server(smollm2):
     with serving(Server(*smollm2, "smol", port=0, worker=BatchWorker(*smollm2))) as server:
         yield server
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai_client(server)
 
 
 def test_response_formats_over_http(client):
