@@ -304,11 +304,14 @@ def test_kernel_matches_reference(form, weights, dtype, tol):
 
 
 @pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")
-@pytest.mark.parametrize("form,weights,dtype,tol", CASES)
-@pytest.mark.parametrize("B,chunked", [(3, False), (12, False), (37, False), (12, True)])
+@pytest.mark.parametrize("form,weights,dtype,tol,B,chunked",
+                         [(*c, B, ch) for c in CASES
+                          for B, ch in [(3, False), (12, False), (37, False), (12, True)]]
+                         + [(*c, 150, False) for c in CASES if c[2] == mx.float16])
 def test_rows_kernel_matches_reference(monkeypatch, form, weights, dtype, tol, B, chunked):
     """decode_rows against its reference: B rows at their own positions (some past several
-    attention splits), in one pass of 8 or 16 rows or in passes of 32 and 5, and (chunked)
+    attention splits; 150 in float16, where a lane of the items' scan counts several rows), in
+    one pass of 8 or 16 rows or in passes of 32 and 5, and (chunked)
     down_proj's input held 128 of its 384 values at a time in passes of 8, each norm mode
     (check_modes), each form (FORMS) and weights (WEIGHTS) of CASES, outputs and the rows' cache
     entries."""

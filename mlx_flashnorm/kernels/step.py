@@ -37,7 +37,7 @@ from .stacks import check_stacks
 THREADS = 256  # 8 warps a block
 SMAX = 16  # attention splits per kv head, at most
 MAX_LAYERS = 36  # the pointer table's len(ARRAYS) a layer in static shared memory
-MAX_ROWS = 64  # rows of the batched form (rows.py), at most
+MAX_ROWS = 256  # rows of the batched form (rows.py), at most
 CUDA = Path(__file__).parent / "cuda"  # the kernels' CUDA: step.cu, rows.cu, whole_step.cuh
 
 # The sizes and flags a launch passes in its int array `dims`, in order (build.pack, build.declare):

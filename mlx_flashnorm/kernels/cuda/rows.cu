@@ -368,7 +368,7 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
   // with inputs of K or HQ * D values, and of down_proj's I), GU (gate/up's: G, or 16 where G is
   // 8), IC (down_proj's input values held at once, a multiple of 32), NW (warps; rows.WARPS):
   // template constants
-  constexpr int BMAX = 64, NT = G / 8, NTD = GD / 8, NTU = GU / 8;
+  constexpr int BMAX = 256, NT = G / 8, NTD = GD / 8, NTU = GU / 8;
   constexpr int EPL = 16 / sizeof(T), LPR = D / EPL, RPW = 32 / LPR;
   // the run-time sizes and flags (dims: rows.SIZES; XMAX unused here)
   {{SIZES}}
@@ -417,15 +417,31 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
     // a row's attention splits (read from phase 2 on, after a grid barrier; the last layer's
     // readers passed barriers since): the one-row kernel's rule, capped so that the batch's items
     // about fill the grid once
-    if (threadIdx.x == 0) {
-      int t = 0;
+    // (warp 0: each lane counts PL rows in turn, a scan over the lanes places them)
+    if (warp == 0) {
+      constexpr int PL = BMAX / 32;
       const int cap = max(1, NB / (B * HKV));
-      for (int b = 0; b < B; ++b) {
-        first[b] = t;
-        const int m = off[b] + 1 - fn_first_pos(off[b] + 1, W);  // the positions attended to
-        t += HKV * max(1, min(min((m + 31) / 32, SMAX), cap));
+      int c[PL], own = 0;
+      #pragma unroll
+      for (int j = 0; j < PL; ++j) {
+        const int b = lane * PL + j;
+        const int m = b < B ? off[b] + 1 - fn_first_pos(off[b] + 1, W) : 0;  // positions attended
+        c[j] = b < B ? HKV * max(1, min(min((m + 31) / 32, SMAX), cap)) : 0;
+        own += c[j];
       }
-      first[B] = t;
+      int upto = own;  // the items of lanes 0 .. lane
+      #pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const int t = __shfl_up_sync(0xffffffffu, upto, d);
+        if (lane >= d) upto += t;
+      }
+      int t = upto - own;
+      #pragma unroll
+      for (int j = 0; j < PL; ++j) {
+        if (lane * PL + j < B) first[lane * PL + j] = t;
+        t += c[j];
+      }
+      if (lane == 31) first[B] = upto;
     }
     // 1. per row: p (x in the first layer, then res1; post: the last layer's post-feedforward
     // norm of its down_proj output y, plus res0, into res1 here), s = 1/RSSe(p); the q/k/v rows
@@ -462,8 +478,12 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
     fn_grid_sync(bar, target += NB);
     // 2. per (row, kv head, split): RoPE, the cache write, attention over the row's positions
     for (int item = blockIdx.x; item < first[B]; item += NB) {
-      int b = 0;
-      while (first[b + 1] <= item) ++b;
+      int b = 0;  // the row whose items hold this one (first[] only grows: each row has some)
+      for (int hi = B - 1; b < hi;) {
+        const int mid = (b + hi + 1) / 2;
+        if (first[mid] <= item) b = mid;
+        else hi = mid - 1;
+      }
       const int S = (first[b + 1] - first[b]) / HKV;
       const int kvh = (item - first[b]) / S, split = (item - first[b]) % S;
       const int pos = off[b], n = pos + 1, lo0 = fn_first_pos(n, W);
