@@ -1,7 +1,7 @@
 // The whole-step kernels' shared CUDA: what step.cu (decode_layers, one row) and rows.cu
 // (decode_rows, a batch) both take, in three pieces (build.pieces; step.compose composes them):
 //   device  the device functions both kernels' headers hold: the grid barrier (fn_grid_sync,
-//           fn_grid_exit), an attention head's splits merged (fn_merged), the one-row
+//           fn_grid_exit), a matrix fetched into L2 ahead (fn_prefetch_matrix), an attention head's splits merged (fn_merged), the one-row
 //           matvec's input row (fn_put, fn_chunk_sums), block sum (fn_block_sum) and matrix row
 //           (fn_qrow: packed, or full precision), RMSNorm's value and SwiGLU and GeGLU as the rms
 //           mode's layers round them (fn_normed, fn_norm_as, fn_sigmoid, fn_swiglu, fn_geglu),
@@ -12,8 +12,8 @@
 //           A_<array>: step.table, step.places), and its sizes (query and kv heads, FFN width:
 //           HQ, HKV, I, KO, NQKV), sliding window (W) and RoPE angles (th) from the layer table
 //           `lt` (LT ints a layer, each size at its place L_<size>: step.layer_table) (the
-//           bodies' {{LAYER}} line); HQM, HKVM and IM (the sizes table) are the widest layer's,
-//           which size the work buffer
+//           bodies' {{LAYER}} line), and the next layer's matrices fetched into L2 as it starts;
+//           HQM, HKVM and IM (the sizes table) are the widest layer's, which size the work buffer
 //   attend  phase 2 of one (row, kv head, split of the positions), the bodies' {{ATTEND}} line:
 //           RoPE on the row's q and k, the new k and v written into the cache by the split that
 //           holds the position, attention over the split's positions, its partial state (max,
@@ -38,24 +38,43 @@
 // @piece device
 __device__ inline void fn_grid_sync(unsigned int* bar, unsigned int target) {
   // every block of the grid arrives before any leaves (all blocks are resident: one per SM);
-  // the count only grows within a launch, and the last block out resets it (fn_grid_exit)
+  // the count only grows within a launch, and the last block out resets it (fn_grid_exit). The
+  // arrival is a release (the block's writes, ordered before it by __syncthreads, are seen by
+  // whoever acquires the count after it) and the wait an acquire, no full fences around them
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence();
-    atomicAdd(bar, 1u);
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" : : "l"(bar) : "memory");
     unsigned int seen;
     unsigned long long t0, now;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    while (true) {
+    for (unsigned int k = 1;; ++k) {
       asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(bar) : "memory");
       if (seen >= target) break;
+      if (k % 256) continue;
       asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
       // a block that never came within the time limit (in ns): fail, never hang
       if (now - t0 > 2000000000ull) __trap();
     }
-    __threadfence();
   }
   __syncthreads();
+}
+__device__ inline void fn_prefetch(const void* p, long bytes, int blocks) {
+  // bytes from p into L2, a 128-byte line a thread in turn over the grid (a hint: nothing waits)
+  const char* c = static_cast<const char*>(p);
+  const long step = long(blocks) * blockDim.x * 128;
+  for (long o = (long(blockIdx.x) * blockDim.x + threadIdx.x) * 128; o < bytes; o += step)
+    asm volatile("prefetch.global.L2 [%0];" : : "l"(c + o));
+}
+template <typename T, int BITS>
+__device__ inline void fn_prefetch_matrix(const void* const* t, long rows, long cols, int gs,
+                                          int blocks) {
+  // a matrix of a layer's pointer table into L2: its weight (t[0]), and where quantized its
+  // scales and biases (t[1], t[2]: a value of T a group)
+  fn_prefetch(t[0], rows * cols * BITS / 8, blocks);
+  if (BITS < 16) {
+    fn_prefetch(t[1], rows * (cols / gs) * long(sizeof(T)), blocks);
+    fn_prefetch(t[2], rows * (cols / gs) * long(sizeof(T)), blocks);
+  }
 }
 __device__ inline void fn_grid_exit(unsigned int* bar, unsigned int blocks) {
   if (threadIdx.x == 0) {
@@ -244,6 +263,17 @@ __device__ inline float fn_qkv_out(float a, const T* c, int o, int norm, float s
     const float* g1 = gains + long(l) * (post ? 4 : 2) * K;
     const float* g2 = g1 + K;
     const float* g3 = g2 + K;
+    // the matrices of the next layer (at the first, of the first too) into L2 while this one
+    // runs: the step's weights do not all stay in L2, and a matvec would wait on memory
+    for (int m = l == 0 ? 0 : l + 1; m <= l + 1 && m < NL; ++m) {
+      const void* const* tm = tab + NA * m;
+      const int* lm = lt + LT * m;
+      const long hq = lm[L_HQ], hkv = lm[L_HKV], im = lm[L_I];
+      fn_prefetch_matrix<T, BITS>(tm + A_WQKV, (hq + 2 * hkv) * D, K, GS, NB);
+      fn_prefetch_matrix<T, BITS>(tm + A_WO, K, hq * D, GS, NB);
+      fn_prefetch_matrix<T, BITS>(tm + A_WGU, 2 * im, K, GS, NB);
+      fn_prefetch_matrix<T, BITS>(tm + A_WD, K, im, GS, NB);
+    }
 // @piece attend
       // rounds of a warp's positions loaded and scored at once, as many as the registers allow
       // (fewer where a block of more warps leaves each thread fewer)
