@@ -219,7 +219,7 @@ class RMSNorm(_Norm):
 class PlainRMSNorm(RMSNorm):
     """An RMSNorm where no norm kernel can run: the inference call is mx.fast.rms_norm on x + r
     and nothing else, as mlx-lm's RMSNorm is (no per-call path decision: less graph building on
-    each of the 65 calls per OpenELM-270M token; bench/RESULTS.md, "Host work of the eager
+    each of the 65 calls per OpenELM-270M token; bench/LOG.md, "Host work of the eager
     forward"). plain_norms swaps it in at load."""
 
     def __call__(self, x, residual=_ALONE):  # mx.fast.rms_norm has its own vjp: training too
