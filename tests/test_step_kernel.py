@@ -227,7 +227,8 @@ def test_a_renamed_marker_or_piece_fails(tmp_path):
 def test_sizes_pack_as_the_body_reads_them():
     """The dims array's values (build.pack) and the body's constants (build.declare) come from one
     table: field i at dims[i], a bool as 0 or 1, a float by its bits; a field without a value
-    raises. decode_rows' table is decode_layers' with the row count after it."""
+    raises. decode_rows' table is decode_layers' with the row count after it, and the rows its
+    body's shared arrays hold are those step.supported lets through."""
     from mlx_flashnorm.kernels import rows
 
     assert rows.SIZES[:-1] == step.SIZES and rows.SIZES[-1] == ("B", "int")
@@ -240,6 +241,7 @@ def test_sizes_pack_as_the_body_reads_them():
         build.pack(fields, dict(K=256, on=True))
     body = rows.source(1)[0]
     assert all(body.count(f" {name} = ") == 1 for name, _ in rows.SIZES)
+    assert body.count(f"BMAX = {step.MAX_ROWS},") == 1 and rows.BMAX == step.MAX_ROWS
 
 
 # The whole-step kernels' forms for random stacks: (query heads, kv heads, head size, the keyword
