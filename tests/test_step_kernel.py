@@ -80,8 +80,9 @@ def test_reference_matches_the_blocks(monkeypatch, name, bits, norm):
     model's modules: FlashNorm's, Sec. 3 for Llama and Qwen 2 (its q/k/v biases after the deferred
     scale), Sec. 4's QK-norm for Qwen 3; the model's own RMSNorms and QK-norm in rms; none of them
     in none), 4-bit, 8-bit or full precision (bits 0), gives the greedy tokens of the model's own
-    blocks, log-probabilities within float32 rounding. Where the CUDA kernel runs (a GPU), the
-    reference is forced by disabling it."""
+    blocks, log-probabilities within float32 rounding; the prompt goes through prefill_rows'
+    reference (token by token into the cache). Where the CUDA kernels run (a GPU), the references
+    are forced by disabling them."""
     model = quantized_model(name, bits=bits, norm=norm)
     spec = stack._spec(model.layers)
     assert spec["norm"] == norm and spec["bits"] == (bits or 32)
@@ -89,11 +90,13 @@ def test_reference_matches_the_blocks(monkeypatch, name, bits, norm):
     want_tokens, want = greedy(model)
     called = []
     monkeypatch.setattr(kernels, "use_decode_layers", lambda name="decode_layers": True)
-    monkeypatch.setattr(kernels, "decode_layers_supported", lambda *a, **k: called.append(1) or True)
-    monkeypatch.setattr(forms, "DISABLED", forms.DISABLED | {"decode_layers"})  # the kernel itself off
+    monkeypatch.setattr(kernels, "decode_layers_supported",
+                        lambda *a, **k: called.append(k.get("name")) or True)
+    # the kernels themselves off
+    monkeypatch.setattr(forms, "DISABLED", forms.DISABLED | {"decode_layers", "prefill_rows"})
     model._compiled_decode = None  # a new trace
     tokens, got = greedy(model)
-    assert called, "the step did not go through decode_layers"
+    assert {"decode_layers", "prefill_rows"} <= set(called), called
     assert tokens == want_tokens
     assert mx.allclose(got, want, rtol=2e-4, atol=2e-4).item(), mx.abs(got - want).max().item()
 
@@ -227,11 +230,11 @@ def test_a_renamed_marker_or_piece_fails(tmp_path):
 def test_sizes_pack_as_the_body_reads_them():
     """The dims array's values (build.pack) and the body's constants (build.declare) come from one
     table: field i at dims[i], a bool as 0 or 1, a float by its bits; a field without a value
-    raises. decode_rows' table is decode_layers' with the row count after it, and the rows its
-    body's shared arrays hold are those step.supported lets through."""
+    raises. decode_rows' table is decode_layers' with the row count and the prefill flag after
+    it, and the rows its body's shared arrays hold are those step.supported lets through."""
     from mlx_flashnorm.kernels import rows
 
-    assert rows.SIZES[:-1] == step.SIZES and rows.SIZES[-1] == ("B", "int")
+    assert rows.SIZES == step.SIZES + (("B", "int"), ("prefill", "bool"))
     fields = (("K", "int"), ("on", "bool"), ("eps", "float"))
     assert build.pack(fields, dict(K=256, on=True, eps=1e-5, unused=3)) == (256, 1,
                                                                             build.float_bits(1e-5))
@@ -339,6 +342,58 @@ def test_rows_kernel_matches_reference(monkeypatch, form, weights, dtype, tol, B
         for a, b in pairs:
             a, b = a.astype(mx.float32), b.astype(mx.float32)
             assert (mx.abs(a - b).max() <= tol * mx.abs(b).max()).item()
+
+
+@pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")
+@pytest.mark.parametrize("form,weights,dtype,tol", CASES)
+@pytest.mark.parametrize("n,start", [(5, 0), (40, 300), (150, 20)])
+def test_prefill_kernel_matches_reference(form, weights, dtype, tol, n, start):
+    """prefill_rows against its reference (token by token into the cache): n tokens of one
+    sequence from position start (into an empty cache, after 300 cached positions: several
+    attention splits, past 64 rows), each norm mode (check_modes), each form (FORMS) and weights
+    (WEIGHTS) of CASES: outputs and the cache rows written."""
+    from mlx_flashnorm.kernels import rows
+
+    (HQ, HKV, D, kw), (L, K, I, C) = FORMS[form], (2, 256, 384, 1024)
+    layers, caches, bits = random_stack(weights, dtype, L, K, HQ, HKV, D, I, C, start, 73)
+    theta = rope_angles(form, L, D)
+    x = build.rand((n, 1, K), 74).astype(dtype)
+    for gains, qk, factor, qk_eps, norm in stacks.check_modes(L, K, D, bool(kw), dtype, 75):
+        args = (gains, qk, theta, 1e-5, factor, qk_eps, HQ, HKV, 64, bits)
+        assert step.supported(x, layers, caches, HQ, HKV, 64, bits, name="prefill_rows")
+        fresh = [tuple(mx.array(a) + 0 for a in c) for c in caches]
+        got = rows.prefill_rows(x, start, layers, fresh, *args, norm=norm, **kw)
+        want = rows.prefill_reference(x, start, layers, caches, *args, norm=norm, **kw)
+        pairs = list(zip(got[:3], want[:3])) + [(a[:, :, start:start + n], b[:, :, start:start + n])
+                                                for g, w in zip(got[3], want[3]) for a, b in zip(g, w)]
+        for a, b in pairs:
+            a, b = a.astype(mx.float32), b.astype(mx.float32)
+            assert (mx.abs(a - b).max() <= tol * mx.abs(b).max()).item(), norm
+
+
+@pytest.mark.skipif(not CUDA, reason="the kernel runs on CUDA only")
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("norm", NORMS)
+def test_prefill_kernel_decodes_like_the_loop(monkeypatch, name, dtype, norm):
+    """Greedy decoding after a prompt prefilled through prefill_rows gives the tokens of a prompt
+    prefilled by the model's blocks (the kernel disabled), up to a tie (agree_or_tie: the kernel
+    sums on the tensor cores in another order), log-probabilities within test_half.py's
+    tolerances, 4-bit, in each norm mode."""
+    model = quantized_model(name, dtype, bits=4, norm=norm)
+    called = []
+    run = kernels.prefill_rows
+    monkeypatch.setattr(kernels, "prefill_rows", lambda *a, **k: called.append(1) or run(*a, **k))
+    tokens, got = greedy(model, 16)
+    assert called, "the prompt did not go through prefill_rows"
+    with monkeypatch.context() as m:
+        m.setattr(forms, "DISABLED", forms.DISABLED | {"prefill_rows"})
+        model._compiled_prefill = None
+        want_tokens, want = greedy(model, 16)
+    assert mx.isfinite(want).all().item() and mx.isfinite(got).all().item()
+    k = agree_or_tie(tokens, got, want_tokens, want)
+    tol = 2e-2 if dtype == mx.float16 else 8e-2
+    assert (mx.abs(got[:k] - want[:k]).max() <= tol * mx.abs(want[:k]).max()).item()
 
 
 def per_layer_stack(dtype, B, pos=300, C=512):
@@ -455,6 +510,8 @@ def test_kernel_decodes_like_the_blocks(monkeypatch, name, dtype, norm, bits):
     to a tie."""
     model = quantized_model(name, dtype, bits=bits, norm=norm)
     assert stack._spec(model.layers)["norm"] == norm
+    # the prompt through the model's blocks on every path (test_prefill_kernel_decodes_like_the_loop)
+    monkeypatch.setattr(forms, "DISABLED", forms.DISABLED | {"prefill_rows"})
     tokens, got = greedy(model, 24)
     eager_tokens, eager = greedy(model, 24, compiled=False)
     with monkeypatch.context() as m:

@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import kernels
+from ..cache import StaticKVCache
 from ..errors import UserError
 from ..nn import PlainRMSNorm, RMSNorm
 from ..rope import rope_frequencies
@@ -323,33 +324,52 @@ def decode_stack(layers, h, cache, windows=None):
     Deferred, the last FFN's scale left to the final DeferredNorm; rms, none: the last FFN's
     output, which the model's own final norm adds to the residual; Gemma's: the last block's
     post-feedforward norm of it): B = 1 over StaticKVCaches, kernels.decode_layers; B rows over a
-    batch's caches (serve.slots.RowsKVCache), kernels.decode_rows. Both kinds of cache say so with
-    `static_rows` (buffers of every position, an array offset per row: a sliding-window layer's
-    too, its window a lower bound on the positions it reads). windows: per layer its sliding
-    window or None (Gemma 3's: the model's masks). None where the kernel does not take these
-    blocks (then the model runs its loop): a prefill, an eager step, the CPU, the portable path,
-    another architecture, sliding-window blocks (is_sliding) without their windows."""
-    if (not layers or not cache or h.ndim != 3 or h.shape[1] != 1
-            or not getattr(cache[0], "static_rows", False) or isinstance(cache[0].offset, int)
+    batch's caches (serve.slots.RowsKVCache), kernels.decode_rows; a prompt's tokens (h: (1, n,
+    K), 1 < n <= kernels.MAX_ROWS) over StaticKVCaches, kernels.prefill_rows (buffers of the
+    caches' capacity made here where they have none yet, their offsets advanced by n). Both kinds
+    of cache say so with `static_rows` (buffers of every position, an array offset per row, or an
+    int while a StaticKVCache is prefilled: a sliding-window layer's too, its window a lower bound
+    on the positions it reads). windows: per layer its sliding window or None (Gemma 3's: the
+    model's masks). None where the kernel does not take these blocks (then the model runs its
+    loop): an eager decode step, the CPU, the portable path, another architecture,
+    sliding-window blocks (is_sliding) without their windows."""
+    prefill = (h.ndim == 3 and h.shape[0] == 1 and 1 < h.shape[1] <= kernels.MAX_ROWS
+               and bool(cache) and isinstance(cache[0], StaticKVCache))
+    if (not layers or not cache or h.ndim != 3 or h.shape[1] != 1 and not prefill
+            or not getattr(cache[0], "static_rows", False)
+            or isinstance(cache[0].offset, int) and not prefill
             or windows is None and any(getattr(layer, "is_sliding", False) for layer in layers)):
         return None
-    name = "decode_layers" if h.shape[0] == 1 else "decode_rows"
-    if name == "decode_rows" and kernels.use_decode_layers(name):
+    name = "prefill_rows" if prefill else "decode_layers" if h.shape[0] == 1 else "decode_rows"
+    if name != "decode_layers" and kernels.use_decode_layers(name):
         kernels.self_check([name])  # checked on first use (kernels.check.LAZY)
     if not kernels.use_decode_layers(name):
         return None
     spec = _spec(layers)
+    if spec is None:
+        return None
+    D, n = spec["theta"].shape[-1] * 2, h.shape[1]
+    if prefill and any(c.keys is None for c in cache):  # a first prefill: buffers as its update's
+        per = kernels.layer_sizes(spec["layers"], spec["n_heads"], spec["n_kv_heads"])
+        for c, (_, hkv, _) in zip(cache, per):
+            c.keys, c.values = (mx.zeros((1, hkv, c.capacity, D), h.dtype) for _ in range(2))
     kv = [(c.keys, c.values) for c in cache]
-    if (spec is None or spec["theta"].shape[-1] * 2 != kv[0][0].shape[-1]
-            or not kernels.decode_layers_supported(h, spec["layers"], kv, spec["n_heads"],
+    x = h.reshape(n, 1, -1) if prefill else h
+    if (D != kv[0][0].shape[-1]
+            or not kernels.decode_layers_supported(x, spec["layers"], kv, spec["n_heads"],
                                                    spec["n_kv_heads"], spec["group_size"],
                                                    spec["bits"], name=name)):
         return None
-    run = kernels.decode_layers if name == "decode_layers" else kernels.decode_rows
+    run = {"decode_layers": kernels.decode_layers, "decode_rows": kernels.decode_rows,
+           "prefill_rows": kernels.prefill_rows}[name]
     spec["layers"] = _stacked(layers, spec["layers"])
-    y, ys, p, kv = run(h, cache[0].offset, caches=kv, windows=windows, **spec)
+    y, ys, p, kv = run(x, cache[0].offset, caches=kv, windows=windows, **spec)
     for c, (k, v) in zip(cache, kv):
         c.keys, c.values = k, v
+        if prefill:
+            c.offset = c.offset + n
+    if prefill:  # the tokens back as one sequence's
+        y, ys, p = (a.reshape(1, n, -1) for a in (y, ys, p))
     names = block(layers[-1])
     if spec["norm"] == "flash":  # rms, none: ys is 1
         y = deferred_output(layers[-1][names[3]], y, ys)

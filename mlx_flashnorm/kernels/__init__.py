@@ -7,7 +7,8 @@
                    the QK-norm gains fused into cos/sin (Sec. 4)
     matvec.py      norm_qkv_rope, gate_up: Sec. 5, the pre-norm inside its consumer's 4/8-bit matvec
     step.py        decode_layers: every layer of a decode step in one persistent CUDA kernel
-    rows.py        decode_rows: the same for a batch of rows, each at its own position
+    rows.py        decode_rows: the same for a batch of rows, each at its own position;
+                   prefill_rows: a prompt's tokens as its rows, in one cache
     cuda/          the CUDA of step.py's and rows.py's kernels (step.cu, rows.cu, whole_step.cuh)
     normalize.py   the norm modules' fused residual add + RMSNorm/LayerNorm
     cpu.py         the CPU's row-parallel quantized matmul (bit-identical, two threads)
@@ -24,14 +25,15 @@ from .check import self_check
 from .cpu import QuantizedEmbedding, QuantizedLinear, quantized_matmul, through_quantized_matmul
 from .matvec import KMAX, fused_supported, gate_up, gated, norm_qkv_rope
 from .rope import rope_after_qkv, rope_after_qkv_supported
-from .step import (Layers, decode_layers, layer_arrays, layer_views, stacked,
-                   supported as decode_layers_supported, table_fits, use_decode_layers)
-from .rows import decode_rows
+from .step import (MAX_ROWS, Layers, decode_layers, layer_arrays, layer_sizes, layer_views,
+                   stacked, supported as decode_layers_supported, table_fits, use_decode_layers)
+from .rows import decode_rows, prefill_rows
 
 __all__ = ["add_rss", "power_of_two_below", "scale_shape", "CHUNK", "SPLIT_ABOVE",
            "decode_attention", "constant", "float_bits", "position_array", "self_check",
            "QuantizedEmbedding", "QuantizedLinear", "quantized_matmul", "through_quantized_matmul",
            "KMAX", "fused_supported", "gate_up", "gated", "norm_qkv_rope", "rope_after_qkv",
-           "rope_after_qkv_supported", "Layers", "decode_layers", "layer_arrays", "layer_views",
+           "rope_after_qkv_supported", "MAX_ROWS", "Layers", "decode_layers", "layer_arrays",
+           "layer_sizes", "layer_views",
            "stacked", "decode_layers_supported", "table_fits", "use_decode_layers",
-           "decode_rows"]
+           "decode_rows", "prefill_rows"]

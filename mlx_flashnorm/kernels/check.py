@@ -20,12 +20,12 @@ from .matvec import CHECKS as MATVEC
 from .normalize import CHECK as NORMALIZE
 from .rope import CHECK as ROPE_QKV
 from .step import CHECK as DECODE_LAYERS
-from .rows import CHECK as DECODE_ROWS
+from .rows import CHECK as DECODE_ROWS, PREFILL_CHECK as PREFILL_ROWS
 
 # name: (a call on small float16 inputs, the largest max |kernel - fallback| / max |fallback|)
 CHECKS = {"add_rss": ADD_RSS, "decode_attention": ATTENTION, "rope_qkv": ROPE_QKV,
           "normalize": NORMALIZE, **MATVEC, "decode_layers": DECODE_LAYERS,
-          "decode_rows": DECODE_ROWS}
+          "decode_rows": DECODE_ROWS, "prefill_rows": PREFILL_ROWS}
 
 
 def _passed_file():
@@ -97,6 +97,6 @@ def self_check(names=None):
 
 _CHECKED = set()
 # checked where first needed, not at load: decode_rows (the batched server's step: its compile and
-# check cost seconds no one-request user needs) is checked by flashnorm.decode_stack before its
-# first batch
-LAZY = {"decode_rows"}
+# check cost seconds no one-request user needs) and prefill_rows are checked by
+# flashnorm.decode_stack before their first batch or prompt
+LAZY = {"decode_rows", "prefill_rows"}

@@ -39,7 +39,8 @@ WARPS = 12  # NW, a block's warps (bench/RESULTS.md, "The batched step": 8, 12 a
 # dynamic shared bytes a launch asks for at most (and within step.shared_limit)
 SHARED_MAX = 160 * 1024
 CUDA = Path(__file__).parent / "cuda"  # rows.cu and whole_step.cuh (a copy of this file: beside it)
-SIZES = step.SIZES + (("B", "int"),)  # dims: the one-row kernel's, then the rows
+# dims: the one-row kernel's, then the rows, and whether they are one sequence's (prefill_rows)
+SIZES = step.SIZES + (("B", "int"), ("prefill", "bool"))
 
 
 def source(layers):
@@ -123,6 +124,38 @@ def decode_rows(x, positions, layers, caches, gains, qk_gains, theta, eps, facto
                        template=template, norm=norm, windows=windows, gelu=gelu)
 
 
+def prefill_rows(x, start, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps, n_heads,
+                 n_kv_heads, group_size, bits, norm="flash", windows=None, gelu=False):
+    """decode_rows over the n tokens of one sequence (x: (n, 1, K), at positions start .. start
+    + n - 1; start an int or an int32 array of one) into its caches ((1, kv heads, capacity, D) per
+    layer): each token attends to the positions up to its own, the tokens' before it included
+    (every new k and v is written before any token attends). One launch where step.supported
+    (name "prefill_rows") says it runs and its plan fits, else prefill_reference."""
+    K, D, I, _, HQ, HKV, _ = step.sizes(x, layers, theta, n_heads, n_kv_heads)
+    plan = (step.supported(x, layers, caches, n_heads, n_kv_heads, group_size, bits,
+                           name="prefill_rows")
+            and launch_plan(x.shape[0], K, I, D, HQ, HKV, len(layers)))
+    args = (gains, qk_gains, theta, eps, factor, qk_eps, n_heads, n_kv_heads, group_size, bits)
+    if not plan:
+        return prefill_reference(x, start, layers, caches, *args, norm=norm, windows=windows,
+                                 gelu=gelu)
+    template, work, shared = plan
+    positions = (step.position_array(start)[:1] + mx.arange(x.shape[0])).astype(mx.int32)
+    return step.launch(rows_kernel(len(layers)), x, positions, layers, caches, *args, work=work,
+                       shared_memory=shared, fields=SIZES, template=template, norm=norm,
+                       windows=windows, gelu=gelu, prefill=True)
+
+
+def prefill_reference(x, start, layers, caches, *args, **kwargs):
+    """prefill_rows in plain MLX: step._reference token by token, each into the caches the one
+    before it wrote."""
+    outs = []
+    for b in range(x.shape[0]):
+        *out, caches = step._reference(x[b:b + 1], start + b, layers, caches, *args, **kwargs)
+        outs.append(out)
+    return (*(mx.concatenate([o[i] for o in outs]) for i in range(3)), caches)
+
+
 def launch_plan(B, K, I, D, n_heads, n_kv_heads, L):
     """(template, work, shared) of a launch for B rows (I, n_heads, n_kv_heads: the widest layer's,
     step.sizes): its rows per pass (G, GD, IC: rows_per_pass; GU: gate_up_rows) within the shared
@@ -172,4 +205,20 @@ def check_decode_rows():
     return out
 
 
+def check_prefill_rows():
+    """Five tokens of one sequence after 20 cached positions, through the one-row check's stacks
+    (stacks.check_stacks' first row of caches), each in its modes."""
+    K, start = 256, 20
+    x = rand((5, 1, K), 45)
+    out = []
+    for layers, caches, HQ, HKV, bits, theta, form, modes in stacks.check_stacks(1, 41, 40):
+        for gains, qk_gains, factor, qk_eps, norm in modes:
+            kv = [tuple(mx.array(a) + 0 for a in c) for c in caches]
+            y, ys, p, kv = prefill_rows(x, start, layers, kv, gains, qk_gains, theta, 1e-5,
+                                        factor, qk_eps, HQ, HKV, 64, bits, norm=norm, **form)
+            out += [y, ys, p] + [a[:, :, start:start + 5] for c in kv for a in c]
+    return out
+
+
 CHECK = (check_decode_rows, 2e-2)
+PREFILL_CHECK = (check_prefill_rows, 2e-2)

@@ -195,8 +195,9 @@ def sync_state():
 
 
 def use_decode_layers(name="decode_layers"):
-    """Whether the whole-step kernel (name: "decode_layers", one row, or "decode_rows", a batch)
-    may run here (CUDA, our kernels on, its self-check passed)."""
+    """Whether the whole-step kernel (name: "decode_layers", one row, "decode_rows", a batch, or
+    "prefill_rows", a prompt's tokens) may run here (CUDA, our kernels on, its self-check
+    passed)."""
     return forms.use_gpu(name) and gpu_backend() == "cuda"
 
 
@@ -227,7 +228,8 @@ def layer_table(layers, n_heads, n_kv_heads, windows=None, theta=None):
 
 def supported(x, layers, caches, n_heads, n_kv_heads, group_size, bits, name="decode_layers"):
     """Whether the kernel `name` takes this stack: CUDA with our kernels on, x one row ((1, 1, K);
-    decode_rows: (B, 1, K), B <= MAX_ROWS), every layer's matrices 4- or 8-bit (affine, groups of
+    decode_rows: (B, 1, K), B <= MAX_ROWS, a cache row each; prefill_rows: decode_rows' kernel over
+    B tokens of one cache row), every layer's matrices 4- or 8-bit (affine, groups of
     group_size) or every one full precision (bits those of x's dtype: weights of that dtype, no
     scales or biases; group_size unused), of its own sizes (layer_sizes: heads and FFN width per
     layer; the query heads per kv head alike), qkv_proj's bias (of x's dtype) on every layer or on
@@ -238,6 +240,7 @@ def supported(x, layers, caches, n_heads, n_kv_heads, group_size, bits, name="de
     what the GPU gives a block (shared_limit; decode_rows fits its passes to it:
     rows.launch_plan), its static arrays within 48 KB (step.static_bytes)."""
     B, full = x.shape[0], bits == 8 * x.dtype.size
+    cache_rows = 1 if name == "prefill_rows" else B
     if not (use_decode_layers(name) and x.ndim == 3 and x.shape[1] == 1
             and (B == 1 if name == "decode_layers" else B <= MAX_ROWS)
             and x.dtype in (mx.float16, mx.bfloat16, mx.float32) and (bits in (4, 8) or full)
@@ -248,7 +251,7 @@ def supported(x, layers, caches, n_heads, n_kv_heads, group_size, bits, name="de
     if len(per) != len(layers) or len(caches) != len(layers):
         return False
     cw = 4 * 32 // bits
-    if name == "decode_rows":  # the tensor cores' spans: 32 values in one group; tf32 from sm_80 on
+    if name != "decode_layers":  # the tensor cores' spans: 32 values a group; tf32 from sm_80 on
         cw = 32
         if compute_capability() < 8:
             return False
@@ -276,7 +279,7 @@ def supported(x, layers, caches, n_heads, n_kv_heads, group_size, bits, name="de
                                                      or mats[4].dtype != x.dtype):
             return False
         if (k.dtype != x.dtype or v.dtype != x.dtype or k.shape != v.shape
-                or k.shape[:2] != (B, hkv)):
+                or k.shape[:2] != (cache_rows, hkv)):
             return False
     return table_fits(layers)
 
@@ -370,14 +373,15 @@ def layer_views(stack, arrays):
 
 def launch(kernel, x, positions, layers, caches, gains, qk_gains, theta, eps, factor, qk_eps,
            n_heads, n_kv_heads, group_size, bits, work, shared_memory, fields=SIZES, template=(),
-           keep_work=False, norm="flash", windows=None, gelu=False):
+           keep_work=False, norm="flash", windows=None, gelu=False, prefill=False):
     """One launch of a whole-step kernel (this file's; rows.py's with its sizes table, which adds
     the row count B (fields), and its rows per matvec pass and warps (NW) in the template): one
     block per SM of 8 warps (or NW), the shared inputs, the stacked arrays (stacked) and every
     layer's caches. Returns (y, ys, p, caches); the caches were written in place, so they are
     handed out as depending on the launch (reading them runs it first). keep_work: the work buffer
     (work floats) too, last (bench/probes/rows_phases.py reads its clock stamps there). windows,
-    gelu and gains' post-norms as decode_layers takes them."""
+    gelu and gains' post-norms as decode_layers takes them; prefill: the rows are one sequence's
+    tokens in one cache row (rows.prefill_rows)."""
     if norm == "rms" and gains is None:  # the kernel would read the norms' weights from `gains`
         raise ValueError("norm 'rms' needs the norms' weights (gains)")
     K, D, I, xmax, HQ, HKV, GQ = sizes(x, layers, theta, n_heads, n_kv_heads)
@@ -390,7 +394,7 @@ def launch(kernel, x, positions, layers, caches, gains, qk_gains, theta, eps, fa
                              qk_norm=qk_gains is not None, eps=eps, factor=factor, qk_eps=qk_eps,
                              B=x.shape[0], NORM=NORMS[norm],
                              post=gains is not None and gains.shape[1] == POST,
-                             qkv_bias=len(layers[0]) == 5))
+                             qkv_bias=len(layers[0]) == 5, prefill=prefill))
     dims += layer_table(layers, n_heads, n_kv_heads, windows, theta)
     y, p, ys, scratch = kernel(
         inputs=[x, positions, constant(mx.int32, *dims), theta, none if gains is None else gains,

@@ -476,40 +476,47 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
       });
     }
     fn_grid_sync(bar, target += NB);
-    // 2. per (row, kv head, split): RoPE, the cache write, attention over the row's positions
-    for (int item = blockIdx.x; item < first[B]; item += NB) {
-      int b = 0;  // the row whose items hold this one (first[] only grows: each row has some)
-      for (int hi = B - 1; b < hi;) {
-        const int mid = (b + hi + 1) / 2;
-        if (first[mid] <= item) b = mid;
-        else hi = mid - 1;
-      }
-      const int S = (first[b + 1] - first[b]) / HKV;
-      const int kvh = (item - first[b]) / S, split = (item - first[b]) % S;
-      const int pos = off[b], n = pos + 1, lo0 = fn_first_pos(n, W);
-      const int chunk = (n - lo0 + S - 1) / S;
-      const int lo = lo0 + split * chunk, hi = min(n, lo + chunk);
-      const bool mine = lo <= pos && pos < hi;
-      const float s = __ldcg(s1g + b), P = __ldcg(p1g + b);
-      const float* rbase = raw + long(b) * NQKV;
-      const long cbase = long(b * HKV + kvh) * C, head0 = long(b) * HQ + kvh * GQ;
-      {{ATTEND}}
-      // the row's one split: its output into mbuf here, as phase 3 would: v / sum, added over the
-      // warps as just above
-      for (int i = threadIdx.x; i < GQ * D && S == 1; i += blockDim.x) {
-        const int h = i / D;
-        float M = -1e30f, v = 0.0f, lz = 0.0f;
-        for (int w = 0; w < NW; ++w) M = fmaxf(M, sm[w][h]);
-        for (int w = 0; w < NW; ++w) {
-          const float c = exp2f(sm[w][h] - M);
-          v += sacc[w][h][i % D] * c;
-          lz += sl[w][h] * c;
+    // 2. per (row, kv head, split): RoPE, the cache write, attention over the row's positions.
+    // prefill (the rows one sequence's, in one cache): first every row's new k and v written (by
+    // its first split, attending to nothing), then, past a grid barrier, the attention of each
+    // row over the positions before it, the other rows' included
+    for (int sweep = prefill ? 0 : 1; sweep < 2; ++sweep) {
+      for (int item = blockIdx.x; item < first[B]; item += NB) {
+        int b = 0;  // the row whose items hold this one (first[] only grows: each row has some)
+        for (int hi = B - 1; b < hi;) {
+          const int mid = (b + hi + 1) / 2;
+          if (first[mid] <= item) b = mid;
+          else hi = mid - 1;
         }
-        mbuf[(head0 + h) * D + i % D] = fn_cast<T>(v / lz);
+        const int S = (first[b + 1] - first[b]) / HKV;
+        const int kvh = (item - first[b]) / S, split = (item - first[b]) % S;
+        const int pos = off[b], n = pos + 1, lo0 = fn_first_pos(n, W);
+        const int chunk = (n - lo0 + S - 1) / S;
+        if (sweep == 0 && split > 0) continue;
+        const int lo = lo0 + split * chunk, hi = sweep == 0 ? lo : min(n, lo + chunk);
+        const bool mine = sweep == 0 || !prefill && lo <= pos && pos < hi;
+        const float s = __ldcg(s1g + b), P = __ldcg(p1g + b);
+        const float* rbase = raw + long(b) * NQKV;
+        const long cbase = long((prefill ? 0 : b) * HKV + kvh) * C;
+        const long head0 = long(b) * HQ + kvh * GQ;
+        {{ATTEND}}
+        // the row's one split: its output into mbuf here, as phase 3 would: v / sum, added over the
+        // warps as just above
+        for (int i = threadIdx.x; i < GQ * D && S == 1; i += blockDim.x) {
+          const int h = i / D;
+          float M = -1e30f, v = 0.0f, lz = 0.0f;
+          for (int w = 0; w < NW; ++w) M = fmaxf(M, sm[w][h]);
+          for (int w = 0; w < NW; ++w) {
+            const float c = exp2f(sm[w][h] - M);
+            v += sacc[w][h][i % D] * c;
+            lz += sl[w][h] * c;
+          }
+          mbuf[(head0 + h) * D + i % D] = fn_cast<T>(v / lz);
+        }
+        __syncthreads();  // qsh and the warps' partials are rewritten by the block's next item
       }
-      __syncthreads();  // qsh and the warps' partials are rewritten by the block's next item
+      fn_grid_sync(bar, target += NB);
     }
-    fn_grid_sync(bar, target += NB);
     // 3. the splits of each row that has several merged, once (spread over the grid), into mbuf;
     // none if no row has
     const bool merge = first[B] > B * HKV;
