@@ -26,7 +26,9 @@ def arg_parser():
                "(Q4_1 GGUF); --model also takes a .gguf file. --shape: random weights (labelled as "
                "such). Modes: rms, flash, none, mlx-lm, rms-primitives (rms on the layer loop, "
                "without the whole-step kernel); add -eager to a norm mode (e.g. rms-eager) "
-               "for our runner without the compiled decode step. --matrix runs every shape "
+               "for our runner without the compiled decode step; flash-loop-prefill: flash with "
+               "the prompt through the model's blocks, not kernels.prefill_rows. --matrix runs "
+               "every shape "
                "(--shape, --config) at every prompt length (--pp) and writes matrix.md, "
                "matrix.json and matrix.png; time to first token over a series of requests: python "
                "-m mlx_flashnorm.bench.latency.",

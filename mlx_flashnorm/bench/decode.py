@@ -27,6 +27,8 @@ PEER = "mlx-lm"
 EAGER = "-eager"  # suffix: our runner without the compiled decode step, to measure that lever
 # suffix: without the whole-step kernel (kernels.decode_layers), one per sublayer
 SUBLAYER = "-sublayer"
+# suffix: the prompt through the model's blocks, not the one-launch prefill (kernels.prefill_rows)
+LOOP_PREFILL = "-loop-prefill"
 # rms on the model's layer loop (MLX's primitives and the norm kernel), as rms ran before every
 # mode took the whole-step kernels: the step from the primitives to the kernel, measured
 PRIMITIVES = "rms-primitives"
@@ -199,7 +201,7 @@ def mode_line(mode):
         return "mlx-lm's own model and generate_step on the same checkpoint"
     if mode == PRIMITIVES:
         return "RMSNorm on the layer loop (MLX's primitives and the norm kernel)"
-    norm = mode.removesuffix(EAGER).removesuffix(SUBLAYER)
+    norm = mode.removesuffix(EAGER).removesuffix(SUBLAYER).removesuffix(LOOP_PREFILL)
     if norm not in NORM_MODES:  # a peer's rows added to the report (llama_bench)
         return "llama.cpp's llama-bench on the same GGUF file" if mode == "llama.cpp" else mode
     what = {"rms": "RMSNorm (1/RMS and the norm weights applied before each matvec)",
@@ -207,6 +209,8 @@ def mode_line(mode):
             "none": "no normalization (a speed ceiling)"}[norm]
     how = (" on the eager step" if mode.endswith(EAGER) else
            " on one kernel per sublayer" if mode.endswith(SUBLAYER) else
+           " on the whole-step kernel, the prompt through the blocks"
+           if mode.endswith(LOOP_PREFILL) else
            " on the whole-step kernel where our kernels run")
     return what + how
 
@@ -243,10 +247,12 @@ def bench(modes, folder, label, bits, dtype, pp, tg, reps, group_size=64, seed=0
             model = load_mlx_lm(folder, bits, dtype, group_size)
             runners[mode] = mlx_lm_runner(model)
         else:
-            norm = "rms" if mode == PRIMITIVES else mode.removesuffix(EAGER).removesuffix(SUBLAYER)
+            norm = ("rms" if mode == PRIMITIVES else
+                    mode.removesuffix(EAGER).removesuffix(SUBLAYER).removesuffix(LOOP_PREFILL))
             model = load_ours(folder, norm, bits, dtype, group_size)
-            without = (("decode_layers", "decode_rows") if mode == PRIMITIVES
-                       else ("decode_layers",) if mode.endswith(SUBLAYER) else ())
+            without = (("decode_layers", "decode_rows", "prefill_rows") if mode == PRIMITIVES
+                       else ("decode_layers",) if mode.endswith(SUBLAYER)
+                       else ("prefill_rows",) if mode.endswith(LOOP_PREFILL) else ())
             runners[mode] = our_runner(model, compiled=False if mode.endswith(EAGER) else None,
                                        without=without)
         sizes[mode] = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
@@ -374,7 +380,7 @@ def write_atomic(path, text):
 def parse_modes(text):
     modes = [m.strip() for m in text.split(",") if m.strip()]
     valid = (NORM_MODES + tuple(m + EAGER for m in NORM_MODES)
-             + ("flash" + SUBLAYER, PRIMITIVES, PEER))
+             + ("flash" + SUBLAYER, "flash" + LOOP_PREFILL, PRIMITIVES, PEER))
     bad = [m for m in modes if m not in valid]
     if not modes or bad:
         raise UserError(f"unknown mode '{bad[0] if bad else text}'; --modes takes a "
