@@ -152,6 +152,11 @@ def test_bench_scripts_answer_help_without_running(module):
     assert r.returncode == 0 and r.stdout.startswith("usage:"), r.stderr
 
 
+def test_step_graph_names_a_missing_config(tmp_path):
+    r = cli("mlx_flashnorm.bench.step_graph", "--config", str(tmp_path / "none.json"))
+    assert r.returncode == 2 and "no such file" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_bench_tiny_runs_with_its_defaults(tmp_path):
     from mlx_flashnorm.bench.cli import main
 

@@ -4,10 +4,12 @@ On a fast GPU decoding is bound by per-operation host work, so this count is the
 the levers in bench/RESULTS.md, "Launches per step". Counts the step's (uncompiled) graph by
 operation name:
 
-    python -m mlx_flashnorm.bench.step_graph [--shape smollm2-135m] [--bits 4] [--dtype float16]
+    python -m mlx_flashnorm.bench.step_graph [--shape smollm2-135m | --config FILE] [--bits 4]
+        [--dtype float16]
 
 Modes: rms, flash, none and flash-sublayer (flash without the whole-step kernel,
-kernels.decode_layers: the count before it), each on random weights of --shape.
+kernels.decode_layers: the count before it), each on random weights of --shape or of a Hugging
+Face config.json's architecture (--config: Gemma 3's and Qwen 3's in bench/configs).
 """
 import argparse
 import collections
@@ -20,9 +22,9 @@ import mlx.core as mx
 
 from .. import forms
 from ..cache import StaticKVCache
-from ..errors import HelpFormatter
+from ..errors import HelpFormatter, run_cli
 from ..decoding import decode_offset, position
-from .decode import NORM_MODES, SHAPES, SUBLAYER, load_ours, random_checkpoint
+from .decode import NORM_MODES, SHAPES, SUBLAYER, config_file, load_ours, random_checkpoint
 
 # no kernel: they share the input's buffer (when contiguous)
 VIEWS = {"Reshape", "Transpose", "Slice", "Split", "ExpandDims", "Squeeze", "Broadcast",
@@ -58,8 +60,11 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=16, help="decoder layers")
     p.add_argument("--shape", choices=list(SHAPES), default="openelm-270m",
                    help="architecture of the random weights")
+    p.add_argument("--config", metavar="FILE",
+                   help="random weights of the architecture of a Hugging Face config.json instead")
+    p.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
     args = p.parse_args(argv)
-    name, config = SHAPES[args.shape]
+    name, config = config_file(args.config) if args.config else SHAPES[args.shape]
     if "num_transformer_layers" in config:  # OpenELM: per-layer lists
         config = dict(config, num_transformer_layers=args.layers,
                       **{k: config[k][:args.layers]
@@ -81,4 +86,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)
