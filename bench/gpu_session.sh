@@ -93,9 +93,11 @@ if [ "$TESTS" != none ]; then
     grep -E "passed|failed|error|exit|FAILED|Error" "$OUT/group.log" | tail -12 | cut -c1-300
   done
 fi
-# STEP_GRAPH_SHAPES: the shapes whose decode step's operations are counted (bench.step_graph --shape)
+# STEP_GRAPH_SHAPES: the shapes whose decode step's operations are counted (bench.step_graph
+# --shape; a word ending in .json: --config, a config.json's architecture)
 for shape in ${STEP_GRAPH_SHAPES-openelm-270m}; do
-  python3 -m mlx_flashnorm.bench.step_graph --shape "$shape" 2>&1 | tee -a "$OUT/graph.log" | cut -c1-400
+  flag=--shape; [ "${shape%.json}" != "$shape" ] && flag=--config
+  python3 -m mlx_flashnorm.bench.step_graph $flag "$shape" 2>&1 | tee -a "$OUT/graph.log" | cut -c1-400
 done
 # STEP_KERNELS: modes whose decode step is timed kernel by kernel under ncu (e.g. "flash mlx-lm";
 # bench.step_kernels, one process per mode)
