@@ -1,4 +1,4 @@
-"""bench/probes/rows_phases.py (the batched step kernel's time per phase): a copy of
+"""bench/probes/rows_phases.py (the whole-step kernels' time per phase, batched or one-row): a copy of
 kernels/rows.py loaded from a file, and its refusal where decode_rows does not run (this CPU). Its
 stamped kernel is compiled with the others (test_step_kernel.py, test_cuda_source_compiles); the
 timings themselves need the CUDA machine."""
@@ -58,6 +58,36 @@ def test_the_timed_launch_is_decode_rows_launch_with_room_for_the_stamps(monkeyp
     assert plan == dict(template) == {"G": 8, "GD": 8, "GU": 8, "IC": I, "NW": rows.WARPS}
     assert f"constexpr int WORK_ = {work};" in files[0] and files[0].count("ti_++") == 2 + 5 + 1
     assert phases.shape == (6,) and total == 0.0  # the stub's clock never moves
+
+
+def test_the_one_row_launch_is_decode_layers_launch(monkeypatch, tmp_path):
+    """--kernel decode_layers: the one-row kernel's launch (stubbed as above) with decode_layers'
+    work buffer and shared memory, a stamp after each of its five phases; a copy of kernels/step.py
+    loads beside it."""
+    calls, files = [], []
+    monkeypatch.setattr(build, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(step, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(forms, "use_gpu", lambda name=None: True)
+    monkeypatch.setattr(step, "sm_count", lambda: 132)
+    monkeypatch.setattr(build, "cuda_binary", lambda name, code: files.append(code) or b"cubin")
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", lambda **kw: calls.append(kw) or
+                        [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])])
+    L, K, HQ, HKV, D, I, C = 2, 256, 4, 2, 64, 384, 64
+    layers, _ = stacks.random_stack(L, K, HQ, HKV, D, I, C, 9, 81)
+    layers = [tuple((w, s.astype(mx.float16), b.astype(mx.float16)) for w, s, b in m)
+              for m in layers]
+    spec = dict(layers=layers, gains=None, qk_gains=None, theta=mx.zeros((D // 2,)), eps=1e-5,
+                factor=0.5, qk_eps=0.0, n_heads=HQ, n_kv_heads=HKV, group_size=64, bits=4)
+    kernel = rows_phases.stamped_kernel(step, L, "one")
+    phases, total, plan = rows_phases.phase_times(step, kernel, spec, 1, 9, reps=2, capacity=C)
+    work = (HQ + 2 * HKV) * D + HQ * step.SMAX * (D + 2) + K + I
+    assert len(calls) == 3 and calls[0]["output_shapes"][3] == (work + 2 * (2 + 5 * L),)
+    assert calls[0]["shared_memory"] == step.shared_bytes(K, I, 4, D, HQ // HKV, L)
+    assert "fn_decode_layers_stamped" in calls[0]["name"] and plan == {}
+    assert files[0].count("ti_++") == 2 + 5 and phases.shape == (5,)
+    copy = tmp_path / "step_copy.py"
+    copy.write_text(open(step.__file__).read().replace("SMAX = 16 ", "SMAX = 8 "))
+    assert rows_phases.rows_module(str(copy), step).SMAX == 8 and step.SMAX == 16
 
 
 def test_refuses_where_decode_rows_does_not_run():

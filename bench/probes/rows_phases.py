@@ -1,6 +1,8 @@
-"""GPU time of each phase of kernels.decode_rows (the batched server's step), per layer.
+"""GPU time of each phase of kernels.decode_rows (the batched server's step), per layer, or of
+kernels.decode_layers (the one-row step: --kernel decode_layers).
 
     python bench/probes/rows_phases.py [--rows 8,16,32,64] [--positions 64,300] [--source FILE ...]
+    python bench/probes/rows_phases.py --kernel decode_layers [--positions 64,300] [--source ...]
 
 The kernel is one launch with a grid barrier between its phases, so a profiler sees one duration.
 This probe builds a variant of it in which block 0 reads the GPU's nanosecond clock (globaltimer)
@@ -8,9 +10,9 @@ after every barrier and writes the reading past the end of the work buffer; a ph
 gap between two readings (its own work and the barrier that ends it). It runs the embedded
 SmolLM2-135M in float16 on random caches, every row at the same position, and prints the median
 over --reps launches of each phase's mean over the layers, in microseconds. --source times the
-kernel of another copy of kernels/rows.py (another GMAX, a changed phase; one with launch_plan,
-source and SIZES) beside the current one; the copy reads its CUDA from the cuda/ folder beside it
-(copy the kernels folder to change a phase)."""
+kernel of another copy of kernels/rows.py (or kernels/step.py: another GMAX, a changed phase; one
+with launch_plan, source and SIZES, or source and SIZES) beside the current one; the copy reads
+its CUDA from the cuda/ folder beside it (copy the kernels folder to change a phase)."""
 import argparse
 import importlib.util
 import sys
@@ -32,17 +34,20 @@ from mlx_flashnorm.loader import load  # noqa: E402
 
 # the phase each barrier ends (merge: about nothing where it is skipped)
 PHASES = ["qkv", "attention", "merge", "o_proj", "gate_up", "down"]
+# decode_layers' (kernels/step.py): the splits merged inside o_proj's phase
+LAYER_PHASES = ["qkv", "attention", "o_proj", "gate_up", "down"]
 STAMP = ("if (blockIdx.x == 0 && threadIdx.x == 0) { unsigned long long t_; "
          "asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(t_)); "
          "reinterpret_cast<unsigned long long*>(stamps_)[ti_++] = t_; }")
 
 
-def rows_module(path):
-    """kernels/rows.py, or the copy at path (its relative imports resolved in
-    mlx_flashnorm.kernels)."""
+def rows_module(path, base=current):
+    """kernels/rows.py (base: or kernels/step.py), or the copy at path (its relative imports
+    resolved in mlx_flashnorm.kernels)."""
     if not path:
-        return current
-    spec = importlib.util.spec_from_file_location("mlx_flashnorm.kernels.rows_variant", path)
+        return base
+    name = f"mlx_flashnorm.kernels.{base.__name__.rsplit('.', 1)[-1]}_variant"
+    spec = importlib.util.spec_from_file_location(name, path)
     if spec is None:
         raise UserError(f"{path}: not a Python file")
     module = importlib.util.module_from_spec(spec)
@@ -64,7 +69,8 @@ def stamped_source(source):
 
 def stamped_kernel(module, layers, tag):
     body, header = module.source(layers)
-    return make_kernel(f"fn_decode_rows_stamped{tag}", step.input_names(layers),
+    name = "layers" if module.SIZES == step.SIZES else "rows"  # (rows.py's table adds the rows)
+    return make_kernel(f"fn_decode_{name}_stamped{tag}", step.input_names(layers),
                        ["y", "p", "ys", "work"], stamped_source(body), header)
 
 
@@ -79,10 +85,17 @@ def phase_times(module, kernel, spec, B, position, reps, capacity=1024):
               for _ in range(L)]
     x = mx.random.normal((B, 1, K)).astype(mx.float16)
     positions = mx.full((B,), position, mx.int32)
-    template, work, shared = module.launch_plan(B, K, I, D, HQ, HKV, L)
-    # one before the layers, one after each of a layer's PHASES, one at the end: pairs of floats
+    if module.SIZES == step.SIZES:  # decode_layers (kernels/step.py or a copy): one row
+        work = (HQ + 2 * HKV) * D + HQ * step.SMAX * (D + 2) + K + I
+        template, names = [], LAYER_PHASES
+        shared = step.shared_bytes(K, max(K, HQ * D, I), spec["bits"], D, HQ // HKV, L)
+    else:
+        template, work, shared = module.launch_plan(B, K, I, D, HQ, HKV, L)
+        names = PHASES
+    P = len(names)
+    # one before the layers, one after each of a layer's phases, one at the end: pairs of floats
     # after the work
-    stamps = 2 + 6 * L
+    stamps = 2 + P * L
 
     def once():
         *_, scratch = step.launch(kernel, x, positions, caches=caches, work=work + 2 * stamps,
@@ -92,7 +105,7 @@ def phase_times(module, kernel, spec, B, position, reps, capacity=1024):
 
     once()  # untimed: the first launch loads the binary
     t = np.array([once() for _ in range(reps)])
-    per_layer = np.diff(t[:, :1 + 6 * L], axis=1).reshape(reps, L, 6).mean(axis=1) / 1e3
+    per_layer = np.diff(t[:, :1 + P * L], axis=1).reshape(reps, L, P).mean(axis=1) / 1e3
     return np.median(per_layer, axis=0), float(np.median(t[:, -1] - t[:, 0])) / 1e3, dict(template)
 
 
@@ -104,16 +117,18 @@ def arg_parser():
                    help="comma-separated positions (every row at it)")
     p.add_argument("--reps", type=int, default=20, help="timed launches per point")
     p.add_argument("--source", nargs="*", default=[],
-                   help="other copies of kernels/rows.py to time beside it")
+                   help="other copies of kernels/rows.py (or step.py) to time beside it")
+    p.add_argument("--kernel", choices=["decode_rows", "decode_layers"], default="decode_rows",
+                   help="the batched kernel, or the one-row one (one row: --rows unused)")
     p.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
     return p
 
 
 def main(argv=None):
     args = arg_parser().parse_args(argv)
-    if not step.use_decode_layers("decode_rows"):
-        raise UserError("decode_rows runs on CUDA only (sm_80 on, our kernels on): run this on the "
-                        "GPU machine")
+    if not step.use_decode_layers(args.kernel):
+        raise UserError(f"{args.kernel} runs on CUDA only (sm_80 on, our kernels on): run this on "
+                        "the GPU machine")
     try:
         counts = [int(v) for v in args.rows.split(",")]
         positions = [int(v) for v in args.positions.split(",")]
@@ -122,24 +137,26 @@ def main(argv=None):
     if (min(counts) < 2 or max(counts) > step.MAX_ROWS
             or min(positions) < 0 or max(positions) >= 1023):
         raise UserError(f"--rows must lie in 2..{step.MAX_ROWS} and --positions in 0..1022")
+    one_row = args.kernel == "decode_layers"
+    counts, names = ([1], LAYER_PHASES) if one_row else (counts, PHASES)
     model, _ = load(None, dtype="float16", progress=False)
     spec = _spec(model.layers)
     # the loader's stacks, as the step passes them
     spec["layers"] = _stacked(model.layers, spec["layers"])
     print(f"{device_name()}, MLX {mx.__version__}, SmolLM2-135M float16, "
           f"{args.reps} launches a point\n")
-    print("| kernel | rows | position | G, GD, GU, NW | " + " | ".join(PHASES)
+    print("| kernel | rows | position | G, GD, GU, NW | " + " | ".join(names)
           + " | layer | step |")
-    print("| --- | ---: | ---: | --- |" + " ---: |" * (len(PHASES) + 2))
+    print("| --- | ---: | ---: | --- |" + " ---: |" * (len(names) + 2))
     for i, source in enumerate([None] + args.source):
-        module = rows_module(source)
+        module = rows_module(source, step if one_row else current)
         kernel = stamped_kernel(module, len(spec["layers"]), i)
         for B in counts:
             for position in positions:
                 phases, total, plan = phase_times(module, kernel, spec, B, position, args.reps)
                 # an older copy's plan may lack GU and NW: its gate/up pass and its warps as then
-                passes = (f"{plan['G']}, {plan['GD']}, {plan.get('GU', plan['G'])}, "
-                          f"{plan.get('NW', 8)}")
+                passes = ("-" if one_row else f"{plan['G']}, {plan['GD']}, "
+                          f"{plan.get('GU', plan['G'])}, {plan.get('NW', 8)}")
                 print(f"| {source or 'current'} | {B} | {position} | {passes} | "
                       + " | ".join(f"{v:.1f}" for v in phases)
                       + f" | {phases.sum():.1f} | {total:.0f} |", flush=True)
