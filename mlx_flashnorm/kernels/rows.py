@@ -206,17 +206,18 @@ def check_decode_rows():
 
 
 def check_prefill_rows():
-    """Five tokens of one sequence after 20 cached positions, through the one-row check's stacks
-    (stacks.check_stacks' first row of caches), each in its modes."""
-    K, start = 256, 20
-    x = rand((5, 1, K), 45)
+    """18 tokens of one sequence after 20 cached positions (two passes of the matvecs' rows),
+    through the one-row check's stacks (stacks.check_stacks' first row of caches), each in its
+    modes."""
+    K, start, n = 256, 20, 18
+    x = rand((n, 1, K), 45)
     out = []
     for layers, caches, HQ, HKV, bits, theta, form, modes in stacks.check_stacks(1, 41, 40):
         for gains, qk_gains, factor, qk_eps, norm in modes:
             kv = [tuple(mx.array(a) + 0 for a in c) for c in caches]
             y, ys, p, kv = prefill_rows(x, start, layers, kv, gains, qk_gains, theta, 1e-5,
                                         factor, qk_eps, HQ, HKV, 64, bits, norm=norm, **form)
-            out += [y, ys, p] + [a[:, :, start:start + 5] for c in kv for a in c]
+            out += [y, ys, p] + [a[:, :, start:start + n] for c in kv for a in c]
     return out
 
 
