@@ -6,7 +6,8 @@ import time
 import pytest
 
 from mlx_flashnorm import load
-from mlx_flashnorm.bench.serve import engine_round, free_port, load_round, percentile, step_profile, table
+from mlx_flashnorm.bench.load import load_round, percentile
+from mlx_flashnorm.bench.serve import engine_round, free_port, step_profile, table
 from mlx_flashnorm.server import Server
 
 from conftest import serving

@@ -54,7 +54,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -65,34 +64,12 @@ from ..convert import export
 from ..errors import HelpFormatter, UserError, run_cli
 from ..loader import default_model_path, load
 from .decode import device_name, write_atomic
+from .load import SCHEMA, Stream, load_round, percentile, prompt_of, stream_chat, summary
 
-SUBJECTS = ["a lighthouse keeper", "a lost robot", "a dragon who bakes", "two rival chess players",
-            "a city under the sea", "a clockmaker's apprentice", "the last tree on Mars",
-            "a talking cat"]
 LLAMA = "llama-server"
 LLAMA_NP_MAX = 256  # llama-server's slots (-np) by default at most
 PROMPT_ROOM = 256  # llama-server's context per slot: room for a prompt, besides its max_tokens
-# the answer a constrained client asks for: an object with required fields, an enum, an array
-# (strings and the array bounded, so that an answer ends well within max_tokens)
-SCHEMA = {"type": "object",
-          "properties": {"title": {"type": "string", "maxLength": 40},
-                         "genre": {"enum": ["adventure", "mystery", "comedy", "fable"]},
-                         "characters": {"type": "array", "items": {"type": "string",
-                                                                    "maxLength": 20},
-                                        "minItems": 1, "maxItems": 3}},
-          "required": ["title", "genre", "characters"], "additionalProperties": False}
-RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "story", "schema": SCHEMA}}
 SKIPPED = "mlx_lm.server takes no response_format"
-
-
-def percentile(xs, q):
-    """The q-th percentile (0..100) of xs by linear interpolation; NaN for none."""
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    at = (len(xs) - 1) * q / 100
-    lo = int(at)
-    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (at - lo)
 
 
 def cpu_seconds(pid):
@@ -170,87 +147,6 @@ def start(kind, command, log):
     raise UserError(f"the {kind} server did not answer within 600 s; see {log.name}")
 
 
-def stream_chat(port, prompt, max_tokens, temperature=0.0, response_format=None):
-    """One streamed chat request (prompt: the user's text, or the messages; with response_format,
-    where given): (seconds to the first content, seconds per token after it (None below two
-    tokens), completion tokens, prompt tokens (None where the server does not say)). Tokens come
-    from the final usage chunk, else count chunks."""
-    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-    body = {"messages": messages, "max_tokens": max_tokens,
-            "temperature": temperature, "stream": True,
-            "stream_options": {"include_usage": True}}
-    if response_format is not None:
-        body["response_format"] = response_format
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
-    sent = time.perf_counter()
-    conn.request("POST", "/v1/chat/completions", json.dumps(body),
-                 {"Content-Type": "application/json"})
-    response = conn.getresponse()
-    if response.status != 200:
-        raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
-    times, tokens, prompt_tokens = [], None, None
-    for line in response:
-        if not line.startswith(b"data: "):
-            continue
-        data = line[6:].strip()
-        if data == b"[DONE]":
-            break
-        chunk = json.loads(data)
-        if chunk.get("usage"):
-            tokens = chunk["usage"]["completion_tokens"]
-            prompt_tokens = chunk["usage"].get("prompt_tokens")
-        if any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
-            times.append(time.perf_counter())
-    conn.close()
-    tokens = tokens or len(times)
-    if not times:
-        return None, None, tokens, prompt_tokens
-    return (times[0] - sent, (times[-1] - times[0]) / (tokens - 1) if tokens > 1 else None, tokens,
-            prompt_tokens)
-
-
-def prompt_of(i, r, tag):
-    """Client i's r-th request's text (distinct for every request of a run)."""
-    return f"Write a long story about {SUBJECTS[(i + r) % len(SUBJECTS)]} (story {tag}-{i}-{r})."
-
-
-def summary(clients, results, errors, wall):
-    """A row's measurements from its requests' (TTFT or None, TPOT or None, tokens) and errors."""
-    ttft = [r[0] for r in results if r[0] is not None]
-    tpot = [r[1] for r in results if r[1] is not None]
-    tokens = sum(r[2] for r in results)
-    return {"clients": clients, "requests": len(results), "errors": len(errors), "tokens": tokens,
-            "error_kinds": sorted(set(e[:120] for e in errors)),
-            "wall_s": wall, "tok_s": tokens / wall, "ttft_p50": percentile(ttft, 50),
-            "ttft_p99": percentile(ttft, 99), "tpot_p50": percentile(tpot, 50),
-            "tpot_p99": percentile(tpot, 99)}
-
-
-def load_round(port, clients, rounds, max_tokens, tag, temperature=0.0, constrained=0.0):
-    """clients threads, each sending rounds requests in turn, the first `constrained` of them (a
-    fraction, rounded) asking for SCHEMA's JSON; the row's measurements."""
-    results, errors = [], []
-    schema = round(constrained * clients)
-
-    def client(i):
-        form = RESPONSE_FORMAT if i < schema else None
-        for r in range(rounds):
-            try:
-                results.append(stream_chat(port, prompt_of(i, r, tag), max_tokens, temperature,
-                                           form))
-            except Exception as e:  # counted and reported, the others go on
-                errors.append(str(e))
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return dict(summary(clients, results, errors, time.perf_counter() - t0),
-                constrained=constrained)
-
-
 def plan(kind, counts, fractions, repeats):
     """The rounds a server plays, in order: (repeat, N, constrained fraction, why it is skipped
     (None: it is played))."""
@@ -291,7 +187,7 @@ def engine_round(model, tokenizer, clients, rounds, max_tokens, tag, temperature
     t0 = time.perf_counter()
     for i in range(clients):
         add(i)
-    results, steps = [], []
+    streams, steps = [], []
     while engine.busy:
         began = time.perf_counter()
         events = engine.step()
@@ -301,13 +197,11 @@ def engine_round(model, tokenizer, clients, rounds, max_tokens, tag, temperature
             r = e.request
             times[id(r)].append(now)
             if e.finish_reason:
-                t = times[id(r)]
-                tpot = (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
-                results.append((t[0] - sent[id(r)], tpot, len(t)))
+                streams.append(Stream(sent[id(r)], times[id(r)], len(times[id(r)])))
                 done[r.client] += 1
                 if done[r.client] < rounds:
                     add(r.client)
-    return dict(summary(clients, results, [], time.perf_counter() - t0), **step_profile(steps))
+    return dict(summary(clients, streams, [], time.perf_counter() - t0), **step_profile(steps))
 
 
 def step_profile(steps):
