@@ -6,7 +6,8 @@ import time
 import pytest
 
 from mlx_flashnorm import load
-from mlx_flashnorm.bench.serve import engine_round, free_port, load_round, percentile, step_profile, table
+from mlx_flashnorm.bench.load import load_round, percentile
+from mlx_flashnorm.bench.serve import engine_round, free_port, step_profile, table
 from mlx_flashnorm.server import Server
 
 from conftest import serving
@@ -133,6 +134,8 @@ def test_serve_bench_rows_hold_the_server_process_cpu(tiny_llama_dir, tmp_path, 
     assert "| ours | 2 | 4 |" in text and "temperature 0.5" in text and "constrained |" in text
     assert "(the servers after an untimed round at each N)" in text and '"required": ["title"' in text
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the chart
+    # without --burst: no burst keys, no second table
+    assert not [k for r in rows for k in r if k.startswith("burst")] and "window" not in text
 
 
 def test_paired_ratios_divide_by_the_same_repeats_first_single():
@@ -196,7 +199,59 @@ def test_llama_server_command_and_argument_errors(tmp_path):
                           (["--llama-server", "llama-server", "--model", str(tmp_path)], "leave --model unset"),
                           (["--llama-np", "0"], "--llama-np must be at least 1"),
                           (["--constrained", "0,2"], "--constrained must be fractions from 0 to 1"),
-                          (["--constrained", "half"], "--constrained must be fractions")]:
+                          (["--constrained", "half"], "--constrained must be fractions"),
+                          (["--burst", "-1"], "--burst must be a count of requests")]:
         with pytest.raises(UserError, match=message):
             main(args + work)
     assert not any(tmp_path.iterdir())  # (nothing converted or started)
+
+
+def test_window_tpot_splits_the_steady_gaps_at_the_burst_window():
+    """A stream's gaps between content chunks, per token (several tokens a chunk: the stream's
+    mean), averaging to its TPOT; those overlapping the window (a stall spanning it too) apart from
+    the others; the window from the first newcomer sent to the last first content."""
+    from mlx_flashnorm.bench.load import Stream, burst_summary, window_tpot
+
+    steady = Stream(0.0, [1.0, 2.0, 3.0, 6.0, 7.0], 5)
+    assert [g[2] for g in steady.gaps()] == [1.0, 1.0, 3.0, 1.0] and steady.tpot == 1.5
+    doubled = Stream(0.0, [1.0, 2.0, 4.0], 5)  # 4 tokens after the first in 2 gaps: 2 a gap
+    assert [g[2] for g in doubled.gaps()] == [0.5, 1.0] and doubled.tpot == 0.75
+    assert window_tpot([steady], 4.0, 5.0) == ([3.0], [1.0, 1.0, 1.0])
+    assert window_tpot([steady, doubled], 1.5, 2.5) == ([1.0, 1.0, 0.5, 1.0], [3.0, 1.0])
+    burst = [Stream(4.0, [4.5, 4.6], 2), Stream(4.2, [5.0], 1)]
+    row = burst_summary([steady], burst, ["refused"], 3, 3.9)
+    assert (row["burst"], row["burst_requests"], row["burst_errors"], row["burst_tokens"]) == (
+        3, 2, 1, 3)
+    assert row["burst_window_s"] == 1.0 and math.isclose(row["burst_ttft_p50"], 0.65)
+    assert (row["burst_in_gaps"], row["burst_in_tpot_p99"]) == (1, 3.0)
+    assert (row["burst_out_gaps"], row["burst_out_tpot_p50"]) == (3, 1.0)
+
+
+def test_serve_bench_burst_rows(tiny_llama_dir, tmp_path, rows_32):
+    """--burst for real (our server in a process of its own, at 1 and 2 streaming clients): once
+    each client's stream has its first chunks, 2 newcomers send theirs at once; every row holds
+    their answers and TTFT, and the steady streams' TPOT within the window and outside it."""
+    import json
+
+    from mlx_flashnorm.bench import serve
+    from mlx_flashnorm.bench.load import BURST_AFTER
+
+    out = tmp_path / "serve.md"
+    # (the tiny Llama's context of 64 tokens: a prompt's 48 and 12 new)
+    serve.main(["--model", str(tiny_llama_dir), "--clients", "1,2", "--rounds", "1",
+                "--max-tokens", "12", "--no-peer", "--burst", "2", "--work", str(tmp_path / "w"),
+                "--out", str(out)])
+    rows = json.loads(out.with_suffix(".json").read_text())
+    assert [(r["clients"], r["requests"], r["errors"]) for r in rows] == [(1, 1, 0), (2, 2, 0)]
+    for r in rows:
+        assert (r["burst"], r["burst_requests"], r["burst_errors"]) == (2, 2, 0)
+        assert 0 < r["burst_ttft_p50"] <= r["burst_ttft_p99"] <= r["burst_window_s"]
+        assert r["burst_start_s"] > r["ttft_p99"]  # it waited for the steady streams' first chunks
+        # the gaps before every client's BURST_AFTER-th chunk are outside the window; it overlaps
+        # some of the rest
+        assert r["burst_out_gaps"] >= (BURST_AFTER - 1) * r["clients"] and r["burst_in_gaps"] >= 1
+        for key in ("in_tpot_p50", "in_tpot_p99", "out_tpot_p50", "out_tpot_p99"):
+            assert 0 < r[f"burst_{key}"] and math.isfinite(r[f"burst_{key}"]), key
+    text = out.read_text()
+    assert "| server | clients | requests | tokens | aggregate tok/s |" in text
+    assert "| TPOT p99 in window (ms) |" in text and "| ours | 2 | 2 | 2 |" in text

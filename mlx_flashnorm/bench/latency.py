@@ -45,8 +45,9 @@ from ..loader import default_model_path, load_tokenizer, resolve_dtype
 from .decode import (EAGER, PEER, context_length, device_name, gguf_checkpoint, load_mlx_lm,
                      load_ours, log, mlx_lm_runner, our_runner, parse_modes, positive,
                      random_checkpoint, random_shape, timed, write_atomic)
-from .serve import (LLAMA, check_llama_server, llama_server_command, mlx_folder, percentile,
-                    server_command, start, stream_chat)
+from .load import percentile, stream_chat
+from .serve import (LLAMA, check_llama_server, llama_server_command, mlx_folder, server_command,
+                    start)
 
 # --serve's prompts: an empty system message (else a template may add its own, as SmolLM2's does,
 # too long for a 16-token prompt), then random words among these (one token each in most
@@ -193,9 +194,9 @@ def serve_round(ports, prompts, max_tokens, results, rotate=0):
         k = (rotate + i) % len(servers)
         for server in servers[k:] + servers[:k]:
             try:
-                ttft, _, _, prompt_tokens = stream_chat(ports[server], messages, max_tokens)
-                row = {"ttft_s": ttft, "prompt_tokens": prompt_tokens,
-                       "error": None if ttft is not None else "no content"}
+                answer = stream_chat(ports[server], messages, max_tokens)
+                row = {"ttft_s": answer.ttft, "prompt_tokens": answer.prompt_tokens,
+                       "error": None if answer.ttft is not None else "no content"}
             except Exception as e:  # counted and reported, the others go on
                 row = {"ttft_s": None, "prompt_tokens": None, "error": str(e)[:200]}
             if results is not None:

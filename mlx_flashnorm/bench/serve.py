@@ -16,15 +16,24 @@ server process's CPU seconds
 Without --model the embedded SmolLM2 GGUF is written once as an MLX folder (its quantized weights
 as loaded, mlx-lm's layout, convert.export) under --work, which our server and mlx_lm.server then
 load; mlx-lm cannot read a GGUF's Q4_1 blocks itself. llama-server runs the GGUF itself
-(loader.default_model_path), with -np slots (--llama-np: the largest N of --clients, at most
-LLAMA_NP_MAX), flash attention and every layer on the GPU, and a context of room for each slot's
-prompt and max_tokens.
+(loader.default_model_path), with -np slots (--llama-np: the largest N of --clients plus --burst's
+M, at most LLAMA_NP_MAX), flash attention and every layer on the GPU, and a context of room for
+each slot's prompt and max_tokens.
 
 --constrained FRACTIONS plays each N once per fraction: that fraction of the clients (the first
 ones) ask for a JSON schema's answer (response_format json_schema: an object with required fields,
 an enum and an array, SCHEMA), the rest for free text; mlx_lm.server takes no response_format, so
 its constrained rows are skipped and the table says so. With --out, a chart (.png beside it) of the
 aggregate tok/s and TTFT p99 at each N, a line per server and fraction.
+
+--burst M adds, at each N, a wave of arrivals to the served rows (not the engine alone's): once
+every client's first request streams (has load.BURST_AFTER content chunks, or has ended; or after
+load.BURST_WAIT s), M more clients send one free request each at once. The row's columns stay the
+steady clients' requests' (wall time to the last of their answers); a second table, and keys
+burst_* in the JSON rows, give the newcomers' TTFT p50 and p99 and how much the running streams
+stalled while the newcomers were prefilled: the steady streams' TPOT (each gap between content
+chunks, per token) at p50 and p99 within the window from the first newcomer's request sent to the
+last newcomer's first content (a gap that overlaps it), beside the same outside it.
 
 --engine adds a row for our engine alone: the same (free-text) requests, as our server would
 tokenize them, fed to a engine.BatchEngine configured as the server's in this process, each
@@ -54,7 +63,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -65,34 +73,13 @@ from ..convert import export
 from ..errors import HelpFormatter, UserError, run_cli
 from ..loader import default_model_path, load
 from .decode import device_name, write_atomic
+from .load import (BURST_AFTER, BURST_WAIT, SCHEMA, Stream, load_round, percentile, prompt_of,
+                   stream_chat, summary)
 
-SUBJECTS = ["a lighthouse keeper", "a lost robot", "a dragon who bakes", "two rival chess players",
-            "a city under the sea", "a clockmaker's apprentice", "the last tree on Mars",
-            "a talking cat"]
 LLAMA = "llama-server"
 LLAMA_NP_MAX = 256  # llama-server's slots (-np) by default at most
 PROMPT_ROOM = 256  # llama-server's context per slot: room for a prompt, besides its max_tokens
-# the answer a constrained client asks for: an object with required fields, an enum, an array
-# (strings and the array bounded, so that an answer ends well within max_tokens)
-SCHEMA = {"type": "object",
-          "properties": {"title": {"type": "string", "maxLength": 40},
-                         "genre": {"enum": ["adventure", "mystery", "comedy", "fable"]},
-                         "characters": {"type": "array", "items": {"type": "string",
-                                                                    "maxLength": 20},
-                                        "minItems": 1, "maxItems": 3}},
-          "required": ["title", "genre", "characters"], "additionalProperties": False}
-RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "story", "schema": SCHEMA}}
 SKIPPED = "mlx_lm.server takes no response_format"
-
-
-def percentile(xs, q):
-    """The q-th percentile (0..100) of xs by linear interpolation; NaN for none."""
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    at = (len(xs) - 1) * q / 100
-    lo = int(at)
-    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (at - lo)
 
 
 def cpu_seconds(pid):
@@ -170,87 +157,6 @@ def start(kind, command, log):
     raise UserError(f"the {kind} server did not answer within 600 s; see {log.name}")
 
 
-def stream_chat(port, prompt, max_tokens, temperature=0.0, response_format=None):
-    """One streamed chat request (prompt: the user's text, or the messages; with response_format,
-    where given): (seconds to the first content, seconds per token after it (None below two
-    tokens), completion tokens, prompt tokens (None where the server does not say)). Tokens come
-    from the final usage chunk, else count chunks."""
-    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-    body = {"messages": messages, "max_tokens": max_tokens,
-            "temperature": temperature, "stream": True,
-            "stream_options": {"include_usage": True}}
-    if response_format is not None:
-        body["response_format"] = response_format
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
-    sent = time.perf_counter()
-    conn.request("POST", "/v1/chat/completions", json.dumps(body),
-                 {"Content-Type": "application/json"})
-    response = conn.getresponse()
-    if response.status != 200:
-        raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
-    times, tokens, prompt_tokens = [], None, None
-    for line in response:
-        if not line.startswith(b"data: "):
-            continue
-        data = line[6:].strip()
-        if data == b"[DONE]":
-            break
-        chunk = json.loads(data)
-        if chunk.get("usage"):
-            tokens = chunk["usage"]["completion_tokens"]
-            prompt_tokens = chunk["usage"].get("prompt_tokens")
-        if any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
-            times.append(time.perf_counter())
-    conn.close()
-    tokens = tokens or len(times)
-    if not times:
-        return None, None, tokens, prompt_tokens
-    return (times[0] - sent, (times[-1] - times[0]) / (tokens - 1) if tokens > 1 else None, tokens,
-            prompt_tokens)
-
-
-def prompt_of(i, r, tag):
-    """Client i's r-th request's text (distinct for every request of a run)."""
-    return f"Write a long story about {SUBJECTS[(i + r) % len(SUBJECTS)]} (story {tag}-{i}-{r})."
-
-
-def summary(clients, results, errors, wall):
-    """A row's measurements from its requests' (TTFT or None, TPOT or None, tokens) and errors."""
-    ttft = [r[0] for r in results if r[0] is not None]
-    tpot = [r[1] for r in results if r[1] is not None]
-    tokens = sum(r[2] for r in results)
-    return {"clients": clients, "requests": len(results), "errors": len(errors), "tokens": tokens,
-            "error_kinds": sorted(set(e[:120] for e in errors)),
-            "wall_s": wall, "tok_s": tokens / wall, "ttft_p50": percentile(ttft, 50),
-            "ttft_p99": percentile(ttft, 99), "tpot_p50": percentile(tpot, 50),
-            "tpot_p99": percentile(tpot, 99)}
-
-
-def load_round(port, clients, rounds, max_tokens, tag, temperature=0.0, constrained=0.0):
-    """clients threads, each sending rounds requests in turn, the first `constrained` of them (a
-    fraction, rounded) asking for SCHEMA's JSON; the row's measurements."""
-    results, errors = [], []
-    schema = round(constrained * clients)
-
-    def client(i):
-        form = RESPONSE_FORMAT if i < schema else None
-        for r in range(rounds):
-            try:
-                results.append(stream_chat(port, prompt_of(i, r, tag), max_tokens, temperature,
-                                           form))
-            except Exception as e:  # counted and reported, the others go on
-                errors.append(str(e))
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return dict(summary(clients, results, errors, time.perf_counter() - t0),
-                constrained=constrained)
-
-
 def plan(kind, counts, fractions, repeats):
     """The rounds a server plays, in order: (repeat, N, constrained fraction, why it is skipped
     (None: it is played))."""
@@ -291,7 +197,7 @@ def engine_round(model, tokenizer, clients, rounds, max_tokens, tag, temperature
     t0 = time.perf_counter()
     for i in range(clients):
         add(i)
-    results, steps = [], []
+    streams, steps = [], []
     while engine.busy:
         began = time.perf_counter()
         events = engine.step()
@@ -301,13 +207,11 @@ def engine_round(model, tokenizer, clients, rounds, max_tokens, tag, temperature
             r = e.request
             times[id(r)].append(now)
             if e.finish_reason:
-                t = times[id(r)]
-                tpot = (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
-                results.append((t[0] - sent[id(r)], tpot, len(t)))
+                streams.append(Stream(sent[id(r)], times[id(r)], len(times[id(r)])))
                 done[r.client] += 1
                 if done[r.client] < rounds:
                     add(r.client)
-    return dict(summary(clients, results, [], time.perf_counter() - t0), **step_profile(steps))
+    return dict(summary(clients, streams, [], time.perf_counter() - t0), **step_profile(steps))
 
 
 def step_profile(steps):
@@ -365,6 +269,31 @@ def table(rows):
         lines.append(f"| {r['server']} | {r['clients']} | {r['requests']}{errors} | {r['tokens']} "
                      f"| {r['tok_s']:.1f} | {r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} | "
                      f"{1e3 * r['tpot_p50']:.1f} | {1e3 * r['tpot_p99']:.1f} |" + end)
+    return "\n".join(lines)
+
+
+def burst_table(rows):
+    """--burst's measurements of the rows that have them, as a second markdown table: the
+    newcomers answered, their TTFT, the window (their first request sent to their last first
+    content) and the steady streams' seconds per token (their gaps between content chunks) within
+    it and outside it, and how many times the one's p99 is the other's."""
+    rows = [r for r in rows if "burst" in r]
+    fractions = any(r.get("constrained") for r in rows)
+    lines = ["| server | clients | burst | answered | burst TTFT p50 (s) | burst TTFT p99 (s) "
+             "| window (s) | TPOT p50 in window (ms) | TPOT p99 in window (ms) "
+             "| TPOT p50 outside (ms) | TPOT p99 outside (ms) | p99 in / outside |"
+             + " constrained |" * fractions,
+             "| --- |" + " ---: |" * (11 + fractions)]
+    for r in rows:
+        errors = f" ({r['burst_errors']} failed)" if r["burst_errors"] else ""
+        inside, outside = r["burst_in_tpot_p99"], r["burst_out_tpot_p99"]
+        stall = inside / outside if outside > 0 else float("nan")
+        lines.append(f"| {r['server']} | {r['clients']} | {r['burst']} | {r['burst_requests']}"
+                     f"{errors} | {r['burst_ttft_p50']:.2f} | {r['burst_ttft_p99']:.2f} "
+                     f"| {r['burst_window_s']:.2f} | {1e3 * r['burst_in_tpot_p50']:.1f} "
+                     f"| {1e3 * inside:.1f} | {1e3 * r['burst_out_tpot_p50']:.1f} "
+                     f"| {1e3 * outside:.1f} | {stall:.1f}x |"
+                     + f" {r.get('constrained', 0):g} |" * fractions)
     return "\n".join(lines)
 
 
@@ -427,8 +356,8 @@ def arg_parser():
                    help="also measure llama.cpp's llama-server (this binary) on the embedded "
                         "SmolLM2 GGUF")
     p.add_argument("--llama-np", type=int, metavar="N",
-                   help=f"llama-server's slots (-np; default: the largest of --clients, at most "
-                        f"{LLAMA_NP_MAX})")
+                   help=f"llama-server's slots (-np; default: the largest of --clients plus "
+                        f"--burst, at most {LLAMA_NP_MAX})")
     p.add_argument("--constrained", default="0", metavar="FRACTIONS",
                    help="comma-separated fractions of the clients asking for a JSON schema's "
                         "answer (response_format json_schema), each N played at each (e.g. "
@@ -439,6 +368,12 @@ def arg_parser():
     p.add_argument("--warm", action="store_true",
                    help="before each N's timed requests, an untimed round of one request a client "
                         "at that N")
+    p.add_argument("--burst", type=int, default=0, metavar="M",
+                   help="at each N, once every client's first request streams (its first "
+                        f"{BURST_AFTER} content chunks, or after {BURST_WAIT:g} s), M more clients "
+                        "send one request each at once; a second table: their TTFT and the "
+                        "steady streams' TPOT while they are prefilled, beside it the rest of the "
+                        "time")
     p.add_argument("--engine", action="store_true",
                    help="also feed the same requests to our batch engine in this process (no HTTP)")
     p.add_argument("--server-args", default="", help="extra flags for our server, space-separated")
@@ -476,6 +411,8 @@ def main(argv=None):
     counts, fractions = parse_clients(args.clients), parse_fractions(args.constrained)
     if args.rounds < 1 or args.max_tokens < 1 or args.repeats < 1:
         raise UserError("--rounds, --max-tokens and --repeats must be at least 1")
+    if args.burst < 0:
+        raise UserError(f"--burst must be a count of requests (0: none), not {args.burst}")
     if not 0 <= args.temperature <= 2:
         raise UserError("--temperature must lie in 0..2 (the server's range), "
                         f"not {args.temperature:g}")
@@ -483,7 +420,7 @@ def main(argv=None):
         raise UserError(f"--llama-np must be at least 1, not {args.llama_np}")
     if args.llama_server:  # (checked before the model is converted)
         binary, gguf = check_llama_server(args.llama_server, args.model), default_model_path()
-        slots = args.llama_np or min(max(counts), LLAMA_NP_MAX)
+        slots = args.llama_np or min(max(counts) + args.burst, LLAMA_NP_MAX)
     model = Path(args.model) if args.model else mlx_folder(args.work)
     if not (model / "config.json").is_file():
         raise UserError(f"{model}: not an MLX model folder (config.json missing)")
@@ -513,9 +450,12 @@ def main(argv=None):
                     # the server process's own (ours: its HTTP front)
                     before = cpu_seconds(process.pid)
                     row = dict(load_round(port, n, args.rounds, args.max_tokens, tag,
-                                          args.temperature, f), server=kind, repeat=repeat)
+                                          args.temperature, f, burst=args.burst),
+                               server=kind, repeat=repeat)
                     row["server_cpu_s"] = cpu_seconds(process.pid) - before
                     print(table([row]).splitlines()[-1], file=sys.stderr, flush=True)
+                    if args.burst:
+                        print(burst_table([row]).splitlines()[-1], file=sys.stderr, flush=True)
                     rows.append(row)
             finally:
                 process.terminate()
@@ -534,6 +474,14 @@ def main(argv=None):
     title = (f"{device_name()}, MLX {mx.__version__}, model {model.name}, {args.rounds} requests "
              f"per client{warm}, max_tokens {args.max_tokens}, {sampling}, streamed")
     text = f"{title}\n\n{table(rows)}\n"
+    if any("burst" in r for r in rows):
+        text += (f"\n--burst {args.burst}: at each N, once every client's first request had "
+                 f"{BURST_AFTER} content chunks (or after {BURST_WAIT:g} s), {args.burst} more "
+                 "clients sent one request each at once (the table above: the steady clients' "
+                 "requests alone). The window: from the first of them sent to the last first "
+                 "content; TPOT in and outside it: the steady streams' gaps between content "
+                 "chunks, per token, that overlap the window and that do not\n\n"
+                 f"{burst_table(rows)}\n")
     if any(fractions):
         text += ("\nconstrained: the fraction of the clients asking for a JSON schema's answer "
                  f"(response_format json_schema: {json.dumps(SCHEMA)})\n")
