@@ -101,6 +101,35 @@ def test_reference_matches_the_blocks(monkeypatch, name, bits, norm):
     assert mx.allclose(got, want, rtol=2e-4, atol=2e-4).item(), mx.abs(got - want).max().item()
 
 
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_prefill_reference_continues_a_cache(monkeypatch, name):
+    """A conversation's second turn prefilled after the first's tokens (a StaticKVCache kept
+    between generate_step calls, as chat does) through prefill_rows' reference, from its offset:
+    both turns' greedy tokens and the second's log-probabilities as with the model's blocks
+    (Gemma 3: its sliding windows too)."""
+    from mlx_flashnorm.cache import make_cache
+
+    model = quantized_model(name, bits=4, norm="flash")
+
+    def two_turns():
+        cache = make_cache(model, 256)
+        first = [t for t, _ in generate_step(mx.arange(3, 30), model, max_tokens=5, cache=cache)]
+        out = list(generate_step(mx.arange(40, 60), model, max_tokens=8, cache=cache))
+        return first, [t for t, _ in out], mx.stack([lp for _, lp in out])
+
+    want_first, want_tokens, want = two_turns()
+    called = []
+    monkeypatch.setattr(kernels, "use_decode_layers", lambda name="decode_layers": True)
+    monkeypatch.setattr(kernels, "decode_layers_supported",
+                        lambda *a, **k: called.append(k.get("name")) or True)
+    monkeypatch.setattr(forms, "DISABLED", forms.DISABLED | {"decode_layers", "prefill_rows"})
+    model._compiled_decode = model._compiled_prefill = None
+    first, tokens, got = two_turns()
+    assert called.count("prefill_rows") >= 2, called
+    assert (first, tokens) == (want_first, want_tokens)
+    assert mx.allclose(got, want, rtol=2e-4, atol=2e-4).item(), mx.abs(got - want).max().item()
+
+
 def batched(model, lengths=(9, 40, 23), steps=(10, 6, 12)):
     """The greedy tokens of requests decoded together (the compiled batched step, 4 slots)."""
     requests = [Request([(7 * i + j) % 500 + 3 for j in range(n)], max_tokens=m)
