@@ -32,10 +32,9 @@ def test_a_copy_of_the_kernel_source_loads_beside_the_current_one(tmp_path):
     assert "4. changed" in variant.source(2)[0] and "4. changed" not in rows.source(2)[0]
 
 
-def test_the_timed_launch_is_decode_rows_launch_with_room_for_the_stamps(monkeypatch):
-    """phase_times' launch as it reaches MLX's precompiled launcher (stubbed, with the compiler, as
-    in test_step_kernel.py): decode_rows' inputs, template and work buffer (rows.launch_plan), the
-    stamps' place (WORK_) at its end and room for two floats a stamp after it."""
+def stubbed(monkeypatch):
+    """MLX's precompiled launcher stubbed, with the compiler, as in test_step_kernel.py: (the
+    launches' keyword arguments, the CUDA sources compiled), filled as launches come."""
     calls, files = [], []
     monkeypatch.setattr(build, "gpu_backend", lambda: "cuda")
     monkeypatch.setattr(step, "gpu_backend", lambda: "cuda")
@@ -44,6 +43,14 @@ def test_the_timed_launch_is_decode_rows_launch_with_room_for_the_stamps(monkeyp
     monkeypatch.setattr(build, "cuda_binary", lambda name, code: files.append(code) or b"cubin")
     monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", lambda **kw: calls.append(kw) or
                         [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])])
+    return calls, files
+
+
+def test_the_timed_launch_is_decode_rows_launch_with_room_for_the_stamps(monkeypatch):
+    """phase_times' launch as it reaches MLX's precompiled launcher (stubbed, with the compiler, as
+    in test_step_kernel.py): decode_rows' inputs, template and work buffer (rows.launch_plan), the
+    stamps' place (WORK_) at its end and room for two floats a stamp after it."""
+    calls, files = stubbed(monkeypatch)
     L, K, HQ, HKV, D, I, C, B = 3, 256, 4, 2, 64, 384, 64, 5
     layers, _ = stacks.random_stack(L, K, HQ, HKV, D, I, C, 9, 80)
     layers = [tuple((w, s.astype(mx.float16), b.astype(mx.float16)) for w, s, b in m) for m in layers]
@@ -64,14 +71,7 @@ def test_the_one_row_launch_is_decode_layers_launch(monkeypatch, tmp_path):
     """--kernel decode_layers: the one-row kernel's launch (stubbed as above) with decode_layers'
     work buffer and shared memory, a stamp after each of its five phases; a copy of kernels/step.py
     loads beside it."""
-    calls, files = [], []
-    monkeypatch.setattr(build, "gpu_backend", lambda: "cuda")
-    monkeypatch.setattr(step, "gpu_backend", lambda: "cuda")
-    monkeypatch.setattr(forms, "use_gpu", lambda name=None: True)
-    monkeypatch.setattr(step, "sm_count", lambda: 132)
-    monkeypatch.setattr(build, "cuda_binary", lambda name, code: files.append(code) or b"cubin")
-    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", lambda **kw: calls.append(kw) or
-                        [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])])
+    calls, files = stubbed(monkeypatch)
     L, K, HQ, HKV, D, I, C = 2, 256, 4, 2, 64, 384, 64
     layers, _ = stacks.random_stack(L, K, HQ, HKV, D, I, C, 9, 81)
     layers = [tuple((w, s.astype(mx.float16), b.astype(mx.float16)) for w, s, b in m)

@@ -187,38 +187,33 @@ def reference(x, positions, layers, caches, *args, **kwargs):
     return y, ys, p, kv
 
 
-def check_decode_rows():
-    """Three rows at positions 40, 5 and 17 of the one-row check's stacks (stacks.check_stacks:
-    layers alike, of their own sizes, with q/k/v biases, full precision, Gemma 3's form), each in
-    its modes."""
-    K = 256
-    positions = mx.array([40, 5, 17], mx.int32)
-    x = rand((3, 1, K), 44)
+def _checked(run, rows, x, written):
+    """The outputs of run(x, layers, caches, *args) over the one-row check's stacks
+    (stacks.check_stacks: layers alike, of their own sizes, with q/k/v biases, full precision,
+    Gemma 3's form) with caches of `rows` rows filled up to 41 positions, each in its modes, and
+    the cache entries it wrote (written(a): those of a cache array a)."""
     out = []
-    for layers, caches, HQ, HKV, bits, theta, form, modes in stacks.check_stacks(3, 41, 40):
+    for layers, caches, HQ, HKV, bits, theta, form, modes in stacks.check_stacks(rows, 41, 40):
         for gains, qk_gains, factor, qk_eps, norm in modes:
             kv = [tuple(mx.array(a) + 0 for a in c) for c in caches]
-            y, ys, p, kv = decode_rows(x, positions, layers, kv, gains, qk_gains, theta, 1e-5,
-                                       factor, qk_eps, HQ, HKV, 64, bits, norm=norm, **form)
-            out += [y, ys, p] + [mx.take_along_axis(a, positions.reshape(3, 1, 1, 1), axis=2)
-                                 for c in kv for a in c]
+            y, ys, p, kv = run(x, layers, kv, gains, qk_gains, theta, 1e-5, factor, qk_eps, HQ,
+                               HKV, 64, bits, norm=norm, **form)
+            out += [y, ys, p] + [written(a) for c in kv for a in c]
     return out
+
+
+def check_decode_rows():
+    """Three rows at positions 40, 5 and 17, a cache row each."""
+    positions = mx.array([40, 5, 17], mx.int32)
+    return _checked(lambda x, *a, **k: decode_rows(x, positions, *a, **k), 3, rand((3, 1, 256), 44),
+                    lambda a: mx.take_along_axis(a, positions.reshape(3, 1, 1, 1), axis=2))
 
 
 def check_prefill_rows():
-    """18 tokens of one sequence after 20 cached positions (two passes of the matvecs' rows),
-    through the one-row check's stacks (stacks.check_stacks' first row of caches), each in its
-    modes."""
-    K, start, n = 256, 20, 18
-    x = rand((n, 1, K), 45)
-    out = []
-    for layers, caches, HQ, HKV, bits, theta, form, modes in stacks.check_stacks(1, 41, 40):
-        for gains, qk_gains, factor, qk_eps, norm in modes:
-            kv = [tuple(mx.array(a) + 0 for a in c) for c in caches]
-            y, ys, p, kv = prefill_rows(x, start, layers, kv, gains, qk_gains, theta, 1e-5,
-                                        factor, qk_eps, HQ, HKV, 64, bits, norm=norm, **form)
-            out += [y, ys, p] + [a[:, :, start:start + n] for c in kv for a in c]
-    return out
+    """18 tokens of one sequence after 20 cached positions (two passes of the matvecs' rows)."""
+    start, n = 20, 18
+    return _checked(lambda x, *a, **k: prefill_rows(x, start, *a, **k), 1, rand((n, 1, 256), 45),
+                    lambda a: a[:, :, start:start + n])
 
 
 CHECK = (check_decode_rows, 2e-2)
