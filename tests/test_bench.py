@@ -404,3 +404,19 @@ def test_parameter_count_unpacks_quantized_weights():
                "n.weight": mx.zeros((3,)), "n.biases": mx.zeros((3,))}
     config = {"quantization": {"bits": 4, "group_size": 16, "e": {"bits": 8, "group_size": 16}}}
     assert parameter_count(weights, config) == 4 * 16 + 4 * 8 + 3 + 3
+
+
+def test_batch_step_times_the_kernel_alone_when_asked(monkeypatch, tiny_model):
+    """bench.batch_step: a row per row count and form of the step (its host parts and the engine
+    step in ms); where the kernels run, --no-loop (loop False) leaves the layer loop's rows out."""
+    from mlx_flashnorm.bench import batch_step
+
+    model = tiny_model[0]
+    lines = []
+    batch_step.measure(model, "tiny", [1, 2], 2, log=lines.append)
+    assert [line.split(" | ")[1:3] for line in lines] == [["layer loop", "1"], ["layer loop", "2"]]
+    assert all(float(line.split(" | ")[-1].rstrip(" |")) > 0 for line in lines)
+    monkeypatch.setattr(batch_step, "kernels_run", lambda: True)  # (the reference runs here)
+    lines.clear()
+    batch_step.measure(model, "tiny", [2], 2, log=lines.append, loop=False)
+    assert [line.split(" | ")[1:3] for line in lines] == [["kernel", "2"]]

@@ -82,13 +82,14 @@ def engine_step(engine, reps):
     return statistics.median(times)
 
 
-def measure(model, label, rows, reps, log=print):
+def measure(model, label, rows, reps, log=print, loop=True):
     """A table row per row count and form of the step, one after the other at each row count:
     where the whole-step kernels run, "kernel" (kernels.decode_layers for one row, decode_rows for
-    more) and "layer loop" (both off: the model's loop over its layers' operations); elsewhere
-    only the loop."""
+    more) and "layer loop" (both off: the model's loop over its layers' operations; loop False:
+    not timed, as its graph of many rows takes long to build); elsewhere only the loop."""
     off = ("decode_layers", "decode_rows")
-    forms_ = [("kernel", ()), ("layer loop", off)] if kernels_run() else [("layer loop", ())]
+    forms_ = ([("kernel", ())] + [("layer loop", off)] * loop if kernels_run()
+              else [("layer loop", ())])
     for n in rows:
         for name, names in forms_:
             with forms.without(*names):
@@ -116,6 +117,8 @@ def main(argv=None):
     p.add_argument("--narrow", action="store_true", help="a random 30-layer model 64 wide instead")
     p.add_argument("--rows", default="1,8,32", help="row counts, comma-separated")
     p.add_argument("--reps", type=int, default=10, help="steps timed per row count (at most 20)")
+    p.add_argument("--no-loop", action="store_true",
+                   help="where the kernels run, time their step alone (not the layer loop's)")
     p.add_argument("--capacity-step", type=int, default=decoding.CAPACITY_STEP,
                    help="static cache capacity bucket, in positions")
     args = p.parse_args(argv)
@@ -129,10 +132,10 @@ def main(argv=None):
         with tempfile.TemporaryDirectory() as tmp:
             model = load_ours(random_checkpoint(Path(tmp) / "narrow", NARROW), "flash", 4,
                               "float32", 32)
-            measure(model, "narrow (30 x 64)", rows, args.reps)
+            measure(model, "narrow (30 x 64)", rows, args.reps, loop=not args.no_loop)
     else:
         model, _ = load(args.model, progress=False)
-        measure(model, args.model or "SmolLM2-135M", rows, args.reps)
+        measure(model, args.model or "SmolLM2-135M", rows, args.reps, loop=not args.no_loop)
 
 
 if __name__ == "__main__":
