@@ -1,8 +1,9 @@
 // The whole-step kernels' shared CUDA: what step.cu (decode_layers, one row) and rows.cu
 // (decode_rows, a batch) both take, in three pieces (build.pieces; step.compose composes them):
 //   device  the device functions both kernels' headers hold: the grid barrier (fn_grid_sync,
-//           fn_grid_exit), a matrix fetched into L2 ahead (fn_prefetch_matrix), an attention head's splits merged (fn_merged), the one-row
-//           matvec's input row (fn_put, fn_chunk_sums), block sum (fn_block_sum) and matrix row
+//           fn_grid_exit), a matrix fetched into L2 ahead (fn_prefetch_matrix), an attention
+//           head's splits merged (fn_merged), the one-row matvec's input row (fn_put,
+//           fn_chunk_sums), block sum (fn_block_sum) and matrix row
 //           (fn_qrow: packed, or full precision), RMSNorm's value and SwiGLU and GeGLU as the rms
 //           mode's layers round them (fn_normed, fn_norm_as, fn_sigmoid, fn_swiglu, fn_geglu),
 //           the flash mode's activations (fn_act), a post-norm's 1/RMS (fn_post_r), a sliding
