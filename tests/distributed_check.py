@@ -4,16 +4,21 @@ OUT/rank{r}.json what the test compares: the logits of a prompt, the greedy toke
 decode loop, and the bytes of the weights each form holds; and the logits of the whole model
 split after loading (shard.shard).
 
-usage: distributed_check.py OUT PROMPT_LENGTH NEW_TOKENS NORMS FOLDER... (FOLDER "embedded": the
-embedded SmolLM2); the activation dtypes are $DTYPE, comma-separated (default: auto, float32 on the
-CPU; with several, each result's key ends in /DTYPE). With $REF_ON_RANK0 set only rank 0 loads the
-whole model (the reference is the same on every rank): the other ranks' results lack the ref_ keys,
-and every rank writes its prompt's logits to OUT/rank{r}-{folder}-{norm}.npy (rank 0 also the
-reference's, OUT/ref-{folder}-{norm}.npy) for the test to compare."""
+usage: distributed_check.py OUT PROMPT_LENGTH NEW_TOKENS NORMS FOLDER... [-- SERVER_ARGS...]
+(FOLDER "embedded": the embedded SmolLM2); the activation dtypes are $DTYPE, comma-separated
+(default: auto, float32 on the CPU; with several, each result's key ends in /DTYPE). With
+$REF_ON_RANK0 set only rank 0 loads the whole model (the reference is the same on every rank): the
+other ranks' results lack the ref_ keys, and every rank writes its prompt's logits to
+OUT/rank{r}-{folder}-{norm}.npy (rank 0 also the reference's, OUT/ref-{folder}-{norm}.npy) for the
+test to compare. With `-- SERVER_ARGS` the same processes then run
+`python -m mlx_flashnorm.server SERVER_ARGS`, their results written (the ranks started once for
+both)."""
 import json
 import os
 import re
+import runpy
 import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -40,9 +45,9 @@ def run(model, prompt, new_tokens):
     return logits, tokens
 
 
-def main():
-    out, length, new_tokens, norms, folders = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \
-        sys.argv[4].split(","), sys.argv[5:]
+def main(argv):
+    out, length, new_tokens, norms, folders = argv[0], int(argv[1]), int(argv[2]), \
+        argv[3].split(","), argv[4:]
     group = world()
     results = {"size": group.size()}
     dtypes = os.environ.get("DTYPE", "auto").split(",")
@@ -84,4 +89,13 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    args = sys.argv[1:]
+    serve = args[args.index("--") + 1:] if "--" in args else None
+    main(args[:args.index("--")] if serve is not None else args)
+    if serve is not None:  # (mx.distributed.init() again gives the group the check used)
+        # the other ranks wait for rank 0's reference, which only it computes, asleep: in the
+        # server's first collective they would spin, taking the cores from rank 0
+        while not Path(args[0], "rank0.json").is_file():
+            time.sleep(0.05)
+        sys.argv = ["mlx_flashnorm.server", *serve]
+        runpy.run_module("mlx_flashnorm.server", run_name="__main__", alter_sys=True)

@@ -236,27 +236,26 @@ def test_two_processes_in_half_precision(checkpoints, tmp_path):
         assert ranks[0][key]["rel"] > 0  # it ran in half precision
 
 
-def test_three_processes_run_the_embedded_smollm2(tmp_path):
-    """The embedded SmolLM2 (Q4_1; 9 heads, 3 KV heads, FFN 1536) over 3 ring processes, flash (on
-    its quantized weights, the gain kept on the activations): the same greedy tokens and logits
-    within float32 tolerance of one process, a third of the weights per rank (blocks, embedding
-    and tied head). (rms takes
-    the same split: the architectures' test above runs both; this one is the slowest here.)"""
-    p = run_launch(3, str(ROOT / "tests" / "distributed_check.py"), str(tmp_path), "4", "3", "flash",
-                   "embedded", env={"REF_ON_RANK0": "1"})  # one process's reference: rank 0 loads it
-    assert p.returncode == 0, p.stderr[-3000:]
-    ref = json.loads((tmp_path / "rank0.json").read_text())["embedded/flash"]
-    ref_logits = mx.array(np.load(tmp_path / "ref-embedded-flash.npy"))
+def assert_embedded_split(out):
+    """The results in out of tests/distributed_check.py over 3 ring processes, the embedded SmolLM2
+    (Q4_1; 9 heads, 3 KV heads, FFN 1536) flash-normed (on its quantized weights, the gain kept on
+    the activations), rank 0 with one process's reference: the same greedy tokens and logits within
+    float32 tolerance of one process, a third of the weights per rank (blocks, embedding and tied
+    head). (rms takes the same split: the architectures' test above runs both.)"""
+    ref = json.loads((out / "rank0.json").read_text())["embedded/flash"]
+    ref_logits = mx.array(np.load(out / "ref-embedded-flash.npy"))
     assert len(ref["ref_tokens"]) == 3
     for r in range(3):
-        got = json.loads((tmp_path / f"rank{r}.json").read_text())["embedded/flash"]
-        logits = mx.array(np.load(tmp_path / f"rank{r}-embedded-flash.npy"))
-        assert rel(logits, ref_logits) < 1e-4, r  # 4-bit weights, float32 activations: 30 layers of sums
+        got = json.loads((out / f"rank{r}.json").read_text())["embedded/flash"]
+        logits = mx.array(np.load(out / f"rank{r}-embedded-flash.npy"))
+        # 4-bit weights, float32 activations: 30 layers of sums
+        assert rel(logits, ref_logits) < 1e-4, r
         assert got["tokens"] == ref["ref_tokens"], r
         assert got["split_bytes"] * 3 == ref["ref_split_bytes"]
-        assert got["bytes"] < 0.34 * ref["ref_bytes"]  # a third of all the weights: only norms stay whole
+        # a third of all the weights: only norms stay whole
+        assert got["bytes"] < 0.34 * ref["ref_bytes"]
         assert got["n_heads"] == [3] * 30
-    assert ref["rel"] == rel(mx.array(np.load(tmp_path / "rank0-embedded-flash.npy")), ref_logits)
+    assert ref["rel"] == rel(mx.array(np.load(out / "rank0-embedded-flash.npy")), ref_logits)
 
 
 def ask(client):
@@ -273,9 +272,13 @@ def ranks(launcher):
                      if "=" in v)["MLX_RANK"]): pid for pid in pids}
 
 
-def serve_launched(n, *args):
-    """`server` under mlx.launch -n n on any free port: (launcher, its API's URL)."""
-    server = popen_launch(n, "-m", "mlx_flashnorm.server", "--port", "0", *args,
+def serve_launched(n, *args, check=(), env=None):
+    """`server` under mlx.launch -n n on any free port: (launcher, its API's URL). check: the
+    arguments of a tests/distributed_check.py that the same processes run first (env: its
+    variables)."""
+    head = ([str(ROOT / "tests" / "distributed_check.py"), *check, "--"] if check
+            else ["-m", "mlx_flashnorm.server"])
+    server = popen_launch(n, *head, "--port", "0", *args, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True)
     line = server.stdout.readline()
@@ -369,8 +372,9 @@ def hang_up(client):
     stream.close()
 
 
-def test_batching_server_over_three_processes(smollm2):
-    """The batching server under mlx.launch -n 3 (the embedded SmolLM2: 9 heads, a third a rank):
+def test_batching_server_over_three_processes(smollm2, tmp_path):
+    """The batching server under mlx.launch -n 3 (the embedded SmolLM2: 9 heads, a third a rank),
+    its processes having first run the split check (assert_embedded_split: the ranks start once):
     eight concurrent streaming clients get, token for token, the greedy answers of one process's
     server, while a ninth, sampled, hangs up after its first token (its row leaves every rank's
     batch: the ranks stay in step, which each step's token digest checks, and the next request is
@@ -382,9 +386,13 @@ def test_batching_server_over_three_processes(smollm2):
         with ThreadPoolExecutor(8) as pool:
             want = list(pool.map(lambda q: streamed(client, q), PROMPTS))
     assert all(finish == "length" for _, finish in want), want  # (every answer runs all the steps)
-    server, url = serve_launched(3, "--norm", "rms", "--rank-timeout", str(RANK_TIMEOUT))
+    # (one process's reference: rank 0 loads it)
+    server, url = serve_launched(3, "--norm", "rms", "--rank-timeout", str(RANK_TIMEOUT),
+                                 check=(str(tmp_path), "4", "3", "flash", "embedded"),
+                                 env={"REF_ON_RANK0": "1"})
     try:
         pids = ranks(server)
+        assert_embedded_split(tmp_path)
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=300)
         with ThreadPoolExecutor(9) as pool:
             left = pool.submit(hang_up, client)

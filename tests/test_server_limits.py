@@ -26,8 +26,11 @@ MAX_BODY = 2**18  # bytes: room for JSON nested 100,000 deep
 
 @pytest.fixture(scope="module")
 def server(smollm2):
+    """The server, one row, with a prompt cache (as by default: the tests' requests repeat a few
+    prompts, each of them prefilled once)."""
+    worker = BatchWorker(*smollm2, max_batch=1, prompt_cache_bytes=2**26)
     with serving(Server(*smollm2, "smol", port=0, api_key=KEY, cors_origins=[ORIGIN], max_queue=1,
-                        max_body=MAX_BODY, timeout=TIMEOUT, worker=BatchWorker(*smollm2, max_batch=1))) as server:
+                        max_body=MAX_BODY, timeout=TIMEOUT, worker=worker)) as server:
         yield server
 
 
