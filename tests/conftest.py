@@ -24,15 +24,20 @@ from mlx_flashnorm.bench import decode
 from mlx_flashnorm.errors import run_cli
 from mlx_flashnorm.serve.serial import SerialWorker
 
-# The files whose tests take longest on the CI machine (a `--durations` run), run first: under
-# xdist's loadfile the files are handed out in collection order, so a long file collected last
-# kept one worker busy while the other sat idle.
-SLOW_FILES = ("test_structured.py", "test_distributed.py", "test_server_batch.py", "test_batch.py",
-              "test_half.py", "test_step_kernel.py", "test_models.py", "test_server.py",
-              "test_gemma3_gguf.py", "test_chat.py", "test_flashnorm.py", "test_convert.py",
-              "test_engine_process.py", "test_bench.py", "test_cli.py", "test_generation_flags.py",
-              "test_fuzz.py", "test_server_limits.py", "test_server_page.py", "test_prefill.py",
-              "test_cuda_compile.py")
+# The files whose tests take longest on the CI machine (the seconds of a `--durations=0` run under
+# xdist, 8 or more), heaviest first, run first: under xdist's loadfile with
+# --no-loadscope-reorder (pyproject.toml) the files are handed out in collection order, so a long
+# file collected last kept one worker busy while the other sat idle.
+SLOW_FILES = ("test_structured.py", "test_distributed.py", "test_batch.py", "test_server_batch.py",
+              "test_server.py", "test_engine_process.py", "test_fuzz.py", "test_cli.py",
+              "test_step_kernel.py", "test_convert.py", "test_gemma3_gguf.py", "test_chat.py",
+              "test_server_limits.py", "test_half.py", "test_flashnorm.py",
+              "test_prompt_cache_file.py", "test_server_sampling.py", "test_cuda_compile.py",
+              "test_server_page.py", "test_generation_flags.py", "test_quantize.py",
+              "test_decode.py", "test_latency.py", "test_bench.py", "test_malformed.py",
+              "test_cli_errors.py", "test_bench_serve.py", "test_gguf.py", "test_models.py",
+              "test_server_reliability.py", "test_prefill.py", "test_sampling.py",
+              "test_concat.py", "test_kernels.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -95,7 +95,10 @@ if __name__ == "__main__":
     if serve is not None:  # (mx.distributed.init() again gives the group the check used)
         # the other ranks wait for rank 0's reference, which only it computes, asleep: in the
         # server's first collective they would spin, taking the cores from rank 0
+        waited = time.monotonic() + 300
         while not Path(args[0], "rank0.json").is_file():
+            if time.monotonic() > waited:
+                sys.exit("error: rank 0 wrote no results in 300 s")
             time.sleep(0.05)
         sys.argv = ["mlx_flashnorm.server", *serve]
         runpy.run_module("mlx_flashnorm.server", run_name="__main__", alter_sys=True)

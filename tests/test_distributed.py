@@ -281,10 +281,19 @@ def serve_launched(n, *args, check=(), env=None):
     server = popen_launch(n, *head, "--port", "0", *args, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True)
-    line = server.stdout.readline()
+    # (a rank that fails or hangs before serving: all of them killed at 300 s, as run_launch's)
+    killer = threading.Timer(300, os.killpg, (server.pid, signal.SIGKILL))
+    killer.start()
+    try:
+        line = server.stdout.readline()
+    finally:
+        killer.cancel()
     if not line.startswith("serving "):
-        os.killpg(server.pid, signal.SIGKILL)
-        raise AssertionError(line + server.communicate()[1])
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+        _, err = server.communicate()
+        server.close_input()
+        raise AssertionError(line + err[-3000:])
     return server, line.split()[-1]
 
 

@@ -12,9 +12,9 @@ import pytest
 from mlx_flashnorm import load
 from mlx_flashnorm.serve.batch_worker import BatchWorker
 from mlx_flashnorm.decoding import generate
-from mlx_flashnorm.server import Server
+from mlx_flashnorm.server import Server, main as server_main
 
-from conftest import cli, serving
+from conftest import cli, in_process, serving
 
 COUNTING = "1, 2, 3, 4,"  # SmolLM2 counts on for as long as it may
 QUESTIONS = ["What is the capital of France?", "What is the capital of Germany?"]
@@ -73,13 +73,15 @@ def test_concurrent_requests_get_their_single_answers(server, client, smollm2):
 
 def test_shared_prefix_is_not_prefilled_again(server, client, smollm2):
     """Two chats with one system prompt: the second computes only the tokens after the shared
-    prefix; a conversation's next turn only its new message; the answers are the uncached ones."""
+    prefix; a conversation's next turn only its new message; the answers (4 tokens: what counts is
+    the prompts) are the uncached ones."""
     model, tokenizer = smollm2
     engine = server.worker.engine
 
     def chat(messages):
         before = engine.prefilled
-        text = client.chat.completions.create(model="smol", messages=messages, max_tokens=8).choices[0].message.content
+        text = client.chat.completions.create(model="smol", messages=messages,
+                                              max_tokens=4).choices[0].message.content
         tokens = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return text, tokens, engine.prefilled - before
 
@@ -89,12 +91,13 @@ def test_shared_prefix_is_not_prefilled_again(server, client, smollm2):
     text2, b, computed2 = chat(second)
     shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
     assert shared > 30 and computed2 == len(b) - shared
-    assert text2 == generate(model, tokenizer, tokenizer.apply_chat_template(second, add_generation_prompt=True),
-                             max_tokens=8)
+    assert text2 == generate(model, tokenizer,
+                             tokenizer.apply_chat_template(second, add_generation_prompt=True),
+                             max_tokens=4)
     turn = first + [{"role": "assistant", "content": text}, {"role": "user", "content": "And of Italy?"}]
     text3, c, computed3 = chat(turn)
     assert computed3 < 20 < len(c)
-    assert text3 == generate(model, tokenizer, c, max_tokens=8)
+    assert text3 == generate(model, tokenizer, c, max_tokens=4)
 
 
 def test_usage_counts_the_prompt_tokens_the_cache_gave(server, client):
@@ -202,8 +205,12 @@ def test_warm_batch_server_warms_its_worker_thread(tiny_llama_dir, monkeypatch):
 
 
 def test_bad_batch_flags_are_one_line_errors():
-    for flags in (["--max-concurrent", "0"], ["--prompt-cache-size", "-1"], ["--prefill-step-size", "0"]):
-        r = cli("mlx_flashnorm.server", *flags)
-        assert r.returncode == 2 and r.stderr.startswith("error: --max-concurrent and --prefill-step-size must be "
-                                                         "at least 1 and --prompt-cache-size (MB) at least 0"), r.stderr
+    """The first in a real process, as users run it; the others in this one (conftest.in_process:
+    a process each cost seconds of imports)."""
+    for i, flags in enumerate((["--max-concurrent", "0"], ["--prompt-cache-size", "-1"],
+                               ["--prefill-step-size", "0"])):
+        r = cli("mlx_flashnorm.server", *flags) if i == 0 else in_process(server_main, *flags)
+        assert r.returncode == 2 and r.stderr.startswith(
+            "error: --max-concurrent and --prefill-step-size must be at least 1 and "
+            "--prompt-cache-size (MB) at least 0"), r.stderr
         assert "Traceback" not in r.stderr
