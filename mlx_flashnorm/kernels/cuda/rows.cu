@@ -363,6 +363,14 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
     store(o % 16, o / 16, fn_tile_get<NT>(rb, o % 16, o / 16));
   __syncthreads();
 }
+__device__ inline int fn_run(int items, int blocks) {
+  // the first of this block's run of a phase's items: runs of ceil(items / blocks), in block order
+  return min(items, int(blockIdx.x) * ((items + blocks - 1) / blocks));
+}
+__device__ inline int fn_run_end(int items, int blocks) {
+  // one past the last of this block's run
+  return min(items, int(blockIdx.x + 1) * ((items + blocks - 1) / blocks));
+}
 // @piece body
   // T, BITS, D, GQ, NL, SMAX, G and GD (rows per matvec pass, 8 or 16 (rows.GMAX): of the phases
   // with inputs of K or HQ * D values, and of down_proj's I), GU (gate/up's: G, or 16 where G is
@@ -409,8 +417,9 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
   __shared__ int first[BMAX + 1];  // phase 2's items: row b's are first[b] .. first[b + 1] - 1
   {{TABLE}}
   __syncthreads();
-  // A matvec phase's items, (pass of G rows, tile of 16 weight rows), spread over the grid: a block
-  // loads a pass's input rows (and their norms) when its item is of another pass than the last one
+  // A matvec phase's items, (pass of G rows, tile of 16 weight rows) pass by pass, a run of
+  // consecutive items a block (fn_run): a block loads a pass's input rows (and their norms) when
+  // its item is of another pass than the last one, once a pass its run crosses
   const int NP = (B + G - 1) / G, NPD = (B + GD - 1) / GD, NPU = (B + GU - 1) / GU;
   for (int l = 0; l < NL; ++l) {
     {{LAYER}}
@@ -446,8 +455,9 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
     // 1. per row: p (x in the first layer, then res1; post: the last layer's post-feedforward
     // norm of its down_proj output y, plus res0, into res1 here), s = 1/RSSe(p); the q/k/v rows
     // of p * g (and their bias: fn_qkv_out)
-    for (int item = blockIdx.x, have = -1; item < NP * (NQKV / 16); item += NB) {
-      const int b0 = item % NP * G, tile = item / NP, rows = min(G, B - b0);
+    for (int item = fn_run(NP * (NQKV / 16), NB), end = fn_run_end(NP * (NQKV / 16), NB),
+             have = -1; item < end; ++item) {
+      const int b0 = item / (NQKV / 16) * G, tile = item % (NQKV / 16), rows = min(G, B - b0);
       const auto f1 =
           fn_tile_first<T, BITS>(wqkv, sqkv, bqkv, tile * 16, K / 32, 0, K / 32, K / GS, GS);
       if (b0 != have) {
@@ -528,8 +538,9 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
     }
     if (merge) fn_grid_sync(bar, target += NB);
     // 4. per row: o_proj, and p2 = o + p into res0 (post: o into p, for phase 5's post-norm)
-    for (int item = blockIdx.x, have = -1; item < NP * (K / 16); item += NB) {
-      const int b0 = item % NP * G, tile = item / NP, rows = min(G, B - b0);
+    for (int item = fn_run(NP * (K / 16), NB), end = fn_run_end(NP * (K / 16), NB), have = -1;
+         item < end; ++item) {
+      const int b0 = item / (K / 16) * G, tile = item % (K / 16), rows = min(G, B - b0);
       const auto f1 =
           fn_tile_first<T, BITS>(wo, so, bo, tile * 16, KO / 32, 0, KO / 32, KO / GS, GS);
       if (b0 != have) {
@@ -549,8 +560,9 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
     fn_grid_sync(bar, target += NB);
     // 5. per row (post: p2 = the post-attention norm of o plus res1, into res0 here): s2 =
     // 1/RSSe(p2), gate/up rows of p2 * g2, a = silu(gate * s2) * up * P2 (GELU: gelu)
-    for (int item = blockIdx.x, have = -1; item < NPU * (I / 16); item += NB) {
-      const int b0 = item % NPU * GU, tile = item / NPU, rows = min(GU, B - b0);
+    for (int item = fn_run(NPU * (I / 16), NB), end = fn_run_end(NPU * (I / 16), NB), have = -1;
+         item < end; ++item) {
+      const int b0 = item / (I / 16) * GU, tile = item % (I / 16), rows = min(GU, B - b0);
       // up's spans go to the warps in turn from warp NW / 2: each warp takes about as many of both
       // tiles' spans
       const auto f1 =
@@ -589,8 +601,9 @@ __device__ inline void fn_tile_store(float (*acc)[4], float* rb, int rows, Store
     // 6. per row: down_proj, its scale xsg deferred to the next layer's add p = y * xs + p2 (into
     // res1; the last layer's y is the output; post: y, which the next layer's phase 1 reads); its
     // input in chunks of IC values where all I do not fit (loaded anew each)
-    for (int item = blockIdx.x, have = -1; item < NPD * (K / 16); item += NB) {
-      const int b0 = item % NPD * GD, tile = item / NPD, rows = min(GD, B - b0);
+    for (int item = fn_run(NPD * (K / 16), NB), end = fn_run_end(NPD * (K / 16), NB), have = -1;
+         item < end; ++item) {
+      const int b0 = item / (K / 16) * GD, tile = item % (K / 16), rows = min(GD, B - b0);
       float acc[NTD][4] = {};
       for (int c0 = 0; c0 < I; c0 += IC) {
         const int n = min(IC, I - c0);
