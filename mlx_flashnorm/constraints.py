@@ -15,6 +15,7 @@ import threading
 
 import llguidance
 import llguidance.hf
+import llguidance.numpy
 import mlx.core as mx
 import numpy as np
 
@@ -69,20 +70,10 @@ class Constraint:
         if self.matcher.is_error():
             raise ValueError(f"the grammar is not valid: {self.matcher.get_error()}")
         self.eos = sorted(getattr(tokenizer, "eos_token_ids", None) or ())
-        self.words = np.zeros(-(-vocab // 32), np.int32)  # llguidance's bitmask, a bit per token
 
     def allowed(self):
-        """(vocab,) booleans: the tokens the grammar takes next. A matcher that failed (a limit of
-        llguidance's) allows only the end-of-sequence tokens, ending the generation."""
-        m = self.matcher
-        if not m.is_error():
-            m.unsafe_compute_mask_ptr(self.words.ctypes.data, self.words.nbytes)
-        if m.is_error():
-            bits = np.zeros(self.vocab, bool)
-            bits[[t for t in self.eos if t < self.vocab]] = True
-        else:
-            bits = np.unpackbits(self.words.view(np.uint8), bitorder="little")[:self.vocab]
-        return mx.array(bits.astype(bool))
+        """(vocab,) booleans: the tokens the grammar takes next (allowed_rows' row)."""
+        return mx.array(_unpacked([self])[0])
 
     def mask(self, logprobs):
         """logprobs (1, vocab) with the tokens the grammar refuses at -inf."""
@@ -97,3 +88,46 @@ class Constraint:
         """Whether the grammar takes nothing more but the end of the sequence."""
         return self.matcher.is_stopped()
 
+
+def words(constraints):
+    """llguidance's bitmasks of the constraints (one vocabulary), a bit per token, as (rows,
+    words) int32: computed together on llguidance's threads (a batch's rows in one call, not one
+    Python call and one host array each). A matcher that failed (a limit of llguidance's) allows
+    only the end-of-sequence tokens, ending its generation."""
+    vocab = constraints[0].vocab
+    out = np.zeros((len(constraints), -(-vocab // 32)), np.int32)
+    live = [(c.matcher, j) for j, c in enumerate(constraints) if not c.matcher.is_error()]
+    if len(live) == 1:  # (the threads' hand-off costs one row more than it saves)
+        live[0][0].unsafe_compute_mask_ptr(out[live[0][1]].ctypes.data, out[0].nbytes)
+    elif live:
+        llguidance.numpy.fill_next_token_bitmask_par(_executor(), live, out)
+    bits = out.view(np.uint32)
+    for j, c in enumerate(constraints):
+        if c.matcher.is_error():
+            bits[j] = 0
+            for t in (t for t in c.eos if t < vocab):
+                bits[j, t // 32] |= np.uint32(1 << (t % 32))
+    return out
+
+
+def allowed_rows(constraints):
+    """(rows, vocab) booleans, row j the tokens constraints[j]'s grammar takes next."""
+    return mx.array(_unpacked(constraints))
+
+
+def _unpacked(constraints):
+    # the bitmasks (words) unpacked on the host, one array for the rows (MLX's gather and shifts
+    # cost the CPU ~20x more)
+    bits = np.unpackbits(words(constraints).view(np.uint8), axis=1, bitorder="little")
+    return bits[:, :constraints[0].vocab].view(bool)
+
+
+def _executor():
+    global _EXECUTOR
+    with _LOCK:
+        if _EXECUTOR is None:
+            _EXECUTOR = llguidance.LLExecutor()
+        return _EXECUTOR
+
+
+_EXECUTOR = None

@@ -256,10 +256,12 @@ def test_self_check_file_of_any_content_is_absent(monkeypatch, tmp_path, content
 
 
 def test_self_check_passes_on_this_device(monkeypatch, tmp_path):
-    """Every kernel (on CUDA) or its fallback (elsewhere) passes its own check."""
+    """Every kernel (on CUDA) or its fallback (elsewhere) passes its own check, those checked at
+    first use (checks.LAZY) included."""
     monkeypatch.setattr(nvrtc, "CACHE_DIR", tmp_path)
     checks._CHECKED.clear()
-    assert kernels.self_check() and not forms.DISABLED
+    assert checks.LAZY <= set(checks.CHECKS)
+    assert kernels.self_check(list(checks.CHECKS)) and not forms.DISABLED
 
 
 def test_metal_spelling_leaves_no_cuda():

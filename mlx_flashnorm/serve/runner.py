@@ -13,6 +13,8 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
+from .. import constraints
+
 
 class Queued(NamedTuple):
     """A queued decode step: the rows it decodes [(slot, request)], its tokens (slots,) and the
@@ -64,12 +66,18 @@ def settle(s, step):
     rows = [(i, r) for i, r in step.constrained if r.slot is not None]
     if not rows:
         return step
-    drawn = []
-    for i, r in rows:
-        logprobs = r.constraint.mask(step.logprobs[i:i + 1])
-        drawn.append(mx.argmax(logprobs, axis=-1) if r.greedy else r.sample(logprobs).reshape(1))
+    # every row's mask in one llguidance call and a few device operations (constraints.words)
+    at = mx.array([i for i, _ in rows])
+    logprobs = step.logprobs[at]
+    logprobs = mx.where(constraints.allowed_rows([r.constraint for _, r in rows]), logprobs,
+                        mx.array(-mx.inf, logprobs.dtype))
+    drawn = mx.argmax(logprobs, axis=-1)
+    if not all(r.greedy for _, r in rows):
+        drawn = mx.concatenate([drawn[j:j + 1] if r.greedy
+                                else r.sample(logprobs[j:j + 1]).reshape(1)
+                                for j, (_, r) in enumerate(rows)])
     tokens = step.tokens
-    tokens[mx.array([i for i, _ in rows])] = mx.concatenate(drawn).astype(tokens.dtype)
+    tokens[at] = drawn.astype(tokens.dtype)
     for i, r in rows:
         if r.logits_processors:
             r.seen = mx.concatenate([r.seen, tokens[i:i + 1].astype(r.seen.dtype)])
