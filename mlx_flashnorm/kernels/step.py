@@ -381,10 +381,7 @@ def launch(kernel, x, positions, layers, caches, gains, qk_gains, theta, eps, fa
     handed out as depending on the launch (reading them runs it first). keep_work: the work buffer
     (work floats) too, last (bench/probes/rows_phases.py reads its clock stamps there). windows,
     gelu and gains' post-norms as decode_layers takes them; prefill: the rows are one sequence's
-    tokens in one cache row (rows.prefill_rows). The shared bytes go into the template too: MLX
-    sets a loaded kernel's dynamic shared memory limit at its first launch, so a later launch of
-    the same binary asking for more (a wider stack, e.g. one of OpenELM's sizes after the uniform
-    one) failed with an invalid argument."""
+    tokens in one cache row (rows.prefill_rows)."""
     if norm == "rms" and gains is None:  # the kernel would read the norms' weights from `gains`
         raise ValueError("norm 'rms' needs the norms' weights (gains)")
     K, D, I, xmax, HQ, HKV, GQ = sizes(x, layers, theta, n_heads, n_kv_heads)
@@ -404,7 +401,7 @@ def launch(kernel, x, positions, layers, caches, gains, qk_gains, theta, eps, fa
                 none if qk_gains is None else qk_gains, sync_state(), *stacked(layers)]
         + [a for kv in caches for a in kv],
         template=[("T", x.dtype), ("BITS", bits), ("D", D), ("GQ", GQ), ("NL", len(layers)),
-                  ("SMAX", SMAX), ("GELU", gelu), *template, ("SHM", shared_memory)],
+                  ("SMAX", SMAX), ("GELU", gelu), *template],
         grid=(sm_count() * threads, 1, 1), threadgroup=(threads, 1, 1),
         output_shapes=[x.shape, x.shape, (max(x.shape[0], 4),), (work,)],
         output_dtypes=[x.dtype, x.dtype, mx.float32, mx.float32], shared_memory=shared_memory)
