@@ -62,7 +62,7 @@ def test_the_timed_launch_is_decode_rows_launch_with_room_for_the_stamps(monkeyp
     assert len(calls) == 3 and all(len(c["inputs"]) == 7 + len(step.STACKED) + 2 * L
                                for c in calls)  # untimed, then reps
     assert calls[0]["output_shapes"][3] == (work + 2 * (2 + 6 * L),) and calls[0]["shared_memory"] == shared
-    assert plan == dict(template) == {"G": 8, "GD": 8, "GU": 8, "IC": I, "NW": rows.WARPS}
+    assert plan == dict(template) == {"XA": K, "G": 8, "GD": 8, "GU": 8, "IC": I, "NW": rows.WARPS}
     assert f"constexpr int WORK_ = {work};" in files[0] and files[0].count("ti_++") == 2 + 5 + 1
     assert phases.shape == (6,) and total == 0.0  # the stub's clock never moves
 

@@ -205,7 +205,7 @@ def test_cuda_source_compiles(tmp_path):
         code = build.cuda_source("fn_decode_layers", step.input_names(L),
                                  ["y", "p", "ys", "work"], body, header, types,
                                  [T, T, mx.float32, mx.float32],
-                                 template + ([("G", G), ("GD", max(8, G // 2)), ("GU", 16),
+                                 template + ([("XA", 256), ("G", G), ("GD", max(8, G // 2)), ("GU", 16),
                                               ("IC", 128 if G == 16 else 384), ("NW", 12 if G == 16 else 8)]
                                              if G else []))
         (tmp_path / f"s{i}.cu").write_text(code)
@@ -715,6 +715,27 @@ def test_rows_plans_fit_the_gpus_shared_memory(monkeypatch, limit):
             assert shared >= 4 * rows.WARPS * HQ // HKV * D
         if limit == 99 * 1024 and K == 576:  # the 32-row pass of 16 down_proj rows (123 KB) does not fit
             assert dict(rows.launch_plan(32, K, I, D, HQ, HKV, L)[0])["GD"] == 8
+
+
+def test_one_binary_asks_one_shared_size():
+    """Two launches of one decode_rows binary (the same template and the same D, query heads per
+    kv head and layers, which its static arrays follow) ask the same shared bytes: MLX loads a
+    binary once and fixes its dynamic shared limit at its first launch, so the second of two
+    sizes failed ('invalid argument': prefill_rows' self-check on the stack of OpenELM's sizes,
+    8 query heads, after the uniform one of 4). Over the self-check's stacks' sizes and real
+    models', every row count."""
+    from mlx_flashnorm.kernels import rows
+
+    seen = {}
+    for K, I, HQ, HKV, D, L in ((256, 384, 4, 2, 64, 2), (256, 384, 8, 4, 64, 2),
+                                (256, 128, 8, 4, 64, 2), (256, 384, 4, 1, 256, 2),
+                                (576, 1536, 9, 3, 64, 30), (640, 2048, 4, 1, 256, 18),
+                                (1280, 3072, 20, 5, 64, 16)):
+        for B in range(2, rows.BMAX + 1):
+            template, _, shared = rows.launch_plan(B, K, I, D, HQ, HKV, L)
+            key = (tuple(template), D, HQ // HKV, L)
+            assert seen.setdefault(key, shared) == shared, (key, seen[key], shared)
+    assert len(seen) > 7
 
 
 @pytest.mark.parametrize("form", ["q4", "full-bias"])

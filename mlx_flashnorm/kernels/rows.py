@@ -173,7 +173,10 @@ def launch_plan(B, K, I, D, n_heads, n_kv_heads, L):
     floats = B * ((n_heads + 2 * n_kv_heads) * D + n_heads * step.SMAX * (D + 2) + 3)
     # the T rows after the floats, as if of 4 bytes
     work = -(-floats // 4) * 4 + B * (2 * K + n_heads * D + I)
-    return [("G", G), ("GD", GD), ("GU", GU), ("IC", IC), ("NW", WARPS)], work, shared
+    # XA in the template, not read at run time: two launches of one binary (MLX loads it once, by
+    # its bytes, and fixes its dynamic shared limit at the first) ask the same shared bytes
+    return ([("XA", xa), ("G", G), ("GD", GD), ("GU", GU), ("IC", IC), ("NW", WARPS)], work,
+            shared)
 
 
 def reference(x, positions, layers, caches, *args, **kwargs):

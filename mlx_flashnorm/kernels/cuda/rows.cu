@@ -372,16 +372,18 @@ __device__ inline int fn_run_end(int items, int blocks) {
   return min(items, int(blockIdx.x + 1) * ((items + blocks - 1) / blocks));
 }
 // @piece body
-  // T, BITS, D, GQ, NL, SMAX, G and GD (rows per matvec pass, 8 or 16 (rows.GMAX): of the phases
-  // with inputs of K or HQ * D values, and of down_proj's I), GU (gate/up's: G, or 16 where G is
-  // 8), IC (down_proj's input values held at once, a multiple of 32), NW (warps; rows.WARPS):
-  // template constants
+  // T, BITS, D, GQ, NL, SMAX, XA (below), G and GD (rows per matvec pass, 8 or 16 (rows.GMAX):
+  // of the phases with inputs of K or HQ * D values, and of down_proj's I), GU (gate/up's: G, or
+  // 16 where G is 8), IC (down_proj's input values held at once, a multiple of 32), NW (warps;
+  // rows.WARPS): template constants
   constexpr int BMAX = 256, NT = G / 8, NTD = GD / 8, NTU = GU / 8;
   constexpr int EPL = 16 / sizeof(T), LPR = D / EPL, RPW = 32 / LPR;
   // the run-time sizes and flags (dims: rows.SIZES; XMAX unused here)
   {{SIZES}}
-  // strides of an input row in shared memory (down_proj's: XSD, its input in chunks of IC values)
-  const int XS = max(K, HQM * D) + 4, XSD = min(IC, IM) + 4;
+  // strides of an input row in shared memory (down_proj's: XSD, its input in chunks of IC values);
+  // XA, max(K, HQM * D), a template constant: a binary's shared bytes follow from its template
+  // alone (rows.launch_plan), as MLX fixes a binary's dynamic shared limit at its first launch
+  const int XS = XA + 4, XSD = min(IC, IM) + 4;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   unsigned int* bar = const_cast<unsigned int*>(sync);
   unsigned int target = 0;
