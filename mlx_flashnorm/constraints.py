@@ -12,6 +12,7 @@ llguidance's tokenizer is built once per tokenizer from its Hugging Face fast to
 GGUF's tokenizer is one) and kept on it: the first constrained request pays for that."""
 import json
 import threading
+from functools import lru_cache
 
 import llguidance
 import llguidance.hf
@@ -73,6 +74,8 @@ class Constraint:
 
     def allowed(self):
         """(vocab,) booleans: the tokens the grammar takes next (allowed_rows' row)."""
+        if mx.default_device() == mx.gpu:
+            return allowed_rows([self])[0]
         return mx.array(_unpacked([self])[0])
 
     def mask(self, logprobs):
@@ -111,13 +114,27 @@ def words(constraints):
 
 
 def allowed_rows(constraints):
-    """(rows, vocab) booleans, row j the tokens constraints[j]'s grammar takes next."""
+    """(rows, vocab) booleans, row j the tokens constraints[j]'s grammar takes next: on a GPU the
+    bitmasks (words) go over as they are, 8x fewer bytes than booleans, and are unpacked there; on
+    the CPU numpy unpacks them (MLX's gather and shifts cost it ~20x more)."""
+    if mx.default_device() == mx.gpu:
+        return unpack(mx.array(words(constraints)), constraints[0].vocab)
     return mx.array(_unpacked(constraints))
 
 
+def unpack(words, vocab):
+    """(rows, vocab) booleans of (rows, words) int32 bitmasks, on the default device."""
+    word, bit = _bit_table(vocab)
+    return (mx.take(words, word, axis=1) >> bit) & 1 == 1
+
+
+@lru_cache(maxsize=4)
+def _bit_table(vocab):
+    ids = mx.arange(vocab, dtype=mx.int32)
+    return ids // 32, ids % 32
+
+
 def _unpacked(constraints):
-    # the bitmasks (words) unpacked on the host, one array for the rows (MLX's gather and shifts
-    # cost the CPU ~20x more)
     bits = np.unpackbits(words(constraints).view(np.uint8), axis=1, bitorder="little")
     return bits[:, :constraints[0].vocab].view(bool)
 

@@ -236,3 +236,27 @@ def test_a_forced_call_grammar_is_a_valid_grammar():
     tools = Tools([WEATHER[0]["function"], {"name": "now"}], "required", "hermes", False)
     assert check(tools.grammar()) == ""
     assert check(JSON_OBJECT) == ""
+
+
+def test_a_batch_of_masks_is_each_rows_own(smollm2):
+    """allowed_rows (a batch's rows' masks in one llguidance call) gives each row the mask it
+    gets alone, for grammars at different states; the GPU's unpacking of the bitmasks (unpack, run
+    here on the CPU) equals numpy's, the sign bit and a vocabulary of no whole word included."""
+    import mlx.core as mx
+    import numpy as np
+
+    from mlx_flashnorm import constraints
+
+    model, tokenizer = smollm2
+    vocab = model.args.vocab_size
+    rows = [Constraint(g, tokenizer, vocab) for g in (JSON_OBJECT, schema_grammar(SCHEMA), JSON_OBJECT)]
+    for row, text in zip(rows, ['{"a": [1, ', "", '{"b": "x']):
+        for t in tokenizer.encode(text, add_special_tokens=False):
+            row.accept(t)
+    together = constraints.allowed_rows(rows)
+    alone = [row.allowed() for row in rows]
+    assert all(mx.array_equal(together[j], a).item() for j, a in enumerate(alone))
+    assert len({int(a.sum().item()) for a in alone}) == 3  # three different masks
+    words = np.random.default_rng(0).integers(-2 ** 31, 2 ** 31, (3, 32), dtype=np.int64).astype(np.int32)
+    want = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :1000].astype(bool)
+    assert (np.array(constraints.unpack(mx.array(words), 1000)) == want).all()
