@@ -7,8 +7,7 @@ call) a fixed text it accepts is tokenized and replayed --reps times through a f
 constraints.Constraint: per token, llguidance's mask alone (its bitmask computed), the whole of
 Constraint.allowed() (the bitmask unpacked into an MLX boolean array) and accept(token), and the
 masks of 32 rows under the grammar at once (constraints.allowed_rows, as a served step takes them).
-Prints
-the median and 90th percentile of each in microseconds (and the mask's slowest), and the
+Prints the median and 90th percentile of each in microseconds (and the mask's slowest), and the
 one-time cost of llguidance's tokenizer and of a grammar's matcher. The mask is computed while
 the device runs the step (serve/runner.py), so it costs a step nothing where it takes less than
 the step."""
