@@ -169,6 +169,9 @@ def test_constrained_clients_ask_our_server_for_the_schema(tiny_llama_dir):
     with serving(Server(model, tokenizer, "tiny", port=0, worker=worker)) as server:
         row = load_round(server.server_address[1], clients=4, rounds=1, max_tokens=6, tag="t", constrained=0.5)
     assert (row["requests"], row["errors"], row["constrained"]) == (4, 0, 0.5)
+    # the free half's TPOT apart (2 streams of 6 tokens: measured), and its column in the table
+    assert 0 < row["free_tpot_p50"] <= row["free_tpot_p99"] < 10
+    assert f"| 0.5 | {1e3 * row['free_tpot_p50']:.1f} / {1e3 * row['free_tpot_p99']:.1f} |" in table([dict(row, server="ours")])
     assert sorted(g is None for g in worker.grammars) == [False, False, True, True]
     assert all('"genre"' in g and "adventure" in g for g in worker.grammars if g is not None)
 
@@ -180,8 +183,8 @@ def test_mlx_lm_constrained_rows_are_skipped_and_the_table_says_so():
                                                     (0, 32, 0.5, SKIPPED)]
     assert plan("ours", [8], [0, 1], 2) == [(0, 8, 0, None), (0, 8, 1, None), (1, 8, 0, None), (1, 8, 1, None)]
     text = table([dict(server="mlx-lm", clients=32, constrained=0.5, repeat=0, skipped=SKIPPED)])
-    assert text.splitlines()[0].endswith("| constrained |")
-    assert text.splitlines()[-1] == f"| mlx-lm | 32 | skipped: {SKIPPED} | | | | | | | 0.5 |"
+    assert text.splitlines()[0].endswith("| constrained | free rows' TPOT p50 / p99 (ms) |")
+    assert text.splitlines()[-1] == f"| mlx-lm | 32 | skipped: {SKIPPED} | | | | | | | 0.5 | |"
 
 
 def test_llama_server_command_and_argument_errors(tmp_path):

@@ -160,11 +160,12 @@ def load_round(port, clients, rounds, max_tokens, tag, temperature=0.0, constrai
                burst=0):
     """clients threads, each sending rounds requests in turn, the first `constrained` of them (a
     fraction, rounded) asking for SCHEMA's JSON; the row's measurements (wall time: to the last
-    steady answer's end). With burst, that many newcomers send one free request each at once, when
+    steady answer's end; where some clients ask for the schema and some not, the free ones' TPOT
+    p50 and p99 apart too). With burst, that many newcomers send one free request each at once, when
     every client's first request has BURST_AFTER content chunks or has ended (or after
     BURST_WAIT s); their measurements (burst_summary) join the row, the rest of it the steady
     clients' alone."""
-    streams, errors = [], []
+    streams, errors, free = [], [], []  # free: the streams of clients without a schema
     schema = round(constrained * clients)
     arrived, lock, go = set(), threading.Lock(), threading.Event()
 
@@ -180,8 +181,11 @@ def load_round(port, clients, rounds, max_tokens, tag, temperature=0.0, constrai
             first = bool(burst) and r == 0
             seen = (lambda n: n == BURST_AFTER and ready(i)) if first else None
             try:
-                streams.append(stream_chat(port, prompt_of(i, r, tag), max_tokens, temperature,
-                                           form, seen))
+                stream = stream_chat(port, prompt_of(i, r, tag), max_tokens, temperature, form,
+                                     seen)
+                streams.append(stream)
+                if form is None:
+                    free.append(stream)
             except Exception as e:  # counted and reported, the others go on
                 errors.append(str(e))
             finally:
@@ -215,6 +219,9 @@ def load_round(port, clients, rounds, max_tokens, tag, temperature=0.0, constrai
         t.join()
     row = dict(summary(clients, streams, errors, time.perf_counter() - t0),
                constrained=constrained)
+    if 0 < schema < clients:  # a mixed batch: what the free rows pay for the others' grammars
+        tpot = [s.tpot for s in free if s.tpot is not None]
+        row.update(free_tpot_p50=percentile(tpot, 50), free_tpot_p99=percentile(tpot, 99))
     for t in waves:
         t.join()
         row.update(burst_summary(streams, newcomers, newcomer_errors, burst, began[0] - t0))

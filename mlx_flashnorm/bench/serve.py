@@ -254,13 +254,17 @@ def paired(rows):
 
 
 def table(rows):
-    """The rows as a markdown table; a column for the constrained fraction where a row has one."""
+    """The rows as a markdown table; columns for the constrained fraction where a row has one,
+    and for the free rows' TPOT p50 / p99 in a mixed batch."""
     fractions = any(r.get("constrained") for r in rows)
     lines = ["| server | clients | requests | tokens | aggregate tok/s | TTFT p50 (s) "
-             "| TTFT p99 (s) | TPOT p50 (ms) | TPOT p99 (ms) |" + " constrained |" * fractions,
-             "| --- |" + " ---: |" * (8 + fractions)]
+             "| TTFT p99 (s) | TPOT p50 (ms) | TPOT p99 (ms) |"
+             + " constrained | free rows' TPOT p50 / p99 (ms) |" * fractions,
+             "| --- |" + " ---: |" * (8 + 2 * fractions)]
     for r in rows:
-        end = f" {r.get('constrained', 0):g} |" * fractions
+        free = (f" {1e3 * r['free_tpot_p50']:.1f} / {1e3 * r['free_tpot_p99']:.1f} |"
+                if "free_tpot_p50" in r else " |")
+        end = (f" {r.get('constrained', 0):g} |" + free) * fractions
         if "skipped" in r:
             lines.append(f"| {r['server']} | {r['clients']} | skipped: {r['skipped']} "
                          "| | | | | | |" + end)
