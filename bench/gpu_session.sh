@@ -107,6 +107,18 @@ for m in ${STEP_KERNELS:-}; do
     python3 -m mlx_flashnorm.bench.step_kernels run --mode "$m" > "$OUT/kernels-$m.csv" 2>&1
   python3 -m mlx_flashnorm.bench.step_kernels summary "$OUT/kernels-$m.csv" 2>&1 | tee "$OUT/kernels-$m.md"
 done
+# NCU_ROWS: row counts (e.g. "64 256") at which one launch of the batched step kernel (1: the
+# one-row kernel) is profiled under ncu for where its time goes (speed of light, warp stalls,
+# memory), the rows at position 300 (bench/probes/rows_phases.py's launches); reports ncu-rows-N.txt
+for n in ${NCU_ROWS:-}; do
+  kernel=(); [ "$n" = 1 ] && kernel=(--kernel decode_layers) && n=""
+  timeout ${BENCH_TIMEOUT:-300} /usr/local/cuda/bin/ncu --kernel-name regex:stamped --launch-skip 1 \
+    --launch-count 1 --clock-control none --section SpeedOfLight --section WarpStateStats \
+    --section MemoryWorkloadAnalysis --section SchedulerStats --section Occupancy \
+    python3 bench/probes/rows_phases.py "${kernel[@]}" ${n:+--rows $n} --positions 300 --reps 2 \
+    > "$OUT/ncu-rows-${n:-1}.txt" 2>&1
+  grep -E "Duration|Throughput|Stall|Warp Cycles|Issued|Eligible|Active Warps" "$OUT/ncu-rows-${n:-1}.txt" | head -30
+done
 # each argument is one bench run: "ARGS" runs python -m mlx_flashnorm.bench ARGS; "NAME ARGS", with
 # NAME a module of mlx_flashnorm/bench (latency, serve, anatomy, ...) or a script of bench/probes
 # (rows_phases), runs that one with ARGS; BENCH_TIMEOUT (seconds, default 300) bounds each bench
