@@ -83,7 +83,7 @@ def test_the_one_row_launch_is_decode_layers_launch(monkeypatch, tmp_path):
     work = (HQ + 2 * HKV) * D + HQ * step.SMAX * (D + 2) + K + I
     assert len(calls) == 3 and calls[0]["output_shapes"][3] == (work + 2 * (2 + 5 * L),)
     assert calls[0]["shared_memory"] == step.shared_bytes(K, I, 4, D, HQ // HKV, L)
-    assert "fn_decode_layers_stamped" in calls[0]["name"] and plan == {}
+    assert "fn_decode_layers_stamped" in calls[0]["name"] and plan == dict(step.layout(K, I))
     assert files[0].count("ti_++") == 2 + 5 and phases.shape == (5,)
     copy = tmp_path / "step_copy.py"
     copy.write_text(open(step.__file__).read().replace("SMAX = 16 ", "SMAX = 8 "))

@@ -207,7 +207,7 @@ def test_cuda_source_compiles(tmp_path):
                                  [T, T, mx.float32, mx.float32],
                                  template + ([("XA", 256), ("G", G), ("GD", max(8, G // 2)), ("GU", 16),
                                               ("IC", 128 if G == 16 else 384), ("NW", 12 if G == 16 else 8)]
-                                             if G else []))
+                                             if G else step.layout(256, 384)))
         (tmp_path / f"s{i}.cu").write_text(code)
         done = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-o", str(tmp_path / f"s{i}.cubin"),
                                str(tmp_path / f"s{i}.cu")], capture_output=True, text=True)
@@ -736,6 +736,12 @@ def test_one_binary_asks_one_shared_size():
             key = (tuple(template), D, HQ // HKV, L)
             assert seen.setdefault(key, shared) == shared, (key, seen[key], shared)
     assert len(seen) > 7
+    # the one-row kernel's: its layout's constants (step.layout) with its other template constants
+    one = {}
+    for K, xmax in ((256, 384), (256, 512), (576, 1536), (1280, 5120), (2048, 8192)):
+        key = tuple(step.layout(K, xmax))
+        assert one.setdefault(key, step.shared_bytes(K, xmax, 4, 64, 4, 16)) == step.shared_bytes(K, xmax, 4, 64, 4, 16)
+    assert len(one) == 5
 
 
 @pytest.mark.parametrize("form", ["q4", "full-bias"])

@@ -87,7 +87,7 @@ def phase_times(module, kernel, spec, B, position, reps, capacity=1024):
     positions = mx.full((B,), position, mx.int32)
     if module.SIZES == step.SIZES:  # decode_layers (kernels/step.py or a copy): one row
         work = (HQ + 2 * HKV) * D + HQ * step.SMAX * (D + 2) + K + I
-        template, names = [], LAYER_PHASES
+        template, names = step.layout(K, max(K, HQ * D, I)), LAYER_PHASES
         shared = step.shared_bytes(K, max(K, HQ * D, I), spec["bits"], D, HQ // HKV, L)
     else:
         template, work, shared = module.launch_plan(B, K, I, D, HQ, HKV, L)

@@ -135,6 +135,14 @@ def step_kernel(layers):
                        *source(layers))
 
 
+def layout(K, xmax):
+    """The template constants of the kernel's shared memory layout, K and xmax as KRES and XIN: the
+    launch's shared bytes (shared_bytes) then follow from its binary's template, as they must:
+    MLX loads a binary once and fixes its dynamic shared limit at its first launch, so a second
+    model of the same template and another width failed (rows.launch_plan's XA likewise)."""
+    return [("KRES", K), ("XIN", xmax)]
+
+
 def shared_bytes(K, xmax, bits, D, GQ, L, total=False):
     """The dynamic shared memory of a launch: the residual row and the matvec input with its chunk
     sums. Where it and the body's static arrays pass 48 KB, at least 48004 bytes are asked for:
@@ -318,8 +326,8 @@ def decode_layers(x, offset, layers, caches, gains, qk_gains, theta, eps, factor
     return launch(step_kernel(len(layers)), x, position_array(offset), layers, caches, gains,
                   qk_gains, theta, eps, factor, qk_eps, n_heads, n_kv_heads, group_size, bits,
                   work=(HQ + 2 * HKV) * D + HQ * SMAX * (D + 2) + K + I,
-                  shared_memory=shared_bytes(K, xmax, bits, D, GQ, len(layers)), norm=norm,
-                  windows=windows, gelu=gelu)
+                  shared_memory=shared_bytes(K, xmax, bits, D, GQ, len(layers)),
+                  template=layout(K, xmax), norm=norm, windows=windows, gelu=gelu)
 
 
 def sizes(x, layers, theta, n_heads, n_kv_heads):

@@ -6,7 +6,8 @@
 // (the sizes and flags in `dims`, step.SIZES), TABLE (the pointer table, step.table) and
 // whole_step.cuh's LAYER and ATTEND pieces.
 // @piece body
-  // T, BITS, D (head size), GQ (query heads per kv head), NL (layers), SMAX: template constants
+  // T, BITS, D (head size), GQ (query heads per kv head), NL (layers), SMAX, KRES, XIN:
+  // template constants
   constexpr int NW = 8, PER = 32 / BITS, CW = 4 * PER;  // warps; values per word, per 16-byte chunk
   constexpr int EPL = 16 / sizeof(T), LPR = D / EPL, RPW = 32 / LPR;  // attention: a row's lanes
   // the run-time sizes and flags (dims: step.SIZES)
@@ -23,9 +24,11 @@
   float* obuf = part + HQM * SMAX * (D + 2);  // K: o_proj's output
   float* abuf = obuf + K;                     // I: SwiGLU's output
   extern __shared__ float smem[];
-  float* pres = smem;        // K: this block's copy of the residual stream (T-rounded)
-  float* xin = pres + K;     // XMAX: the running matvec's input row
-  float* xsum = xin + XMAX;  // XMAX / CW: its chunk sums
+  // laid out by KRES and XIN, template constants equal to K and XMAX: a binary's shared bytes
+  // follow from its template (step.layout)
+  float* pres = smem;         // K: this block's copy of the residual stream (T-rounded)
+  float* xin = pres + KRES;   // XMAX: the running matvec's input row
+  float* xsum = xin + XIN;    // XMAX / CW: its chunk sums
   __shared__ float red[NW];
   __shared__ const void* tab[NA * NL];
   __shared__ float qsh[GQ][D], sm[NW][GQ], sl[NW][GQ], sacc[NW][GQ][D];
