@@ -7,7 +7,7 @@ import pytest
 
 from mlx_flashnorm import load
 from mlx_flashnorm.bench.load import load_round, percentile
-from mlx_flashnorm.bench.serve import engine_round, free_port, step_profile, table
+from mlx_flashnorm.bench.serve import engine_counters, engine_round, free_port, step_profile, table
 from mlx_flashnorm.server import Server
 
 from conftest import serving
@@ -167,11 +167,19 @@ def test_constrained_clients_ask_our_server_for_the_schema(tiny_llama_dir):
     model, tokenizer = load(str(tiny_llama_dir), progress=False)
     worker = Recording(model, tokenizer)
     with serving(Server(model, tokenizer, "tiny", port=0, worker=worker)) as server:
-        row = load_round(server.server_address[1], clients=4, rounds=1, max_tokens=6, tag="t", constrained=0.5)
+        port = server.server_address[1]
+        before = engine_counters(port)
+        row = load_round(port, clients=4, rounds=1, max_tokens=6, tag="t", constrained=0.5)
+        # the engine's counters as /metrics gives them (its load is taken once the engine idles)
+        end = time.monotonic() + 60
+        while (grown := [b - a for a, b in zip(before, engine_counters(port))])[1] == 0:
+            assert time.monotonic() < end, "no mask time counted"
+            time.sleep(0.05)
+    assert grown[0] >= 5 and grown[1] > 0  # decode steps; the constrained rows' masks' seconds
     assert (row["requests"], row["errors"], row["constrained"]) == (4, 0, 0.5)
     # the free half's TPOT apart (2 streams of 6 tokens: measured), and its column in the table
     assert 0 < row["free_tpot_p50"] <= row["free_tpot_p99"] < 10
-    assert f"| 0.5 | {1e3 * row['free_tpot_p50']:.1f} / {1e3 * row['free_tpot_p99']:.1f} |" in table([dict(row, server="ours")])
+    assert f"| 0.5 | {1e3 * row['free_tpot_p50']:.1f} / {1e3 * row['free_tpot_p99']:.1f} | |" in table([dict(row, server="ours")])
     assert sorted(g is None for g in worker.grammars) == [False, False, True, True]
     assert all('"genre"' in g and "adventure" in g for g in worker.grammars if g is not None)
 
@@ -183,8 +191,8 @@ def test_mlx_lm_constrained_rows_are_skipped_and_the_table_says_so():
                                                     (0, 32, 0.5, SKIPPED)]
     assert plan("ours", [8], [0, 1], 2) == [(0, 8, 0, None), (0, 8, 1, None), (1, 8, 0, None), (1, 8, 1, None)]
     text = table([dict(server="mlx-lm", clients=32, constrained=0.5, repeat=0, skipped=SKIPPED)])
-    assert text.splitlines()[0].endswith("| constrained | free rows' TPOT p50 / p99 (ms) |")
-    assert text.splitlines()[-1] == f"| mlx-lm | 32 | skipped: {SKIPPED} | | | | | | | 0.5 | |"
+    assert text.splitlines()[0].endswith("| constrained | free rows' TPOT p50 / p99 (ms) | masks a step (ms) |")
+    assert text.splitlines()[-1] == f"| mlx-lm | 32 | skipped: {SKIPPED} | | | | | | | 0.5 | | |"
 
 
 def test_llama_server_command_and_argument_errors(tmp_path):

@@ -90,6 +90,9 @@ def test_the_counters_are_the_answers_usage(tiny_server, tiny_client):
     assert grew("llamacpp:prompt_seconds_total") > 0
     assert grew("llamacpp:tokens_predicted_seconds_total") > 0
     assert grew("llamacpp:n_decode_total") >= 5 + 3 + 4  # each answer's decode steps, at least
+    # decode steps apart from prefill calls; no row under a grammar: no mask time
+    assert 0 < grew("mlx_flashnorm:decode_steps_total") < grew("llamacpp:n_decode_total")
+    assert grew("mlx_flashnorm:grammar_mask_seconds_total") == 0
     assert after["llamacpp:predicted_tokens_seconds"] == pytest.approx(
         after["llamacpp:tokens_predicted_total"] / after["llamacpp:tokens_predicted_seconds_total"])
     assert after["llamacpp:prompt_tokens_seconds"] == pytest.approx(

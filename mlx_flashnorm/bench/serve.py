@@ -214,6 +214,19 @@ def engine_round(model, tokenizer, clients, rounds, max_tokens, tag, temperature
     return dict(summary(clients, streams, [], time.perf_counter() - t0), **step_profile(steps))
 
 
+def engine_counters(port):
+    """(decode steps, seconds of the constrained rows' masks) so far, from our server's /metrics
+    (mlx_flashnorm:decode_steps_total, mlx_flashnorm:grammar_mask_seconds_total)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines()
+                  if line and not line.startswith("#"))
+    return (float(values["mlx_flashnorm:decode_steps_total"]),
+            float(values["mlx_flashnorm:grammar_mask_seconds_total"]))
+
+
 def step_profile(steps):
     """An engine's steps [(start s, seconds, rows after it)]: their count, the steady step (the
     median of those holding the most rows), the seconds spent in such steps within 1.5x of it, and
@@ -255,16 +268,19 @@ def paired(rows):
 
 def table(rows):
     """The rows as a markdown table; columns for the constrained fraction where a row has one,
-    and for the free rows' TPOT p50 / p99 in a mixed batch."""
+    for the free rows' TPOT p50 / p99 in a mixed batch, and for the host time of the constrained
+    rows' masks a decode step (ours: engine_counters)."""
     fractions = any(r.get("constrained") for r in rows)
     lines = ["| server | clients | requests | tokens | aggregate tok/s | TTFT p50 (s) "
              "| TTFT p99 (s) | TPOT p50 (ms) | TPOT p99 (ms) |"
-             + " constrained | free rows' TPOT p50 / p99 (ms) |" * fractions,
-             "| --- |" + " ---: |" * (8 + 2 * fractions)]
+             + (" constrained | free rows' TPOT p50 / p99 (ms) | masks a step (ms) |"
+                * fractions),
+             "| --- |" + " ---: |" * (8 + 3 * fractions)]
     for r in rows:
         free = (f" {1e3 * r['free_tpot_p50']:.1f} / {1e3 * r['free_tpot_p99']:.1f} |"
                 if "free_tpot_p50" in r else " |")
-        end = (f" {r.get('constrained', 0):g} |" + free) * fractions
+        masks = f" {r['mask_ms_per_step']:.2f} |" if "mask_ms_per_step" in r else " |"
+        end = (f" {r.get('constrained', 0):g} |" + free + masks) * fractions
         if "skipped" in r:
             lines.append(f"| {r['server']} | {r['clients']} | skipped: {r['skipped']} "
                          "| | | | | | |" + end)
@@ -453,10 +469,14 @@ def main(argv=None):
                                    f)
                     # the server process's own (ours: its HTTP front)
                     before = cpu_seconds(process.pid)
+                    counted = engine_counters(port) if kind == "ours" else None
                     row = dict(load_round(port, n, args.rounds, args.max_tokens, tag,
                                           args.temperature, f, burst=args.burst),
                                server=kind, repeat=repeat)
                     row["server_cpu_s"] = cpu_seconds(process.pid) - before
+                    if counted:  # the engine's decode steps and its masks' host time a step
+                        steps, mask = (b - a for a, b in zip(counted, engine_counters(port)))
+                        row.update(decode_steps=steps, mask_ms_per_step=1e3 * mask / max(steps, 1))
                     print(table([row]).splitlines()[-1], file=sys.stderr, flush=True)
                     if args.burst:
                         print(burst_table([row]).splitlines()[-1], file=sys.stderr, flush=True)

@@ -132,10 +132,11 @@ class BatchEngine:
         # tokens the prompt cache gave, and requests' prefill and choices' generation seconds
         self.steps = self.rows_stepped = self.generated = self.cached_tokens = 0
         self.prompt_seconds = self.generation_seconds = 0.0
+        self.mask_seconds = 0.0  # host time of the constrained rows' masks (settle)
         self.small = 0  # steps in a row that a smaller bucket would have held the rows
 
     COUNTERS = ("prefilled", "prefill_calls", "steps", "rows_stepped", "generated",
-                "cached_tokens", "prompt_seconds", "generation_seconds")
+                "cached_tokens", "prompt_seconds", "generation_seconds", "mask_seconds")
 
     def add(self, request):
         """Queue a request; max_tokens is cut to what the model's context leaves."""
@@ -179,7 +180,7 @@ class BatchEngine:
                     sum(1 + len(r.twins) for r in self.waiting),
                     sum(s.pos[r.slot] for r in rows),
                     self.kv_budget // token_bytes(self._layout()) if self.kv_budget is not None
-                    else s.size * s.capacity if s else 0)
+                    else s.size * s.capacity if s else 0, mask_seconds=self.mask_seconds)
 
     def _admitted(self):
         """Rows taken: in the batch, joining it, or under prefill (with their twins)."""
@@ -209,14 +210,14 @@ class BatchEngine:
         # (the rows' host work is per row: once a step)
         live = self.slots.live() if self.slots is not None else []
         if self.pending is None and live:
-            self.pending = settle(self.slots, queue_step(self.slots, live))
+            self.pending = self._settle(queue_step(self.slots, live))
         if self.pending is None:
             return []
         more = any(r.queued < r.max_tokens for _, r in live)
         ahead = queue_step(self.slots, live) if more else None
         events = self._read(self.pending)
         if ahead is not None:  # rows under a grammar: their masks while the device runs ahead
-            ahead = settle(self.slots, ahead)
+            ahead = self._settle(ahead)
         self.pending = ahead if (left := self.rows) else None
         now = time.perf_counter()
         if self.read_at is not None and calls == self.prefill_calls:
@@ -226,6 +227,15 @@ class BatchEngine:
         if not left and not self.busy and self.slots is not None:
             self.slots.store(self.prompt_cache)
         return events
+
+    def _settle(self, step):
+        """runner.settle, its host time counted where the step has rows under a grammar."""
+        if not step.constrained:
+            return step
+        began = time.perf_counter()
+        step = settle(self.slots, step)
+        self.mask_seconds += time.perf_counter() - began
+        return step
 
     def feedable(self, n):
         """Whether a newcomer with n prompt tokens left is fed them through the decode steps."""

@@ -73,6 +73,11 @@ def exposition(load, outcomes, active, slots, held, budget):
              load.kv_tokens),
             ("mlx_flashnorm:prompt_tokens_cached_total", "counter",
              "Prompt tokens the prompt cache gave.", load.cached_tokens),
+            ("mlx_flashnorm:decode_steps_total", "counter", "Decode steps of the batch.",
+             load.steps),
+            ("mlx_flashnorm:grammar_mask_seconds_total", "counter",
+             "Host time of the constrained rows' token masks (response_format, tools), summed "
+             "over steps.", load.mask_seconds),
             ("mlx_flashnorm:batch_rows", "gauge", "Rows decoding in the batch.", load.rows),
             ("mlx_flashnorm:batch_rows_max", "gauge",
              "Rows the batch may hold (--max-concurrent).", slots),

@@ -146,9 +146,10 @@ class Load:
     waiting: int = 0  # rows waiting for room in the batch
     kv_tokens: int = 0  # positions the rows hold in the batch's KV cache
     kv_capacity: int = 0  # positions the KV budget holds (without one: the batch's cache now)
+    mask_seconds: float = 0.0  # host time of constrained rows' masks (BatchEngine._settle)
 
     COUNTERS = ("prompt_tokens", "cached_tokens", "prompt_seconds", "generated",
-                "generation_seconds", "calls", "steps", "rows_stepped")
+                "generation_seconds", "calls", "steps", "rows_stepped", "mask_seconds")
 
     def after(self, earlier):
         """This load, its counters added to earlier's (an engine process that was replaced)."""
