@@ -216,15 +216,19 @@ def engine_round(model, tokenizer, clients, rounds, max_tokens, tag, temperature
 
 def engine_counters(port):
     """(decode steps, seconds of the constrained rows' masks) so far, from our server's /metrics
-    (mlx_flashnorm:decode_steps_total, mlx_flashnorm:grammar_mask_seconds_total)."""
+    (mlx_flashnorm:decode_steps_total, mlx_flashnorm:grammar_mask_seconds_total); None where it
+    has none (--no-metrics in --server-args)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     conn.request("GET", "/metrics")
-    text = conn.getresponse().read().decode()
+    response = conn.getresponse()
+    text = response.read().decode()
     conn.close()
     values = dict(line.rsplit(" ", 1) for line in text.splitlines()
                   if line and not line.startswith("#"))
-    return (float(values["mlx_flashnorm:decode_steps_total"]),
-            float(values["mlx_flashnorm:grammar_mask_seconds_total"]))
+    names = ("mlx_flashnorm:decode_steps_total", "mlx_flashnorm:grammar_mask_seconds_total")
+    if response.status != 200 or not all(n in values for n in names):
+        return None
+    return tuple(float(values[n]) for n in names)
 
 
 def step_profile(steps):
@@ -474,8 +478,9 @@ def main(argv=None):
                                           args.temperature, f, burst=args.burst),
                                server=kind, repeat=repeat)
                     row["server_cpu_s"] = cpu_seconds(process.pid) - before
-                    if counted:  # the engine's decode steps and its masks' host time a step
-                        steps, mask = (b - a for a, b in zip(counted, engine_counters(port)))
+                    # the engine's decode steps and its masks' host time a step
+                    if counted and (after := engine_counters(port)):
+                        steps, mask = (b - a for a, b in zip(counted, after))
                         row.update(decode_steps=steps, mask_ms_per_step=1e3 * mask / max(steps, 1))
                     print(table([row]).splitlines()[-1], file=sys.stderr, flush=True)
                     if args.burst:
