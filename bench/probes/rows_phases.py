@@ -12,7 +12,9 @@ SmolLM2-135M in float16 on random caches, every row at the same position, and pr
 over --reps launches of each phase's mean over the layers, in microseconds. --source times the
 kernel of another copy of kernels/rows.py (or kernels/step.py: another GMAX, a changed phase; one
 with launch_plan, source and SIZES, or source and SIZES) beside the current one; the copy reads
-its CUDA from the cuda/ folder beside it (copy the kernels folder to change a phase)."""
+its CUDA from the cuda/ folder beside it (copy the kernels folder to change a phase). --blocks
+launches each at other grid sizes (one block an SM by default): what the grid barriers cost
+against the blocks' work."""
 import argparse
 import importlib.util
 import sys
@@ -120,6 +122,9 @@ def arg_parser():
                    help="other copies of kernels/rows.py (or step.py) to time beside it")
     p.add_argument("--kernel", choices=["decode_rows", "decode_layers"], default="decode_rows",
                    help="the batched kernel, or the one-row one (one row: --rows unused)")
+    p.add_argument("--blocks", default="",
+                   help="comma-separated grid sizes to launch with (default: one block an SM): "
+                        "fewer blocks meet at cheaper barriers and do more work each")
     p.add_argument("--verbose", action="store_true", help="show tracebacks on errors")
     return p
 
@@ -132,8 +137,12 @@ def main(argv=None):
     try:
         counts = [int(v) for v in args.rows.split(",")]
         positions = [int(v) for v in args.positions.split(",")]
+        blocks = [int(v) for v in args.blocks.split(",")] if args.blocks else [step.sm_count()]
     except ValueError:
-        raise UserError("--rows and --positions take whole numbers separated by commas")
+        raise UserError("--rows, --positions and --blocks take whole numbers separated by commas")
+    if min(blocks) < 1 or max(blocks) > step.sm_count():
+        raise UserError(f"--blocks must lie in 1..{step.sm_count()} (one block an SM at most: the "
+                        "blocks of a grid barrier all run at once)")
     if (min(counts) < 2 or max(counts) > step.MAX_ROWS
             or min(positions) < 0 or max(positions) >= 1023):
         raise UserError(f"--rows must lie in 2..{step.MAX_ROWS} and --positions in 0..1022")
@@ -145,21 +154,25 @@ def main(argv=None):
     spec["layers"] = _stacked(model.layers, spec["layers"])
     print(f"{device_name()}, MLX {mx.__version__}, SmolLM2-135M float16, "
           f"{args.reps} launches a point\n")
-    print("| kernel | rows | position | G, GD, GU, NW | " + " | ".join(names)
+    print("| kernel | blocks | rows | position | G, GD, GU, NW | " + " | ".join(names)
           + " | layer | step |")
-    print("| --- | ---: | ---: | --- |" + " ---: |" * (len(names) + 2))
+    print("| --- | ---: | ---: | ---: | --- |" + " ---: |" * (len(names) + 2))
+    sm_count = step.sm_count
     for i, source in enumerate([None] + args.source):
         module = rows_module(source, step if one_row else current)
         kernel = stamped_kernel(module, len(spec["layers"]), i)
-        for B in counts:
-            for position in positions:
+        for nb, B, position in ((nb, B, p) for nb in blocks for B in counts for p in positions):
+            step.sm_count = lambda: nb  # the launch's grid and its NB
+            try:
                 phases, total, plan = phase_times(module, kernel, spec, B, position, args.reps)
-                # an older copy's plan may lack GU and NW: its gate/up pass and its warps as then
-                passes = ("-" if one_row else f"{plan['G']}, {plan['GD']}, "
-                          f"{plan.get('GU', plan['G'])}, {plan.get('NW', 8)}")
-                print(f"| {source or 'current'} | {B} | {position} | {passes} | "
-                      + " | ".join(f"{v:.1f}" for v in phases)
-                      + f" | {phases.sum():.1f} | {total:.0f} |", flush=True)
+            finally:
+                step.sm_count = sm_count
+            # an older copy's plan may lack GU and NW: its gate/up pass and its warps as then
+            passes = ("-" if one_row else f"{plan['G']}, {plan['GD']}, "
+                      f"{plan.get('GU', plan['G'])}, {plan.get('NW', 8)}")
+            print(f"| {source or 'current'} | {nb} | {B} | {position} | {passes} | "
+                  + " | ".join(f"{v:.1f}" for v in phases)
+                  + f" | {phases.sum():.1f} | {total:.0f} |", flush=True)
 
 
 if __name__ == "__main__":
