@@ -778,18 +778,30 @@ def test_batch_worker_serves_tickets_concurrently(llama):
 
 
 def test_batch_worker_gathers_a_burst_into_one_prefill_call(llama):
-    """Tickets that reach an idle BatchWorker one after another, each within its gather gap of the
-    last, are prefilled in one shared call (not the first alone and the rest behind it), and each
-    still gets its single-request tokens."""
+    """Tickets of a burst (their requests followed by others at the server: Generation.followed)
+    that reach an idle BatchWorker one after another, each within its gather gap of the last, are
+    prefilled in one shared call (not the first alone and the rest behind it), and each still gets
+    its single-request tokens."""
     prompts = [prompt(llama, n, seed=n) for n in (5, 7, 9, 11)]
     worker = BatchWorker(llama, SimpleNamespace(eos_token_ids=set()), gather=(1.0, 10.0))
     tickets = []
     for p in prompts:
-        tickets.append(worker.submit(Generation(p, STEPS)))
+        tickets.append(worker.submit(Generation(p, STEPS, followed=True)))
         time.sleep(0.05)
     results = [[t.id for t in iter(lambda: ticket.next(timeout=120), None)] for ticket in tickets]
     assert worker.engine.prefill_calls == 1
     assert results == [single(llama, p)[0] for p in prompts]
+
+
+def test_a_lone_request_waits_for_no_burst(llama):
+    """A ticket whose request came alone (not followed) starts at once at an idle worker whose
+    gather gap is 30 s: answered well within it, its single-request tokens."""
+    p = prompt(llama, 6, seed=3)
+    worker = BatchWorker(llama, SimpleNamespace(eos_token_ids=set()), gather=(30.0, 60.0))
+    began = time.monotonic()
+    ticket = worker.submit(Generation(p, STEPS))
+    tokens = [t.id for t in iter(lambda: ticket.next(timeout=120), None)]
+    assert time.monotonic() - began < 20 and tokens == single(llama, p)[0]
 
 
 def test_warmup_leaves_no_trace(llama, monkeypatch):

@@ -214,3 +214,42 @@ def test_bad_batch_flags_are_one_line_errors():
             "error: --max-concurrent and --prefill-step-size must be at least 1 and "
             "--prompt-cache-size (MB) at least 0"), r.stderr
         assert "Traceback" not in r.stderr
+
+
+def test_a_request_taken_while_another_arrives_is_a_bursts(tiny_llama_dir):
+    """Generation.followed, which lets an idle batch worker gather a burst: True for a request
+    taken while another is still being read (its body half sent), False for that one once taken
+    alone and for a request that came alone (a lone request waits for no gather)."""
+    model, tokenizer = load(str(tiny_llama_dir), progress=False)
+    followed = []
+
+    class Recording(BatchWorker):
+        def submit(self, generation):
+            followed.append(generation.followed)
+            return super().submit(generation)
+
+    body = json.dumps({"prompt": "Once upon a time", "max_tokens": 2}).encode()
+    with serving(Server(model, tokenizer, "tiny", port=0, worker=Recording(model, tokenizer))) as server:
+        port = server.server_address[1]
+
+        def post():
+            with socket.create_connection(("127.0.0.1", port), timeout=120) as s:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                          b"Content-Type: application/json\r\nConnection: close\r\n"
+                          + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+                assert b" 200 " in s.recv(64)
+
+        slow = socket.create_connection(("127.0.0.1", port), timeout=120)
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                     b"application/json\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                     + body[:5])
+        end = time.monotonic() + 60
+        while server.arriving < 1:  # its handler is reading the body
+            assert time.monotonic() < end
+            time.sleep(0.01)
+        post()  # taken while the slow one arrives
+        slow.sendall(body[5:])
+        assert b" 200 " in slow.recv(64)
+        slow.close()
+        post()  # alone
+    assert followed == [True, False, False]

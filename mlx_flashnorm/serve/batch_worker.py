@@ -28,9 +28,10 @@ class BatchWorker:
 
     warm: play warmup(engine) on the thread first; its exception is raised here.
     prompt_cache_bytes: the prompt cache's bound (0: none).
-    gather: (gap, most) in seconds: a request that finds the engine idle waits until no other came
-    for `gap`, at most `most` in all, so that a burst's requests prefill in one call rather than the
-    first alone and the rest behind it (bench/RESULTS.md, "Serving").
+    gather: (gap, most) in seconds: a request that finds the engine idle while others were reaching
+    the server with it (Generation.followed) waits until no other came for `gap`, at most `most` in
+    all, so that a burst's requests prefill in one call rather than the first alone and the rest
+    behind it (bench/RESULTS.md, "Serving"); a lone request waits for none.
     max_batch, kv_budget: the rows and KV memory (kv_limits) from which follow `slots`, the rows
     decoded together, and `kv_tokens`, the positions the budget holds, against which the server
     counts the requests it takes.
@@ -149,7 +150,8 @@ class BatchWorker:
         idle_wait seconds, then its burst: gather)."""
         try:
             ticket = self.inbox.get(block=block, timeout=self.idle_wait)
-            gap, most = self.gather if block else (0, 0)
+            # a burst, where others were reaching the server with the first (Generation.followed)
+            gap, most = self.gather if block and ticket.generation.followed else (0, 0)
             end = time.monotonic() + most
             while True:
                 if not ticket.cancelled:

@@ -141,6 +141,7 @@ class Server(ThreadingHTTPServer):
         self.created = int(time.time())
         # requests taken, and the positions of KV cache they need (each its prompt and max_tokens)
         self.lock, self.active, self.held = threading.Lock(), 0, 0
+        self.arriving = 0  # completion requests being read, parsed and tokenized, not yet taken
         self.metrics, self.outcomes = metrics, Counter()  # completion requests by outcome
         self.draining = False  # stopping: no request taken
         self.reaper = Reaper(timeout)
@@ -173,6 +174,7 @@ class Server(ThreadingHTTPServer):
                                 headers={"Retry-After": str(RETRY_AFTER)})
             self.active += 1
             self.held += need
+            generation.followed = self.arriving > 1  # (this one among them)
         return self.worker.submit(generation)
 
     def done(self, generation, outcome=None):
@@ -444,6 +446,9 @@ class Handler(BaseHTTPRequestHandler):
         chat = self.path.rstrip("/") == "/v1/chat/completions"
         completion = chat or self.path.rstrip("/") == "/v1/completions"
         utility = tokenizer_api.ROUTES.get(self.path.rstrip("/"))
+        if completion:  # arriving until taken or refused (Generation.followed)
+            with self.server.lock:
+                self.server.arriving += 1
         try:
             body = self.read_body()  # first: an answer with bytes left unread could be lost (drain)
             self.check_host()
@@ -464,6 +469,10 @@ class Handler(BaseHTTPRequestHandler):
             self.server.count(metrics.outcome(e.status) if completion else None)
             self.fail(e)
             return self.drain(e.unread) if isinstance(e, BodyRefused) else None
+        finally:
+            if completion:
+                with self.server.lock:
+                    self.server.arriving -= 1
         outcome = "gone"
         try:
             transcripts = [Transcript(self.server.tokenizer, call)

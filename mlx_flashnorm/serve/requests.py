@@ -43,6 +43,9 @@ class Generation:
     # an llguidance grammar the tokens follow (constraints.py: a JSON schema, a tool call), checked
     grammar: Optional[str] = None
     n: int = 1  # choices: continuations of the prompt, each its own draw (Token.choice)
+    # other requests were reaching the server as it took this one: an idle batch worker gathers a
+    # burst (BatchWorker's gather) only then, so that a lone request waits for none
+    followed: bool = False
 
     def seeds(self):
         """Each choice's seed: the request's for the first (so that it is n = 1's answer), for each
