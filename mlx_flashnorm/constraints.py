@@ -73,14 +73,13 @@ class Constraint:
         self.eos = sorted(getattr(tokenizer, "eos_token_ids", None) or ())
 
     def allowed(self):
-        """(vocab,) booleans: the tokens the grammar takes next (allowed_rows' row)."""
-        if mx.default_device() == mx.gpu:
-            return allowed_rows([self])[0]
+        """(vocab,) booleans: the tokens the grammar takes next (allowed_rows' row, unpacked on the
+        host)."""
         return mx.array(_unpacked([self])[0])
 
     def mask(self, logprobs):
         """logprobs (1, vocab) with the tokens the grammar refuses at -inf."""
-        return mx.where(self.allowed(), logprobs, mx.array(-mx.inf, logprobs.dtype))
+        return mx.where(allowed_rows([self]), logprobs, mx.array(-mx.inf, logprobs.dtype))
 
     def accept(self, token):
         """The grammar takes a generated token (an end-of-sequence token ends it)."""
