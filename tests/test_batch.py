@@ -795,13 +795,14 @@ def test_batch_worker_gathers_a_burst_into_one_prefill_call(llama):
 
 def test_a_lone_request_waits_for_no_burst(llama):
     """A ticket whose request came alone (not followed) starts at once at an idle worker whose
-    gather gap is 30 s: answered well within it, its single-request tokens."""
+    gather gap is 300 s: answered well within it (a bound, not a pace), its single-request
+    tokens."""
     p = prompt(llama, 6, seed=3)
-    worker = BatchWorker(llama, SimpleNamespace(eos_token_ids=set()), gather=(30.0, 60.0))
+    worker = BatchWorker(llama, SimpleNamespace(eos_token_ids=set()), gather=(300.0, 600.0))
     began = time.monotonic()
     ticket = worker.submit(Generation(p, STEPS))
-    tokens = [t.id for t in iter(lambda: ticket.next(timeout=120), None)]
-    assert time.monotonic() - began < 20 and tokens == single(llama, p)[0]
+    tokens = [t.id for t in iter(lambda: ticket.next(timeout=600), None)]
+    assert time.monotonic() - began < 150 and tokens == single(llama, p)[0]
 
 
 def test_warmup_leaves_no_trace(llama, monkeypatch):
