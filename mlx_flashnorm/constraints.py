@@ -114,8 +114,8 @@ def words(constraints):
 
 def allowed_rows(constraints):
     """(rows, vocab) booleans, row j the tokens constraints[j]'s grammar takes next: on a GPU the
-    bitmasks (words) go over as they are, 8x fewer bytes than booleans, and are unpacked there; on
-    the CPU numpy unpacks them (MLX's gather and shifts cost it ~20x more)."""
+    bitmasks (words) go over as they are, a bit a token, and are unpacked there; on the CPU numpy
+    unpacks them (MLX's gather and shifts cost it far more: bench/LOG.md, thirty-sixth pass)."""
     if mx.default_device() == mx.gpu:
         return unpack(mx.array(words(constraints)), constraints[0].vocab)
     return mx.array(_unpacked(constraints))
