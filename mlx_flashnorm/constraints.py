@@ -115,7 +115,8 @@ def words(constraints):
 def allowed_rows(constraints):
     """(rows, vocab) booleans, row j the tokens constraints[j]'s grammar takes next: on a GPU the
     bitmasks (words) go over as they are, a bit a token, and are unpacked there; on the CPU numpy
-    unpacks them (MLX's gather and shifts cost it far more: bench/LOG.md, thirty-sixth pass)."""
+    unpacks them (MLX's gather and shifts cost it far more: bench/LOG.md, "Thirty-sixth pass, on
+    this CPU after the device time was spent")."""
     if mx.default_device() == mx.gpu:
         return unpack(mx.array(words(constraints)), constraints[0].vocab)
     return mx.array(_unpacked(constraints))
