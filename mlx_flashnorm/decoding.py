@@ -13,10 +13,11 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-from . import constraints, forms
+from . import constraints, forms, kernels
 from .cache import StaticKVCache, make_cache
 from .chat_template import encode_chat, set_chat_template
 from .errors import UserError
+from .flashnorm import kv_buffers
 from .loader import load
 from .lockstep import quiet
 
@@ -142,12 +143,14 @@ def prefill(model, tokens, cache, compiled=None):
     kept = getattr(model, "_compiled_prefill", None)
     if kept is None or not kept.current():
         model._compiled_prefill = CompiledStep(model, mx.compile(partial(_fill, model)))
-    kv = None
     if start:  # the buffers (a KVCache's grown to capacity, as its own update would grow them)
         grow = [(0, 0), (0, 0), (0, capacity - start), (0, 0)]
         kv = [(c.keys, c.values) if static else (mx.pad(c.keys[..., :start, :], grow),
                                                  mx.pad(c.values[..., :start, :], grow))
               for c in cache]
+    else:  # made here, not in the trace, where prefill_rows will write them (kv_buffers)
+        kv = (kv_buffers(model.layers, capacity) if kernels.use_decode_layers("prefill_rows")
+              else None)
     ids = mx.pad(mx.array(tokens), (0, size - n))
     kv = model._compiled_prefill.fn(ids, decode_offset(start), kv, capacity)
     for c, (k, v) in zip(cache, kv):

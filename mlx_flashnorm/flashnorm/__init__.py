@@ -53,11 +53,11 @@ from .head import FlashHead, TiedFlashHead
 from .norm import (Deferred, DeferredLinear, DeferredNorm, NoNorm, Pending,
                    QuantizedDeferredLinear, deferred, fold_weight, norm_gain, norm_weight,
                    rss_scale, weightless)
-from .stack import decode_stack, stack_weights, unstack
+from .stack import decode_stack, kv_buffers, stack_weights, unstack
 from .paper import (DyTLinear, FlashDyT, FlashGLU, FlashLayerNormLinear, FlashReLUFFN,
                     merge_mean_centering)
 
-__all__ = ["apply", "remove_norms", "decode_stack", "stack_weights", "unstack", "make_weightless",
+__all__ = ["apply", "remove_norms", "decode_stack", "kv_buffers", "stack_weights", "unstack", "make_weightless",
            "folded_norms", "mapping", "Mapping", "Pair", "NoNorm", "HEADS", "DEFAULT_HEAD",
            "FlashAttention", "FlashQKNormAttention", "FlashSwiGLU", "FlashGeGLU",
            "FlashFusedSwiGLU", "FlashHead", "TiedFlashHead", "Deferred", "DeferredLinear",

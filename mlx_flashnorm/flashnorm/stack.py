@@ -318,6 +318,25 @@ def _stacked(layers, mats):
     return kernels.Layers(mats, kept.arrays)
 
 
+def kv_buffers(layers, capacity):
+    """Zeroed (k, v) buffers of `capacity` positions for each layer of a stack the kernels take,
+    in the activations' dtype (its scales', or its full-precision weights'), as prefill_rows
+    writes a first prompt into them; None for other stacks. A compiled prefill takes them as inputs (decoding.prefill): made inside a traced
+    function, equal buffers may be merged into one (mx.compile merges equal operations), and the
+    kernel, which writes the caches in place, would then write every layer's k and v into one."""
+    spec = _spec(layers) if layers and isinstance(layers[0], nn.Module) else None
+    if spec is None:
+        return None
+    w, scales = spec["layers"][0][0][:2]
+    return _buffers(spec, capacity, w.dtype if scales is None else scales.dtype)
+
+
+def _buffers(spec, capacity, dtype):
+    D = spec["theta"].shape[-1] * 2
+    per = kernels.layer_sizes(spec["layers"], spec["n_heads"], spec["n_kv_heads"])
+    return [tuple(mx.zeros((1, hkv, capacity, D), dtype) for _ in range(2)) for _, hkv, _ in per]
+
+
 def decode_stack(layers, h, cache, windows=None):
     """The input of the final norm, (x, residual), after every block for the decode rows h
     (embeddings, (B, 1, K)) through one kernel, with the caches' new k and v written (flash: x a
@@ -349,10 +368,9 @@ def decode_stack(layers, h, cache, windows=None):
     if spec is None:
         return None
     D, n = spec["theta"].shape[-1] * 2, h.shape[1]
-    if prefill and any(c.keys is None for c in cache):  # a first prefill: buffers as its update's
-        per = kernels.layer_sizes(spec["layers"], spec["n_heads"], spec["n_kv_heads"])
-        for c, (_, hkv, _) in zip(cache, per):
-            c.keys, c.values = (mx.zeros((1, hkv, c.capacity, D), h.dtype) for _ in range(2))
+    if prefill and any(c.keys is None for c in cache):  # a first prefill, eager: buffers here
+        for c, kv in zip(cache, _buffers(spec, cache[0].capacity, h.dtype)):
+            c.keys, c.values = kv
     kv = [(c.keys, c.values) for c in cache]
     x = h.reshape(n, 1, -1) if prefill else h
     if (D != kv[0][0].shape[-1]
