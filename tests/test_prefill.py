@@ -8,8 +8,9 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from mlx_flashnorm import decoding, forms, load
+from mlx_flashnorm import decoding, forms, kernels, load
 from mlx_flashnorm.cache import make_cache
+from mlx_flashnorm.flashnorm import kv_buffers
 from mlx_flashnorm.decoding import PREFILL_BUCKETS, cache_capacity, generate_step, prefill
 from mlx_flashnorm.serve.engine import BatchEngine
 from mlx_flashnorm.serve.prompt_cache import PromptCache
@@ -98,6 +99,8 @@ def traced(monkeypatch, model):
         return fill(model, ids, offset, kv, capacity)
 
     monkeypatch.setattr(decoding, "_fill", counting)
+    # (where prefill_rows runs, a first prompt's buffers come with it: test_first_prompt_buffers...)
+    monkeypatch.setattr(kernels, "use_decode_layers", lambda name="decode_layers": False)
     model._compiled_prefill = None
     return calls
 
@@ -114,6 +117,30 @@ def test_one_trace_per_bucket(monkeypatch):
         prefill(model, list(range(n)), cache, True)
     assert calls[2:] == [(16, "after a prefix")]
     assert PREFILL_BUCKETS[:5] == (16, 32, 64, 128, 256) and PREFILL_BUCKETS[-1] == 2048
+
+
+@pytest.mark.parametrize("kind", ["static", "kvcache"])
+def test_first_prompt_buffers_come_from_outside_the_trace(monkeypatch, kind):
+    """Where prefill_rows runs, a first prompt's compiled prefill takes its cache buffers as inputs
+    (kv_buffers: zeros of each layer's kv heads, OpenELM's differing, made before the trace):
+    prefill_rows writes the caches in place, and buffers made inside a traced function may be
+    merged into one by mx.compile (on an H200 every layer's k and v were one buffer). The caches
+    are those of the eager prefill."""
+    model = random_model(dict(TINY_OPENELM, max_position_embeddings=256), "flash")
+    bufs = kv_buffers(model.layers, 64)
+    assert [k.shape for k, _ in bufs] == [(1, 2, 64, 64), (1, 1, 64, 64)]
+    assert all(a.dtype == mx.float32 and not a.any().item() for kv in bufs for a in kv)
+    assert len({id(a) for kv in bufs for a in kv}) == 4
+    given, fill = [], decoding._fill
+    monkeypatch.setattr(decoding, "_fill", lambda model, ids, offset, kv, capacity: given.append(
+        kv is not None and len(kv)) or fill(model, ids, offset, kv, capacity))
+    monkeypatch.setattr(kernels, "use_decode_layers", lambda name="decode_layers": True)
+    tokens = mx.random.randint(0, model.args.vocab_size, (FIRST + 1,), key=mx.random.key(4))
+    capacity = 64 if kind == "static" else None
+    got, kv, _ = filled(model, tokens, make_cache(model, capacity), True, (FIRST,))
+    assert given == [2]
+    want, want_kv, _ = filled(model, tokens, make_cache(model, capacity), False, (FIRST,))
+    assert rel(got, want) <= TOL["float32"] and worst(kv, want_kv) <= TOL["float32"]
 
 
 def test_a_bucket_past_the_cache_runs_eagerly(monkeypatch):
