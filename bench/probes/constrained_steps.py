@@ -3,14 +3,17 @@ beside free rows: each step's time split into its phases, per case of 32 concurr
 
     PYTHONPATH=$PWD python bench/probes/constrained_steps.py [--model tiny|smollm2]
         [--cases free,spread,half,all] [--clients 32] [--steps 300] [--warm 40] [--rounds 1]
+        [--schema person|story] [--feed-wait] [--ab]
 
 It drives a BatchEngine directly (no HTTP), set up as bench.serve's in-process engine (the
-server's prompt cache, feed_wait, kv budget and warm-up), with the embedded SmolLM2's tokenizer
+server's prompt cache, kv budget and warm-up; its feed_wait only with --feed-wait: this CPU's slow
+steps would prefill every newcomer that a GPU's feed), with the embedded SmolLM2's tokenizer
 and chat template: each client sends a chat request (bench.load's prompts), and the next one as
 soon as its answer ended, so the batch stays full. The cases: `free` (every answer max_tokens
 long), `spread` (free answers of random lengths between --short and --long tokens: rows leave and
-join as constrained ones do), `half` (the first half of the clients ask for bench.load's JSON
-schema, the rest free, max_tokens long), `all` (every client asks for the schema). Greedy.
+join as constrained ones do), `half` (the first half of the clients ask for a JSON schema's
+answer, the rest free, max_tokens long), `all` (every client asks for it). Greedy. The schema:
+--schema person (the default: tests/test_structured.py's) or story (bench.load's).
 --model tiny (the default) is a random Llama of two small layers over SmolLM2's vocabulary (its
 device work small, so the host's shows); smollm2 the embedded model itself (seconds a step here).
 
@@ -24,10 +27,12 @@ constraints.words), unpack (the rest of constraints.allowed_rows), settle (runne
 allowed_rows: its graph) and other (the rest of step()); each phase without those inside it.
 build, queue, read, words, unpack and settle are pure host work (host: their sum); on the CPU the
 device is the CPU too, and runs beside the host's work (llguidance's more slowly for it). Printed
-per case: steps, tokens (a fed newcomer draws none while fed), mean and median ms a step of each
-phase, the steps whose rows changed (a row left or joined), rows joined, slot rebuilds
-(Slots.inputs with rows changed), new Slots (resized), prefill calls. --rounds repeats the cases,
-interleaved."""
+per case: steps, tokens (a fed newcomer draws none while fed), the mean, median and 90th
+percentile of each phase's ms a step, the steps whose rows changed (a row left or joined), rows
+joined, slot rebuilds (Slots.inputs with rows changed), new Slots (resized), prefill calls.
+--rounds repeats the cases, interleaved; --ab runs each case twice a round, with every
+constraint's matcher compiled anew (`compile`: before constraints.matcher kept them) and as the
+code stands (`copy`), each first in turn."""
 import argparse
 import statistics
 import sys
@@ -38,6 +43,7 @@ from pathlib import Path
 # the package of the checkout this script is in, not another installed copy
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import llguidance  # noqa: E402
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
@@ -209,17 +215,23 @@ def run_case(model, tokenizer, case, args, seed):
     return steps
 
 
+def compiled_anew(grammar, tokenizer, vocab):
+    """constraints.matcher as it was: every constraint's grammar compiled for it."""
+    return llguidance.LLMatcher(constraints.ll_tokenizer(tokenizer, vocab), grammar, log_level=0)
+
+
 def report(case, steps):
     n = len(steps)
     tokens = sum(s["tokens"] for s in steps)
     total = sum(s["total"] for s in steps)
-    line = (f"{case:7s} steps {n}  tokens {tokens} ({tokens / n:.1f}/step, "
+    line = (f"{case:12s} steps {n}  tokens {tokens} ({tokens / n:.1f}/step, "
             f"{tokens / total:.0f} tok/s)  step mean {1e3 * total / n:.2f} ms  "
             f"median {1e3 * statistics.median(s['total'] for s in steps):.2f} ms  "
             f"constrained rows {statistics.mean(s['constrained'] for s in steps):.1f}")
     print(line)
     print("   ms/step  " + " ".join(f"{p:>7s}" for p in PHASES + ["host"]))
-    for name, f in (("mean", statistics.mean), ("median", statistics.median)):
+    p90 = (lambda xs: statistics.quantiles(xs, n=10)[-1])
+    for name, f in (("mean", statistics.mean), ("median", statistics.median), ("p90", p90)):
         cells = [1e3 * f([s[p] for s in steps]) for p in PHASES]
         cells.append(1e3 * f([sum(s[p] for p in HOST) for s in steps]))
         print(f"   {name:7s}  " + " ".join(f"{c:7.3f}" for c in cells))
@@ -242,6 +254,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=300, help="steps measured per case")
     p.add_argument("--warm", type=int, default=40, help="steps run before those measured")
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--ab", action="store_true", help="each case with constraints compiled anew, "
+                   "then as the code stands")
     p.add_argument("--schema", choices=list(SCHEMAS), default="person")
     p.add_argument("--feed-wait", action="store_true",
                    help="the server's bound on feeding (FEED_WAIT): on this CPU's slow steps it "
@@ -256,7 +270,15 @@ def main(argv=None):
     constraints.ll_tokenizer(tokenizer, model.args.vocab_size)  # built once, outside the steps
     for k in range(args.rounds):
         for case in cases:
-            report(case, run_case(model, tokenizer, case, args, seed=k))
+            kept = constraints.matcher
+            # (odd rounds in the other order: neither variant always second)
+            for variant in (["compile", "copy"][::1 - 2 * (k % 2)] if args.ab else [""]):
+                constraints.matcher = compiled_anew if variant == "compile" else kept
+                try:
+                    steps = run_case(model, tokenizer, case, args, seed=k)
+                finally:
+                    constraints.matcher = kept
+                report(f"{case} {variant}".strip(), steps)
 
 
 if __name__ == "__main__":
