@@ -9,9 +9,12 @@ only the end-of-sequence tokens are allowed, so a finished JSON text ends the ge
 token is allowed only where the grammar accepts.
 
 llguidance's tokenizer is built once per tokenizer from its Hugging Face fast tokenizer (the
-GGUF's tokenizer is one) and kept on it: the first constrained request pays for that."""
+GGUF's tokenizer is one) and kept on it: the first constrained request pays for that. So is a
+grammar's matcher, compiled once per grammar text and tokenizer (`matcher`): a request under a
+grammar seen before takes a copy of it, not a compilation on the engine's thread."""
 import json
 import threading
+from collections import OrderedDict
 from functools import lru_cache
 
 import llguidance
@@ -22,6 +25,7 @@ import numpy as np
 
 JSON_OBJECT = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
 _LOCK = threading.Lock()
+KEPT_GRAMMARS = 64  # compiled matchers kept per tokenizer (the least recently used go first)
 
 
 def schema_grammar(schema):
@@ -58,7 +62,29 @@ def ll_tokenizer(tokenizer, vocab):
             kept = (vocab, llguidance.hf.from_tokenizer(hf_tokenizer(tokenizer), n_vocab=vocab,
                                                         eos_token=eos))
             tokenizer._llguidance = kept
+            tokenizer._llguidance_matchers = OrderedDict()  # grammar -> its fresh LLMatcher
         return kept[1]
+
+
+def matcher(grammar, tokenizer, vocab):
+    """A fresh llguidance matcher of grammar over ll_tokenizer(tokenizer, vocab): a copy of one
+    compiled at the grammar's first use and kept on the tokenizer (KEPT_GRAMMARS of them): the
+    batch worker builds a request's constraint on the engine's thread, between two steps, and a
+    compilation costs it far more host time than a copy (bench/probes/constrained_steps.py,
+    build)."""
+    ll = ll_tokenizer(tokenizer, vocab)
+    with _LOCK:
+        kept = tokenizer._llguidance_matchers
+        fresh = kept.get(grammar)
+        if fresh is None:
+            fresh = llguidance.LLMatcher(ll, grammar, log_level=0)
+            if fresh.is_error():  # (not kept: Constraint raises)
+                return fresh
+            kept[grammar] = fresh
+            while len(kept) > KEPT_GRAMMARS:
+                kept.popitem(last=False)
+        kept.move_to_end(grammar)
+        return fresh.deep_copy()
 
 
 class Constraint:
@@ -67,7 +93,7 @@ class Constraint:
 
     def __init__(self, grammar, tokenizer, vocab):
         self.vocab = vocab
-        self.matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer, vocab), grammar, log_level=0)
+        self.matcher = matcher(grammar, tokenizer, vocab)
         if self.matcher.is_error():
             raise ValueError(f"the grammar is not valid: {self.matcher.get_error()}")
         self.eos = sorted(getattr(tokenizer, "eos_token_ids", None) or ())

@@ -260,3 +260,52 @@ def test_a_batch_of_masks_is_each_rows_own(smollm2):
     words = np.random.default_rng(0).integers(-2 ** 31, 2 ** 31, (3, 32), dtype=np.int64).astype(np.int32)
     want = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :1000].astype(bool)
     assert (np.array(constraints.unpack(mx.array(words), 1000)) == want).all()
+
+
+def test_a_grammar_is_compiled_once_and_each_constraint_is_its_own(smollm2, monkeypatch):
+    """Constraints of one grammar share its compilation (constraints.matcher: a copy of the one
+    kept on the tokenizer), yet each follows its own tokens: the second's masks are those of a
+    matcher compiled for it, at the start and after its own tokens, whatever the first took; at
+    most KEPT_GRAMMARS grammars are kept, the least recently used dropped; a grammar in error is
+    not kept and raises each time."""
+    import llguidance
+    import mlx.core as mx
+
+    from mlx_flashnorm import constraints
+
+    model, tokenizer = smollm2
+    vocab = model.args.vocab_size
+    grammar = schema_grammar(SCHEMA)
+    ll = constraints.ll_tokenizer(tokenizer, vocab)
+    tokenizer._llguidance_matchers.clear()
+    compiled = []
+    real = llguidance.LLMatcher
+
+    def counted(*a, **k):
+        compiled.append(a[1])
+        return real(*a, **k)
+
+    monkeypatch.setattr(llguidance, "LLMatcher", counted)
+    first, second = (Constraint(grammar, tokenizer, vocab) for _ in range(2))
+    assert compiled == [grammar]
+    alone = Constraint(grammar, tokenizer, vocab)
+    alone.matcher = real(ll, grammar, log_level=0)  # compiled for it alone
+    for t in tokenizer.encode('{"name":"Ada","color":"red"', add_special_tokens=False):
+        first.accept(t)
+    assert not mx.array_equal(first.allowed(), second.allowed()).item()
+    for t in tokenizer.encode('{"name":"Bo', add_special_tokens=False):
+        assert mx.array_equal(second.allowed(), alone.allowed()).item()
+        second.accept(t)
+        alone.accept(t)
+    assert mx.array_equal(second.allowed(), alone.allowed()).item()
+    monkeypatch.setattr(constraints, "KEPT_GRAMMARS", 1)
+    Constraint(JSON_OBJECT, tokenizer, vocab)
+    assert list(tokenizer._llguidance_matchers) == [JSON_OBJECT]
+    Constraint(grammar, tokenizer, vocab)
+    assert compiled == [grammar, JSON_OBJECT, grammar]
+    bad = "%llguidance {}\nstart: foo"
+    for _ in range(2):
+        with pytest.raises(ValueError, match="not valid"):
+            Constraint(bad, tokenizer, vocab)
+    assert list(tokenizer._llguidance_matchers) == [grammar]
+    assert compiled[-2:] == [bad, bad]

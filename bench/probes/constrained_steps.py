@@ -1,0 +1,285 @@
+"""Where the host time of BatchEngine.step goes with rows under a grammar (constrained decoding)
+beside free rows: each step's time split into its phases, per case of 32 concurrent clients.
+
+    PYTHONPATH=$PWD python bench/probes/constrained_steps.py [--model tiny|smollm2]
+        [--cases free,spread,half,all] [--clients 32] [--steps 300] [--warm 40] [--rounds 1]
+        [--schema person|story] [--feed-wait] [--ab]
+
+It drives a BatchEngine directly (no HTTP), set up as bench.serve's in-process engine (the
+server's prompt cache, kv budget and warm-up; its feed_wait only with --feed-wait: this CPU's slow
+steps would prefill every newcomer that a GPU's feed), with the embedded SmolLM2's tokenizer
+and chat template: each client sends a chat request (bench.load's prompts), and the next one as
+soon as its answer ended, so the batch stays full. The cases: `free` (every answer max_tokens
+long), `spread` (free answers of random lengths between --short and --long tokens: rows leave and
+join as constrained ones do), `half` (the first half of the clients ask for a JSON schema's
+answer, the rest free, max_tokens long), `all` (every client asks for it). Greedy. The schema:
+--schema person (the default: tests/test_structured.py's) or story (bench.load's).
+--model tiny (the default) is a random Llama of two small layers over SmolLM2's vocabulary (its
+device work small, so the host's shows); smollm2 the embedded model itself (seconds a step here).
+
+Each step's time (perf_counter) is split into: build (the constraints of the requests added
+since the last step: the batch worker builds them on the engine's thread, before its step),
+prefill (BatchEngine._prefill), place (_place), queue (runner.queue_step: the step's graph and the
+compiled call; rebuilds of the slots' inputs counted apart), eval (mx.async_eval: on this CPU it
+waits for the step before, so the device's time shows here), wait (the queued step's tokens
+evaluated before _read), read (_read past the wait), words (llguidance's bitmasks,
+constraints.words), unpack (the rest of constraints.allowed_rows), settle (runner.settle past
+allowed_rows: its graph) and other (the rest of step()); each phase without those inside it.
+build, queue, read, words, unpack and settle are pure host work (host: their sum); on the CPU the
+device is the CPU too, and runs beside the host's work (llguidance's more slowly for it). Printed
+per case: steps, tokens (a fed newcomer draws none while fed), the mean, median and 90th
+percentile of each phase's ms a step, the steps whose rows changed (a row left or joined), rows
+joined, slot rebuilds (Slots.inputs with rows changed), new Slots (resized), prefill calls.
+--rounds repeats the cases, interleaved; --ab runs each case twice a round, with every
+constraint's matcher compiled anew (`compile`: before constraints.matcher kept them) and as the
+code stands (`copy`), each first in turn."""
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+# the package of the checkout this script is in, not another installed copy
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import llguidance  # noqa: E402
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
+
+from mlx_flashnorm import constraints  # noqa: E402
+from mlx_flashnorm.bench.load import SCHEMA as STORY, prompt_of  # noqa: E402
+from mlx_flashnorm.decoding import context_length  # noqa: E402
+from mlx_flashnorm.loader import build_model, load, model_args, prepare  # noqa: E402
+from mlx_flashnorm.serve import engine as engine_module, slots as slots_module  # noqa: E402
+from mlx_flashnorm.serve.batch_worker import kv_limits, warmup  # noqa: E402
+from mlx_flashnorm.serve.engine import FEED_WAIT, BatchEngine  # noqa: E402
+from mlx_flashnorm.serve.openai_api import parse_call  # noqa: E402
+from mlx_flashnorm.serve.prompt_cache import PromptCache  # noqa: E402
+from mlx_flashnorm.serve.sequence import Request  # noqa: E402
+
+PHASES = ["build", "prefill", "place", "queue", "eval", "wait", "read", "words", "unpack",
+          "settle", "other"]
+HOST = ["build", "queue", "read", "words", "unpack", "settle"]  # pure host work
+CASES = ["free", "spread", "half", "all"]
+# tests/test_structured.py's schema: compact JSON of short bounded strings, so that even a random
+# model's answers end within max_tokens, at lengths of their own (bench.load's story schema takes
+# a random model to max_tokens)
+PERSON = {"type": "object", "additionalProperties": False,
+          "required": ["name", "color", "tags", "home"],
+          "properties": {"name": {"type": "string", "pattern": "^[A-Z][a-z]{1,9}$"},
+                         "color": {"enum": ["red", "green", "blue"]},
+                         "tags": {"type": "array", "maxItems": 2,
+                                  "items": {"type": "string", "pattern": "^[a-z]{1,8}$"}},
+                         "home": {"type": "object", "additionalProperties": False,
+                                  "required": ["city"],
+                                  "properties": {"city": {"type": "string",
+                                                          "pattern": "^[A-Z][a-z]{1,9}$"}}}},
+          "x-guidance": {"whitespace_flexible": False}}
+SCHEMAS = {"person": PERSON, "story": STORY}
+# a random Llama of two small layers over SmolLM2's vocabulary (tests/conftest.py's TINY_LLAMA)
+TINY = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+        "intermediate_size": 160, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5, "vocab_size": 49152, "max_position_embeddings": 1024,
+        "rope_theta": 100000.0, "tie_word_embeddings": True}
+
+
+def tiny_model(vocab):
+    config = dict(TINY, vocab_size=vocab)
+    arch, args = model_args(config)
+    mx.random.seed(3)
+    weights = {name: (1.0 + 0.2 * mx.random.normal(p.shape)) if "norm" in name
+               else 0.09 * mx.random.normal(p.shape)
+               for name, p in tree_flatten(arch.Model(args).parameters())}
+    return prepare(build_model(config, weights, progress=False), norm="flash", bits=0)
+
+
+class Clock:
+    """Seconds per phase of the current step, each phase's own (the phases timed inside it
+    excluded); wraps callables to add their time to a phase."""
+
+    def __init__(self):
+        self.now = defaultdict(float)
+        self.counts = defaultdict(int)
+        self.inner = [0.0]  # per open phase: the seconds its inner phases took
+
+    def timed(self, f, phase):
+        def run(*a, **k):
+            began = time.perf_counter()
+            self.inner.append(0.0)
+            try:
+                return f(*a, **k)
+            finally:
+                took = time.perf_counter() - began
+                self.now[phase] += took - self.inner.pop()
+                self.inner[-1] += took
+        return run
+
+
+def instrument(engine, clock):
+    """Wrap the engine's phases (on the instance, and the modules' functions it calls) in clock;
+    returns a function that undoes the module-level wraps."""
+    for name, phase in (("_prefill", "prefill"), ("_place", "place"), ("_settle", "settle"),
+                        ("_read", "read")):
+        setattr(engine, name, clock.timed(getattr(engine, name), phase))
+    read = engine._read
+    wait = clock.timed(lambda step: mx.eval(step.tokens), "wait")
+
+    def waited_read(step):
+        wait(step)
+        return read(step)
+
+    engine._read = waited_read
+    saved = [(engine_module, "queue_step", "queue"), (constraints, "allowed_rows", "unpack"),
+             (constraints, "words", "words"), (mx, "async_eval", "eval")]
+    saved = [(m, n, getattr(m, n), phase) for m, n, phase in saved]
+    for m, n, f, phase in saved:
+        setattr(m, n, clock.timed(f, phase))
+    inputs = slots_module.Slots.inputs
+
+    def counted_inputs(s):
+        clock.counts["rebuilds"] += bool(s.dirty)
+        return inputs(s)
+
+    slots_module.Slots.inputs = counted_inputs
+
+    def undo():
+        for m, n, f, _ in saved:
+            setattr(m, n, f)
+        slots_module.Slots.inputs = inputs
+    return undo
+
+
+def run_case(model, tokenizer, case, args, seed):
+    rows, budget, _ = kv_limits(model, args.clients)
+    engine = BatchEngine(model, rows, 2048, PromptCache(512 * 2**20),
+                         feed_wait=FEED_WAIT if args.feed_wait else None, kv_budget=budget)
+    warmup(engine)
+    vocab = model.args.vocab_size
+    stops = frozenset(tokenizer.eos_token_ids)
+    defaults = dict(max_tokens=args.max_tokens, temp=0.0, top_p=1.0, top_k=0)
+    rng = np.random.default_rng(seed)
+    sent = [0] * args.clients
+    tag = f"{case}{seed}"
+    built = [0.0]  # seconds of the constraints built since the last step began
+
+    def add(i):
+        schema = case == "all" or case == "half" and i < args.clients // 2
+        n = (int(rng.integers(args.short, args.long + 1)) if case == "spread"
+             else args.max_tokens)
+        body = {"messages": [{"role": "user", "content": prompt_of(i, sent[i], tag)}],
+                "max_tokens": n, "temperature": 0.0}
+        if schema:
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": args.schema, "schema": SCHEMAS[args.schema]}}
+        g = parse_call(body, True, tokenizer, context_length(model), vocab, defaults).generation
+        began = time.perf_counter()  # (the batch worker builds it on the engine's thread)
+        constraint = g.constraint(tokenizer, vocab)
+        built[0] += time.perf_counter() - began
+        r = Request(g.tokens, n, 0.0, stop_tokens=stops, constraint=constraint)
+        r.client = i
+        sent[i] += 1
+        engine.add(r)
+
+    for i in range(args.clients):
+        add(i)
+    clock = Clock()
+    undo = instrument(engine, clock)
+    steps, last, last_slots = [], frozenset(), None
+    try:
+        for n in range(args.warm + args.steps):
+            clock.now.clear()
+            clock.now["build"], built[0] = built[0], 0.0
+            counts = dict(clock.counts)
+            calls = engine.prefill_calls
+            began = time.perf_counter()
+            events = engine.step()
+            total = time.perf_counter() - began + clock.now["build"]
+            for e in events:
+                if e.finish_reason:
+                    add(e.request.client)
+            rows_now = frozenset(map(id, engine.rows))
+            if n >= args.warm:
+                phases = {p: clock.now.get(p, 0.0) for p in PHASES}
+                phases["other"] = total - sum(phases.values())
+                steps.append(dict(phases, total=total, tokens=len(events),
+                                  changed=rows_now != last, joined=len(rows_now - last),
+                                  rebuilds=clock.counts["rebuilds"] - counts.get("rebuilds", 0),
+                                  resized=engine.slots is not last_slots,
+                                  calls=engine.prefill_calls - calls,
+                                  constrained=sum(r.constraint is not None for r in engine.rows)))
+            last, last_slots = rows_now, engine.slots
+    finally:
+        undo()
+    return steps
+
+
+def compiled_anew(grammar, tokenizer, vocab):
+    """constraints.matcher as it was: every constraint's grammar compiled for it."""
+    return llguidance.LLMatcher(constraints.ll_tokenizer(tokenizer, vocab), grammar, log_level=0)
+
+
+def report(case, steps):
+    n = len(steps)
+    tokens = sum(s["tokens"] for s in steps)
+    total = sum(s["total"] for s in steps)
+    line = (f"{case:12s} steps {n}  tokens {tokens} ({tokens / n:.1f}/step, "
+            f"{tokens / total:.0f} tok/s)  step mean {1e3 * total / n:.2f} ms  "
+            f"median {1e3 * statistics.median(s['total'] for s in steps):.2f} ms  "
+            f"constrained rows {statistics.mean(s['constrained'] for s in steps):.1f}")
+    print(line)
+    print("   ms/step  " + " ".join(f"{p:>7s}" for p in PHASES + ["host"]))
+    p90 = (lambda xs: statistics.quantiles(xs, n=10)[-1])
+    for name, f in (("mean", statistics.mean), ("median", statistics.median), ("p90", p90)):
+        cells = [1e3 * f([s[p] for s in steps]) for p in PHASES]
+        cells.append(1e3 * f([sum(s[p] for p in HOST) for s in steps]))
+        print(f"   {name:7s}  " + " ".join(f"{c:7.3f}" for c in cells))
+    print(f"   changed {sum(s['changed'] for s in steps)}  joined "
+          f"{sum(s['joined'] for s in steps)}  rebuilds {sum(s['rebuilds'] for s in steps)}  "
+          f"resized {sum(s['resized'] for s in steps)}  prefill calls "
+          f"{sum(s['calls'] for s in steps)}  steps with a call "
+          f"{sum(bool(s['calls']) for s in steps)}")
+    sys.stdout.flush()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--short", type=int, default=40)
+    p.add_argument("--long", type=int, default=80)
+    p.add_argument("--steps", type=int, default=300, help="steps measured per case")
+    p.add_argument("--warm", type=int, default=40, help="steps run before those measured")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--ab", action="store_true", help="each case with constraints compiled anew, "
+                   "then as the code stands")
+    p.add_argument("--schema", choices=list(SCHEMAS), default="person")
+    p.add_argument("--feed-wait", action="store_true",
+                   help="the server's bound on feeding (FEED_WAIT): on this CPU's slow steps it "
+                        "prefills every newcomer, where a GPU's feeds them")
+    args = p.parse_args(argv)
+    cases = args.cases.split(",")
+    if set(cases) - set(CASES):
+        p.error(f"cases: {', '.join(CASES)}")
+    model, tokenizer = load(None, dtype="float32", progress=False)
+    if args.model == "tiny":
+        model = tiny_model(model.args.vocab_size)
+    constraints.ll_tokenizer(tokenizer, model.args.vocab_size)  # built once, outside the steps
+    for k in range(args.rounds):
+        for case in cases:
+            kept = constraints.matcher
+            # (odd rounds in the other order: neither variant always second)
+            for variant in (["compile", "copy"][::1 - 2 * (k % 2)] if args.ab else [""]):
+                constraints.matcher = compiled_anew if variant == "compile" else kept
+                try:
+                    steps = run_case(model, tokenizer, case, args, seed=k)
+                finally:
+                    constraints.matcher = kept
+                report(f"{case} {variant}".strip(), steps)
+
+
+if __name__ == "__main__":
+    main()
