@@ -469,6 +469,26 @@ def test_cuda_binaries_are_kept_on_disk(monkeypatch, tmp_path):
     nvrtc.cuda_binary.cache_clear()
 
 
+def test_a_first_compile_says_so(monkeypatch, tmp_path, capsys):
+    """A kernel NVRTC compiles (minutes for the whole-step kernels on a fresh machine) is named on
+    stderr as it starts, with where it is kept; one read back from the disk says nothing."""
+    monkeypatch.setattr(nvrtc, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr(nvrtc, "_nvrtc", lambda: (None, "12.9"))
+    monkeypatch.setattr(nvrtc, "_cuda_arch", lambda: "sm_90")
+    monkeypatch.setattr(nvrtc, "_cuda_include", lambda: "")
+    monkeypatch.setattr(nvrtc, "compile_cubin", lambda *a: (b"cubin", ""))
+    nvrtc.cuda_binary.cache_clear()
+    try:
+        assert nvrtc.cuda_binary("fn_decode_rows", "// code") == b"cubin"
+        err = capsys.readouterr().err
+        assert "compiling the CUDA kernel fn_decode_rows" in err and str(tmp_path) in err
+        nvrtc.cuda_binary.cache_clear()  # a later process
+        assert nvrtc.cuda_binary("fn_decode_rows", "// code") == b"cubin"
+        assert capsys.readouterr().err == ""
+    finally:
+        nvrtc.cuda_binary.cache_clear()
+
+
 def test_cuda_launch_passes_sizes_and_keeps_its_file(monkeypatch):
     """A CUDA launch (here with MLX's precompiled launcher and the compiler stubbed, so on any
     device): the sizes of the inputs the body reads go as int arguments after the outputs; a new

@@ -5,6 +5,7 @@ process, slowly; a kept binary loads quickly (bench/RESULTS.md, "Compile once").
 import hashlib
 import os
 import stat
+import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -114,6 +115,9 @@ def cuda_binary(name, code):
     cached = read_cached(file)
     if cached is not None:
         return cached
+    # (a big kernel takes NVRTC a minute or more: a server's first start would look hung)
+    print(f"mlx_flashnorm: compiling the CUDA kernel {name} for this GPU ({arch}), once: kept in "
+          f"{file.parent}", file=sys.stderr, flush=True)
     binary = compile_cubin(lib, name, code, arch, _cuda_include())[0]
     write_cached(file, binary)  # a read-only cache only costs the next process a compile
     return binary
