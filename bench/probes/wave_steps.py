@@ -12,8 +12,9 @@ first 30 or so the template's system prompt, shared; their ids taken modulo --vo
 constrained_steps' tiny random Llama, of --layers layers (SmolLM2-135M's 30 by default: the host's
 work a layer shows) over --vocab ids (its logits' matmul, most of a CPU step, small). Per case
 (N, R): R requests decode (max_tokens long enough to outlast the waves); then --waves waves of N
-newcomers (--tokens tokens each) are added at once, each wave once the one before has finished (the later waves find the shared prefix in
-the prompt cache and in the free slots, as a client's second request does). --feed: the server's
+newcomers (--tokens tokens each) are added at once, each wave once the one before has finished
+(the later waves find the shared prefix in the prompt cache and in the free slots, as a client's
+second request does). --feed: the server's
 feed_wait (`server`: on this CPU's slow steps it prefills newcomers a GPU would feed), no bound
 (`always`: fed wherever feed allows, as on a GPU's fast steps) or feed 0 (`never`).
 
