@@ -7,6 +7,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+from mlx_flashnorm.serve import engine as engine_module
 from mlx_flashnorm.serve.engine import SHRINK_AFTER, BatchEngine
 from mlx_flashnorm.serve.sequence import Request
 from mlx_flashnorm.serve.batch_worker import BatchWorker, warmup
@@ -168,10 +169,11 @@ def tied_from(generated, alone, tie=2**-6):
     return len(alone)
 
 
-def test_newcomers_with_cached_prefixes_share_one_prefill_call(model):
+def test_newcomers_with_cached_prefixes_share_one_prefill_call(model, monkeypatch):
     """Three newcomers whose prompts begin with a cached one (prefixes of 20, 20 and 24 tokens
     cached) arriving together: one prefill call from the shortest prefix (the third's 4 more
-    tokens computed again), and each gets its one-request tokens."""
+    tokens computed again), gathered from the prompt cache's block with no one-row cache made for
+    any of them, and each gets its one-request tokens."""
     system = prompt(model, 20, seed=1)
     a = system + prompt(model, 6, seed=2)
     engine = BatchEngine(model, prompt_cache=PromptCache(1 << 24))
@@ -179,8 +181,11 @@ def test_newcomers_with_cached_prefixes_share_one_prefill_call(model):
     prompts = [system + prompt(model, 5, seed=7), system + prompt(model, 9, seed=8), a[:24] + prompt(model, 3, seed=9)]
     requests = [Request(p, max_tokens=6) for p in prompts]
     calls, before = engine.prefill_calls, engine.prefilled
+    made, real = [], engine_module.one_row_cache
+    monkeypatch.setattr(engine_module, "one_row_cache", lambda *a: made.append(a) or real(*a))
     run(engine, requests)
     assert engine.prefill_calls - calls == 1 and [r.cached for r in requests] == [20, 20, 20]
+    assert made == []
     assert engine.prefilled - before == sum(len(p) - 20 for p in prompts)
     for r in requests:
         assert r.generated == single(model, r.tokens, steps=6)[0]

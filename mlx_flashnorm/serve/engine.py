@@ -69,10 +69,13 @@ SHRINK_AFTER = 32
 
 
 class Filling(NamedTuple):
-    """A request under prefill: its one-row caches and the prompt tokens still to run."""
+    """A request under prefill: its one-row caches (empty until its first chunk or its join needs
+    them: BatchEngine._caches), the prompt tokens still to run, and where its cached prefix is
+    (a prompt_cache.Block and its row there; None: nothing cached)."""
     request: Request
     cache: list
     todo: List[int]
+    prefix: tuple = None
 
 
 class Joining(NamedTuple):
@@ -289,9 +292,10 @@ class BatchEngine:
             if decoding and self.feedable(len(r.tokens) - n) and not r.twins:
                 fed.append((r, block, row))  # fed through the decode steps: nobody waits for it
             else:
-                cache = ([one_row_cache(k, v) for k, v in block.prefix(row, n)] if n
-                         else [KVCache() for _ in self.model.layers])
-                self.filling.append(Filling(r, cache, list(r.tokens[n:-1])))
+                # (its caches built only where it runs alone: a copy a layer and newcomer cost a
+                # wave prefilled in shared calls much host time)
+                self.filling.append(Filling(r, [], list(r.tokens[n:-1]), (block, row) if n
+                                            else None))
         self._feed(fed)
         self.queued = []
         together = self._prefill_together()
@@ -303,7 +307,7 @@ class BatchEngine:
                 continue  # begun now it would go alone; whole, it joins the next step's shared call
             n = min(budget, len(f.todo))
             if n:
-                prefill(self.model, f.todo[:n], f.cache)
+                prefill(self.model, f.todo[:n], self._caches(f))
                 mx.async_eval([(c.keys, c.values) for c in f.cache])
                 # (a slice: the next chunk writes the cache's arrays over, in place)
                 self.queued += [c.keys[..., :1, :1] for c in f.cache]
@@ -344,12 +348,12 @@ class BatchEngine:
             # bench/RESULTS.md, "Serving")
             prefixes = [tuple(f.request.tokens[:start]) for f in group]
             distinct = list(dict.fromkeys(prefixes))
-            held = [group[prefixes.index(p)] for p in distinct]
+            held = [group[prefixes.index(p)].prefix for p in distinct]  # (its Block, its row)
             row = mx.array([distinct.index(p) for p in prefixes])
             for layer, c in enumerate(cache):
-                c.keys, c.values = (mx.concatenate([getattr(f.cache[layer], a)[..., :start, :]
-                                                    for f in held])[row]
-                                    for a in ("keys", "values"))
+                c.keys, c.values = (mx.concatenate([block.kv[layer][a][j:j + 1, :, :start, :]
+                                                    for block, j in held])[row]
+                                    for a in (0, 1))
                 c.offset = start
         todo = [f.request.tokens[start:-1] for f in group]
         self.model(mx.array([t + [0] * (longest - len(t)) for t in todo]), cache=cache)
@@ -390,7 +394,16 @@ class BatchEngine:
     @staticmethod
     def _begun(f):
         """Whether a chunk of f's prompt past its cached prefix was run."""
-        return f.cache[0].keys is not None and f.cache[0].offset > f.request.cached
+        c = f.cache[0] if f.cache else None
+        return c is not None and c.keys is not None and c.offset > f.request.cached
+
+    def _caches(self, f):
+        """f's one-row caches, made at their first use: views of its cached prefix (or empty)."""
+        if not f.cache:
+            n = f.request.cached
+            f.cache[:] = ([one_row_cache(k, v) for k, v in f.prefix[0].prefix(f.prefix[1], n)]
+                          if n else [KVCache() for _ in self.model.layers])
+        return f.cache
 
     def _feed(self, fed):
         """Newcomers [(request, prompt_cache.Block or None, its row)] to be fed their prompts past
@@ -431,7 +444,7 @@ class BatchEngine:
         """A prefilled request waits for a slot; its last prompt token runs in its first step."""
         self.filling.remove(f)
         r = f.request
-        kv = [(c.keys[..., :c.offset, :], c.values[..., :c.offset, :]) for c in f.cache
+        kv = [(c.keys[..., :c.offset, :], c.values[..., :c.offset, :]) for c in self._caches(f)
               if c.keys is not None]
         if self.prompt_cache is not None and r.cached < len(r.tokens) - 1:
             self.prompt_cache.store(r.tokens[:-1], kv)
