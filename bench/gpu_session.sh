@@ -79,10 +79,11 @@ cp -r bench/probes /tmp/pkg/bench/  # scripts outside the package (a test loads 
 export PYTHONPATH=/tmp/site:/tmp/pkg
 cd /tmp/pkg
 python3 -c "import mlx.core as mx; print(mx.__version__, mx.default_device(), mx.device_info().get('device_name'))"
-# TESTS: pytest arguments (default: the kernels and the compiled decode step); "none" skips them.
+# TESTS: pytest arguments (default: the kernels, the compiled decode step and prefill); "none"
+# skips them.
 # Groups separated by ";" run as processes of their own, one after the other (a kernel that
 # crashes its process costs only its group), each within TEST_TIMEOUT seconds (default 240).
-TESTS=${TESTS:-tests/test_nn.py tests/test_kernels.py tests/test_decode.py}
+TESTS=${TESTS:-tests/test_nn.py tests/test_kernels.py tests/test_decode.py tests/test_prefill.py}
 if [ "$TESTS" != none ]; then
   IFS=';' read -ra groups <<< "$TESTS"
   for group in "${groups[@]}"; do
