@@ -96,34 +96,38 @@ def tiny_model(vocab):
 
 
 class Clock:
-    """Seconds per phase of the current step, each phase's own (the phases timed inside it
-    excluded); wraps callables to add their time to a phase."""
+    """Per phase of the current step: wall seconds (wall) and the calling thread's CPU seconds
+    (cpu), each phase's own (the phases timed inside it excluded), and counts of events; wraps
+    callables to add their time to a phase (wave_steps.py's clock too)."""
 
     def __init__(self):
-        self.now = defaultdict(float)
+        self.wall, self.cpu = defaultdict(float), defaultdict(float)
         self.counts = defaultdict(int)
-        self.inner = [0.0]  # per open phase: the seconds its inner phases took
+        self.inner = [(0.0, 0.0)]  # per open phase: the (wall, CPU) seconds of its inner phases
+
+    def clear(self):
+        self.wall.clear()
+        self.cpu.clear()
 
     def timed(self, f, phase):
         def run(*a, **k):
-            began = time.perf_counter()
-            self.inner.append(0.0)
+            wall, cpu = time.perf_counter(), time.thread_time()
+            self.inner.append((0.0, 0.0))
             try:
                 return f(*a, **k)
             finally:
-                took = time.perf_counter() - began
-                self.now[phase] += took - self.inner.pop()
-                self.inner[-1] += took
+                wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+                inner_wall, inner_cpu = self.inner.pop()
+                self.wall[phase] += wall - inner_wall
+                self.cpu[phase] += cpu - inner_cpu
+                outer_wall, outer_cpu = self.inner[-1]
+                self.inner[-1] = (outer_wall + wall, outer_cpu + cpu)
         return run
 
 
-def instrument(engine, clock):
-    """Wrap the engine's phases (on the instance, and the modules' functions it calls) in clock;
-    returns a function that undoes the module-level wraps."""
-    for name, phase in (("_prefill", "prefill"), ("_place", "place"), ("_settle", "settle"),
-                        ("_read", "read")):
-        setattr(engine, name, clock.timed(getattr(engine, name), phase))
-    read = engine._read
+def time_reads(engine, clock, phase="read"):
+    """engine._read timed as `phase`, the wait for its step's tokens apart (phase "wait")."""
+    read = clock.timed(engine._read, phase)
     wait = clock.timed(lambda step: mx.eval(step.tokens), "wait")
 
     def waited_read(step):
@@ -131,6 +135,14 @@ def instrument(engine, clock):
         return read(step)
 
     engine._read = waited_read
+
+
+def instrument(engine, clock):
+    """Wrap the engine's phases (on the instance, and the modules' functions it calls) in clock;
+    returns a function that undoes the module-level wraps."""
+    for name, phase in (("_prefill", "prefill"), ("_place", "place"), ("_settle", "settle")):
+        setattr(engine, name, clock.timed(getattr(engine, name), phase))
+    time_reads(engine, clock)
     saved = [(engine_module, "queue_step", "queue"), (constraints, "allowed_rows", "unpack"),
              (constraints, "words", "words"), (mx, "async_eval", "eval")]
     saved = [(m, n, getattr(m, n), phase) for m, n, phase in saved]
@@ -189,19 +201,19 @@ def run_case(model, tokenizer, case, args, seed):
     steps, last, last_slots = [], frozenset(), None
     try:
         for n in range(args.warm + args.steps):
-            clock.now.clear()
-            clock.now["build"], built[0] = built[0], 0.0
+            clock.clear()
+            clock.wall["build"], built[0] = built[0], 0.0
             counts = dict(clock.counts)
             calls = engine.prefill_calls
             began = time.perf_counter()
             events = engine.step()
-            total = time.perf_counter() - began + clock.now["build"]
+            total = time.perf_counter() - began + clock.wall["build"]
             for e in events:
                 if e.finish_reason:
                     add(e.request.client)
             rows_now = frozenset(map(id, engine.rows))
             if n >= args.warm:
-                phases = {p: clock.now.get(p, 0.0) for p in PHASES}
+                phases = {p: clock.wall.get(p, 0.0) for p in PHASES}
                 phases["other"] = total - sum(phases.values())
                 steps.append(dict(phases, total=total, tokens=len(events),
                                   changed=rows_now != last, joined=len(rows_now - last),

@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx.core as mx  # noqa: E402
 
-from constrained_steps import TINY  # noqa: E402
+from constrained_steps import TINY, Clock, time_reads  # noqa: E402
 from mlx_flashnorm.bench.load import prompt_of  # noqa: E402
 from mlx_flashnorm.decoding import context_length  # noqa: E402
 from mlx_flashnorm.loader import build_model, load, model_args, prepare  # noqa: E402
@@ -88,52 +88,14 @@ def modules_at(rev):
     return loaded["engine"], loaded["slots"], loaded["prompt_cache"]
 
 
-class Clock:
-    """Per phase of the current step: the calling thread's CPU seconds (now) and wall seconds
-    (wall), each phase's own (the phases timed inside it excluded); wraps callables to add their
-    time to a phase. CPU time is the host's work: on this machine's two cores the device's
-    threads run beside it and stretch its wall time at random."""
-
-    def __init__(self):
-        self.now, self.wall = defaultdict(float), defaultdict(float)
-        self.inner = [(0.0, 0.0)]  # per open phase: the (CPU, wall) seconds of its inner phases
-
-    def clear(self):
-        self.now.clear()
-        self.wall.clear()
-
-    def timed(self, f, phase):
-        def run(*a, **k):
-            cpu, wall = time.thread_time(), time.perf_counter()
-            self.inner.append((0.0, 0.0))
-            try:
-                return f(*a, **k)
-            finally:
-                cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
-                inner_cpu, inner_wall = self.inner.pop()
-                self.now[phase] += cpu - inner_cpu
-                self.wall[phase] += wall - inner_wall
-                outer_cpu, outer_wall = self.inner[-1]
-                self.inner[-1] = (outer_cpu + cpu, outer_wall + wall)
-        return run
-
-
 def instrument(engine, clock, mods):
     """Wrap the engine's phases in clock (on the instance, and on the classes and module functions
     it calls); returns a function that undoes the wraps of classes and modules."""
     engine_module, slots_module, cache_module = mods
     for name, phase in (("_prefill", "admit"), ("_feed", "feed"), ("_join", "join"),
-                        ("_prefill_together", "together"), ("_place", "place"),
-                        ("_read", "read")):
+                        ("_prefill_together", "together"), ("_place", "place")):
         setattr(engine, name, clock.timed(getattr(engine, name), phase))
-    read = engine._read
-    wait = clock.timed(lambda step: mx.eval(step.tokens), "wait")
-
-    def waited_read(step):
-        wait(step)
-        return read(step)
-
-    engine._read = waited_read
+    time_reads(engine, clock)
     Slots, PromptCache = slots_module.Slots, cache_module.PromptCache
     targets = [(engine_module, "prefill", "model"), (type(engine.model), "__call__", "model"),
                (engine_module, "queue_step", "queue"), (engine_module, "one_row_cache", "fill"),
@@ -211,8 +173,8 @@ def run_case(model, tokenizer, n, running, args, mods, tag):
                 engine.step()
                 totals.append(time.perf_counter() - began)
                 for p in PHASES[:-1]:
-                    phases[p] += clock.now.get(p, 0.0)
-                phases["other"] += time.thread_time() - cpu - sum(clock.now.values())
+                    phases[p] += clock.cpu.get(p, 0.0)
+                phases["other"] += time.thread_time() - cpu - sum(clock.cpu.values())
                 device += sum(clock.wall[p] for p in DEVICE)
                 got = sum(bool(r.generated) for r in comers)
             waves.append(dict(phases, steps=len(totals), calls=engine.prefill_calls - calls,
