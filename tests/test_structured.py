@@ -9,6 +9,7 @@ import jsonschema
 import openai
 import pytest
 
+from mlx_flashnorm.bench.load import PERSON as SCHEMA
 from mlx_flashnorm.generate import main as generate_main
 from mlx_flashnorm.constraints import JSON_OBJECT, Constraint, check, schema_grammar
 from mlx_flashnorm.decoding import encode_prompt, stream_generate
@@ -22,19 +23,6 @@ from mlx_flashnorm.server import Server
 
 from conftest import in_process, serving
 
-# compact JSON (llguidance's x-guidance option): the whitespace a schema allows otherwise takes
-# half the tokens, each a batch step of seconds on the CPU
-SCHEMA = {"type": "object", "additionalProperties": False,
-          "required": ["name", "color", "tags", "home"],
-          "properties": {"name": {"type": "string", "pattern": "^[A-Z][a-z]{1,9}$"},
-                         "color": {"enum": ["red", "green", "blue"]},
-                         "tags": {"type": "array", "maxItems": 2,
-                                  "items": {"type": "string", "pattern": "^[a-z]{1,8}$"}},
-                         "home": {"type": "object", "additionalProperties": False,
-                                  "required": ["city"],
-                                  "properties": {"city": {"type": "string",
-                                                          "pattern": "^[A-Z][a-z]{1,9}$"}}}},
-          "x-guidance": {"whitespace_flexible": False}}
 PERSON = "A person as JSON:"
 WEATHER = [{"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",

@@ -49,7 +49,7 @@ import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 from mlx_flashnorm import constraints  # noqa: E402
-from mlx_flashnorm.bench.load import SCHEMA as STORY, prompt_of  # noqa: E402
+from mlx_flashnorm.bench.load import PERSON, SCHEMA as STORY, prompt_of  # noqa: E402
 from mlx_flashnorm.decoding import context_length  # noqa: E402
 from mlx_flashnorm.loader import build_model, load, model_args, prepare  # noqa: E402
 from mlx_flashnorm.serve import engine as engine_module, slots as slots_module  # noqa: E402
@@ -63,20 +63,6 @@ PHASES = ["build", "prefill", "place", "queue", "eval", "wait", "read", "words",
           "settle", "other"]
 HOST = ["build", "queue", "read", "words", "unpack", "settle"]  # pure host work
 CASES = ["free", "spread", "half", "all"]
-# tests/test_structured.py's schema: compact JSON of short bounded strings, so that even a random
-# model's answers end within max_tokens, at lengths of their own (bench.load's story schema takes
-# a random model to max_tokens)
-PERSON = {"type": "object", "additionalProperties": False,
-          "required": ["name", "color", "tags", "home"],
-          "properties": {"name": {"type": "string", "pattern": "^[A-Z][a-z]{1,9}$"},
-                         "color": {"enum": ["red", "green", "blue"]},
-                         "tags": {"type": "array", "maxItems": 2,
-                                  "items": {"type": "string", "pattern": "^[a-z]{1,8}$"}},
-                         "home": {"type": "object", "additionalProperties": False,
-                                  "required": ["city"],
-                                  "properties": {"city": {"type": "string",
-                                                          "pattern": "^[A-Z][a-z]{1,9}$"}}}},
-          "x-guidance": {"whitespace_flexible": False}}
 SCHEMAS = {"person": PERSON, "story": STORY}
 # a random Llama of two small layers over SmolLM2's vocabulary (tests/conftest.py's TINY_LLAMA)
 TINY = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
@@ -85,8 +71,9 @@ TINY = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
         "rope_theta": 100000.0, "tie_word_embeddings": True}
 
 
-def tiny_model(vocab):
-    config = dict(TINY, vocab_size=vocab)
+def tiny_model(vocab, layers=TINY["num_hidden_layers"]):
+    """The tiny random Llama (TINY) over `vocab` token ids, of `layers` layers."""
+    config = dict(TINY, vocab_size=vocab, num_hidden_layers=layers)
     arch, args = model_args(config)
     mx.random.seed(3)
     weights = {name: (1.0 + 0.2 * mx.random.normal(p.shape)) if "norm" in name

@@ -51,11 +51,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx.core as mx  # noqa: E402
 
-from constrained_steps import TINY, Clock, time_reads  # noqa: E402
+from constrained_steps import Clock, time_reads, tiny_model  # noqa: E402
 from mlx_flashnorm.bench.load import prompt_of  # noqa: E402
 from mlx_flashnorm.decoding import context_length  # noqa: E402
-from mlx_flashnorm.loader import build_model, load, model_args, prepare  # noqa: E402
-from mlx.utils import tree_flatten  # noqa: E402
+from mlx_flashnorm.loader import load  # noqa: E402
 from mlx_flashnorm.serve import engine as engine_now, prompt_cache as cache_now  # noqa: E402
 from mlx_flashnorm.serve import slots as slots_now  # noqa: E402
 from mlx_flashnorm.serve.batch_worker import kv_limits, warmup  # noqa: E402
@@ -114,17 +113,6 @@ def instrument(engine, clock, mods):
         for m, n, f, _ in saved:
             setattr(m, n, f)
     return undo
-
-
-def tiny_model(vocab, layers):
-    """constrained_steps' tiny random Llama with `layers` layers over `vocab` token ids."""
-    config = dict(TINY, vocab_size=vocab, num_hidden_layers=layers)
-    arch, args = model_args(config)
-    mx.random.seed(3)
-    weights = {name: (1.0 + 0.2 * mx.random.normal(p.shape)) if "norm" in name
-               else 0.09 * mx.random.normal(p.shape)
-               for name, p in tree_flatten(arch.Model(args).parameters())}
-    return prepare(build_model(config, weights, progress=False), norm="flash", bits=0)
 
 
 def request(model, tokenizer, i, k, tag, max_tokens):

@@ -21,6 +21,21 @@ SCHEMA = {"type": "object",
                                         "minItems": 1, "maxItems": 3}},
           "required": ["title", "genre", "characters"], "additionalProperties": False}
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "story", "schema": SCHEMA}}
+# a person as compact JSON of short bounded strings (llguidance's x-guidance option: the whitespace
+# a schema allows otherwise takes half the tokens), so that even a random model's answers end
+# within a few dozen tokens, at lengths of their own (tests/test_structured.py's schema, and
+# bench/probes/constrained_steps.py's default)
+PERSON = {"type": "object", "additionalProperties": False,
+          "required": ["name", "color", "tags", "home"],
+          "properties": {"name": {"type": "string", "pattern": "^[A-Z][a-z]{1,9}$"},
+                         "color": {"enum": ["red", "green", "blue"]},
+                         "tags": {"type": "array", "maxItems": 2,
+                                  "items": {"type": "string", "pattern": "^[a-z]{1,8}$"}},
+                         "home": {"type": "object", "additionalProperties": False,
+                                  "required": ["city"],
+                                  "properties": {"city": {"type": "string",
+                                                          "pattern": "^[A-Z][a-z]{1,9}$"}}}},
+          "x-guidance": {"whitespace_flexible": False}}
 # --burst goes once every steady client's first request has this many content chunks (or has
 # ended), so that all of them are decoding when the newcomers arrive...
 BURST_AFTER = 4
