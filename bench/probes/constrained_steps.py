@@ -40,18 +40,20 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-# the package of the checkout this script is in, not another installed copy
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+# the package of the checkout this script is in, not another installed copy; its tests' models
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import llguidance  # noqa: E402
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
-from mlx.utils import tree_flatten  # noqa: E402
 
 from mlx_flashnorm import constraints  # noqa: E402
 from mlx_flashnorm.bench.load import PERSON, SCHEMA as STORY, prompt_of  # noqa: E402
+from conftest import TINY_LLAMA  # noqa: E402
+from mlx_flashnorm.bench.decode import random_weights  # noqa: E402
 from mlx_flashnorm.decoding import context_length  # noqa: E402
-from mlx_flashnorm.loader import build_model, load, model_args, prepare  # noqa: E402
+from mlx_flashnorm.loader import build_model, load, prepare  # noqa: E402
 from mlx_flashnorm.serve import engine as engine_module, slots as slots_module  # noqa: E402
 from mlx_flashnorm.serve.batch_worker import kv_limits, warmup  # noqa: E402
 from mlx_flashnorm.serve.engine import FEED_WAIT, BatchEngine  # noqa: E402
@@ -64,21 +66,14 @@ PHASES = ["build", "prefill", "place", "queue", "eval", "wait", "read", "words",
 HOST = ["build", "queue", "read", "words", "unpack", "settle"]  # pure host work
 CASES = ["free", "spread", "half", "all"]
 SCHEMAS = {"person": PERSON, "story": STORY}
-# a random Llama of two small layers over SmolLM2's vocabulary (tests/conftest.py's TINY_LLAMA)
-TINY = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
-        "intermediate_size": 160, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-5, "vocab_size": 49152, "max_position_embeddings": 1024,
-        "rope_theta": 100000.0, "tie_word_embeddings": True}
+# a random Llama of two small layers over SmolLM2's vocabulary
+TINY = dict(TINY_LLAMA, max_position_embeddings=1024)
 
 
 def tiny_model(vocab, layers=TINY["num_hidden_layers"]):
     """The tiny random Llama (TINY) over `vocab` token ids, of `layers` layers."""
     config = dict(TINY, vocab_size=vocab, num_hidden_layers=layers)
-    arch, args = model_args(config)
-    mx.random.seed(3)
-    weights = {name: (1.0 + 0.2 * mx.random.normal(p.shape)) if "norm" in name
-               else 0.09 * mx.random.normal(p.shape)
-               for name, p in tree_flatten(arch.Model(args).parameters())}
+    weights = random_weights(config, seed=3, scale=0.09)
     return prepare(build_model(config, weights, progress=False), norm="flash", bits=0)
 
 

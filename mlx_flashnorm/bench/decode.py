@@ -86,16 +86,23 @@ TINY = dict(OPENELM_270M, model_dim=128, num_transformer_layers=2, num_query_hea
             max_context_length=1024)
 
 
-def random_checkpoint(folder, config, seed=0):
-    """Write config.json and random float32 weights; norm weights are drawn around 1 (as in a
-    trained model) so that FlashNorm's folding has real work to do."""
+def random_weights(config, seed=0, scale=0.02):
+    """Random float32 weights of config's architecture, keyed by checkpoint name: norm weights are
+    drawn around 1 (as in a trained model) so that FlashNorm's folding has real work to do, the
+    others with standard deviation `scale`."""
     arch, args = model_args(config)
     mx.random.seed(seed)
     weights = {}
     for name, p in tree_flatten(arch.Model(args).parameters()):
         weights[name] = (1.0 + 0.2 * mx.random.normal(p.shape)) if "norm" in name \
-            else 0.02 * mx.random.normal(p.shape)
+            else scale * mx.random.normal(p.shape)
     mx.eval(weights)
+    return weights
+
+
+def random_checkpoint(folder, config, seed=0):
+    """Write config.json and random_weights(config, seed)."""
+    weights = random_weights(config, seed)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "pt"})

@@ -57,8 +57,9 @@ from .stack import decode_stack, kv_buffers, stack_weights, unstack
 from .paper import (DyTLinear, FlashDyT, FlashGLU, FlashLayerNormLinear, FlashReLUFFN,
                     merge_mean_centering)
 
-__all__ = ["apply", "remove_norms", "decode_stack", "kv_buffers", "stack_weights", "unstack", "make_weightless",
-           "folded_norms", "mapping", "Mapping", "Pair", "NoNorm", "HEADS", "DEFAULT_HEAD",
+__all__ = ["apply", "remove_norms", "decode_stack", "kv_buffers", "stack_weights", "unstack",
+           "make_weightless", "folded_norms", "mapping", "Mapping", "Pair", "NoNorm", "HEADS",
+           "DEFAULT_HEAD",
            "FlashAttention", "FlashQKNormAttention", "FlashSwiGLU", "FlashGeGLU",
            "FlashFusedSwiGLU", "FlashHead", "TiedFlashHead", "Deferred", "DeferredLinear",
            "DeferredNorm", "Pending", "QuantizedDeferredLinear", "deferred", "fold_weight",

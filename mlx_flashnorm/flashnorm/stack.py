@@ -321,9 +321,10 @@ def _stacked(layers, mats):
 def kv_buffers(layers, capacity):
     """Zeroed (k, v) buffers of `capacity` positions for each layer of a stack the kernels take,
     in the activations' dtype (its scales', or its full-precision weights'), as prefill_rows
-    writes a first prompt into them; None for other stacks. A compiled prefill takes them as inputs (decoding.prefill): made inside a traced
-    function, equal buffers may be merged into one (mx.compile merges equal operations), and the
-    kernel, which writes the caches in place, would then write every layer's k and v into one."""
+    writes a first prompt into them; None for other stacks. A compiled prefill takes them as
+    inputs (decoding.prefill): made inside a traced function, equal buffers may be merged into one
+    (mx.compile merges equal operations), and the kernel, which writes the caches in place, would
+    then write every layer's k and v into one."""
     spec = _spec(layers) if layers and isinstance(layers[0], nn.Module) else None
     if spec is None:
         return None
