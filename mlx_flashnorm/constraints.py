@@ -101,7 +101,7 @@ class Constraint:
     def allowed(self):
         """(vocab,) booleans: the tokens the grammar takes next (allowed_rows' row, unpacked on the
         host)."""
-        return mx.array(_unpacked([self])[0])
+        return mx.array(unpacked(words([self]), self.vocab)[0])
 
     def mask(self, logprobs):
         """logprobs (1, vocab) with the tokens the grammar refuses at -inf."""
@@ -143,9 +143,10 @@ def allowed_rows(constraints):
     bitmasks (words) go over as they are, a bit a token, and are unpacked there; on the CPU numpy
     unpacks them (MLX's gather and shifts cost it far more: bench/LOG.md, "Thirty-sixth pass, on
     this CPU after the device time was spent")."""
+    vocab = constraints[0].vocab
     if mx.default_device() == mx.gpu:
-        return unpack(mx.array(words(constraints)), constraints[0].vocab)
-    return mx.array(_unpacked(constraints))
+        return unpack(mx.array(words(constraints)), vocab)
+    return mx.array(unpacked(words(constraints), vocab))
 
 
 def unpack(words, vocab):
@@ -160,9 +161,10 @@ def _bit_table(vocab):
     return ids // 32, ids % 32
 
 
-def _unpacked(constraints):
-    bits = np.unpackbits(words(constraints).view(np.uint8), axis=1, bitorder="little")
-    return bits[:, :constraints[0].vocab].view(bool)
+def unpacked(bitmasks, vocab):
+    """(rows, vocab) numpy booleans of (rows, words) int32 bitmasks."""
+    bits = np.unpackbits(bitmasks.view(np.uint8), axis=1, bitorder="little")
+    return bits[:, :vocab].view(bool)
 
 
 def _executor():

@@ -103,13 +103,26 @@ def test_requests_wait_for_rows_while_the_budget_holds_them(tiny):
     assert [s for s, _ in results] == [200] * 40 and 1 < worker.most_rows <= 8
 
 
+class HeldWorker(BatchWorker):
+    """BatchWorker that stops after its first step's tokens until `let` is set (so that a request
+    under way is still under way however slowly the test's thread runs)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.let = threading.Event()
+
+    def deliver(self, events):
+        super().deliver(events)
+        assert self.let.wait(120), "the test never let the worker go on"
+
+
 def test_past_the_budget_a_request_gets_503_with_retry_after(tiny):
     """A budget of 1.5 requests at the model's context: a request holding 1900 positions (its
     prompt and max_tokens) under way, one asking for 1500 more is refused 503 with Retry-After, one
     asking for a few is taken; once the first is gone, the large one is taken."""
     model, tokenizer = tiny
     per_token = token_bytes(kv_layout(model))
-    worker = BatchWorker(model, tokenizer, kv_budget=3 * CONTEXT // 2 * per_token)
+    worker = HeldWorker(model, tokenizer, kv_budget=3 * CONTEXT // 2 * per_token)
     long = {"prompt": "the quick brown fox", "max_tokens": 1900, "logit_bias": {"2": -100}}  # no EOS
     with serving(Server(model, tokenizer, "tiny", port=0, worker=worker)) as server:
         port = server.server_address[1]
@@ -119,8 +132,10 @@ def test_past_the_budget_a_request_gets_503_with_retry_after(tiny):
             status, headers, answer = post(port, dict(long, max_tokens=1500))
             assert status == 503 and headers["Retry-After"] == "1", answer
             assert "--kv-budget" in answer["error"]["message"] and server.active == 1
+            worker.let.set()
             assert post(port, {"prompt": "the lazy dog", "max_tokens": 4})[0] == 200
         finally:
+            worker.let.set()
             running.close()
         assert idle(server)
         status, _, again = post(port, dict(long, max_tokens=1500), stream=True)
@@ -132,7 +147,8 @@ def test_max_concurrent_and_max_queue_still_cap(tiny):
     """--max-concurrent 2 --max-queue 0 over the default budget: two requests taken, a third 503."""
     model, tokenizer = tiny
     long = {"prompt": "the quick brown fox", "max_tokens": 1900, "logit_bias": {"2": -100}}
-    with serving(Server(model, tokenizer, "tiny", port=0, max_concurrent=2, max_queue=0)) as server:
+    worker = HeldWorker(model, tokenizer, max_batch=2)
+    with serving(Server(model, tokenizer, "tiny", port=0, max_queue=0, worker=worker)) as server:
         assert server.worker.slots == 2
         port = server.server_address[1]
         running = [post(port, long, stream=True) for _ in range(2)]
@@ -142,6 +158,7 @@ def test_max_concurrent_and_max_queue_still_cap(tiny):
             assert status == 503 and headers["Retry-After"] == "1"
             assert "--max-queue 0" in answer["error"]["message"]
         finally:
+            worker.let.set()
             for _, _, conn in running:
                 conn.close()
 

@@ -4,11 +4,13 @@ whose tokens stay those of their unconstrained answers; the server's response_fo
 (a forced call, a streamed one, the openai client's round trip, the 400s); generate --json-schema;
 the tool-call text parser on every split of its text."""
 import json
+import threading
 
 import jsonschema
 import openai
 import pytest
 
+from mlx_flashnorm import constraints
 from mlx_flashnorm.bench.load import PERSON as SCHEMA
 from mlx_flashnorm.generate import main as generate_main
 from mlx_flashnorm.constraints import JSON_OBJECT, Constraint, check, schema_grammar
@@ -61,6 +63,37 @@ def test_json_schema_alone_and_in_a_batch_beside_free_rows(smollm2):
             assert r.generated[-1] in stop  # the JSON text ended the row
             jsonschema.validate(json.loads(tokenizer.decode(r.generated[:-1])), SCHEMA)
     assert expected[0] != expected[1]
+
+
+def test_free_rows_never_wait_for_a_grammars_mask(smollm2, monkeypatch):
+    """Every grammar's mask held back (constraints.words blocked until the test lets it go): the
+    free row beside a row under the schema decodes all its tokens, its one-request tokens, while
+    that row sits every step out with no token; let go, it draws its own one-request tokens (its
+    cache untouched by the steps it sat out)."""
+    model, tokenizer = smollm2
+    person, free = (tokenizer.encode(t) for t in (PERSON, "The capital of France is"))
+    stop = frozenset(tokenizer.eos_token_ids)
+    want_free = alone(model, tokenizer, free, 12)
+    want_person = alone(model, tokenizer, person, 30, json_schema=SCHEMA)
+    let, words = threading.Event(), constraints.words
+    monkeypatch.setattr(constraints, "words", lambda c: let.wait(120) and words(c))
+    engine = BatchEngine(model)
+    ruled = Request(person, 30, stop_tokens=stop, constraint=make(tokenizer, model))
+    other = Request(free, 12, stop_tokens=stop)
+    engine.add(ruled)
+    engine.add(other)
+    try:
+        for _ in range(60):
+            engine.step()
+            if other.generated == want_free:
+                break
+        assert other.generated == want_free and other.slot is None
+        assert ruled.generated == [] and engine.rows == [ruled]
+    finally:
+        let.set()
+    while engine.busy:
+        engine.step()
+    assert ruled.generated == want_person
 
 
 def test_the_serial_worker_follows_the_grammar(smollm2):

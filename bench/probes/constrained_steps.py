@@ -21,18 +21,21 @@ Each step's time (perf_counter) is split into: build (the constraints of the req
 since the last step: the batch worker builds them on the engine's thread, before its step),
 prefill (BatchEngine._prefill), place (_place), queue (runner.queue_step: the step's graph and the
 compiled call; rebuilds of the slots' inputs counted apart), eval (mx.async_eval: on this CPU it
-waits for the step before, so the device's time shows here), wait (the queued step's tokens
-evaluated before _read), read (_read past the wait), words (llguidance's bitmasks,
-constraints.words), unpack (the rest of constraints.allowed_rows), settle (runner.settle past
-allowed_rows: its graph) and other (the rest of step()); each phase without those inside it.
-build, queue, read, words, unpack and settle are pure host work (host: their sum); on the CPU the
+waits for the step before, so the device's time shows here), wait (the queued step's tokens and
+the draws evaluated before _read: with hold off, the masks' wait too), read (_read past the wait),
+draw (runner.Draws.draw: the masked rows' draws, and with hold off the wait for their masks,
+computed on Draws' thread) and other (the rest of step()); each phase without those inside it.
+build, queue, read and draw are the engine thread's host work (host: their sum); on the CPU the
 device is the CPU too, and runs beside the host's work (llguidance's more slowly for it). Printed
-per case: steps, tokens (a fed newcomer draws none while fed), the mean, median and 90th
+per case: steps, tokens (a fed newcomer draws none while fed), free and masked rows' tokens and
+the ms between two tokens of a row of each kind (its rows' mean), the mean, median and 90th
 percentile of each phase's ms a step, the steps whose rows changed (a row left or joined), rows
-joined, slot rebuilds (Slots.inputs with rows changed), new Slots (resized), prefill calls.
---rounds repeats the cases, interleaved; --ab runs each case twice a round, with every
-constraint's matcher compiled anew (`compile`: before constraints.matcher kept them) and as the
-code stands (`copy`), each first in turn."""
+joined, slot rebuilds (Slots.inputs with rows changed), new Slots (resized), prefill calls, the
+masks' host seconds (the thread's and the draws'). --rounds repeats the cases, interleaved; --ab
+runs each case twice a round, with hold off (`wait`: every step waits for its rows' masks) and on
+(`hold`: a masked row whose mask is not done sits the step out), each first in turn.
+--mask-delay MS adds MS to every call of llguidance's masks (constraints.words, on Draws' thread):
+a mask slower than this CPU's step, as a GPU's step is faster than its host's masks."""
 import argparse
 import statistics
 import sys
@@ -44,7 +47,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-import llguidance  # noqa: E402
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -61,9 +63,8 @@ from mlx_flashnorm.serve.openai_api import parse_call  # noqa: E402
 from mlx_flashnorm.serve.prompt_cache import PromptCache  # noqa: E402
 from mlx_flashnorm.serve.sequence import Request  # noqa: E402
 
-PHASES = ["build", "prefill", "place", "queue", "eval", "wait", "read", "words", "unpack",
-          "settle", "other"]
-HOST = ["build", "queue", "read", "words", "unpack", "settle"]  # pure host work
+PHASES = ["build", "prefill", "place", "queue", "eval", "wait", "read", "draw", "other"]
+HOST = ["build", "queue", "read", "draw"]  # the engine thread's host work
 CASES = ["free", "spread", "half", "all"]
 SCHEMAS = {"person": PERSON, "story": STORY}
 # a random Llama of two small layers over SmolLM2's vocabulary
@@ -110,7 +111,8 @@ class Clock:
 def time_reads(engine, clock, phase="read"):
     """engine._read timed as `phase`, the wait for its step's tokens apart (phase "wait")."""
     read = clock.timed(engine._read, phase)
-    wait = clock.timed(lambda step: mx.eval(step.tokens), "wait")
+    wait = clock.timed(lambda step: mx.eval(step.tokens, [d for _, d, _ in engine.draws.drawn]),
+                       "wait")
 
     def waited_read(step):
         wait(step)
@@ -122,19 +124,19 @@ def time_reads(engine, clock, phase="read"):
 def instrument(engine, clock):
     """Wrap the engine's phases (on the instance, and the modules' functions it calls) in clock;
     returns a function that undoes the module-level wraps."""
-    for name, phase in (("_prefill", "prefill"), ("_place", "place"), ("_settle", "settle")):
+    for name, phase in (("_prefill", "prefill"), ("_place", "place")):
         setattr(engine, name, clock.timed(getattr(engine, name), phase))
+    engine.draws.draw = clock.timed(engine.draws.draw, "draw")
     time_reads(engine, clock)
-    saved = [(engine_module, "queue_step", "queue"), (constraints, "allowed_rows", "unpack"),
-             (constraints, "words", "words"), (mx, "async_eval", "eval")]
+    saved = [(engine_module, "queue_step", "queue"), (mx, "async_eval", "eval")]
     saved = [(m, n, getattr(m, n), phase) for m, n, phase in saved]
     for m, n, f, phase in saved:
         setattr(m, n, clock.timed(f, phase))
     inputs = slots_module.Slots.inputs
 
-    def counted_inputs(s):
+    def counted_inputs(s, *a):
         clock.counts["rebuilds"] += bool(s.dirty)
-        return inputs(s)
+        return inputs(s, *a)
 
     slots_module.Slots.inputs = counted_inputs
 
@@ -145,10 +147,11 @@ def instrument(engine, clock):
     return undo
 
 
-def run_case(model, tokenizer, case, args, seed):
+def run_case(model, tokenizer, case, args, seed, hold=True):
     rows, budget, _ = kv_limits(model, args.clients)
     engine = BatchEngine(model, rows, 2048, PromptCache(512 * 2**20),
-                         feed_wait=FEED_WAIT if args.feed_wait else None, kv_budget=budget)
+                         feed_wait=FEED_WAIT if args.feed_wait else None, kv_budget=budget,
+                         hold=hold)
     warmup(engine)
     vocab = model.args.vocab_size
     stops = frozenset(tokenizer.eos_token_ids)
@@ -181,6 +184,7 @@ def run_case(model, tokenizer, case, args, seed):
     clock = Clock()
     undo = instrument(engine, clock)
     steps, last, last_slots = [], frozenset(), None
+    masks = engine.mask_seconds
     try:
         for n in range(args.warm + args.steps):
             clock.clear()
@@ -194,10 +198,15 @@ def run_case(model, tokenizer, case, args, seed):
                 if e.finish_reason:
                     add(e.request.client)
             rows_now = frozenset(map(id, engine.rows))
+            if n == args.warm:
+                masks = engine.mask_seconds
             if n >= args.warm:
+                free = [r for r in engine.rows if r.constraint is None]
                 phases = {p: clock.wall.get(p, 0.0) for p in PHASES}
                 phases["other"] = total - sum(phases.values())
                 steps.append(dict(phases, total=total, tokens=len(events),
+                                  free_tokens=sum(e.request.constraint is None for e in events),
+                                  free_rows=len(free), masked_rows=len(engine.rows) - len(free),
                                   changed=rows_now != last, joined=len(rows_now - last),
                                   rebuilds=clock.counts["rebuilds"] - counts.get("rebuilds", 0),
                                   resized=engine.slots is not last_slots,
@@ -206,12 +215,8 @@ def run_case(model, tokenizer, case, args, seed):
             last, last_slots = rows_now, engine.slots
     finally:
         undo()
+    steps[-1]["mask_seconds"] = engine.mask_seconds - masks
     return steps
-
-
-def compiled_anew(grammar, tokenizer, vocab):
-    """constraints.matcher as it was: every constraint's grammar compiled for it."""
-    return llguidance.LLMatcher(constraints.ll_tokenizer(tokenizer, vocab), grammar, log_level=0)
 
 
 def report(case, steps):
@@ -223,6 +228,13 @@ def report(case, steps):
             f"median {1e3 * statistics.median(s['total'] for s in steps):.2f} ms  "
             f"constrained rows {statistics.mean(s['constrained'] for s in steps):.1f}")
     print(line)
+    free = sum(s["free_tokens"] for s in steps)
+    kinds = []
+    for kind, made, rows in (("free", free, "free_rows"), ("masked", tokens - free, "masked_rows")):
+        mean_rows = statistics.mean(s[rows] for s in steps)
+        between = f"{1e3 * total * mean_rows / made:.2f} ms" if made else "-"
+        kinds.append(f"{kind} rows {mean_rows:.1f}: {made} tokens, {between} between a row's two")
+    print("   " + "; ".join(kinds) + f"; masks {1e3 * steps[-1]['mask_seconds'] / n:.3f} ms/step")
     print("   ms/step  " + " ".join(f"{p:>7s}" for p in PHASES + ["host"]))
     p90 = (lambda xs: statistics.quantiles(xs, n=10)[-1])
     for name, f in (("mean", statistics.mean), ("median", statistics.median), ("p90", p90)):
@@ -248,9 +260,10 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=300, help="steps measured per case")
     p.add_argument("--warm", type=int, default=40, help="steps run before those measured")
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--ab", action="store_true", help="each case with constraints compiled anew, "
-                   "then as the code stands")
+    p.add_argument("--ab", action="store_true", help="each case with hold off (every step waits "
+                   "for its masks), then on")
     p.add_argument("--schema", choices=list(SCHEMAS), default="person")
+    p.add_argument("--mask-delay", type=float, default=0.0, help="ms added to every mask call")
     p.add_argument("--feed-wait", action="store_true",
                    help="the server's bound on feeding (FEED_WAIT): on this CPU's slow steps it "
                         "prefills every newcomer, where a GPU's feeds them")
@@ -262,16 +275,14 @@ def main(argv=None):
     if args.model == "tiny":
         model = tiny_model(model.args.vocab_size)
     constraints.ll_tokenizer(tokenizer, model.args.vocab_size)  # built once, outside the steps
+    if args.mask_delay:
+        words = constraints.words
+        constraints.words = lambda c: time.sleep(args.mask_delay / 1e3) or words(c)
     for k in range(args.rounds):
         for case in cases:
-            kept = constraints.matcher
             # (odd rounds in the other order: neither variant always second)
-            for variant in (["compile", "copy"][::1 - 2 * (k % 2)] if args.ab else [""]):
-                constraints.matcher = compiled_anew if variant == "compile" else kept
-                try:
-                    steps = run_case(model, tokenizer, case, args, seed=k)
-                finally:
-                    constraints.matcher = kept
+            for variant in (["wait", "hold"][::1 - 2 * (k % 2)] if args.ab else [""]):
+                steps = run_case(model, tokenizer, case, args, seed=k, hold=variant != "wait")
                 report(f"{case} {variant}".strip(), steps)
 
 

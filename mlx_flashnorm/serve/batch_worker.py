@@ -42,6 +42,7 @@ class BatchWorker:
     once the requests are answered), before that step's tokens are handed out."""
 
     idle_wait = None  # seconds an idle engine waits for a request at most (None: for ever)
+    hold = True  # BatchEngine's hold: a row under a grammar sits a step out, not the step waiting
 
     def __init__(self, model, tokenizer, warm=False, max_batch=None, prompt_cache_bytes=0,
                  prefill_step=2048, gather=(0.002, 0.02), kv_budget=None):
@@ -58,7 +59,7 @@ class BatchWorker:
             self.choices = min(MAX_CHOICES, self.slots)
             cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
             self.engine = BatchEngine(model, self.slots, prefill_step, cache, feed_wait=FEED_WAIT,
-                                      kv_budget=budget)
+                                      kv_budget=budget, hold=self.hold)
             if warm:
                 warmup(self.engine)
 

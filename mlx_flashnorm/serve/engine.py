@@ -33,8 +33,9 @@ token and draws its own tokens.
 Pipelining, as generate_step: step n+1 is queued (mx.async_eval) before step n's tokens are read,
 its input the tokens step n samples on the device. A row that finishes at step n is noticed when
 step n is read, so step n+1 computed one token too many for it (thrown away); a newcomer joins the
-step queued after it was prefilled. A row under a grammar draws each token a step late, once the
-step before is read (runner.settle), so the step stays queued ahead for every row.
+step queued after it was prefilled. A row under a grammar draws each token late, its mask computed
+on a thread once its token before is read, and sits a step out where the mask is not done when the
+step is queued (runner.Draws): the step stays queued ahead for the other rows.
 
 Exactness: every row's result is the one-request computation (a norm's deferred 1/RMS is per row),
 up to the summation order of a batched matmul and of attention over the whole capacity (masked
@@ -56,7 +57,7 @@ from .. import forms
 from ..decoding import cache_capacity, context_length, prefill
 from .prompt_cache import common_prefix
 from .requests import Load
-from .runner import queue_step, settle
+from .runner import Draws, queue_step
 from .sequence import Event, Request
 from .slots import (Slots, bucket, kv_layout, need, needed_capacity, one_row_cache, rows_of,
                     token_bytes)
@@ -110,10 +111,12 @@ class BatchEngine:
     request waits until the batch with it fits, each row at the capacity of the longest (its
     prompt and max_tokens). The batch is sized for every request taken in (those still under
     prefill too), so that a burst prefilled over several steps grows it once: a bucket grown
-    copies every live row into the new buffers, a row joining inside its bucket copies none."""
+    copies every live row into the new buffers, a row joining inside its bucket copies none.
+    hold: a row under a grammar whose mask is not done sits a step out rather than the step
+    waiting for it (runner.Draws; off where every rank of mlx.launch must take the same steps)."""
 
     def __init__(self, model, max_batch=32, prefill_step=2048, prompt_cache=None, feed=32,
-                 feed_wait=None, kv_budget=None):
+                 feed_wait=None, kv_budget=None, hold=True):
         self.model, self.max_batch, self.prefill_step, self.feed = (
             model, max_batch, prefill_step, feed)
         self.kv_budget = kv_budget
@@ -126,6 +129,7 @@ class BatchEngine:
         self.spare = None  # the slots a lone newcomer or a shrink left, kept for the next wave
         self.idle = True  # no row decoded when this step began
         self.pending = None  # the runner.Queued step not read yet
+        self.draws = Draws(hold)  # the rows under a grammar awaiting their draws
         # prefill calls as arrays to wait for: this step's, and the last step's (waited for in this)
         self.queued, self.in_flight = [], []
         self.layout = None  # slots.kv_layout, read once
@@ -135,7 +139,8 @@ class BatchEngine:
         # tokens the prompt cache gave, and requests' prefill and choices' generation seconds
         self.steps = self.rows_stepped = self.generated = self.cached_tokens = 0
         self.prompt_seconds = self.generation_seconds = 0.0
-        self.mask_seconds = 0.0  # host time of the constrained rows' masks (settle)
+        self.mask_seconds = 0.0  # host time of the constrained rows' masks and draws (Draws)
+        self.masks_seen = 0.0  # (the draws' seconds counted in it so far)
         self.small = 0  # steps in a row that a smaller bucket would have held the rows
 
     COUNTERS = ("prefilled", "prefill_calls", "steps", "rows_stepped", "generated",
@@ -201,6 +206,7 @@ class BatchEngine:
             deque(), [], [], None, None)
         self.spare = self.read_at = None
         self.queued, self.in_flight = [], []
+        self.draws.clear()
 
     def step(self):
         """Drop cancelled requests, prefill up to prefill_step prompt tokens, give the prefilled
@@ -213,15 +219,20 @@ class BatchEngine:
         # (the rows' host work is per row: once a step)
         live = self.slots.live() if self.slots is not None else []
         if self.pending is None and live:
-            self.pending = self._settle(queue_step(self.slots, live))
+            self.pending = queue_step(self.slots, live, self.draws)
         if self.pending is None:
             return []
         more = any(r.queued < r.max_tokens for _, r in live)
-        ahead = queue_step(self.slots, live) if more else None
+        # rows under a grammar: the draws whose masks are done (all where no step follows), those
+        # waited for while the device should still be busy with the step queued before
+        busy = (self.read_at + min(self.periods) if self.read_at is not None and self.periods
+                else None)
+        self.draws.draw(self.slots, live, hold=more, until=busy)
+        ahead = queue_step(self.slots, live, self.draws) if more else None
         events = self._read(self.pending)
-        if ahead is not None:  # rows under a grammar: their masks while the device runs ahead
-            ahead = self._settle(ahead)
         self.pending = ahead if (left := self.rows) else None
+        spent = self.draws.seconds
+        self.mask_seconds, self.masks_seen = self.mask_seconds + spent - self.masks_seen, spent
         now = time.perf_counter()
         if self.read_at is not None and calls == self.prefill_calls:
             self.periods.append(now - self.read_at)
@@ -230,15 +241,6 @@ class BatchEngine:
         if not left and not self.busy and self.slots is not None:
             self.slots.store(self.prompt_cache)
         return events
-
-    def _settle(self, step):
-        """runner.settle, its host time counted where the step has rows under a grammar."""
-        if not step.constrained:
-            return step
-        began = time.perf_counter()
-        step = settle(self.slots, step)
-        self.mask_seconds += time.perf_counter() - began
-        return step
 
     def feedable(self, n):
         """Whether a newcomer with n prompt tokens left is fed them through the decode steps."""
@@ -518,31 +520,38 @@ class BatchEngine:
         s.vacate(ran)
 
     def _read(self, step):
-        """Events of a queued step's rows still in the batch (waiting for its tokens)."""
-        events, leaving = [], []
-        tokens, logprobs = step.tokens.tolist(), step.logprobs
+        """Events of a queued step's rows still in the batch (waiting for its tokens), and of the
+        rows under a grammar drawn since the last read (runner.Draws)."""
+        events, leaving, ruled = [], [], []
+        reads = [(step.rows, step.tokens, step.logprobs, False)]
+        reads += [(rows, drawn, logprobs, True) for rows, drawn, logprobs in self.draws.taken()]
+        mx.eval([tokens for _, tokens, _, _ in reads])
         now = time.perf_counter()
-        for i, r in step.rows:  # i: its slot when the step was queued
-            if r.slot is None:  # it left after this step was queued
-                continue
-            r.next = t = tokens[i]
-            r.generated.append(t)
-            made = len(r.generated)
-            finish = "stop" if t in r.stop_tokens else ("length" if made >= r.max_tokens
-                                                        else None)
-            if made == 1:
-                self._started(r, now)
-            if r.constraint is not None and not finish:
-                r.constraint.accept(t)
-            events.append(Event(r, t, logprobs, i, finish))
-            if finish:
-                leaving.append(r)
+        for rows, tokens, logprobs, drawn in reads:
+            tokens = tokens.tolist()
+            for k, (i, r) in enumerate(rows):  # i: its slot when the step was queued
+                if r.slot is None:  # it left after this step was queued
+                    continue
+                r.next = t = tokens[k if drawn else i]
+                r.generated.append(t)
+                made = len(r.generated)
+                finish = "stop" if t in r.stop_tokens else ("length" if made >= r.max_tokens
+                                                            else None)
+                if made == 1:
+                    self._started(r, now)
+                if r.constraint is not None and not finish:
+                    r.constraint.accept(t)
+                    ruled.append(r)
+                events.append(Event(r, t, logprobs, k if drawn else i, finish))
+                if finish:
+                    leaving.append(r)
         self.steps += 1
         self.rows_stepped += len(events)
         # (an end-of-sequence token is no token of the answer: usage does not count it)
         self.generated += len(events) - sum(r.generated[-1] in r.stop_tokens for r in leaving)
         self.generation_seconds += sum(now - r.first for r in leaving)
         self._release(leaving)
+        self.draws.read(ruled)  # (their next masks)
         return events
 
     def _started(self, r, now):
@@ -565,3 +574,4 @@ class BatchEngine:
             if read:
                 self.slots.unstored[r.slot] = read
             r.slot = None
+            self.draws.forget(r)

@@ -54,6 +54,10 @@ class LockstepWorker(BatchWorker):
     (a step STEP_TIMEOUTS times as long) before the other ranks are taken for gone (the server's
     --rank-timeout); the rest as BatchWorker's."""
 
+    # (whether a grammar's mask is done when a step is queued is a thread's timing, not the same on
+    # every rank: each step waits for its masks)
+    hold = False
+
     def __init__(self, model, tokenizer, warm=False, max_batch=None, prompt_cache_bytes=0,
                  prefill_step=2048, timeout=RANK_TIMEOUT, kv_budget=None):
         self.timeout = timeout

@@ -1,35 +1,43 @@
 """One batched decode step on the device: the slots' compiled step queued, its rows' logits
 processors and samplers applied, and the tokens (greedy rows by the step's argmax) left on the
-device for the step after.
+device for the step after; and the draws of the rows under a grammar (Draws).
 
-A row under a grammar (Request.constraint) samples nothing in queue_step: its mask for step n
-needs its token of step n-1 on the host, and the engine queues step n before reading step n-1. So
-settle() draws its token from step n's log-probabilities, masked, once step n-1 is read and before
-step n+1 is queued: the host computes the mask while the device runs step n, and the step stays
-queued ahead for every row. A batch without such a row runs as before (settle returns at once);
-with one, the other rows' tokens are computed as without it, and the step after waits on the
-masked rows' draws (a few small operations after the step)."""
+A row under a grammar (Request.constraint) samples nothing in queue_step: its mask for a step's
+log-probabilities needs its token before on the host, and the engine queues each step before it
+reads the one before. So its token is drawn later (Draws.draw), masked, from the log-probabilities
+kept: the mask is computed on a thread (llguidance's work, the GIL let go) from the moment its
+token before is read, while the engine delivers that step's tokens and queues the next. The next
+step waits for the mask while the device should still be busy with the step before (the engine's
+estimate: the fastest recent step period since that step's read); past that the row sits the step
+out (Slots.decode's held: its position stays, its output is thrown away) and joins the step after
+with its drawn token, so the free rows' steps never wait for a grammar. Where every row would sit
+out, or the engine must step alike on every rank (hold off), the step waits for the masks."""
+import threading
+import time
 from typing import NamedTuple
 
 import mlx.core as mx
+import numpy as np
 
 from .. import constraints
 
 
 class Queued(NamedTuple):
-    """A queued decode step: the rows it decodes [(slot, request)], its tokens (slots,) and the
-    log-probabilities (slots, vocab) they were drawn from."""
+    """A queued decode step: the rows whose tokens it draws [(slot, request)] (rows under a
+    grammar apart: Draws), its tokens (slots,) and the log-probabilities (slots, vocab) they were
+    drawn from."""
     rows: list
     tokens: mx.array
     logprobs: mx.array
-    constrained: list = ()  # its rows under a grammar [(slot, request)], drawn by settle
 
 
-def queue_step(s, live):
+def queue_step(s, live, draws):
     """Queue one decode step of the live rows (Slots.live()) of slots s; its tokens feed the
-    step after."""
+    step after. The rows whose draw is pending (draws) sit it out; those under a grammar that take
+    part leave their log-probabilities to draws."""
     # a row fed its prompt samples nothing
-    rows = [(i, r) for i, r in live if not s.feeding(i)] if s.feed else live
+    held = frozenset(i for i, r in live if r in draws.pending)
+    rows = [(i, r) for i, r in live if not (s.feeding(i) or i in held)]
     raw = sampled = False
     constrained = []
     for i, r in rows:
@@ -39,7 +47,7 @@ def queue_step(s, live):
             constrained.append((i, r))
         else:
             sampled = sampled or not r.greedy
-    out, tokens = s.decode(logits=raw)
+    out, tokens = s.decode(logits=raw, held=held)
     logprobs = out
     if raw:
         logprobs = log_softmax(process(out, rows))
@@ -54,36 +62,173 @@ def queue_step(s, live):
                 r.seen = mx.concatenate([r.seen, tokens[i:i + 1].astype(r.seen.dtype)])
     s.tokens = tokens
     mx.async_eval(tokens, logprobs)
-    return Queued(rows, tokens, logprobs, constrained)
+    draws.queued(constrained, logprobs)
+    if constrained:
+        rows = [(i, r) for i, r in rows if r.constraint is None]
+    return Queued(rows, tokens, logprobs)
 
 
-def settle(s, step):
-    """Draw the tokens of a queued step's rows under a grammar (still in the batch), each from its
-    masked log-probabilities, into the step's tokens (the next step's input); their grammars have
-    taken every token before (the step before was read). Returns the step."""
-    if not step.constrained:
-        return step
-    rows = [(i, r) for i, r in step.constrained if r.slot is not None]
-    if not rows:
-        return step
-    # every row's mask in one llguidance call and a few device operations (constraints.words)
-    at = mx.array([i for i, _ in rows])
-    logprobs = step.logprobs[at]
-    logprobs = mx.where(constraints.allowed_rows([r.constraint for _, r in rows]), logprobs,
-                        mx.array(-mx.inf, logprobs.dtype))
-    drawn = mx.argmax(logprobs, axis=-1)
-    if not all(r.greedy for _, r in rows):
-        drawn = mx.concatenate([drawn[j:j + 1] if r.greedy
-                                else r.sample(logprobs[j:j + 1]).reshape(1)
-                                for j, (_, r) in enumerate(rows)])
-    tokens = step.tokens
-    tokens[at] = drawn.astype(tokens.dtype)
-    for i, r in rows:
-        if r.logits_processors:
-            r.seen = mx.concatenate([r.seen, tokens[i:i + 1].astype(r.seen.dtype)])
-    s.tokens = tokens
-    mx.async_eval(tokens)
-    return step
+class Draws:
+    """The rows under a grammar between the step that computed their log-probabilities and the
+    draw of their token from them (the module's note). hold: whether a row whose mask is not done
+    may sit the next step out (else the step waits for it). The masks are computed on one thread,
+    every row asked for since its last call in one llguidance call; it ends after IDLE seconds
+    with nothing to do."""
+
+    IDLE = 1.0
+
+    def __init__(self, hold=True):
+        self.hold = hold
+        self.pending = {}  # request -> (its step's logprobs, its row there): awaiting its draw
+        self.unread = set()  # requests whose last drawn token is not read (their grammar waits)
+        self.drawn = []  # (rows [(slot, request)], tokens (k,), logprobs (k, vocab)): to read
+        self.draw_seconds = 0.0  # the engine thread's on the draws
+        # shared with the thread, under lock: the requests whose masks it computes next, those
+        # asked for and not done, and the done ones: request -> (the call's array, its row)
+        self.lock = threading.Condition()
+        self.todo, self.asked, self.masks = [], set(), {}
+        self.thread, self.unpack = None, False
+        self.thread_seconds = 0.0  # the thread's time on the masks
+
+    @property
+    def seconds(self):
+        """Host seconds of the masks and the draws."""
+        return self.thread_seconds + self.draw_seconds
+
+    def queued(self, rows, logprobs):
+        """rows [(slot, request)] under a grammar took part in a step queued with logprobs: each
+        awaits its draw from its row; the masks of those whose grammar has taken every token
+        drawn (a first token) are asked for now, the others' once their token before is read."""
+        for i, r in rows:
+            self.pending[r] = (logprobs, i)
+        self._ask([r for _, r in rows if r not in self.unread])
+
+    def read(self, requests):
+        """Their drawn tokens were read (their grammars took them): the masks of those awaiting
+        a draw are asked for."""
+        self.unread.difference_update(requests)
+        self._ask([r for r in requests if r in self.pending])
+
+    def forget(self, r):
+        """r left the batch."""
+        self.pending.pop(r, None)
+        self.unread.discard(r)
+        with self.lock:
+            self.asked.discard(r)
+            self.masks.pop(r, None)
+            if r in self.todo:
+                self.todo.remove(r)
+
+    def clear(self):
+        """Drop every row (after a failed step)."""
+        self.pending, self.unread, self.drawn = {}, set(), []
+        with self.lock:
+            self.todo, self.asked, self.masks = [], set(), {}
+
+    def _ask(self, requests):
+        if not requests:
+            return
+        unpack = mx.default_device() != mx.gpu  # (a GPU unpacks the bits itself)
+        with self.lock:
+            self.todo += requests
+            self.asked.update(requests)
+            self.unpack = unpack
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._work, name="grammar-masks",
+                                               daemon=True)
+                self.thread.start()
+            self.lock.notify_all()
+
+    def _work(self):
+        """(the thread) Every mask asked for, in one call at a time: bitmasks (rows, words), or
+        booleans (rows, vocab) where unpack; a failure is handed to the draw."""
+        while True:
+            with self.lock:
+                if not self.todo:
+                    self.lock.wait(self.IDLE)
+                if not self.todo:
+                    self.thread = None
+                    return
+                todo, self.todo, unpack = self.todo, [], self.unpack
+            began = time.perf_counter()
+            try:
+                out = constraints.words([r.constraint for r in todo])
+                if unpack:
+                    out = constraints.unpacked(out, todo[0].constraint.vocab)
+            except Exception as e:  # (raised where the draw takes it)
+                out = e
+            with self.lock:
+                for j, r in enumerate(todo):
+                    if r in self.asked:
+                        self.asked.discard(r)
+                        self.masks[r] = (out, j)
+                self.thread_seconds += time.perf_counter() - began
+                self.lock.notify_all()
+
+    def draw(self, s, live, hold=True, until=None):
+        """Before a step of slots s is queued: draw the tokens of its live rows whose masks are
+        done into s.tokens, the step's input, their masks waited for until `until` (perf_counter
+        seconds; None: not at all); all of them, waiting for every mask, with hold off (here: no
+        step follows; or the Draws') or where no live row would take part in the step without
+        them. They are read with the step read next (taken)."""
+        if not self.pending:
+            return
+        sit_out = self.hold and hold and any(r not in self.pending for _, r in live)
+        with self.lock:
+            wanted = [r for r in self.pending if r in self.masks or r in self.asked]
+            done = (lambda: not any(r in self.asked for r in wanted))
+            if not sit_out:
+                self.lock.wait_for(done)
+            elif until is not None and (left := until - time.perf_counter()) > 0:
+                self.lock.wait_for(done, timeout=left)
+            waiting = [r for r in wanted if r in self.masks]
+            masks = {r: self.masks.pop(r) for r in waiting}
+        if not waiting:
+            return
+        began = time.perf_counter()
+        groups = {}  # the steps their log-probabilities come from (most often one)
+        for r in waiting:
+            table, i = self.pending.pop(r)
+            groups.setdefault(id(table), (table, [], []))
+            groups[id(table)][1].append(i)
+            groups[id(table)][2].append(r)
+        waiting = [r for _, _, rs in groups.values() for r in rs]
+        logprobs = mx.concatenate([t[mx.array(at)] for t, at, _ in groups.values()])
+        masks = [masks[r] for r in waiting]
+        for out, _ in masks:
+            if isinstance(out, Exception):
+                raise out
+        first = masks[0][0]
+        if all(out is first and j == k for k, (out, j) in enumerate(masks)):
+            masks = first[:len(masks)]  # (the rows of one call, in its order)
+        else:
+            masks = np.stack([out[j] for out, j in masks])
+        rows = [(r.slot, r) for r in waiting]
+        vocab = waiting[0].constraint.vocab
+        allowed = (mx.array(masks) if masks.dtype == bool
+                   else constraints.unpack(mx.array(masks), vocab))
+        logprobs = mx.where(allowed, logprobs, mx.array(-mx.inf, logprobs.dtype))
+        drawn = mx.argmax(logprobs, axis=-1)
+        if not all(r.greedy for r in waiting):
+            drawn = mx.concatenate([drawn[j:j + 1] if r.greedy
+                                    else r.sample(logprobs[j:j + 1]).reshape(1)
+                                    for j, r in enumerate(waiting)])
+        drawn = drawn.astype(s.tokens.dtype)
+        tokens = s.tokens
+        tokens[mx.array([i for i, _ in rows])] = drawn
+        for j, (i, r) in enumerate(rows):
+            if r.logits_processors:
+                r.seen = mx.concatenate([r.seen, drawn[j:j + 1].astype(r.seen.dtype)])
+        s.tokens = tokens
+        mx.async_eval(tokens, drawn)
+        self.drawn.append((rows, drawn, logprobs))
+        self.unread.update(waiting)
+        self.draw_seconds += time.perf_counter() - began
+
+    def taken(self):
+        """The draws to read (emptied)."""
+        drawn, self.drawn = self.drawn, []
+        return drawn
 
 
 def process(logits, rows):

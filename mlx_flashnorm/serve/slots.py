@@ -128,7 +128,7 @@ class Slots:
         self.table = None  # left as prompt_cache.token_rows: reuse
         self.tokens = None  # (size,) uint32 device array: the last step's tokens
         self.dirty = True
-        self.offset = self.inc = None
+        self.offset = self.inc = self.held = None
 
     @property
     def solo(self):
@@ -218,7 +218,7 @@ class Slots:
         new.left, new.table, new.unstored = [()] * size, None, {}
         new.tokens = (None if self.tokens is None
                       else mx.pad(self.tokens[idx], [(0, size - len(live))]))
-        new.dirty, new.offset, new.inc = True, None, None
+        new.dirty, new.offset, new.inc, new.held = True, None, None, None
         return new
 
     def moved(self, into):
@@ -255,8 +255,9 @@ class Slots:
                                      for r, kept in zip(self.rows, self.left)], None
         self.rows, self.feed, self.dirty = [None] * self.size, {}, True
 
-    def inputs(self):
-        """(tokens, offset, inc) of the next step, rebuilt on the device where rows changed."""
+    def inputs(self, held=frozenset()):
+        """(tokens, offset, inc) of the next step, rebuilt on the device where rows changed or
+        the slots held (sitting the step out) did."""
         if self.tokens is None or self.feed:
             host = mx.array([self.feed[i].pop(0) if i in self.feed else 0
                              for i in range(self.size)], mx.uint32)
@@ -265,16 +266,22 @@ class Slots:
             self.feed = {i: f for i, f in self.feed.items() if f}
         if self.dirty:
             self.offset = decode_offset(self.pos[0]) if self.solo else mx.array(self.pos, mx.int32)
-            self.inc = mx.array([int(r is not None) for r in self.rows], mx.int32)
             self.steps = {}  # logits -> the compiled step (decode)
+            self.held = None
             self.dirty = False
+        if held != self.held:
+            self.inc = mx.array([int(r is not None and i not in held)
+                                 for i, r in enumerate(self.rows)], mx.int32)
+            self.held = held
         return self.tokens, self.offset, self.inc
 
-    def decode(self, logits=False):
+    def decode(self, logits=False, held=frozenset()):
         """Queue one decode step over every slot: (out (size, vocab), argmax (size,)); the
-        positions and buffers advance (lazily). The caller sets self.tokens to the tokens it
-        samples."""
-        tokens, offset, inc = self.inputs()
+        positions and buffers advance (lazily), but those of free slots and of the live rows'
+        slots `held`, which sit the step out (their outputs thrown away; the one-request step
+        holds none). The caller sets self.tokens to the tokens it samples."""
+        assert not (held and self.solo), "the one-request step holds no row"
+        tokens, offset, inc = self.inputs(held)
         run = self.steps.get(logits)
         # the model's compiled step, checked against the model when rows change, not every step
         if run is None:
@@ -286,7 +293,7 @@ class Slots:
         else:
             out, greedy, self.offset, self.kv = run(tokens, offset, inc, self.kv)
         for i, r in enumerate(self.rows):
-            if r is not None:
+            if r is not None and i not in held:
                 self.pos[i] += 1
         return out, greedy
 
