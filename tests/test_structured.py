@@ -7,6 +7,7 @@ import json
 import threading
 
 import jsonschema
+import mlx.core as mx
 import openai
 import pytest
 
@@ -45,7 +46,8 @@ ALONE = {}
 
 def test_json_schema_alone_and_in_a_batch_beside_free_rows(smollm2):
     """Greedy and seeded rows under the schema, beside greedy and seeded free rows: each row's
-    tokens are its one-request tokens, the schema rows' text valid JSON of the schema."""
+    tokens are its one-request tokens, the schema rows' text valid JSON of the schema, their
+    reported log-probabilities the model's (before the mask)."""
     model, tokenizer = smollm2
     # (plain text, no chat template: a few prompt tokens, prefilled four times over)
     person, free = (tokenizer.encode(t) for t in (PERSON, "The capital of France is"))
@@ -61,7 +63,9 @@ def test_json_schema_alone_and_in_a_batch_beside_free_rows(smollm2):
         engine.add(r)
     most = 0
     while engine.busy:
-        engine.step()
+        for e in engine.step():
+            if e.request.constraint is not None:  # the model's log-probabilities, not masked
+                assert mx.isfinite(e.logprobs).all().item()
         most = max(most, len(engine.rows))
     assert most == 4
     for r, want, (_, _, _, constrained) in zip(requests, expected, rows):

@@ -81,7 +81,8 @@ class Draws:
         self.hold = hold
         self.pending = {}  # request -> (its step's logprobs, its row there): awaiting its draw
         self.unread = set()  # requests whose last drawn token is not read (their grammar waits)
-        self.drawn = []  # (rows [(slot, request)], tokens (k,), logprobs (k, vocab)): to read
+        # (rows [(slot, request)], tokens (k,), logprobs (k, vocab): the model's, unmasked): to read
+        self.drawn = []
         self.draw_seconds = 0.0  # the engine thread's on the draws
         # shared with the thread, under lock: the requests whose masks it computes next, those
         # asked for and not done, and the done ones: request -> (the call's array, its row)
@@ -207,11 +208,11 @@ class Draws:
         vocab = waiting[0].constraint.vocab
         allowed = (mx.array(masks) if masks.dtype == bool
                    else constraints.unpack(mx.array(masks), vocab))
-        logprobs = mx.where(allowed, logprobs, mx.array(-mx.inf, logprobs.dtype))
-        drawn = mx.argmax(logprobs, axis=-1)
+        masked = mx.where(allowed, logprobs, mx.array(-mx.inf, logprobs.dtype))
+        drawn = mx.argmax(masked, axis=-1)
         if not all(r.greedy for r in waiting):
             drawn = mx.concatenate([drawn[j:j + 1] if r.greedy
-                                    else r.sample(logprobs[j:j + 1]).reshape(1)
+                                    else r.sample(masked[j:j + 1]).reshape(1)
                                     for j, r in enumerate(waiting)])
         drawn = drawn.astype(s.tokens.dtype)
         tokens = s.tokens
