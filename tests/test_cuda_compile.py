@@ -10,14 +10,17 @@ with build.cuda_source recorded, build.cuda_binary stubbed and mx.fast.precompil
 returning zeros of the output shapes and dtypes, so that each launcher goes on as on a GPU. Each
 distinct CUDA file is then compiled by NVRTC from the pip wheels nvidia-cuda-nvrtc and
 nvidia-cuda-runtime (nvrtc.wheel_nvrtc; the test extra installs them on Linux) for sm_90 (H100,
-H200; add "sm_80" to ARCHS for the A100): NVRTC needs no GPU. Any compile error fails the test,
-with NVRTC's log.
+H200; add "sm_80" to ARCHS for the A100): NVRTC needs no GPU. They are compiled unoptimized
+(--device-debug): the same front end and assembler, every instruction checked, without the
+optimizer's time, most of an optimized compile's. Any compile error fails the test, with NVRTC's
+log.
 
 What it catches: C++ syntax and type errors in a body or a shared header, a template constant or
 input name the body uses but the launch does not give, a variant that does not instantiate for a
 dtype, an intrinsic or instruction the architecture lacks. What it cannot: wrong numbers, races,
-launch limits (shared memory, registers at the launch's block size) and variants the self-checks
-do not launch (other head sizes, bit widths); the self-check on a GPU covers those it runs."""
+launch limits (shared memory, registers at the launch's block size), what only the optimizer
+meets, and variants the self-checks do not launch (other head sizes, bit widths); the self-check
+on a GPU covers those it runs, optimized."""
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -96,7 +99,7 @@ def compile_all(launched, archs=ARCHS):
     def compile_one(job):
         name, _, code, arch = job
         try:
-            cubin, log = nvrtc.compile_cubin(lib, name, code, arch, NVRTC[1])
+            cubin, log = nvrtc.compile_cubin(lib, name, code, arch, NVRTC[1], debug=True)
             return (None if cubin else "an empty cubin"), log
         except RuntimeError as e:
             return str(e), ""

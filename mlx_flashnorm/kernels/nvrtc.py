@@ -123,11 +123,12 @@ def cuda_binary(name, code):
     return binary
 
 
-def compile_cubin(lib, name, code, arch, include):
+def compile_cubin(lib, name, code, arch, include, debug=False):
     """(cubin, log): CUDA file `code` compiled by NVRTC (`lib`, through ctypes) for GPU
     architecture `arch` ("sm_90") against the CUDA headers in folder `include`, and NVRTC's log
-    (its warnings; empty where none). A failed step raises RuntimeError, a compile's with the
-    log."""
+    (its warnings; empty where none); debug: unoptimized device code (--device-debug: the
+    whole front end and assembler, in a third of the time). A failed step raises RuntimeError, a
+    compile's with the log."""
     import ctypes
 
     prog = ctypes.c_void_p()
@@ -136,6 +137,7 @@ def compile_cubin(lib, name, code, arch, include):
                                  None), "create")
     try:
         opts = [f"--gpu-architecture={arch}", "--std=c++17", f"--include-path={include}"]
+        opts += ["--device-debug"] * debug
         check(lib.nvrtcCompileProgram(prog, len(opts),
                                       (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])),
               "compile")
