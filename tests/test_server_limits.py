@@ -1,9 +1,11 @@
 """The server under bad input and load: every request gets a JSON answer with its status and the
 next good request succeeds; the body limit, the queue limit, the timeouts and the listen backlog
-hold; the API key and CORS rules apply. Raw sockets and the openai client against the embedded
+hold; the API key and CORS rules apply; a connection serves requests until it idles (keep-alive).
+Raw sockets, http.client and the openai client against the embedded
 SmolLM2 behind a server with small limits, on a free port of 127.0.0.1."""
 import json
 import socket
+from http import client
 import threading
 import time
 
@@ -59,9 +61,11 @@ def exchange(server, data):
 
 
 def request(method, path, body=b"", key=KEY, content_type="application/json", length=None, **headers):
-    """The bytes of an HTTP/1.1 request; length: the Content-Length header's text (default: the body's)."""
+    """The bytes of an HTTP/1.1 request; length: the Content-Length header's text (default: the body's);
+    Connection: close unless given (read_answer reads until the server closes)."""
     headers = {"Host": "127.0.0.1", "Content-Type": content_type, "Authorization": key and f"Bearer {key}",
-               "Content-Length": str(len(body)) if length is None else length, **headers}
+               "Content-Length": str(len(body)) if length is None else length, "Connection": "close",
+               **headers}
     lines = [f"{method} {path} HTTP/1.1"] + [f"{k.replace('_', '-')}: {v}" for k, v in headers.items() if v]
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
@@ -261,7 +265,7 @@ def test_full_queue_answers_503_with_retry_after(server):
     generating, waiting = connect(server), connect(server)
     try:
         generating.sendall(completion(max_tokens=2000, stream=True))
-        assert generating.recv(4096).startswith(b"HTTP/1.0 200")  # under way
+        assert generating.recv(4096).startswith(b"HTTP/1.1 200")  # under way
         waiting.sendall(completion(max_tokens=2000))
         wait_for(server, 2)
         status, headers, body = exchange(server, GOOD)
@@ -416,7 +420,7 @@ def test_a_client_that_half_closes_after_its_request_is_answered(smollm2, monkey
         data = b""
         while chunk := sock.recv(65536):
             data += chunk
-    assert data.startswith(b"HTTP/1.0 200 OK\r\n"), data
+    assert data.startswith(b"HTTP/1.1 200 OK\r\n"), data
     body = data.partition(b"\r\n\r\n")[2]
     text = ("".join(json.loads(e[6:])["choices"][0]["text"] for e in body.decode().split("\n\n")
                     if e.startswith("data: {")) if stream else json.loads(body)["choices"][0]["text"])
@@ -438,5 +442,52 @@ def test_a_failing_worker_gets_a_500_and_the_server_goes_on(smollm2):
             data = b""
             while chunk := sock.recv(65536):
                 data += chunk
-        assert data.startswith(b"HTTP/1.0 200") and b'data: {"error": {"message": "generation failed' in data
+        assert data.startswith(b"HTTP/1.1 200") and b'data: {"error": {"message": "generation failed' in data
         assert exchange(failing, request("GET", "/health"))[2]["requests"] == 0
+
+
+def test_keep_alive_serves_a_connection_until_it_idles(server):
+    """HTTP/1.1 keep-alive (http.client): completions, a stream (chunked), /health and an error
+    answered on one connection, never reopened; a refused body's answer says Connection: close
+    and closes it, as does one asked to (Connection: close, or an HTTP/1.0 stream's); a connection
+    left idle after an answer is closed after --timeout."""
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
+    body = json.dumps({"prompt": "Hello", "max_tokens": 1})
+    streamed = json.dumps({"prompt": "Hello", "max_tokens": 2, "stream": True})
+    conn = client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=60)
+
+    def ask(method, path, data=None, expect=200, **more):
+        conn.request(method, path, data, dict(headers, **more))
+        r = conn.getresponse()
+        answer = r.read()
+        assert r.status == expect and r.version == 11, (r.status, answer)
+        return r, answer
+
+    r, _ = ask("POST", "/v1/completions", body)
+    sock = conn.sock
+    assert not r.will_close and r.getheader("Content-Length")
+    r, events = ask("POST", "/v1/completions", streamed)
+    assert r.getheader("Transfer-Encoding") == "chunked" and not r.will_close
+    assert events.startswith(b"data: {") and events.endswith(b"data: [DONE]\n\n")
+    ask("GET", "/health")
+    ask("POST", "/v1/completions", json.dumps({"prompt": "Hello", "max_tokens": 0}), expect=400)
+    ask("POST", "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "Hi"}],
+                                                    "max_tokens": 1, "stream": True}))
+    assert conn.sock is sock  # (http.client reopens a connection the server closed)
+    r, _ = ask("POST", "/v1/completions", b" " * (MAX_BODY + 1), expect=413)
+    assert r.will_close and r.getheader("Connection") == "close" and conn.sock is None
+    r, _ = ask("POST", "/v1/completions", streamed, Connection="close")
+    assert r.getheader("Connection") == "close" and r.will_close and conn.sock is None
+    ask("GET", "/health")
+    tic = time.perf_counter()
+    assert conn.sock.recv(1) == b"" and TIMEOUT - 0.5 < time.perf_counter() - tic < TIMEOUT + 5
+    conn.close()
+    with connect(server) as old:  # an HTTP/1.0 client's stream ends with its connection
+        old.sendall(request("POST", "/v1/completions", streamed.encode(), Connection=None)
+                    .replace(b" HTTP/1.1\r\n", b" HTTP/1.0\r\n", 1))
+        data = b""
+        while chunk := old.recv(65536):
+            data += chunk
+    assert data.startswith(b"HTTP/1.1 200") and b"\r\nConnection: close\r\n" in data
+    assert data.endswith(b"data: [DONE]\n\n")
+    assert_good(server)

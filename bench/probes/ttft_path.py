@@ -1,7 +1,7 @@
 """Where a lone streamed chat request's time to first token (TTFT) goes through the server.
 
     PYTHONPATH=$PWD python bench/probes/ttft_path.py [--requests 60] [--warmup 5] [--prompt 128]
-        [--max-tokens 2] [--ab REV]
+        [--max-tokens 2] [--ab REV] [--reuse]
 
 It writes a tiny random Llama (tests/conftest.py's TINY_LLAMA: two small layers, its context
 2048) with the embedded SmolLM2's tokenizer and chat template to a folder, starts our server on it
@@ -10,7 +10,8 @@ in a process of its own (this file in --serve mode: the server as `python -m mlx
 with hooks monkeypatched in), and sends it one streamed chat request at a time (a system message
 and random words whose templated prompt has about --prompt tokens, distinct for each request, as
 bench.latency's --serve; max_tokens --max-tokens, temperature 0) from a plain http.client, the
-first --warmup of them untimed.
+first --warmup of them untimed; with --reuse over one connection per server, as the openai client
+keeps its connections (a server that closes them costs a new one a request).
 
 Every hop is timestamped with time.monotonic_ns (CLOCK_MONOTONIC: one clock for every process of
 the machine) by wrappers this file installs, none of them in the package: in the front process by
@@ -209,11 +210,14 @@ def tiny_folder(work):
     return folder
 
 
-def request(port, messages, max_tokens):
-    """One streamed chat request: (sent, first content) in monotonic ns."""
+def request(port, messages, max_tokens, kept=None):
+    """One streamed chat request: (sent, first content) in monotonic ns. kept: {port: connection}
+    to reuse one connection per server (http.client opens another where the server closed it),
+    as the openai client does; None: a new connection each."""
     body = json.dumps({"messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
                        "stream": True})
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn = (http.client.HTTPConnection("127.0.0.1", port, timeout=120) if kept is None
+            else kept.setdefault(port, http.client.HTTPConnection("127.0.0.1", port, timeout=120)))
     sent = time.monotonic_ns()
     conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
     response = conn.getresponse()
@@ -223,7 +227,8 @@ def request(port, messages, max_tokens):
             choice = json.loads(line[6:])["choices"][0]
             if choice["delta"].get("content") or choice.get("finish_reason"):
                 first = time.monotonic_ns()
-    conn.close()
+    if kept is None:
+        conn.close()
     return sent, first
 
 
@@ -282,6 +287,8 @@ def main():
     p.add_argument("--ab", metavar="REV", help="also the package as at git revision REV")
     p.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "ttft_path"))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reuse", action="store_true",
+                   help="one connection per server, kept where it keeps it (keep-alive)")
     args = p.parse_args()
     sys.path.insert(0, str(ROOT))
     from mlx_flashnorm.bench.latency import chat_prompt
@@ -305,17 +312,18 @@ def main():
                                    env=dict(os.environ, PYTHONPATH=str(tree)))
         servers[name] = (process, int(process.stdout.readline()), out)
     windows = {name: [] for name in servers}
+    kept = {} if args.reuse else None
     try:
         for name, (_, port, _) in servers.items():
             for _ in range(args.warmup):
-                request(port, chat_prompt(tokenizer, args.prompt, rng)[0], args.max_tokens)
+                request(port, chat_prompt(tokenizer, args.prompt, rng)[0], args.max_tokens, kept)
         count = []
         for i in range(args.requests):
             order = list(servers) if i % 2 == 0 else list(servers)[::-1]
             for name in order:
                 messages, n = chat_prompt(tokenizer, args.prompt, rng)
                 count.append(n)
-                windows[name].append(request(servers[name][1], messages, args.max_tokens))
+                windows[name].append(request(servers[name][1], messages, args.max_tokens, kept))
     finally:
         for process, _, _ in servers.values():
             process.stdin.close()

@@ -8,6 +8,14 @@ and writes the answer from the tokens that come back, which one thread reads for
 (page.py) at GET /, and llama-server's POST /tokenize, /detokenize and /apply-template
 (tokenizer_api.py).
 
+HTTP/1.1 with keep-alive, as llama-server's: an answer leaves the connection open for the
+client's next request (a new connection and thread a request cost every client that reuses its
+connections, the openai client among them), an answer in one piece with its Content-Length, a
+stream in the chunked transfer coding; an answer after which the connection cannot be read on (a
+body refused or cut short, a malformed head) closes it and says so; a connection idle for
+`timeout` seconds between requests is closed, and an HTTP/1.0 request's after its answer (a
+stream's end is then the connection's).
+
 Under load: requests wait for the worker while the KV cache they would all need together (each its
 prompt and max_tokens) fits the worker's budget (kv_tokens), and, where max_queue is set, while at
 most the worker's slots plus max_queue are taken; past that they get 503 with Retry-After; a
@@ -235,6 +243,7 @@ class Server(ThreadingHTTPServer):
 
 class Handler(BaseHTTPRequestHandler):
     server: Server
+    protocol_version = "HTTP/1.1"  # keep-alive (the module's note)
     default_request_version = "HTTP/1.0"  # a malformed request line still gets a status line
     allowed_origin = None  # the request's Origin, once --cors-origin allowed it
     late = False  # the request did not arrive in time (set by the Reaper)
@@ -283,6 +292,10 @@ class Handler(BaseHTTPRequestHandler):
         if self.allowed_origin:
             self.send_header("Access-Control-Allow-Origin", self.allowed_origin)
             self.send_header("Vary", "Origin")
+        # a connection closed after this answer says so (its client would send the next here)
+        if self.close_connection and not any(h.lower().startswith(b"connection:")
+                                             for h in getattr(self, "_headers_buffer", [])[1:]):
+            self.send_header("Connection", "close")
         super().end_headers()
 
     def flush_headers(self):
@@ -449,6 +462,7 @@ class Handler(BaseHTTPRequestHandler):
         if completion:  # arriving until taken or refused (Generation.followed)
             with self.server.lock:
                 self.server.arriving += 1
+        body = None
         try:
             body = self.read_body()  # first: an answer with bytes left unread could be lost (drain)
             self.check_host()
@@ -467,6 +481,8 @@ class Handler(BaseHTTPRequestHandler):
             ticket = self.server.admit(call.generation)
         except HTTPError as e:
             self.server.count(metrics.outcome(e.status) if completion else None)
+            if body is None:  # (what is left of the body would be read as the next request)
+                self.close_connection = True
             self.fail(e)
             return self.drain(e.unread) if isinstance(e, BodyRefused) else None
         finally:
@@ -479,12 +495,14 @@ class Handler(BaseHTTPRequestHandler):
                            for _ in range(call.generation.n)]
             answer = Answer(call, self.server.tokenizer, self.server.model_id)
             ahead = f"{self.protocol_version} ".encode()  # every status line's beginning
+            chunked = (call.stream and self.request_version == "HTTP/1.1"
+                       and not self.close_connection)
             stream = Stream(self.connection, self.client_gone, ticket, transcripts, answer,
-                            whole=not call.stream, ahead=ahead)
+                            whole=not call.stream, ahead=ahead, chunked=chunked)
             (self.stream if call.stream else self.whole)(stream)
             outcome = metrics.outcome(stream.error.status if stream.error else 200)
         except ClientGone:
-            pass
+            self.close_connection = True
         finally:
             ticket.cancel()
             self.server.done(call.generation, outcome)
@@ -531,11 +549,16 @@ class Handler(BaseHTTPRequestHandler):
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Cache-Control", "no-cache")
+            if stream.chunked:
+                self.send_header("Transfer-Encoding", "chunked")
+            else:  # (an HTTP/1.0 client's, or one asking to close: its end is the connection's)
+                self.send_header("Connection", "close")
             self.end_headers()
         except OSError as e:
             raise ClientGone() from e
         if stream.answer.call.chat:
             for i in range(len(stream.transcripts)):
-                self.write(event(stream.answer.chunk("", None, [], role="assistant", index=i)))
+                self.write(stream.frame(event(stream.answer.chunk("", None, [], role="assistant",
+                                                                  index=i))))
         if not self.server.streamer.run(stream):
             raise ClientGone()

@@ -42,7 +42,8 @@ class Stream:
     writes once the stream is finished. A choice cut at a stop string is dropped from the worker
     (Ticket.drop) while the others go on."""
 
-    def __init__(self, connection, left, ticket, transcripts, answer, whole=False, ahead=b""):
+    def __init__(self, connection, left, ticket, transcripts, answer, whole=False, ahead=b"",
+                 chunked=False):
         # left(): whether the client is gone (True), there (False), or has sent its end (SHUT)
         self.connection, self.left = connection, left
         self.ticket, self.transcripts, self.answer = ticket, transcripts, answer
@@ -57,6 +58,8 @@ class Stream:
         self.began = False  # a token came
         self.since = time.monotonic()  # (for the request's time limit)
         self.out = bytearray()  # events not yet taken by the socket
+        # a stream's events in HTTP/1.1's chunked transfer coding (its connection kept alive)
+        self.chunked = chunked
         self.finished = False  # the last event is in out
         self.gone = False  # the client left (or stopped reading)
         self.stuck = None  # since when out has waited on a full socket
@@ -92,12 +95,19 @@ class Stream:
             # (None: text a chat's tool calls hold back)
             elif (text or finish or entries) and (chunk := answer.chunk(text, finish, entries,
                                                                          index=choice)):
-                self.out += event(chunk)
+                self.out += self.frame(event(chunk))
         if done and not self.whole:
             if answer.call.include_usage:
-                self.out += event(answer.usage_chunk(self.transcripts))
-            self.out += b"data: [DONE]\n\n"
+                self.out += self.frame(event(answer.usage_chunk(self.transcripts)))
+            self.out += self.frame(b"data: [DONE]\n\n", last=True)
         self.finished = done
+
+    def frame(self, data, last=False):
+        """data as the stream writes it: a chunk of its own where chunked (last: the chunk that
+        ends the answer too)."""
+        if not self.chunked:
+            return data
+        return b"%x\r\n%s\r\n" % (len(data), data) + b"0\r\n\r\n" * last
 
     def fail(self, error):
         """End the answer with error: an HTTPError as it is, another exception a 500 naming it (a
@@ -106,7 +116,7 @@ class Stream:
         self.error = (error if isinstance(error, HTTPError)
                       else HTTPError(500, f"generation failed: {error}"))
         if not self.whole:
-            self.out += event(self.error.body()) + b"data: [DONE]\n\n"
+            self.out += self.frame(event(self.error.body()) + b"data: [DONE]\n\n", last=True)
 
     def look(self, now):
         """Whether the client is still there (left()); one that sent its end is probed once."""
@@ -114,7 +124,7 @@ class Stream:
         if state is SHUT and self.probed is None:
             self.probed = now
             self.written_ahead = self.ahead if self.whole else b""
-            self.out += self.ahead if self.whole else PROBE
+            self.out += self.ahead if self.whole else self.frame(PROBE)
         return not state or state is SHUT
 
     def flush(self, now, timeout):
