@@ -244,6 +244,9 @@ class Server(ThreadingHTTPServer):
 class Handler(BaseHTTPRequestHandler):
     server: Server
     protocol_version = "HTTP/1.1"  # keep-alive (the module's note)
+    # TCP_NODELAY: a kept connection's small writes (an event) go at once, not after the client's
+    # delayed acknowledgement of the one before (Nagle's algorithm held a stream's first content)
+    disable_nagle_algorithm = True
     default_request_version = "HTTP/1.0"  # a malformed request line still gets a status line
     allowed_origin = None  # the request's Origin, once --cors-origin allowed it
     late = False  # the request did not arrive in time (set by the Reaper)
