@@ -221,8 +221,8 @@ def arg_parser():
                         "them with an error (a stream: an error event, then [DONE]) and exits 0; "
                         "a second signal ends them at once")
     p.add_argument("--timeout", type=float, default=30.0,
-                   help="seconds a request (headers and body) may take to arrive, and a write to "
-                        "a client")
+                   help="seconds a request (headers and body) may take to arrive, a kept "
+                        "connection may idle between requests, and a write to a client may take")
     p.add_argument("--request-timeout", type=float, metavar="SECONDS",
                    help="seconds a request may run once taken, waiting and generating; beyond, it "
                         "is stopped and answered 504 (streamed: an error event, then [DONE]) "
