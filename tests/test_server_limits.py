@@ -4,6 +4,7 @@ hold; the API key and CORS rules apply; a connection serves requests until it id
 Raw sockets, http.client and the openai client against the embedded
 SmolLM2 behind a server with small limits, on a free port of 127.0.0.1."""
 import json
+import re
 import socket
 from http import client
 import threading
@@ -52,6 +53,18 @@ def read_answer(sock):
     lines = head.decode("latin-1").split("\r\n")
     headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
     return int(lines[0].split()[1]), headers, json.loads(body) if body else None
+
+
+def one_answer(sock):
+    """(status, JSON body) of one answer with a Content-Length, the connection left open."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    n = int(re.search(rb"\r\nContent-Length: (\d+)", head, re.I).group(1))
+    while len(body) < n:
+        body += sock.recv(65536)
+    return int(head.split()[1]), json.loads(body)
 
 
 def exchange(server, data):
@@ -450,7 +463,8 @@ def test_keep_alive_serves_a_connection_until_it_idles(server):
     """HTTP/1.1 keep-alive (http.client): completions, a stream (chunked), /health and an error
     answered on one connection, never reopened; a refused body's answer says Connection: close
     and closes it, as does one asked to (Connection: close, or an HTTP/1.0 stream's); a connection
-    left idle after an answer is closed after --timeout."""
+    left idle after an answer is closed after --timeout, and a request's own time counts from its
+    first byte."""
     # (Nagle's algorithm off: on a kept connection it held a stream's event for the client's
     # delayed acknowledgement of the one before: bench/RESULTS.md, "Time to first token")
     assert http.Handler.disable_nagle_algorithm
@@ -485,6 +499,16 @@ def test_keep_alive_serves_a_connection_until_it_idles(server):
     tic = time.perf_counter()
     assert conn.sock.recv(1) == b"" and TIMEOUT - 0.5 < time.perf_counter() - tic < TIMEOUT + 5
     conn.close()
+    with connect(server) as kept:  # a request's time counts from its first byte, not the idling
+        kept.sendall(request("GET", "/health", Connection=None))
+        assert one_answer(kept)[0] == 200
+        time.sleep(0.75 * TIMEOUT)
+        late = request("POST", "/v1/completions", body.encode(), Connection=None)
+        kept.sendall(late[:20])
+        time.sleep(0.5 * TIMEOUT)
+        kept.sendall(late[20:])
+        status, answer = one_answer(kept)
+        assert status == 200 and answer["usage"]["completion_tokens"] == 1, answer
     with connect(server) as old:  # an HTTP/1.0 client's stream ends with its connection
         old.sendall(request("POST", "/v1/completions", streamed.encode(), Connection=None)
                     .replace(b" HTTP/1.1\r\n", b" HTTP/1.0\r\n", 1))

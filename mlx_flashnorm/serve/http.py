@@ -13,8 +13,8 @@ client's next request (a new connection and thread a request cost every client t
 connections, the openai client among them), an answer in one piece with its Content-Length, a
 stream in the chunked transfer coding; an answer after which the connection cannot be read on (a
 body refused or cut short, a malformed head) closes it and says so; a connection idle for
-`timeout` seconds between requests is closed, and an HTTP/1.0 request's after its answer (a
-stream's end is then the connection's).
+`timeout` seconds between requests is closed (a request's own `timeout` counts from its first
+byte), and an HTTP/1.0 request's after its answer (a stream's end is then the connection's).
 
 Under load: requests wait for the worker while the KV cache they would all need together (each its
 prompt and max_tokens) fits the worker's budget (kv_tokens), and, where max_queue is set, while at
@@ -250,6 +250,7 @@ class Handler(BaseHTTPRequestHandler):
     default_request_version = "HTTP/1.0"  # a malformed request line still gets a status line
     allowed_origin = None  # the request's Origin, once --cors-origin allowed it
     late = False  # the request did not arrive in time (set by the Reaper)
+    served = 0  # requests read on this connection
     written_ahead = b""  # the answer's first bytes, written by the Streamer as a probe
 
     def setup(self):
@@ -259,7 +260,12 @@ class Handler(BaseHTTPRequestHandler):
         self.poller.register(self.connection, select.POLLIN)
 
     def handle_one_request(self):
-        self.server.reaper.watch(self)
+        if self.served:  # a kept connection: idle until its next request, for `timeout` at most
+            if not self.poller.poll(1000 * self.server.io_timeout):
+                self.close_connection = True
+                return
+        self.served += 1
+        self.server.reaper.watch(self)  # (the request's time counts from its first byte on)
         # the reaper ends a late request head, which then gets its 408: a socket timeout of the
         # same length would close the connection without one (this one is a backstop)
         self.connection.settimeout(2 * self.server.io_timeout)
