@@ -370,6 +370,15 @@ def streamed(client, prompt, max_tokens=TOKENS):
     return "".join(text), finish
 
 
+def as_json(client):
+    """A greedy streamed completion under response_format json_object (its rows' masks: every rank
+    waits for them, BatchEngine's hold off): its text."""
+    chunks = client.completions.create(model="m", prompt="A cat as JSON:", max_tokens=12,
+                                       stream=True, extra_body={"response_format":
+                                                                {"type": "json_object"}})
+    return "".join(c.choices[0].text for c in chunks if c.choices)
+
+
 def hang_up(client):
     """A long streamed completion, sampled with no seed (rank 0 draws one for every rank), whose
     client leaves after its first token."""
@@ -385,16 +394,20 @@ def test_batching_server_over_three_processes(smollm2, tmp_path):
     """The batching server under mlx.launch -n 3 (the embedded SmolLM2: 9 heads, a third a rank),
     its processes having first run the split check (assert_embedded_split: the ranks start once):
     eight concurrent streaming clients get, token for token, the greedy answers of one process's
-    server, while a ninth, sampled, hangs up after its first token (its row leaves every rank's
+    server, and so does one under a JSON grammar, while another, sampled, hangs up after its first
+    token (its row leaves every rank's
     batch: the ranks stay in step, which each step's token digest checks, and the next request is
     answered alike); then a rank killed (SIGKILL) while the server idles:
     the server ends within --rank-timeout and a margin, rank 0 with status 1 and a one-line error,
     no rank left running."""
     with serving(Server(*smollm2, "m", port=0, max_concurrent=8)) as alone:
         client = openai_client(alone)
-        with ThreadPoolExecutor(8) as pool:
+        with ThreadPoolExecutor(9) as pool:
+            ruled = pool.submit(as_json, client)
             want = list(pool.map(lambda q: streamed(client, q), PROMPTS))
+            want_json = ruled.result()
     assert all(finish == "length" for _, finish in want), want  # (every answer runs all the steps)
+    assert want_json.startswith("{"), want_json
     # (one process's reference: rank 0 loads it)
     server, url = serve_launched(3, "--norm", "rms", "--rank-timeout", str(RANK_TIMEOUT),
                                  check=(str(tmp_path), "4", "3", "flash", "embedded"),
@@ -403,11 +416,11 @@ def test_batching_server_over_three_processes(smollm2, tmp_path):
         pids = ranks(server)
         assert_embedded_split(tmp_path)
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=300)
-        with ThreadPoolExecutor(9) as pool:
-            left = pool.submit(hang_up, client)
+        with ThreadPoolExecutor(10) as pool:
+            left, ruled = pool.submit(hang_up, client), pool.submit(as_json, client)
             got = list(pool.map(lambda q: streamed(client, q), PROMPTS))
             left.result()
-        assert got == want
+        assert got == want and ruled.result() == want_json
         assert streamed(client, PROMPTS[0]) == want[0]
         os.kill(pids[2], signal.SIGKILL)
         killed = time.monotonic()
