@@ -29,15 +29,15 @@ from mlx_flashnorm.serve.serial import SerialWorker
 # --no-loadscope-reorder (pyproject.toml) the files are handed out in collection order, so a long
 # file collected last kept one worker busy while the other sat idle.
 SLOW_FILES = ("test_structured.py", "test_distributed.py", "test_batch.py", "test_server_batch.py",
-              "test_server.py", "test_engine_process.py", "test_fuzz.py", "test_cli.py",
-              "test_step_kernel.py", "test_convert.py", "test_gemma3_gguf.py", "test_chat.py",
-              "test_server_limits.py", "test_half.py", "test_flashnorm.py",
-              "test_prompt_cache_file.py", "test_server_sampling.py", "test_cuda_compile.py",
-              "test_server_page.py", "test_generation_flags.py", "test_quantize.py",
-              "test_decode.py", "test_latency.py", "test_bench.py", "test_malformed.py",
-              "test_cli_errors.py", "test_bench_serve.py", "test_gguf.py", "test_models.py",
-              "test_server_reliability.py", "test_prefill.py", "test_sampling.py",
-              "test_concat.py", "test_kernels.py")
+              "test_server.py", "test_engine_process.py", "test_fuzz.py", "test_server_limits.py",
+              "test_cli.py", "test_gemma3_gguf.py", "test_step_kernel.py", "test_convert.py",
+              "test_chat.py", "test_flashnorm.py", "test_server_sampling.py", "test_decode.py",
+              "test_generation_flags.py", "test_quantize.py", "test_half.py",
+              "test_server_page.py", "test_prompt_cache_file.py", "test_bench.py",
+              "test_cuda_compile.py", "test_latency.py", "test_bench_serve.py",
+              "test_malformed.py", "test_cli_errors.py", "test_server_reliability.py",
+              "test_sampling.py", "test_prefill.py", "test_kernels.py", "test_gguf.py",
+              "test_models.py", "test_concat.py", "test_progress.py")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -162,6 +162,17 @@ def cli(*args, env=None, stdin=None):
 
 
 PROBES = Path(__file__).resolve().parents[1] / "bench" / "probes"
+
+
+def children(pid):
+    """The process ids whose parent is pid (Linux; a thread that ends meanwhile is passed over)."""
+    found = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            found.update(map(int, (task / "children").read_text().split()))
+        except FileNotFoundError:
+            pass
+    return found
 
 
 def probe(name):

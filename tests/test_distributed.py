@@ -25,7 +25,7 @@ from mlx_flashnorm.server import Server
 from mlx_flashnorm.loader import build_model, prepare, read_config, read_safetensors
 from mlx_flashnorm.shard import split
 
-from conftest import GEMMA3, QWEN2, QWEN3, TINY_LLAMA, TINY_OPENELM, make_checkpoint, openai_client, rel, serving
+from conftest import GEMMA3, QWEN2, QWEN3, TINY_LLAMA, TINY_OPENELM, children, make_checkpoint, openai_client, rel, serving
 
 ROOT = Path(__file__).resolve().parent.parent
 TOL = 2e-5  # float32: the ranks' partial sums add in another order than one matmul's
@@ -266,8 +266,7 @@ def ask(client):
 
 def ranks(launcher):
     """{rank: pid} of the processes an mlx.launch process started (Linux)."""
-    pids = {int(c) for task in Path(f"/proc/{launcher.pid}/task").iterdir()
-            for c in (task / "children").read_text().split()}
+    pids = children(launcher.pid)
     return {int(dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0")
                      if "=" in v)["MLX_RANK"]): pid for pid in pids}
 

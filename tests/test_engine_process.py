@@ -12,7 +12,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -25,7 +24,7 @@ from mlx_flashnorm.decoding import stream_generate
 from mlx_flashnorm.server import Server, arg_parser
 from mlx_flashnorm.serve.requests import Generation, Ticket, Token
 
-from conftest import cli, serving
+from conftest import children, cli, serving
 
 WAIT = 300  # seconds: an upper bound (a model loaded in a new process), never a pace
 PROMPTS = ["What is the capital of France?", "Name a color."]
@@ -161,17 +160,6 @@ def test_a_dead_engine_is_restarted(smollm2):
         until(lambda: server.stopped)  # (a /health now could meet a server that no longer accepts)
         assert worker.problem == worker.fatal and "restarted 1 time already" in worker.fatal
         assert "killed by SIGKILL" in str(server.stopped) and server.stopped.fatal
-
-
-def children(pid):
-    """The process ids whose parent is pid (Linux; a thread that ends meanwhile is passed over)."""
-    found = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            found.update(map(int, (task / "children").read_text().split()))
-        except FileNotFoundError:
-            pass
-    return found
 
 
 def test_the_server_exits_once_its_engine_restarts_are_spent(tiny_llama_dir):
