@@ -1,6 +1,7 @@
 """bench.serve's load client (issues 30, 62): streamed chat requests against a server's
 OpenAI-compatible API, each content chunk's arrival time kept (Stream); N clients sending theirs
-concurrently (load_round), with --burst's newcomers sent at once while those stream; the rows'
+concurrently (load_round), each on one connection (kept alive where the server keeps it, as the
+openai client's are), with --burst's newcomers sent at once while those stream; the rows'
 percentiles."""
 import http.client
 import json
@@ -87,18 +88,20 @@ class Stream(NamedTuple):
 
 
 def stream_chat(port, prompt, max_tokens, temperature=0.0, response_format=None,
-                on_content=None):
+                on_content=None, conn=None):
     """One streamed chat request to 127.0.0.1:port (prompt: the user's text, or the messages; with
     response_format, where given), as a Stream. Tokens come from the final usage chunk, else count
     chunks. on_content, where given, is called with the count of content chunks read so far after
-    each one."""
+    each one. conn: an http.client connection to 127.0.0.1:port to send it on, read to its end
+    and left open (a server that closes it: http.client opens another), as clients that keep
+    their connections do; None: a connection of its own."""
     messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     body = {"messages": messages, "max_tokens": max_tokens,
             "temperature": temperature, "stream": True,
             "stream_options": {"include_usage": True}}
     if response_format is not None:
         body["response_format"] = response_format
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
+    kept, conn = conn, conn or connection(port)
     sent = time.perf_counter()
     conn.request("POST", "/v1/chat/completions", json.dumps(body),
                  {"Content-Type": "application/json"})
@@ -120,8 +123,14 @@ def stream_chat(port, prompt, max_tokens, temperature=0.0, response_format=None,
             times.append(time.perf_counter())
             if on_content is not None:
                 on_content(len(times))
-    conn.close()
+    response.read()  # (the rest: a kept connection's next answer starts after it)
+    if kept is None:
+        conn.close()
     return Stream(sent, times, tokens or len(times), prompt_tokens)
+
+
+def connection(port):
+    return http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
 
 
 def prompt_of(i, r, tag):
@@ -192,20 +201,24 @@ def load_round(port, clients, rounds, max_tokens, tag, temperature=0.0, constrai
 
     def client(i):
         form = RESPONSE_FORMAT if i < schema else None
+        conn = connection(port)  # (each client's requests on one connection, kept where it can)
         for r in range(rounds):
             first = bool(burst) and r == 0
             seen = (lambda n: n == BURST_AFTER and ready(i)) if first else None
             try:
                 stream = stream_chat(port, prompt_of(i, r, tag), max_tokens, temperature, form,
-                                     seen)
+                                     seen, conn)
                 streams.append(stream)
                 if form is None:
                     free.append(stream)
             except Exception as e:  # counted and reported, the others go on
                 errors.append(str(e))
+                conn.close()
+                conn = connection(port)
             finally:
                 if first:
                     ready(i)
+        conn.close()
 
     newcomers, newcomer_errors, began = [], [], []
 
