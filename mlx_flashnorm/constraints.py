@@ -139,14 +139,18 @@ def words(constraints):
 
 
 def allowed_rows(constraints):
-    """(rows, vocab) booleans, row j the tokens constraints[j]'s grammar takes next: on a GPU the
-    bitmasks (words) go over as they are, a bit a token, and are unpacked there; on the CPU numpy
-    unpacks them (MLX's gather and shifts cost it far more: bench/LOG.md, "Thirty-sixth pass, on
-    this CPU after the device time was spent")."""
-    vocab = constraints[0].vocab
+    """(rows, vocab) booleans, row j the tokens constraints[j]'s grammar takes next."""
+    return allowed(words(constraints), constraints[0].vocab)
+
+
+def allowed(bitmasks, vocab):
+    """(rows, vocab) booleans of words' (rows, words) int32 bitmasks: on a GPU they go over as
+    they are, a bit a token, and are unpacked there; on the CPU numpy unpacks them (MLX's gather
+    and shifts cost it far more: bench/LOG.md, "Thirty-sixth pass, on this CPU after the device
+    time was spent")."""
     if mx.default_device() == mx.gpu:
-        return unpack(mx.array(words(constraints)), vocab)
-    return mx.array(unpacked(words(constraints), vocab))
+        return unpack(mx.array(bitmasks), vocab)
+    return mx.array(unpacked(bitmasks, vocab))
 
 
 def unpack(words, vocab):

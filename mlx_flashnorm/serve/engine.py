@@ -140,7 +140,6 @@ class BatchEngine:
         self.steps = self.rows_stepped = self.generated = self.cached_tokens = 0
         self.prompt_seconds = self.generation_seconds = 0.0
         self.mask_seconds = 0.0  # host time of the constrained rows' masks and draws (Draws)
-        self.masks_seen = 0.0  # (the draws' seconds counted in it so far)
         self.small = 0  # steps in a row that a smaller bucket would have held the rows
 
     COUNTERS = ("prefilled", "prefill_calls", "steps", "rows_stepped", "generated",
@@ -231,8 +230,7 @@ class BatchEngine:
         ahead = queue_step(self.slots, live, self.draws) if more else None
         events = self._read(self.pending)
         self.pending = ahead if (left := self.rows) else None
-        spent = self.draws.seconds
-        self.mask_seconds, self.masks_seen = self.mask_seconds + spent - self.masks_seen, spent
+        self.mask_seconds += self.draws.spent()
         now = time.perf_counter()
         if self.read_at is not None and calls == self.prefill_calls:
             self.periods.append(now - self.read_at)

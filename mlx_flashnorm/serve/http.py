@@ -301,9 +301,7 @@ class Handler(BaseHTTPRequestHandler):
         if self.allowed_origin:
             self.send_header("Access-Control-Allow-Origin", self.allowed_origin)
             self.send_header("Vary", "Origin")
-        # a connection closed after this answer says so (its client would send the next here)
-        if self.close_connection and not any(h.lower().startswith(b"connection:")
-                                             for h in getattr(self, "_headers_buffer", [])[1:]):
+        if self.close_connection:  # (said: its client would send its next request here)
             self.send_header("Connection", "close")
         super().end_headers()
 
@@ -561,7 +559,7 @@ class Handler(BaseHTTPRequestHandler):
             if stream.chunked:
                 self.send_header("Transfer-Encoding", "chunked")
             else:  # (an HTTP/1.0 client's, or one asking to close: its end is the connection's)
-                self.send_header("Connection", "close")
+                self.close_connection = True
             self.end_headers()
         except OSError as e:
             raise ClientGone() from e

@@ -83,18 +83,18 @@ class Draws:
         self.unread = set()  # requests whose last drawn token is not read (their grammar waits)
         # (rows [(slot, request)], tokens (k,), logprobs (k, vocab): the model's, unmasked): to read
         self.drawn = []
-        self.draw_seconds = 0.0  # the engine thread's on the draws
         # shared with the thread, under lock: the requests whose masks it computes next, those
         # asked for and not done, and the done ones: request -> (the call's array, its row)
         self.lock = threading.Condition()
         self.todo, self.asked, self.masks = [], set(), {}
-        self.thread, self.unpack = None, False
-        self.thread_seconds = 0.0  # the thread's time on the masks
+        self.thread = None
+        self.seconds = 0.0  # host time of the masks (the thread's) and the draws, since spent()
 
-    @property
-    def seconds(self):
-        """Host seconds of the masks and the draws."""
-        return self.thread_seconds + self.draw_seconds
+    def spent(self):
+        """The host seconds of the masks and the draws since the last call."""
+        with self.lock:
+            seconds, self.seconds = self.seconds, 0.0
+        return seconds
 
     def queued(self, rows, logprobs):
         """rows [(slot, request)] under a grammar took part in a step queued with logprobs: each
@@ -129,11 +129,9 @@ class Draws:
     def _ask(self, requests):
         if not requests:
             return
-        unpack = mx.default_device() != mx.gpu  # (a GPU unpacks the bits itself)
         with self.lock:
             self.todo += requests
             self.asked.update(requests)
-            self.unpack = unpack
             if self.thread is None:
                 self.thread = threading.Thread(target=self._work, name="grammar-masks",
                                                daemon=True)
@@ -141,8 +139,8 @@ class Draws:
             self.lock.notify_all()
 
     def _work(self):
-        """(the thread) Every mask asked for, in one call at a time: bitmasks (rows, words), or
-        booleans (rows, vocab) where unpack; a failure is handed to the draw."""
+        """(the thread) Every mask asked for, in one call at a time: bitmasks (rows, words)
+        (constraints.words); a failure is handed to the draw."""
         while True:
             with self.lock:
                 if not self.todo:
@@ -150,12 +148,10 @@ class Draws:
                 if not self.todo:
                     self.thread = None
                     return
-                todo, self.todo, unpack = self.todo, [], self.unpack
+                todo, self.todo = self.todo, []
             began = time.perf_counter()
             try:
                 out = constraints.words([r.constraint for r in todo])
-                if unpack:
-                    out = constraints.unpacked(out, todo[0].constraint.vocab)
             except Exception as e:  # (raised where the draw takes it)
                 out = e
             with self.lock:
@@ -163,7 +159,7 @@ class Draws:
                     if r in self.asked:
                         self.asked.discard(r)
                         self.masks[r] = (out, j)
-                self.thread_seconds += time.perf_counter() - began
+                self.seconds += time.perf_counter() - began
                 self.lock.notify_all()
 
     def draw(self, s, live, hold=True, until=None):
@@ -205,9 +201,7 @@ class Draws:
         else:
             masks = np.stack([out[j] for out, j in masks])
         rows = [(r.slot, r) for r in waiting]
-        vocab = waiting[0].constraint.vocab
-        allowed = (mx.array(masks) if masks.dtype == bool
-                   else constraints.unpack(mx.array(masks), vocab))
+        allowed = constraints.allowed(masks, waiting[0].constraint.vocab)
         masked = mx.where(allowed, logprobs, mx.array(-mx.inf, logprobs.dtype))
         drawn = mx.argmax(masked, axis=-1)
         if not all(r.greedy for r in waiting):
@@ -224,7 +218,8 @@ class Draws:
         mx.async_eval(tokens, drawn)
         self.drawn.append((rows, drawn, logprobs))
         self.unread.update(waiting)
-        self.draw_seconds += time.perf_counter() - began
+        with self.lock:
+            self.seconds += time.perf_counter() - began
 
     def taken(self):
         """The draws to read (emptied)."""
